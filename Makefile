@@ -1,0 +1,19 @@
+# The two commands of the README: `make chat` and `make test`. Both set everything up first.
+.PHONY: setup chat test bench soak
+
+setup:
+	@bash scripts/setup.sh
+
+chat: setup
+	.venv/bin/mlxchat
+
+# pytest's exit 5 ("no tests collected") must fail, not pass silently.
+test: setup
+	@.venv/bin/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+bench: setup
+	.venv/bin/mlxchat bench
+
+soak: setup
+	.venv/bin/python scripts/soak.py

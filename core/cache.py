@@ -1,0 +1,66 @@
+"""The KV cache of one conversation, and which token ids it holds.
+
+mlx-lm's `make_prompt_cache` ignores `max_kv_size` for models that define `make_cache()` (llama
+does), so the rotating cache is built here for every architecture. The cache remembers the ids it
+holds, so a new prompt only prefills the suffix that differs from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+
+class ConversationCache:
+    def __init__(self, model: nn.Module, max_kv_size: int | None = None, keep: int = 4) -> None:
+        if max_kv_size is not None and max_kv_size <= keep:
+            raise ValueError(f"max_kv_size must be greater than keep ({keep}), got {max_kv_size}")
+        self.model, self.max_kv_size, self.keep = model, max_kv_size, keep
+        self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
+        self.layers = self._fresh()
+
+    def _fresh(self) -> list:
+        if self.max_kv_size is None:
+            return make_prompt_cache(self.model)  # plain, or the model's own mix for sliding-window layers
+        return [RotatingKVCache(max_size=self.max_kv_size, keep=self.keep) for _ in self.model.layers]
+
+    @property
+    def rotating(self) -> bool:
+        return self.max_kv_size is not None
+
+    @property
+    def size(self) -> int:
+        """Positions the cache actually stores (bounded by the window for a rotating cache)."""
+        return min(len(self.tokens), self.max_kv_size) if self.max_kv_size else len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.layers = self._fresh()
+
+    def reuse(self, prompt: Sequence[int]) -> int:
+        """Keep the longest cached prefix of `prompt`; return how many of its ids need no prefill.
+
+        At least one prompt id is always left to run, because its logits give the first token. A
+        rotating cache that has wrapped cannot be trimmed: then everything is prefilled again.
+        """
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)
+        extra = len(self.tokens) - common
+        if extra > 0:
+            if all(c.is_trimmable() for c in self.layers):
+                for c in self.layers:
+                    c.trim(extra)
+                del self.tokens[common:]
+            else:
+                self.reset()
+                return 0
+        return common
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers if not c.empty())

@@ -1,0 +1,397 @@
+"""The engine: one long-lived inference thread that owns every MLX call, and the sessions that feed it.
+
+MLX streams are per thread, so loading, prefill and decode all run on the same thread; callers (a
+script, the CLI, the TUI) talk to it through queues. Each request gets its own event queue and a
+cancel flag checked between prefill chunks and between decode steps.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from . import loader
+from .cache import ConversationCache
+from .errors import ContextLengthError, GenerationError, MlxChatError
+from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
+from .profile import SamplingProfile
+from .sampling import Sampler
+from .streaming import IncrementalDetokenizer, StopStringFilter
+
+Prompt = str | Sequence[dict[str, str]]
+DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+class _Job:
+    def __init__(self, fn: Callable[["_Job"], Any]) -> None:
+        self.fn = fn
+        self.events: queue.Queue[Event | _Failure] = queue.Queue()
+        self.cancelled = threading.Event()
+        self.accepted = time.perf_counter()
+
+    def emit(self, event: Event) -> None:
+        self.events.put(event)
+
+
+class InferenceThread:
+    """Runs jobs one at a time, in order, on a single daemon thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="mlxchat-inference", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.fn(job)
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the caller, and the thread live on
+                job.events.put(_Failure(e))
+
+    def submit(self, fn: Callable[[_Job], Any]) -> _Job:
+        job = _Job(fn)
+        self._jobs.put(job)
+        return job
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the inference thread and return its value (or raise its exception) here."""
+        finished = threading.Event()
+        box: dict[str, Any] = {}
+
+        def job(_: _Job) -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+            finally:
+                finished.set()
+
+        self.submit(job)
+        finished.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+
+class Stream:
+    """Iterate for events; `cancel()` stops at the next token (or prefill chunk). Leaving early cancels."""
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            while self.result is None:
+                event = self._job.events.get()
+                if isinstance(event, _Failure):
+                    raise _as_caller_error(event.error)
+                if isinstance(event, Done):
+                    self.result = event.result
+                yield event
+        finally:
+            if self.result is None:
+                self._job.cancelled.set()
+
+    def cancel(self) -> None:
+        self._job.cancelled.set()
+
+    def wait(self, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
+        for event in self:
+            if progress and isinstance(event, PrefillProgress):
+                progress(event.done, event.total)
+        assert self.result is not None
+        return self.result
+
+    @property
+    def text(self) -> str:
+        return self.result.text if self.result else ""
+
+
+def _as_caller_error(error: BaseException) -> BaseException:
+    if isinstance(error, (MlxChatError, ValueError)):
+        return error
+    return GenerationError(f"the engine failed: {type(error).__name__}: {error}")
+
+
+def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    for m in messages:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError("each message needs a string 'role' and a string 'content'")
+    if not messages or not any(m["content"].strip() for m in messages if m["role"] != "system"):
+        raise ValueError("the prompt is empty: type a message first")
+    if system is not None and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+@dataclass
+class _Request:
+    profile: SamplingProfile
+    max_tokens: int | None
+    stop: list[str]
+
+
+class Engine:
+    """A loaded model and its inference thread. See DESIGN.md §2 for the surface scripts rely on."""
+
+    def __init__(self, model: loader.LoadedModel, worker: InferenceThread, prefill_step: int) -> None:
+        self.model = model
+        self._worker = worker
+        self.prefill_step = prefill_step
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
+             prefill_step: int = DEFAULT_PREFILL_STEP) -> "Engine":
+        if prefill_step < 1:
+            raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
+        worker = InferenceThread()
+        try:
+            loaded = worker.run(lambda: loader.load(model, weights))
+        except BaseException:
+            worker.stop()
+            raise
+        return cls(loaded, worker, prefill_step)
+
+    # --- the surface ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def context_length(self) -> int:
+        return self.model.context_length
+
+    def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
+               stop: Sequence[str] | None = None, system: str | None = None) -> Stream:
+        messages = _messages(prompt, system)
+        request = self._request(profile, max_tokens, stop)
+
+        def run(job: _Job) -> None:
+            self._generate(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages), request)
+
+        return Stream(self._worker.submit(run))
+
+    def generate(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
+                 stop: Sequence[str] | None = None, system: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> GenerationResult:
+        return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system).wait(progress)
+
+    def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
+             max_kv_size: int | None = None, keep: int = 4) -> "ChatSession":
+        return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep)
+
+    def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
+        return len(self.model.tokenizer.encode_chat(_messages(prompt, system)))
+
+    def close(self) -> None:
+        self._worker.stop()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- on the inference thread ----------------------------------------------------------------
+
+    def _request(self, profile: SamplingProfile | None, max_tokens: int | None,
+                 stop: Sequence[str] | None) -> _Request:
+        profile = profile or SamplingProfile()
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        return _Request(profile, max_tokens or profile.max_tokens, [*profile.stop, *(stop or [])])
+
+    def _generate(self, job: _Job, cache: ConversationCache, prompt: list[int], req: _Request) -> GenerationResult:
+        m = self.model
+        limit = m.context_length
+        if not prompt:
+            raise ValueError("the prompt is empty: type a message first")
+        if not cache.rotating and len(prompt) >= limit:
+            raise ContextLengthError(
+                f"the prompt is {len(prompt)} tokens but {m.name} has a context of {limit}: shorten it, "
+                "start a new chat, or use a rotating window (max_kv_size)")
+        mx.reset_peak_memory()
+        started = time.perf_counter()
+        reused = cache.reuse(prompt)
+        sampler = Sampler(req.profile, vocab_size=_vocab_size(m), eos_ids=m.tokenizer.eos_ids,
+                          prompt_ids=prompt)
+        layers = cache.layers
+
+        def forward(ids: mx.array) -> tuple[mx.array, mx.array]:
+            logits = m.model(ids[None], cache=layers)[0, -1].astype(mx.float32)
+            return sampler.step(logits)
+
+        todo = prompt[reused:]
+        total = len(prompt)
+        job.emit(PrefillProgress(reused, total))
+        for start in range(0, len(todo) - 1, self.prefill_step):
+            if job.cancelled.is_set():
+                return self._finish(job, cache, "", (), (), "cancelled", _metrics(total, reused, 0, job, started,
+                                                                                      None, None, cache, limit),
+                                    sampler, req)
+            chunk = todo[start:min(start + self.prefill_step, len(todo) - 1)]
+            m.model(mx.array(chunk)[None], cache=layers)
+            mx.eval([c.state for c in layers])
+            cache.tokens.extend(chunk)
+            job.emit(PrefillProgress(reused + start + len(chunk), total))
+
+        y, logprobs = forward(mx.array(todo[-1:]))
+        cache.tokens.append(todo[-1])
+        mx.async_eval(y, logprobs)
+
+        detok = IncrementalDetokenizer(m.tokenizer)
+        stops = StopStringFilter(req.stop)
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        t_first = t_last = None
+        reason: FinishReason = "length"
+        want_lp = req.profile.logprobs
+        while True:
+            at_limit = (req.max_tokens is not None and len(ids) + 1 >= req.max_tokens) or (
+                not cache.rotating and len(cache.tokens) + 1 >= limit)
+            if not at_limit:
+                # Queue the next step before waiting on this token, so the host never idles the device.
+                next_y, next_lp = forward(y.reshape(1))
+                mx.async_eval(next_y, next_lp)
+            token = y.item()
+            t_last = time.perf_counter()
+            t_first = t_first or t_last
+            if not at_limit:
+                cache.tokens.append(token)
+            if token in m.tokenizer.eos_ids:
+                reason = "stop"
+                break
+            ids.append(token)
+            token_lp = ()
+            if want_lp:
+                chosen, top = sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
+                token_lp = (TokenLogprob(token, chosen, tuple(top)),)
+                lps.extend(token_lp)
+            delta = stops.feed(detok.add(token))
+            text.append(delta)
+            job.emit(TokenEvent(delta, (token,), _metrics(total, reused, len(ids), job, started, t_first, t_last,
+                                                          cache, limit), token_lp))
+            if stops.stopped:
+                reason = "stop"
+                break
+            if at_limit:
+                break
+            if job.cancelled.is_set():
+                reason = "cancelled"
+                break
+            y, logprobs = next_y, next_lp
+        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
+        metrics = _metrics(total, reused, len(ids), job, started, t_first, t_last, cache, limit)
+        return self._finish(job, cache, "".join(text) + tail, tuple(ids), tuple(lps), reason, metrics, sampler, req,
+                            tail)
+
+    def _finish(self, job: _Job, cache: ConversationCache, text: str, ids: tuple[int, ...],
+                lps: tuple[TokenLogprob, ...], reason: FinishReason, metrics: Metrics, sampler: Sampler,
+                req: _Request, tail: str = "") -> GenerationResult:
+        if tail:
+            job.emit(TokenEvent(tail, (), metrics))
+        result = GenerationResult(text, reason, metrics, ids, lps, sampler.describe(), sampler.seed,
+                                  req.profile.model_dump(mode="json"))
+        job.emit(Done(result))
+        return result
+
+
+def _vocab_size(m: loader.LoadedModel) -> int:
+    return int(m.model.model.embed_tokens.weight.shape[0]) if hasattr(m.model, "model") else m.tokenizer.vocab_size
+
+
+def _metrics(total: int, reused: int, n: int, job: _Job, started: float, t_first: float | None,
+             t_last: float | None, cache: ConversationCache, limit: int) -> Metrics:
+    return Metrics(
+        prompt_tokens=total, cached_tokens=reused, completion_tokens=n,
+        ttft_s=(t_first - job.accepted) if t_first else 0.0,
+        tpot_s=((t_last - t_first) / (n - 1)) if t_first and t_last and n > 1 else 0.0,
+        prefill_s=(t_first - started) if t_first else time.perf_counter() - started,
+        decode_s=(t_last - t_first) if t_first and t_last else 0.0,
+        peak_memory_bytes=mx.get_peak_memory(),
+        context_tokens=cache.size, context_limit=limit, kv_window=cache.max_kv_size,
+    )
+
+
+class ChatSession:
+    """A conversation whose KV cache lives between turns: each turn prefills only the new suffix."""
+
+    def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
+                 max_kv_size: int | None = None, keep: int = 4) -> None:
+        self.engine = engine
+        self.profile = profile or SamplingProfile()
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        self.max_kv_size, self.keep = max_kv_size, keep
+        self._cache: ConversationCache | None = None
+        self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
+
+    def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
+        _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
+        with self._lock:
+            self.messages.append({"role": "user", "content": text})
+        return self._reply(max_tokens, stop)
+
+    def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
+        """Drop the last reply and answer the last user message again."""
+        with self._lock:
+            if self.messages and self.messages[-1]["role"] == "assistant":
+                self.messages.pop()
+            if not self.messages or self.messages[-1]["role"] != "user":
+                raise ValueError("there is no user message to answer again")
+        return self._reply(max_tokens, stop)
+
+    def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
+        """Replace the last user message (dropping what followed it) and answer it."""
+        _messages(text, None)
+        with self._lock:
+            last = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
+            if last is None:
+                raise ValueError("there is no user message to edit")
+            del self.messages[last:]
+            self.messages.append({"role": "user", "content": text})
+        return self._reply(max_tokens, stop)
+
+    def clear(self) -> None:
+        """Forget every message but the system prompt; the cache starts again on the next turn."""
+        with self._lock:
+            self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+            self._cache = None
+
+    def _reply(self, max_tokens: int | None, stop: Sequence[str] | None) -> Stream:
+        engine = self.engine
+        request = engine._request(self.profile, max_tokens, stop)
+
+        def run(job: _Job) -> None:
+            if self._cache is None:
+                self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep)
+            with self._lock:
+                rendered = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+            prompt = engine.model.tokenizer.encode_chat(rendered)
+            result = engine._generate(job, self._cache, prompt, request)
+            if result.text or result.finish_reason != "cancelled":
+                with self._lock:
+                    self.messages.append({"role": "assistant", "content": result.text,
+                                          "finish_reason": result.finish_reason,
+                                          "metrics": result.metrics.as_dict(), "profile": result.profile})
+
+        return Stream(engine._worker.submit(run))

@@ -1,0 +1,85 @@
+"""What a generation streams out: prefill progress, token deltas with live metrics, and the final result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Speed and size of one generation. Live snapshots fill what is known so far."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the session's KV cache, not prefilled again
+    completion_tokens: int = 0
+    ttft_s: float = 0.0  # request accepted -> first token available (includes prefill)
+    tpot_s: float = 0.0  # mean time between later tokens
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_memory_bytes: int = 0
+    context_tokens: int = 0  # tokens in the KV cache after this step
+    context_limit: int = 0
+    kv_window: int | None = None  # rotating window size, when the session uses one
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        done = self.prompt_tokens - self.cached_tokens
+        return done / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["prefill_tokens_per_s"] = self.prefill_tokens_per_s
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        return d
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    done: int
+    total: int
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A text delta and the token ids it came from; the deltas concatenate to the final text exactly."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    metrics: Metrics
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    finish_reason: FinishReason
+    metrics: Metrics
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    sampler: str = ""  # the printed chain that produced it
+    seed: int | None = None
+    profile: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Done:
+    result: GenerationResult
+    text: str = ""
+
+
+Event = PrefillProgress | TokenEvent | Done

@@ -1,0 +1,187 @@
+"""GGUF header and metadata reader, and the checks that run before MLX touches a file.
+
+`mx.load` reads GGUF tensors fast, but a truncated or malformed file can take the process down or fail
+with a message that does not name the problem. This reader walks the header, the metadata and the
+tensor table in pure Python, bounds-checks every length against the file size, and raises a
+`ModelLoadError` with one line naming the file and the cause. Only then are tensors loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF metadata value types (gguf.h: enum gguf_type).
+_SCALARS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+
+# ggml tensor types: name, elements per block, bytes per block.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2),
+}
+# What MLX's GGUF loader turns into arrays (mlx/io/gguf.cpp); everything else is refused up front.
+MLX_LOADABLE = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+
+# Arrays this long are not kept as Python lists unless asked for: only their length matters to callers.
+_KEEP_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.scores")
+_MAX_ELEMENTS = 1 << 40
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class GGUFHeader:
+    path: Path
+    version: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tensors: list[TensorInfo] = field(default_factory=list)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+
+class _Reader:
+    def __init__(self, f: BinaryIO, size: int, path: Path) -> None:
+        self.f, self.size, self.pos, self.path = f, size, 0, path
+
+    def fail(self, what: str) -> ModelLoadError:
+        return ModelLoadError(self.path, f"{what} (at byte {self.pos} of {self.size}); the file is truncated or not a GGUF model")
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(f"file ends inside the header: needed {n} more bytes")
+        data = self.f.read(n)
+        self.pos += n
+        return data
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        raw = self.take(n)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise self.fail("a metadata string is not valid UTF-8") from None
+
+    def value(self, vtype: int, keep: bool) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if count > _MAX_ELEMENTS:
+                raise self.fail(f"metadata array claims {count} elements")
+            if etype in _SCALARS and not keep:
+                self.take(count * struct.calcsize(_SCALARS[etype]))
+                return count
+            if etype in _SCALARS:
+                fmt = _SCALARS[etype]
+                raw = self.take(count * struct.calcsize(fmt))
+                return list(struct.unpack(f"<{count}{fmt[1:]}", raw))
+            items = [self.value(etype, keep) for _ in range(count)]
+            return items if keep else count
+        raise self.fail(f"unknown metadata value type {vtype}")
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Parse and bounds-check a GGUF file's header, metadata and tensor table."""
+    path = Path(path)
+    try:
+        with open(path, "rb", buffering=1 << 20) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < len(GGUF_MAGIC):
+                raise ModelLoadError(path, f"file is {size} bytes, too short to be a GGUF model")
+            return _parse(_Reader(f, size, path))
+    except OSError as e:
+        raise ModelLoadError(path, e.strerror or str(e)) from None
+
+
+def _parse(r: _Reader) -> GGUFHeader:
+    path = r.path
+    try:
+        if bytes(r.take(4)) != GGUF_MAGIC:
+            raise ModelLoadError(path, "not a GGUF file (no GGUF magic at its start)")
+        version = r.scalar("<I")
+        if version not in (2, 3):
+            raise ModelLoadError(path, f"GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+        if n_tensors > r.size or n_kv > r.size:
+            raise r.fail(f"header claims {n_tensors} tensors and {n_kv} metadata entries")
+        header = GGUFHeader(path=path, version=version)
+        for _ in range(n_kv):
+            key = r.string()
+            header.metadata[key] = r.value(r.scalar("<I"), keep=key in _KEEP_ARRAYS)
+        infos = []
+        for _ in range(n_tensors):
+            name = r.string()
+            n_dims = r.scalar("<I")
+            if n_dims > 8:
+                raise r.fail(f"tensor {name!r} claims {n_dims} dimensions")
+            dims = tuple(r.scalar("<Q") for _ in range(n_dims))
+            ttype, offset = r.scalar("<I"), r.scalar("<Q")
+            infos.append((name, dims, ttype, offset))
+        alignment = header.metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise ModelLoadError(path, f"general.alignment is {alignment!r}, not a positive integer")
+        data_start = -(-r.pos // alignment) * alignment
+        for name, dims, ttype, offset in infos:
+            header.tensors.append(_tensor(path, r.size, data_start, name, dims, ttype, offset))
+        return header
+    except struct.error:
+        raise r.fail("malformed header") from None
+
+
+def _tensor(path: Path, size: int, data_start: int, name: str, dims: tuple[int, ...], ttype: int,
+            offset: int) -> TensorInfo:
+    if ttype not in GGML_TYPES:
+        raise ModelLoadError(path, f"tensor {name!r} has unknown ggml type {ttype}")
+    type_name, block, block_bytes = GGML_TYPES[ttype]
+    count = 1
+    for d in dims:
+        count *= d
+    if dims and dims[0] % block:
+        raise ModelLoadError(path, f"tensor {name!r} ({type_name}) has a row of {dims[0]}, not a multiple of {block}")
+    nbytes = count // block * block_bytes
+    end = data_start + offset + nbytes
+    if end > size:
+        raise ModelLoadError(path, f"tensor {name!r} ends at byte {end} but the file has {size} bytes; the file is truncated")
+    # GGUF lists dimensions fastest-first; MLX and mlx-lm use row-major (slowest-first).
+    return TensorInfo(name, tuple(reversed(dims)), type_name, offset, nbytes)
+
+
+def check_loadable(header: GGUFHeader) -> None:
+    """Refuse tensor types MLX cannot load, naming them, before `mx.load` sees the file."""
+    bad = sorted({t.type_name for t in header.tensors if t.type_name not in MLX_LOADABLE})
+    if bad:
+        raise ModelLoadError(
+            header.path,
+            f"tensor type {', '.join(bad)} is not supported (supported: {', '.join(sorted(MLX_LOADABLE))}); "
+            "convert the model to Q4_0, Q4_1, Q8_0 or F16",
+        )

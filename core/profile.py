@@ -1,0 +1,324 @@
+"""Sampling profiles: one validated parameter object per request, named presets, saved user profiles.
+
+Field names follow OpenAI / vLLM (DESIGN.md §2). Every range is checked here, once, at the edge; an invalid value
+raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed range. Nothing here
+imports MLX.
+
+Penalty semantics (peers differ, so they are explicit fields):
+
+* ``penalty_window = 0`` (default): frequency, presence and repetition penalties look at every token generated so
+  far in the request. ``penalty_window = N`` looks at the latest N tokens only (mlx-lm uses 20).
+* ``penalize_prompt = False`` (default, OpenAI's behaviour): prompt tokens do not count. When True, the prompt's
+  tokens count as if generated (and fill the window first).
+
+The sampler chain is described in ``core.sampling``; ``sampler_order`` names its transforms, ``None`` meaning
+:data:`DEFAULT_ORDER`. A transform left out of a custom order does not run (as with llama.cpp's
+``--sampling-seq``); :meth:`SamplingProfile.warnings` points that out when such a transform has a setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import platformdirs
+import tomli_w
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+log = logging.getLogger(__name__)
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "templates" / "presets"
+
+# Chain transform names, in the default order: llama.cpp's and mlx-lm's convention of filtering the untempered
+# distribution and applying temperature last, so a filter's cut does not move when the temperature changes.
+DEFAULT_ORDER: tuple[str, ...] = ("top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+TRANSFORMS = frozenset(DEFAULT_ORDER)
+TRUNCATIONS = ("top_k", "top_p", "min_p", "typical_p")
+
+
+def format_number(x: float) -> str:
+    """How the chain prints a parameter: 0.9, 40, 1e-05."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _range(lo: float | None, hi: float | None, *, lo_open: bool = False, what: str = "") -> AfterValidator:
+    """A range check whose error reads "<field> must be <range>, got <value>"."""
+    if lo is not None and hi is not None:
+        text = (f"greater than {format_number(lo)} and at most {format_number(hi)}" if lo_open
+                else f"between {format_number(lo)} and {format_number(hi)}")
+    elif lo is not None:
+        text = f"greater than {format_number(lo)}" if lo_open else f"at least {format_number(lo)}"
+    else:
+        text = f"at most {format_number(hi)}"
+    text += what
+
+    def check(value: float, info: ValidationInfo) -> float:
+        # Written as "not inside" so that NaN fails every check.
+        inside = ((lo is None or (value > lo if lo_open else value >= lo))
+                  and (hi is None or value <= hi))
+        if not inside:
+            raise PydanticCustomError("out_of_range", "{field} must be {range}, got {value}",
+                                      {"field": info.field_name, "range": text, "value": value})
+        return value
+
+    return AfterValidator(check)
+
+
+UnitOpen = Annotated[float, _range(0, 1, lo_open=True)]
+Unit = Annotated[float, _range(0, 1)]
+Penalty = Annotated[float, _range(-2, 2)]
+NAME_RE = re.compile(r"^\w[\w .-]{0,63}$")
+
+
+class ProfileError(Exception):
+    """A profile could not be found, read or written. The message is one line and names the file."""
+
+
+class SamplingProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str | None = None
+    description: str = ""
+    # The user's revision number of a saved profile (the seed: "version profiles and keep regression runs");
+    # the store writes it as given and never bumps it.
+    version: Annotated[int, _range(1, None)] = 1
+
+    temperature: Annotated[float, _range(0, 2, what=" (0 means greedy)")] = 1.0
+    top_k: Annotated[int, _range(0, None, what=" (0 disables)")] = 0
+    top_p: UnitOpen = 1.0
+    min_p: Unit = 0.0
+    typical_p: UnitOpen = 1.0
+    # XTC ("exclude top choices"): with probability xtc_probability, drop every token whose probability is at least
+    # xtc_threshold except the least likely of them. Probability 0 disables; a threshold above 0.5 cannot act.
+    xtc_threshold: Unit = 0.1
+    xtc_probability: Unit = 0.0
+
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, _range(0, None, lo_open=True, what=" (1 disables)")] = 1.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    min_tokens: Annotated[int, _range(0, None)] = 0
+    penalty_window: Annotated[int, _range(0, None, what=" (0 means all generated tokens)")] = 0
+    penalize_prompt: bool = False
+
+    seed: Annotated[int, _range(0, 2**64 - 1)] | None = None
+    stop: list[str] = Field(default_factory=list)
+    max_tokens: Annotated[int, _range(1, None)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, _range(0, 20)] = 0
+    sampler_order: list[str] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.match(v):
+            raise PydanticCustomError(
+                "bad_name", "name must be 1-64 letters, digits, spaces, '.', '-' or '_', "
+                "starting with a letter or digit, got {value}", {"value": repr(v)})
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        for token, bias in v.items():
+            if token < 0:
+                raise PydanticCustomError("out_of_range", "logit_bias token ids must be at least 0, got {value}",
+                                          {"value": token})
+            if not -100 <= bias <= 100:
+                raise PydanticCustomError("out_of_range", "logit_bias[{token}] must be between -100 and 100, "
+                                          "got {value}", {"token": token, "value": bias})
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_str(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if "" in v:
+            raise PydanticCustomError("empty_stop", "stop strings must not be empty, got {value}", {"value": repr(v)})
+        return v
+
+    @field_validator("sampler_order")
+    @classmethod
+    def _order(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        unknown = [n for n in v if n not in TRANSFORMS]
+        if unknown:
+            raise PydanticCustomError("bad_order", "sampler_order names must be among {known}, got {value}",
+                                      {"known": ", ".join(DEFAULT_ORDER), "value": repr(unknown[0])})
+        if len(set(v)) != len(v):
+            raise PydanticCustomError("bad_order", "sampler_order must not repeat a name, got {value}",
+                                      {"value": repr(v)})
+        return v
+
+    # --- presets -------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def presets(cls) -> list[str]:
+        return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+    @classmethod
+    def preset(cls, name: str) -> SamplingProfile:
+        if name not in cls.presets():
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(cls.presets())}")
+        path = PRESET_DIR / f"{name}.toml"
+        data = _read_toml(path)
+        data.setdefault("name", name)
+        return _validated(data, path)
+
+    # --- advice and description ----------------------------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def order(self) -> list[str]:
+        return list(DEFAULT_ORDER if self.sampler_order is None else self.sampler_order)
+
+    def active(self, transform: str) -> bool:
+        """Whether a chain transform's setting would change anything (ignoring the order)."""
+        return {
+            "top_k": self.top_k > 0,
+            "top_p": self.top_p < 1,
+            "min_p": self.min_p > 0,
+            "typical_p": self.typical_p < 1,
+            "xtc": self.xtc_probability > 0 and self.xtc_threshold <= 0.5,
+            "temperature": self.temperature != 1,
+        }[transform]
+
+    def warnings(self) -> list[str]:
+        """The seed's advice and likely mistakes, as sentences; none of them is an error."""
+        out = []
+        stacked = [t for t in TRUNCATIONS if self.active(t)]
+        if len(stacked) >= 2 and not self.greedy:
+            out.append(f"{' + '.join(stacked)} are stacked: use temperature with one truncation (top_p or min_p), "
+                       "and tune one parameter at a time")
+        if self.greedy:
+            ignored = [t for t in DEFAULT_ORDER if t != "temperature" and self.active(t)]
+            if ignored:
+                out.append(f"temperature 0 is greedy, so these are ignored: {', '.join(ignored)}")
+        else:
+            missing = [t for t in DEFAULT_ORDER if self.active(t) and t not in self.order()]
+            if missing:
+                out.append(f"{', '.join(missing)} set but not in sampler_order, so not applied")
+        if self.xtc_probability > 0 and self.xtc_threshold > 0.5:
+            out.append(f"xtc_threshold {format_number(self.xtc_threshold)} is above 0.5: XTC can never act")
+        if self.top_logprobs and not self.logprobs:
+            out.append("top_logprobs has no effect while logprobs is false")
+        return out
+
+    def chain(self) -> list[str]:
+        """The printed names of the steps that run, in order: processors, then transforms, then the draw.
+
+        ``core.sampling.Sampler.describe()`` prints the same steps from the objects it built."""
+        steps = []
+        if self.repetition_penalty != 1:
+            steps.append(f"RepetitionPenalty({format_number(self.repetition_penalty)})")
+        if self.frequency_penalty:
+            steps.append(f"FrequencyPenalty({format_number(self.frequency_penalty)})")
+        if self.presence_penalty:
+            steps.append(f"PresencePenalty({format_number(self.presence_penalty)})")
+        if self.logit_bias:
+            steps.append(f"LogitBias({len(self.logit_bias)} tokens)")
+        if self.min_tokens:
+            steps.append(f"MinTokens({self.min_tokens})")
+        if self.greedy:
+            return steps + ["greedy"]
+        labels = {
+            "top_k": f"TopK({self.top_k})",
+            "top_p": f"TopP({format_number(self.top_p)})",
+            "min_p": f"MinP({format_number(self.min_p)})",
+            "typical_p": f"TypicalP({format_number(self.typical_p)})",
+            "xtc": f"XTC({format_number(self.xtc_threshold)}, {format_number(self.xtc_probability)})",
+            "temperature": f"Temperature({format_number(self.temperature)})",
+        }
+        return steps + [labels[t] for t in self.order() if self.active(t)] + ["sample"]
+
+    def describe_chain(self) -> str:
+        return " → ".join(self.chain())
+
+
+# --- user profiles -----------------------------------------------------------------------------------------------
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: not valid TOML ({e})") from None
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _validated(data: dict[str, Any], path: Path) -> SamplingProfile:
+    try:
+        profile = SamplingProfile.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        reason = first["msg"] if first["msg"].startswith(where) else f"{where}: {first['msg']}"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise ProfileError(f"{path}: invalid profile: {reason}{more}") from None
+    for w in profile.warnings():
+        log.warning("%s: %s", path.name, w)
+    return profile
+
+
+class ProfileStore:
+    """User profiles as ``<name>.toml`` files in one folder (default: the user's config folder, XDG-aware)."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = Path(folder) if folder is not None else platformdirs.user_config_path("mlxchat") / "profiles"
+
+    def _path(self, name: str) -> Path:
+        if not NAME_RE.match(name):
+            raise ProfileError(f"{name!r} is not a valid profile name")
+        return self.folder / f"{name}.toml"
+
+    def save(self, profile: SamplingProfile) -> Path:
+        if profile.name is None:
+            raise ProfileError("a profile needs a name to be saved")
+        path = self._path(profile.name)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        text = tomli_w.dumps(profile.model_dump(mode="json", exclude_none=True))
+        # Write then rename, so a crash never leaves a half-written profile behind.
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{profile.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return path
+
+    def load(self, name: str) -> SamplingProfile:
+        path = self._path(name)
+        if not path.exists():
+            raise ProfileError(f"{path}: no such profile; saved profiles: {', '.join(self.list()) or 'none'}")
+        data = _read_toml(path)
+        data.setdefault("name", name)
+        return _validated(data, path)
+
+    def list(self) -> list[str]:
+        return sorted(p.stem for p in self.folder.glob("*.toml")) if self.folder.is_dir() else []
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: no such profile") from None
+
+
+__all__ = ["DEFAULT_ORDER", "ProfileError", "ProfileStore", "SamplingProfile"]

@@ -1,0 +1,75 @@
+"""Turning token ids into text deltas that are safe to show: whole UTF-8 characters, no stop strings.
+
+Peers lost or duplicated text here (llama.cpp #9867, #10914; vLLM #3574). Two rules keep it exact:
+decode a sliding window of ids and emit only what follows the previously decoded window (so merges
+and SentencePiece's leading-space rule are applied consistently), and hold back text while it ends in
+an incomplete character or in a prefix of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .tokenizer import ChatTokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are settled
+        self._read = 0  # ids up to here have been turned into emitted text
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix:self._read])
+        after = self._tok.decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+            return ""  # an incomplete UTF-8 sequence (or nothing printable) so far
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """The rest at the end of generation, even if it is an incomplete character."""
+        before = self._tok.decode(self._ids[self._prefix:self._read])
+        after = self._tok.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):] if len(after) > len(before) else ""
+
+
+class StopStringFilter:
+    """Holds back text that might begin a stop string; reports where the first stop string matched."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Text that can be emitted now. After a match, `stopped` is set and the rest is dropped."""
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buf[:min(hits)[0]]
+        keep = self._longest_pending_prefix(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _longest_pending_prefix(self, buf: str) -> int:
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,82 @@
+"""One tokenizer interface over GGUF metadata and Hugging Face tokenizer files.
+
+GGUF files carry their vocabulary as metadata; transformers already knows how to turn that into a
+`tokenizers` backend (byte-level BPE for GPT-2 style files, SentencePiece-style BPE for "llama"
+vocabularies), so we hand it our parsed metadata instead of rewriting BPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# Names models use for "end of turn"; any of these present in the vocabulary stops generation.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|eom_id|>",
+               "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+
+Message = dict[str, str]
+
+
+class ChatTokenizer:
+    """Encode/decode plus the model's chat template and every end-of-turn token id."""
+
+    def __init__(self, hf_tokenizer: Any, eos_ids: Iterable[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        vocab = hf_tokenizer.get_vocab()
+        ids = set(eos_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        ids.update(vocab[t] for t in _END_TOKENS if t in vocab)
+        self.eos_ids: frozenset[int] = frozenset(ids)
+        self.vocab_size: int = len(vocab)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            # Base models have no template: plain concatenation is what llama.cpp's completion mode does.
+            return "\n\n".join(m["content"] for m in messages)
+        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        text = self.render(messages)
+        # The template writes special tokens (BOS, <|im_start|>) itself as text; they must parse as specials.
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        bos = self.hf.bos_token_id
+        if getattr(self.hf, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+
+def from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    fields = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in metadata}
+    tokens = fields["tokens"]
+    backend, _ = convert_gguf_tokenizer(metadata.get("general.architecture", "llama"), fields)
+
+    def token(key: str) -> str | None:
+        i = metadata.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", fields.get("tokenizer_type") == "llama")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=metadata.get("tokenizer.chat_template"),
+        bos_token=token("bos_token_id"), eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+    )
+    hf.add_bos_token = bool(add_bos)
+    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.eom_token_id") if isinstance(metadata.get(k), int)]
+    return ChatTokenizer(hf, eos)

@@ -1,0 +1,179 @@
+"""Generation on the real embedded model: answers, parity with mlx-lm, streaming, stops, caches, cancel."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from core import ContextLengthError, Engine, SamplingProfile
+from core.events import Done, PrefillProgress, TokenEvent
+
+QUESTION = "What is the capital of France?"
+
+
+def test_greedy_answers_paris(engine: Engine, greedy: SamplingProfile):
+    r = engine.generate(QUESTION, profile=greedy, max_tokens=32)
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop"
+    m = r.metrics
+    assert m.prompt_tokens > 10 and m.completion_tokens > 0 and m.ttft_s > 0 and m.tpot_s > 0
+    assert m.peak_memory_bytes > 0 and m.decode_tokens_per_s > 0 and m.prefill_tokens_per_s > 0
+
+
+def test_greedy_matches_mlx_lm_generate_step(engine: Engine, greedy: SamplingProfile):
+    from mlx_lm.generate import generate_step
+
+    prompt = "Write one sentence about the sea."
+    ids = engine.model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    n = 24
+
+    def reference() -> list[int]:
+        return [t for t, _ in generate_step(mx.array(ids), engine.model.model, max_tokens=n)]
+
+    ref = engine._worker.run(reference)  # on the inference thread, like everything MLX
+    ours = engine.generate(prompt, profile=greedy, max_tokens=n)
+    eos = engine.model.tokenizer.eos_ids
+    expected = ref[: next((i for i, t in enumerate(ref) if t in eos), len(ref))]
+    assert list(ours.token_ids) == expected
+
+
+def test_deltas_concatenate_to_the_final_text(engine: Engine):
+    stream = engine.stream("Tell me a short story about a cat.", profile=SamplingProfile(temperature=0.9, seed=3),
+                           max_tokens=48)
+    events = list(stream)
+    assert isinstance(events[0], PrefillProgress) and isinstance(events[-1], Done)
+    deltas = [e.text for e in events if isinstance(e, TokenEvent)]
+    assert "".join(deltas) == stream.result.text
+    ids = [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]
+    assert tuple(ids) == stream.result.token_ids
+    assert engine.model.tokenizer.decode(ids) == stream.result.text
+
+
+@pytest.mark.parametrize("text", ["Emoji 🎉🐍👍🏽 and more 🇫🇷", "中文字符：你好，世界。日本語も。", "naïve café — ∑ ≤ ∞"])
+def test_streaming_detokenizer_never_emits_broken_utf8(engine: Engine, text: str):
+    from core.streaming import IncrementalDetokenizer
+
+    tok = engine.model.tokenizer
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert len(ids) > len([d for d in deltas if d])  # some tokens are partial characters, held back
+
+
+def test_model_output_with_emoji_streams_clean(engine: Engine, greedy: SamplingProfile):
+    stream = engine.stream("Reply with three emoji that describe summer, and nothing else.", profile=greedy,
+                           max_tokens=24)
+    deltas = [e.text for e in stream if isinstance(e, TokenEvent)]
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == stream.result.text
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed(engine: Engine, greedy: SamplingProfile):
+    free = engine.generate("Count from 1 to 10, separated by commas.", profile=greedy, max_tokens=40).text
+    assert "4, 5" in free
+    stream = engine.stream("Count from 1 to 10, separated by commas.", profile=greedy, max_tokens=40,
+                           stop=["4, 5"])
+    deltas = [e.text for e in stream if isinstance(e, TokenEvent)]
+    r = stream.result
+    assert r.finish_reason == "stop" and r.text == free[: free.index("4, 5")]
+    assert "".join(deltas) == r.text and not any("5" in d for d in deltas[-2:])
+
+
+def test_stop_filter_holds_back_prefixes():
+    from core.streaming import StopStringFilter
+
+    f = StopStringFilter(["</answer>", "STOP"])
+    out = [f.feed(t) for t in ["The ", "result</", "ans", "wer> tail"]]
+    assert out == ["The ", "result", "", ""] and f.stopped
+    g = StopStringFilter(["abc"])
+    assert [g.feed(t) for t in ["xa", "b", "d"]] + [g.flush()] == ["x", "", "abd", ""]
+    h = StopStringFilter(["abc"])
+    assert h.feed("xab") == "x" and h.flush() == "ab"
+
+
+def test_max_tokens_gives_length(engine: Engine, greedy: SamplingProfile):
+    r = engine.generate("Write a long essay about rivers.", profile=greedy, max_tokens=5)
+    assert r.finish_reason == "length" and r.metrics.completion_tokens == 5
+
+
+def test_chat_cache_reuse_gives_the_same_tokens_as_a_fresh_prefill(engine: Engine, greedy: SamplingProfile):
+    chat = engine.chat(system="You are terse.", profile=greedy)
+    chat.send("Name a fruit.", max_tokens=16).wait()
+    second = chat.send("Name a colour.", max_tokens=16).wait()
+    assert second.metrics.cached_tokens > 10  # the first turn was not prefilled again
+    fresh = engine.generate([{"role": m["role"], "content": m["content"]} for m in chat.messages[:-1]],
+                            profile=greedy, max_tokens=16)
+    assert fresh.metrics.cached_tokens == 0
+    assert second.token_ids == fresh.token_ids
+
+
+def test_regenerate_and_edit_trim_the_cache(engine: Engine, greedy: SamplingProfile):
+    chat = engine.chat(profile=greedy)
+    first = chat.send("Say hello.", max_tokens=8).wait()
+    again = chat.regenerate(max_tokens=8).wait()
+    assert again.token_ids == first.token_ids and len(chat.messages) == 2
+    edited = chat.edit_last("Say goodbye.", max_tokens=8).wait()
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["Say goodbye."]
+    assert edited.token_ids == engine.generate("Say goodbye.", profile=greedy, max_tokens=8).token_ids
+
+
+def test_cancel_during_decode_keeps_the_session_usable(engine: Engine, greedy: SamplingProfile):
+    chat = engine.chat(profile=greedy)
+    stream = chat.send("Write a very long story about dragons.", max_tokens=200)
+    n = 0
+    for event in stream:
+        if isinstance(event, TokenEvent):
+            n += 1
+            if n == 3:
+                stream.cancel()
+    assert stream.result.finish_reason == "cancelled" and stream.result.metrics.completion_tokens <= 5
+    after = chat.send("What is the capital of France?", max_tokens=24).wait()
+    assert after.finish_reason == "stop" and "Paris" in after.text
+
+
+def test_cancel_during_prefill(engine: Engine, greedy: SamplingProfile):
+    big = "Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 300  # ~3000 tokens
+    e = Engine(engine.model, engine._worker, prefill_step=128)
+    stream = e.stream(big, profile=greedy, max_tokens=8)
+    for event in stream:
+        if isinstance(event, PrefillProgress) and event.done > 0:
+            stream.cancel()
+    r = stream.result
+    assert r.finish_reason == "cancelled" and r.metrics.completion_tokens == 0
+    assert "Paris" in engine.generate(QUESTION, profile=greedy, max_tokens=24).text
+
+
+def test_leaving_the_iteration_early_cancels(engine: Engine, greedy: SamplingProfile):
+    stream = engine.stream("Write a very long story.", profile=greedy, max_tokens=300)
+    for event in stream:
+        if isinstance(event, TokenEvent):
+            break
+    del event
+    # The next request runs only after the abandoned one stopped; it must not wait for 300 tokens.
+    done = threading.Event()
+    threading.Thread(target=lambda: (engine.generate("Hi", profile=greedy, max_tokens=2), done.set())).start()
+    assert done.wait(60)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(engine: Engine, greedy: SamplingProfile):
+    huge = "word " * 9000
+    with pytest.raises(ContextLengthError, match="context of 8192"):
+        engine.generate(huge, profile=greedy, max_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("   ", profile=greedy)
+
+
+def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(engine: Engine,
+                                                                             greedy: SamplingProfile):
+    chat = engine.chat(profile=SamplingProfile(temperature=0.8, seed=1), max_kv_size=96, keep=4)
+    sizes = []
+    for q in ["Tell me about the sea.", "And about mountains?", "And rivers?"]:
+        r = chat.send(q, max_tokens=48).wait()
+        assert r.metrics.completion_tokens > 0
+        sizes.append(chat._cache.nbytes())
+        assert r.metrics.context_tokens <= 96 and r.metrics.kv_window == 96
+    assert len(chat._cache.tokens) > 96  # the conversation outgrew the window ...
+    assert max(sizes) <= 1.3 * min(sizes)  # ... and the cache did not grow with it

