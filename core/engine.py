@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import loader
+from .beam import Beam, beam_search
 from .cache import ConversationCache
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
@@ -195,6 +196,16 @@ class Engine:
                  progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system).wait(progress)
 
+    def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
+                    system: str | None = None) -> list[Beam]:
+        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py."""
+        profile = profile or SamplingProfile(beam_size=4)
+        ids = self.model.tokenizer.encode_chat(_messages(prompt, system))
+        return self._worker.run(lambda: beam_search(
+            self.model.model, self.model.tokenizer, ids, beam_size=profile.beam_size,
+            length_penalty=profile.length_penalty, max_tokens=max_tokens or profile.max_tokens or 64,
+            prefill_step=self.prefill_step))
+
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4) -> "ChatSession":
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep)
@@ -216,6 +227,9 @@ class Engine:
     def _request(self, profile: SamplingProfile | None, max_tokens: int | None,
                  stop: Sequence[str] | None) -> _Request:
         profile = profile or SamplingProfile()
+        if profile.beam_size > 1:
+            raise ValueError(f"beam search (beam_size {profile.beam_size}) does not stream: call "
+                             "engine.beam_search(), or use beam_size 1 to sample")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         return _Request(profile, max_tokens or profile.max_tokens, [*profile.stop, *(stop or [])])
@@ -256,7 +270,8 @@ class Engine:
 
         y, logprobs = forward(mx.array(todo[-1:]))
         cache.tokens.append(todo[-1])
-        mx.async_eval(y, logprobs)
+        want_lp = req.profile.logprobs
+        mx.async_eval(y, logprobs) if want_lp else mx.async_eval(y)
 
         detok = IncrementalDetokenizer(m.tokenizer)
         stops = StopStringFilter(req.stop)
@@ -265,14 +280,14 @@ class Engine:
         lps: list[TokenLogprob] = []
         t_first = t_last = None
         reason: FinishReason = "length"
-        want_lp = req.profile.logprobs
         while True:
             at_limit = (req.max_tokens is not None and len(ids) + 1 >= req.max_tokens) or (
                 not cache.rotating and len(cache.tokens) + 1 >= limit)
             if not at_limit:
                 # Queue the next step before waiting on this token, so the host never idles the device.
+                # Logprobs cost a vocabulary-wide exp: evaluate them only when asked for.
                 next_y, next_lp = forward(y.reshape(1))
-                mx.async_eval(next_y, next_lp)
+                mx.async_eval(next_y, next_lp) if want_lp else mx.async_eval(next_y)
             token = y.item()
             t_last = time.perf_counter()
             t_first = t_first or t_last

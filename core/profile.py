@@ -113,6 +113,9 @@ class SamplingProfile(BaseModel):
     logprobs: bool = False
     top_logprobs: Annotated[int, _range(0, 20)] = 0
     sampler_order: list[str] | None = None
+    # Beam search (non-streaming): beam_size 1 means sampling with the chain above.
+    beam_size: Annotated[int, _range(1, 16, what=" (1 means no beam search)")] = 1
+    length_penalty: Annotated[float, _range(0, 4)] = 1.0
 
     @field_validator("name")
     @classmethod

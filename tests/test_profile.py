@@ -1,0 +1,193 @@
+"""SamplingProfile validation, presets, advice and the user-profile store."""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from core.profile import DEFAULT_ORDER, ProfileError, ProfileStore, SamplingProfile
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", 3.5, "temperature must be between 0 and 2 (0 means greedy), got 3.5"),
+    ("temperature", -0.1, "temperature must be between 0 and 2 (0 means greedy), got -0.1"),
+    ("temperature", float("nan"), "temperature must be between 0 and 2 (0 means greedy), got nan"),
+    ("top_p", 0, "top_p must be greater than 0 and at most 1, got 0"),
+    ("top_p", 1.5, "top_p must be greater than 0 and at most 1, got 1.5"),
+    ("top_k", -1, "top_k must be at least 0 (0 disables), got -1"),
+    ("min_p", 1.2, "min_p must be between 0 and 1, got 1.2"),
+    ("typical_p", 0.0, "typical_p must be greater than 0 and at most 1, got 0"),
+    ("xtc_threshold", -0.5, "xtc_threshold must be between 0 and 1, got -0.5"),
+    ("xtc_probability", 2, "xtc_probability must be between 0 and 1, got 2"),
+    ("frequency_penalty", 2.5, "frequency_penalty must be between -2 and 2, got 2.5"),
+    ("presence_penalty", -3, "presence_penalty must be between -2 and 2, got -3"),
+    ("repetition_penalty", 0, "repetition_penalty must be greater than 0 (1 disables), got 0"),
+    ("logit_bias", {50256: 200}, "logit_bias[50256] must be between -100 and 100, got 200"),
+    ("logit_bias", {-1: 5}, "logit_bias token ids must be at least 0, got -1"),
+    ("min_tokens", -2, "min_tokens must be at least 0, got -2"),
+    ("penalty_window", -1, "penalty_window must be at least 0 (0 means all generated tokens), got -1"),
+    ("seed", -5, "seed must be between 0 and 18446744073709551615, got -5"),
+    ("max_tokens", 0, "max_tokens must be at least 1, got 0"),
+    ("top_logprobs", 21, "top_logprobs must be between 0 and 20, got 21"),
+    ("version", 0, "version must be at least 1, got 0"),
+    ("stop", ["END", ""], "stop strings must not be empty"),
+    ("sampler_order", ["top_k", "beam"], "sampler_order names must be among top_k, typical_p, top_p, min_p, xtc, "
+                                         "temperature, got 'beam'"),
+    ("sampler_order", ["top_k", "top_k"], "sampler_order must not repeat a name"),
+    ("name", "../etc/passwd", "name must be 1-64 letters"),
+])
+def test_bad_values_name_field_value_and_range(field: str, value, message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        SamplingProfile(**{field: value})
+    assert info.value.errors()[0]["loc"][0] == field
+    assert message in str(info.value)
+    # Assignment is validated the same way.
+    profile = SamplingProfile()
+    with pytest.raises(ValidationError, match=field):
+        setattr(profile, field, value)
+
+
+def test_unknown_fields_and_wrong_types_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="temprature"):
+        SamplingProfile(temprature=0.5)
+    with pytest.raises(ValidationError, match="top_k"):
+        SamplingProfile(top_k="many")
+
+
+def test_defaults_and_conveniences() -> None:
+    p = SamplingProfile()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.penalty_window, p.penalize_prompt, p.seed) == \
+        (1.0, 1.0, 0, 0.0, 0, False, None)
+    assert p.describe_chain() == "sample" and p.warnings() == []
+    assert SamplingProfile(stop="###").stop == ["###"]
+    assert SamplingProfile(logit_bias={"7": -100}).logit_bias == {7: -100.0}
+
+
+EXPECTED_PRESETS = {
+    "precise": dict(temperature=0.0),
+    "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4),
+    "chat": dict(temperature=0.8, top_p=0.9),
+    "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6),
+    "completion": dict(temperature=0.2, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED_PRESETS)
+def test_presets_load_with_the_seed_table_values(name: str) -> None:
+    p = SamplingProfile.preset(name)
+    assert p.name == name and p.description
+    assert p.model_dump(include=set(EXPECTED_PRESETS[name])) == EXPECTED_PRESETS[name]
+    assert p.warnings() == []
+
+
+def test_preset_list_and_unknown_name() -> None:
+    assert SamplingProfile.presets() == sorted(EXPECTED_PRESETS)
+    with pytest.raises(ValueError, match="unknown preset 'wild'; known presets: chat, completion, creative"):
+        SamplingProfile.preset("wild")
+
+
+def test_chain_description() -> None:
+    p = SamplingProfile(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1)
+    assert p.describe_chain() == "RepetitionPenalty(1.1) → TopK(40) → TopP(0.9) → Temperature(0.8) → sample"
+    assert SamplingProfile(temperature=0, top_p=0.5).describe_chain() == "greedy"
+    assert SamplingProfile(temperature=0.5, top_p=0.5, sampler_order=["temperature", "top_p"]).describe_chain() == \
+        "Temperature(0.5) → TopP(0.5) → sample"
+    assert list(DEFAULT_ORDER)[-1] == "temperature"
+
+
+def test_stacked_truncations_warn_but_are_allowed() -> None:
+    p = SamplingProfile(top_k=40, top_p=0.9, min_p=0.05, temperature=0.7)
+    [warning] = p.warnings()
+    assert "top_k + top_p + min_p are stacked" in warning
+    assert SamplingProfile(top_p=0.9, temperature=0.7).warnings() == []
+    assert "not in sampler_order" in SamplingProfile(top_p=0.9, sampler_order=["temperature"]).warnings()[0]
+    assert "greedy" in SamplingProfile(temperature=0, top_p=0.9).warnings()[0]
+
+
+# --- the store -----------------------------------------------------------------------------------------------------
+
+def test_user_profile_round_trip(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path / "profiles")
+    assert store.list() == []
+    p = SamplingProfile(name="my story", version=3, description="long walks", temperature=1.1, top_p=0.93,
+                        logit_bias={13: -2.5}, stop=["THE END"], seed=42, sampler_order=["temperature", "top_p"])
+    path = store.save(p)
+    assert path == tmp_path / "profiles" / "my story.toml"
+    assert tomllib.loads(path.read_text())["version"] == 3
+    assert store.load("my story") == p
+    assert store.list() == ["my story"]
+    store.save(p.model_copy(update={"version": 4}))
+    assert store.load("my story").version == 4
+    store.delete("my story")
+    assert store.list() == []
+    with pytest.raises(ProfileError, match="no such profile"):
+        store.load("my story")
+    with pytest.raises(ProfileError, match="no such profile"):
+        store.delete("my story")
+
+
+def test_save_needs_a_name(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="needs a name"):
+        ProfileStore(tmp_path).save(SamplingProfile())
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"temperature = = 2\n", "not valid TOML"),
+    (b"temperature = 7.0\n", "temperature must be between 0 and 2"),
+    (b"colour = 'blue'\n", "colour: Extra inputs are not permitted"),
+    (b"\xff\xfe\x00", "not valid TOML"),
+])
+def test_corrupt_profile_is_reported_and_left_alone(tmp_path: Path, content: bytes, reason: str) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError) as info:
+        ProfileStore(tmp_path).load("broken")
+    message = str(info.value)
+    assert str(path) in message and reason in message and "\n" not in message
+    assert path.read_bytes() == content
+    assert ProfileStore(tmp_path).list() == ["broken"]
+
+
+def test_default_folder_honours_xdg_config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    store = ProfileStore()
+    assert store.folder == tmp_path / "mlxchat" / "profiles"
+    store.save(SamplingProfile(name="x"))
+    assert (tmp_path / "mlxchat" / "profiles" / "x.toml").exists()
+
+
+def test_loading_a_stacked_profile_logs_the_advice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = ProfileStore(tmp_path)
+    store.save(SamplingProfile(name="stacked", top_k=20, min_p=0.1))
+    with caplog.at_level(logging.WARNING, logger="core.profile"):
+        store.load("stacked")
+    assert "stacked" in caplog.text and "top_k + min_p" in caplog.text
+
+
+# --- any input: a profile or a ValidationError, nothing else -------------------------------------------------------
+
+FIELDS = list(SamplingProfile.model_fields) + ["bogus"]
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4) | st.integers(), inner,
+                                                                max_size=3),
+    max_leaves=6,
+)
+
+
+@given(st.dictionaries(st.sampled_from(FIELDS), JSONISH, max_size=6))
+@settings(max_examples=150, deadline=None)
+def test_any_dict_gives_a_profile_or_a_validation_error(data: dict) -> None:
+    try:
+        profile = SamplingProfile.model_validate(data)
+    except ValidationError:
+        return
+    assert SamplingProfile.model_validate(profile.model_dump()) == profile
+    profile.warnings()
+    profile.describe_chain()
