@@ -244,58 +244,50 @@ class Engine:
                 f"the prompt is {len(prompt)} tokens but {m.name} has a context of {limit}: shorten it, "
                 "start a new chat, or use a rotating window (max_kv_size)")
         mx.reset_peak_memory()
-        started = time.perf_counter()
-        reused = cache.reuse(prompt)
-        sampler = Sampler(req.profile, vocab_size=_vocab_size(m), eos_ids=m.tokenizer.eos_ids,
-                          prompt_ids=prompt)
+        clock = _Clock(job.accepted, time.perf_counter(), len(prompt), cache.reuse(prompt), cache, limit)
+        sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids, prompt_ids=prompt)
         layers = cache.layers
+        want_lp = req.profile.logprobs
 
         def forward(ids: mx.array) -> tuple[mx.array, mx.array]:
-            logits = m.model(ids[None], cache=layers)[0, -1].astype(mx.float32)
-            return sampler.step(logits)
+            logits = m.model(ids[None], cache=layers)[0, -1]
+            token, logprobs = sampler.step(logits)
+            # Logprobs cost a vocabulary-wide exp: evaluate them only when asked for.
+            mx.async_eval(token, logprobs) if want_lp else mx.async_eval(token)
+            return token, logprobs
 
-        todo = prompt[reused:]
-        total = len(prompt)
-        job.emit(PrefillProgress(reused, total))
+        todo = prompt[clock.reused:]
+        job.emit(PrefillProgress(clock.reused, clock.total))
         for start in range(0, len(todo) - 1, self.prefill_step):
             if job.cancelled.is_set():
-                return self._finish(job, cache, "", (), (), "cancelled", _metrics(total, reused, 0, job, started,
-                                                                                      None, None, cache, limit),
-                                    sampler, req)
+                return self._finish(job, clock, "", [], [], "cancelled", sampler, req)
             chunk = todo[start:min(start + self.prefill_step, len(todo) - 1)]
             m.model(mx.array(chunk)[None], cache=layers)
             mx.eval([c.state for c in layers])
             cache.tokens.extend(chunk)
-            job.emit(PrefillProgress(reused + start + len(chunk), total))
+            job.emit(PrefillProgress(clock.reused + start + len(chunk), clock.total))
 
         y, logprobs = forward(mx.array(todo[-1:]))
         cache.tokens.append(todo[-1])
-        want_lp = req.profile.logprobs
-        mx.async_eval(y, logprobs) if want_lp else mx.async_eval(y)
-
         detok = IncrementalDetokenizer(m.tokenizer)
         stops = StopStringFilter(req.stop)
         text: list[str] = []
         ids: list[int] = []
         lps: list[TokenLogprob] = []
-        t_first = t_last = None
         reason: FinishReason = "length"
         while True:
             at_limit = (req.max_tokens is not None and len(ids) + 1 >= req.max_tokens) or (
                 not cache.rotating and len(cache.tokens) + 1 >= limit)
             if not at_limit:
                 # Queue the next step before waiting on this token, so the host never idles the device.
-                # Logprobs cost a vocabulary-wide exp: evaluate them only when asked for.
                 next_y, next_lp = forward(y.reshape(1))
-                mx.async_eval(next_y, next_lp) if want_lp else mx.async_eval(next_y)
             token = y.item()
-            t_last = time.perf_counter()
-            t_first = t_first or t_last
             if not at_limit:
                 cache.tokens.append(token)
             if token in m.tokenizer.eos_ids:
                 reason = "stop"
                 break
+            clock.tick()
             ids.append(token)
             token_lp = ()
             if want_lp:
@@ -304,8 +296,7 @@ class Engine:
                 lps.extend(token_lp)
             delta = stops.feed(detok.add(token))
             text.append(delta)
-            job.emit(TokenEvent(delta, (token,), _metrics(total, reused, len(ids), job, started, t_first, t_last,
-                                                          cache, limit), token_lp))
+            job.emit(TokenEvent(delta, (token,), clock.metrics(), token_lp))
             if stops.stopped:
                 reason = "stop"
                 break
@@ -315,37 +306,51 @@ class Engine:
                 reason = "cancelled"
                 break
             y, logprobs = next_y, next_lp
-        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        metrics = _metrics(total, reused, len(ids), job, started, t_first, t_last, cache, limit)
-        return self._finish(job, cache, "".join(text) + tail, tuple(ids), tuple(lps), reason, metrics, sampler, req,
-                            tail)
+        if not stops.stopped:
+            tail = stops.feed(detok.flush()) + stops.flush()
+            if tail:
+                text.append(tail)
+                job.emit(TokenEvent(tail, (), clock.metrics()))
+        return self._finish(job, clock, "".join(text), ids, lps, reason, sampler, req)
 
-    def _finish(self, job: _Job, cache: ConversationCache, text: str, ids: tuple[int, ...],
-                lps: tuple[TokenLogprob, ...], reason: FinishReason, metrics: Metrics, sampler: Sampler,
-                req: _Request, tail: str = "") -> GenerationResult:
-        if tail:
-            job.emit(TokenEvent(tail, (), metrics))
-        result = GenerationResult(text, reason, metrics, ids, lps, sampler.describe(), sampler.seed,
-                                  req.profile.model_dump(mode="json"))
+    def _finish(self, job: _Job, clock: "_Clock", text: str, ids: list[int], lps: list[TokenLogprob],
+                reason: FinishReason, sampler: Sampler, req: _Request) -> GenerationResult:
+        result = GenerationResult(text, reason, clock.metrics(), tuple(ids), tuple(lps), sampler.describe(),
+                                  sampler.seed, req.profile.model_dump(mode="json"))
         job.emit(Done(result))
         return result
 
 
-def _vocab_size(m: loader.LoadedModel) -> int:
-    return int(m.model.model.embed_tokens.weight.shape[0]) if hasattr(m.model, "model") else m.tokenizer.vocab_size
+@dataclass
+class _Clock:
+    """Times one generation and turns them into `Metrics` snapshots."""
 
+    accepted: float
+    started: float
+    total: int
+    reused: int
+    cache: ConversationCache
+    limit: int
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
 
-def _metrics(total: int, reused: int, n: int, job: _Job, started: float, t_first: float | None,
-             t_last: float | None, cache: ConversationCache, limit: int) -> Metrics:
-    return Metrics(
-        prompt_tokens=total, cached_tokens=reused, completion_tokens=n,
-        ttft_s=(t_first - job.accepted) if t_first else 0.0,
-        tpot_s=((t_last - t_first) / (n - 1)) if t_first and t_last and n > 1 else 0.0,
-        prefill_s=(t_first - started) if t_first else time.perf_counter() - started,
-        decode_s=(t_last - t_first) if t_first and t_last else 0.0,
-        peak_memory_bytes=mx.get_peak_memory(),
-        context_tokens=cache.size, context_limit=limit, kv_window=cache.max_kv_size,
-    )
+    def tick(self) -> None:
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        self.tokens += 1
+
+    def metrics(self) -> Metrics:
+        first, last, n = self.first, self.last, self.tokens
+        return Metrics(
+            prompt_tokens=self.total, cached_tokens=self.reused, completion_tokens=n,
+            ttft_s=first - self.accepted if first else 0.0,
+            tpot_s=(last - first) / (n - 1) if first and last and n > 1 else 0.0,
+            prefill_s=(first or time.perf_counter()) - self.started,
+            decode_s=last - first if first and last else 0.0,
+            peak_memory_bytes=mx.get_peak_memory(),
+            context_tokens=self.cache.size, context_limit=self.limit, kv_window=self.cache.max_kv_size,
+        )
 
 
 class ChatSession:

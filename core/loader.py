@@ -44,6 +44,7 @@ class LoadedModel:
     context_length: int
     quantized: bool
     weight_bytes: int
+    vocab_size: int  # length of the logits vector, which may exceed the tokenizer's vocabulary
 
     @property
     def num_layers(self) -> int:
@@ -231,5 +232,6 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     model.eval()
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return LoadedModel(model, tokenizer, name, source, context, is_quantized, nbytes)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
+    return LoadedModel(model, tokenizer, name, source, context, is_quantized, nbytes, int(vocab))
 
