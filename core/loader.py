@@ -194,8 +194,8 @@ def load_gguf(path: Path, policy: Literal["quantized", "dequantize"]) -> LoadedM
     except ValueError as e:
         raise ModelLoadError(path, f"its tensors do not fit a {header.architecture} model: {e}") from None
     tokenizer = from_gguf_metadata(header.metadata)
-    name = header.metadata.get("general.name") or path.stem
-    return _finish(model, tokenizer, str(name), str(path), args.max_position_embeddings, policy)
+    # The file name says model, size and quantization ("SmolLM2-135M-Instruct.Q4_1"); general.name often does not.
+    return _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy)
 
 
 # --- MLX / Hugging Face folders -----------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""mlxchat's full-screen terminal chat (Textual). It never imports MLX itself: it talks to ``core``."""

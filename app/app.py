@@ -1,0 +1,178 @@
+"""The mlxchat Textual app: ``MlxChatApp``, the ``make_app`` factory the tests reuse, and ``run_tui`` for the CLI.
+
+App-wide concerns live here and in the top-level modules (posting's layout): settings (``config.py``), folders
+(``locations.py``), the conversation store (``store.py``), the engine bridge (``engine_worker.py``) and command
+palette providers (``commands.py``). The UI itself is in ``screens/`` and ``widgets/``, styled by ``app.tcss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from core.profile import ProfileError, ProfileStore, SamplingProfile
+
+from .commands import ProfileCommands
+from .config import ConfigError, Settings
+from .locations import Locations
+from .screens import ChatScreen, HelpScreen
+from .store import Store, StoreError
+from .widgets import ChatInput, ConversationList, MessageView
+
+if TYPE_CHECKING:
+    from core import Engine
+
+
+class MlxChatApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "mlxchat"
+    COMMANDS = App.COMMANDS | {ProfileCommands}
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, show=False),
+        Binding("f1", "help", "Help", id="help"),
+        Binding("f10", "toggle_theme", "Light/dark", id="toggle_theme", show=False),
+    ]
+
+    def __init__(self, *, locations: Locations, model: str | None = None, engine: "Engine | None" = None,
+                 max_tokens: int | None = None, scan_hf_cache: bool = True, profile: str | None = None,
+                 system_prompt: str | None = None) -> None:
+        super().__init__()
+        self.locations = locations
+        self.problems: list[str] = []
+        try:
+            self.settings = Settings.load(locations.config_file)
+        except ConfigError as e:
+            self.settings = Settings()
+            self.problems.append(str(e))
+        overrides = {k: v for k, v in (("profile", profile), ("system_prompt", system_prompt)) if v is not None}
+        if overrides:
+            self.settings = self.settings.model_copy(update=overrides)
+        self.model_spec = model if model is not None else self.settings.model
+        self.preloaded_engine = engine
+        self.max_tokens = max_tokens if max_tokens is not None else self.settings.max_tokens
+        self.scan_hf_cache = scan_hf_cache
+        self.profiles = ProfileStore(locations.profiles)
+        try:
+            self.store = Store(locations.database)
+            self.store_error: str | None = None
+        except StoreError as e:
+            # Never touch the user's file: run on a throwaway database and say so.
+            self.store = Store(":memory:")
+            self.store_error = str(e)
+            self.problems.append(f"{e}. Conversations are not saved in this session.")
+        self.chat_screen = ChatScreen()
+
+    # --- start and stop ------------------------------------------------------------------------------------------
+
+    def get_default_screen(self) -> Screen:
+        return self.chat_screen
+
+    def on_mount(self) -> None:
+        # The theme picked in the app (F10, palette) is remembered, until config.toml's theme itself changes.
+        theme = self.settings.theme
+        if self.store.get_setting("theme_config") == theme:
+            theme = self.store.get_setting("theme") or theme
+        if theme not in self.available_themes:
+            self.problems.append(f"unknown theme {theme!r}; themes: {', '.join(sorted(self.available_themes))}")
+            theme = "textual-dark"
+        self.theme = theme
+        self._theme_ready = True
+        known = {binding_id for _, _, _, binding_id in self.binding_rows(remapped=False)}
+        unknown = sorted(set(self.settings.keys) - known)
+        if unknown:
+            self.problems.append(f"{self.locations.config_file}: keys: no binding with id {', '.join(unknown)} "
+                                 "(F1 lists the ids)")
+        self.set_keymap({k: v for k, v in self.settings.keys.items() if k in known})
+        for problem in self.problems:
+            self.notify(problem, severity="error", timeout=15)
+
+    def on_unmount(self) -> None:
+        self.store.close()
+
+    def watch_theme(self, theme: str) -> None:
+        if getattr(self, "_theme_ready", False):  # a change by the user (not the initial one): remember it
+            self.store.set_setting("theme", theme)
+            self.store.set_setting("theme_config", self.settings.theme)
+
+    # --- profiles ------------------------------------------------------------------------------------------------
+
+    def default_profile(self) -> SamplingProfile:
+        """The config's profile: a preset or a saved user profile (the chat preset if it cannot be found)."""
+        name = self.settings.profile
+        try:
+            if name in SamplingProfile.presets():
+                return SamplingProfile.preset(name)
+            return self.profiles.load(name)
+        except (ProfileError, ValueError) as e:
+            self.notify(f"profile {name!r}: {e}; using the chat preset", severity="warning")
+            return SamplingProfile.preset("chat")
+
+    # --- help, theme, palette ------------------------------------------------------------------------------------
+
+    BINDING_SCOPES: list[tuple[str, type]] = []  # filled below, after the classes exist
+
+    def binding_rows(self, *, remapped: bool = True) -> list[tuple[str, str, str, str]]:
+        """(keys, description, where, id) for every binding with an id, with the keymap applied."""
+        keymap: dict[str, str] = dict(getattr(self, "_keymap", {}) or {}) if remapped else {}
+        rows = []
+        seen = set()
+        for where, cls in self.BINDING_SCOPES:
+            for b in cls.BINDINGS:
+                if isinstance(b, Binding) and b.id and b.id not in seen:
+                    seen.add(b.id)
+                    rows.append((keymap.get(b.id, b.key), b.description or b.action, where, b.id))
+        return rows
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        self.push_screen(HelpScreen(self.binding_rows(), str(self.locations.config_file)))
+
+    def action_toggle_theme(self) -> None:
+        s = self.settings
+        self.theme = s.light_theme if self.theme == s.dark_theme or self.current_theme.dark else s.dark_theme
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        chat = self.chat_screen
+        yield SystemCommand("New chat", "Start a new conversation", chat.action_new_chat)
+        yield SystemCommand("Sampling profile…", "Pick or edit the profile for this chat", chat.action_profiles)
+        yield SystemCommand("Model…", "Pick a model: embedded, local files, Hugging Face cache", chat.action_models)
+        yield SystemCommand("System prompt…", "Set the system prompt of this chat", chat.action_system_prompt)
+        yield SystemCommand("Regenerate", "Answer the last message again", chat.action_regenerate)
+        yield SystemCommand("Edit last message", "Edit and resend your last message", chat.action_edit_last)
+        yield SystemCommand("Export to Markdown…", "Write this chat to a Markdown file", chat.action_export)
+        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", chat.action_copy_reply)
+        yield SystemCommand("Copy last code block", "Copy a code block of the chat", chat.action_copy_code)
+        yield SystemCommand("Clear chat", "Delete the messages of this chat", chat.action_clear)
+        yield SystemCommand("Toggle light/dark", "Switch between the light and dark theme", self.action_toggle_theme)
+        yield SystemCommand("Toggle sidebar", "Show or hide the conversation list", chat.action_toggle_sidebar)
+        yield SystemCommand("Keys", "Show the key bindings", self.action_help)
+
+
+MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("chat", ChatScreen), ("input", ChatInput),
+                             ("message", MessageView), ("sidebar", ConversationList)]
+
+
+def make_app(model: str | None = None, data_dir: str | Path | None = None, config_dir: str | Path | None = None,
+             max_tokens: int | None = None, *, engine: "Engine | None" = None, scan_hf_cache: bool = True,
+             profile: str | None = None, system_prompt: str | None = None) -> MlxChatApp:
+    """Build the app.
+
+    model: what ``Engine.load`` takes (None: the config's model, else the embedded one); data_dir / config_dir:
+    override the XDG folders; max_tokens: per reply (None: the config's); profile / system_prompt: override the
+    config's defaults for new chats; engine: an already loaded Engine (tests share one), which the app does not
+    close; scan_hf_cache: let the model picker look in the Hugging Face cache."""
+    return MlxChatApp(locations=Locations.resolve(data_dir, config_dir), model=model, engine=engine,
+                      max_tokens=max_tokens, scan_hf_cache=scan_hf_cache, profile=profile,
+                      system_prompt=system_prompt)
+
+
+def run_tui(model: str | None = None, **kw: Any) -> None:
+    """Open the full-screen chat (``mlxchat`` with no arguments, ``mlxchat chat --model X``)."""
+    make_app(model=model, **kw).run()

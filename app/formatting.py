@@ -1,0 +1,103 @@
+"""How numbers read in the app: the live readouts and the per-message stats line (like LM Studio's)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+FINISH = {"stop": "stop: end of reply", "length": "stop: max tokens", "cancelled": "stopped by you"}
+DONE = {"stop": "✓ done", "length": "✓ max tokens", "cancelled": "■ stopped"}
+
+
+def fmt_bytes(n: float | None) -> str:
+    if not n:
+        return "–"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if n >= 100 or unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def fmt_seconds(s: float | None) -> str:
+    if not s:
+        return "–"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def fmt_rate(r: float | None) -> str:
+    return f"{r:.1f} tok/s" if r else "– tok/s"
+
+
+def _get(m: Any, key: str, default: Any = 0) -> Any:
+    if isinstance(m, Mapping):
+        return m.get(key, default) or default
+    return getattr(m, key, default) or default
+
+
+def decode_rate(m: Any) -> float:
+    tpot = _get(m, "tpot_s", 0.0)
+    return 1.0 / tpot if tpot else 0.0
+
+
+def prefill_rate(m: Any) -> float:
+    done = _get(m, "prompt_tokens") - _get(m, "cached_tokens")
+    s = _get(m, "prefill_s", 0.0)
+    return done / s if s and done > 0 else 0.0
+
+
+def context(m: Any) -> str:
+    used, limit, window = _get(m, "context_tokens"), _get(m, "context_limit"), _get(m, "kv_window", None)
+    text = f"ctx {used}/{limit}" if limit else f"ctx {used}"
+    if window:
+        text += f" (window {window})"
+    return text
+
+
+def live_readouts(m: Any) -> str:
+    """The stats bar while a reply streams (and after it, until the next one)."""
+    return " · ".join([
+        f"TTFT {fmt_seconds(_get(m, 'ttft_s', 0.0))}",
+        f"TPOT {fmt_seconds(_get(m, 'tpot_s', 0.0))}",
+        fmt_rate(decode_rate(m)),
+        f"in {_get(m, 'prompt_tokens')} out {_get(m, 'completion_tokens')}",
+        context(m),
+        f"mem {fmt_bytes(_get(m, 'peak_memory_bytes'))}",
+    ])
+
+
+def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = None,
+               profile_name: str | None = None) -> str:
+    """The line under a finished assistant message."""
+    m = metrics or {}
+    parts = [
+        fmt_rate(decode_rate(m)),
+        f"{_get(m, 'completion_tokens')} tokens",
+        f"{fmt_seconds(_get(m, 'ttft_s', 0.0))} to first token",
+    ]
+    if finish_reason:
+        parts.append(FINISH.get(finish_reason, f"stop: {finish_reason}"))
+    prompt, cached = _get(m, "prompt_tokens"), _get(m, "cached_tokens")
+    prefill = f"prompt {prompt} tok"
+    if cached:
+        prefill += f" ({cached} cached)"
+    if rate := prefill_rate(m):
+        prefill += f" at {rate:.0f} tok/s"
+    parts += [prefill, context(m), f"peak {fmt_bytes(_get(m, 'peak_memory_bytes'))}"]
+    if profile_name:
+        parts.append(f"profile {profile_name}")
+    return " · ".join(parts)
+
+
+def profile_summary(p: Any) -> str:
+    """A profile's values in one line, e.g. 'temperature 0.8 · top_p 0.9'."""
+    from core.profile import SamplingProfile  # no MLX in core.profile
+
+    default = SamplingProfile()
+    shown = []
+    for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "xtc_probability", "min_tokens", "seed", "max_tokens", "stop"):
+        value = getattr(p, name)
+        if name == "temperature" or value != getattr(default, name):
+            shown.append(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
+    return " · ".join(shown)

@@ -1,0 +1,255 @@
+"""The profile picker: presets and the user's saved profiles with their values, editable fields validated inline
+by ``SamplingProfile`` itself (its errors name the field, the value and the range), save-as and delete."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, OptionList, Static
+from textual.widgets.option_list import Option
+
+from core.profile import ProfileError, ProfileStore, SamplingProfile
+
+from ..formatting import profile_summary
+from .dialogs import TextPrompt
+
+# The fields offered for editing, in the order shown.
+FIELDS: list[tuple[str, str]] = [
+    ("temperature", "0–2, 0 = greedy"),
+    ("top_p", "(0, 1], 1 = off"),
+    ("top_k", "≥ 0, 0 = off"),
+    ("min_p", "0–1, 0 = off"),
+    ("typical_p", "(0, 1], 1 = off"),
+    ("frequency_penalty", "−2…2"),
+    ("presence_penalty", "−2…2"),
+    ("repetition_penalty", "> 0, 1 = off"),
+    ("min_tokens", "≥ 0"),
+    ("max_tokens", "empty = no limit"),
+    ("seed", "empty = random"),
+    ("stop", 'e.g. ["\\n\\n"]'),
+]
+OPTIONAL = {"seed", "max_tokens"}
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    key: str  # "preset:chat" / "user:mine"
+    kind: str
+    profile: SamplingProfile | None
+    error: str | None = None
+
+
+def load_entries(store: ProfileStore) -> list[ProfileEntry]:
+    entries = [ProfileEntry(f"preset:{n}", "preset", SamplingProfile.preset(n)) for n in SamplingProfile.presets()]
+    for name in store.list():
+        try:
+            entries.append(ProfileEntry(f"user:{name}", "user", store.load(name)))
+        except ProfileError as e:
+            entries.append(ProfileEntry(f"user:{name}", "user", None, str(e)))
+    return entries
+
+
+def field_text(profile: SamplingProfile, name: str) -> str:
+    value = getattr(profile, name)
+    if value is None:
+        return ""
+    if name == "stop":
+        return json.dumps(value) if value else ""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def parse_field(name: str, text: str) -> Any:
+    text = text.strip()
+    if name == "stop":
+        if not text:
+            return []
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"stop: not a JSON list ({e.msg})") from None
+        return [text]
+    if name in OPTIONAL and not text:
+        return None
+    return text  # pydantic turns "0.8" into 0.8 and says what is wrong otherwise
+
+
+def error_text(error: dict[str, Any]) -> str:
+    field = ".".join(str(p) for p in error["loc"])
+    return error["msg"] if error["type"] in ("out_of_range", "bad_name", "empty_stop") else f"{field}: {error['msg']}"
+
+
+class ProfilePicker(ModalScreen[SamplingProfile | None]):
+    """Returns the chosen (possibly edited) profile, or None."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel", id="profile_cancel"),
+        Binding("ctrl+s", "save_as", "Save as…", id="profile_save"),
+        Binding("ctrl+d", "delete_profile", "Delete user profile", id="profile_delete", show=False),
+    ]
+
+    def __init__(self, store: ProfileStore, current: SamplingProfile) -> None:
+        super().__init__(classes="dialog-screen")
+        self.store = store
+        self.current = current
+        self.entries: list[ProfileEntry] = []
+        self.base: SamplingProfile = current
+        self.edited: SamplingProfile | None = current
+        self.errors: dict[str, str] = {}
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog profiles"):
+            yield Static("Sampling profile", classes="dialog-title")
+            with Horizontal(id="profile-body"):
+                yield OptionList(id="profile-list")
+                with VerticalScroll(id="profile-form"):
+                    yield Static("", id="profile-description", markup=False)
+                    with Grid(id="profile-fields"):
+                        for name, hint in FIELDS:
+                            yield Static(name, classes="field-label")
+                            yield Input(id=f"field-{name}", placeholder=hint, compact=True)
+                            yield Static("", id=f"error-{name}", classes="field-error", markup=False)
+                    yield Static("", id="profile-chain", markup=False)
+                    yield Static("", id="profile-warnings", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Use", variant="primary", id="profile-use")
+                yield Button("Save as…", id="profile-save")
+                yield Button("Cancel", id="profile-cancel")
+
+    def on_mount(self) -> None:
+        self.refresh_entries(select=self._key_of(self.current))
+        self.load_form(self.current)
+
+    def _key_of(self, profile: SamplingProfile) -> str | None:
+        if profile.name in SamplingProfile.presets():
+            return f"preset:{profile.name}"
+        if profile.name in self.store.list():
+            return f"user:{profile.name}"
+        return None
+
+    def refresh_entries(self, select: str | None = None) -> None:
+        self.entries = load_entries(self.store)
+        options = self.query_one("#profile-list", OptionList)
+        options.clear_options()
+        for e in self.entries:
+            name = e.key.split(":", 1)[1]
+            detail = profile_summary(e.profile) if e.profile else (e.error or "")
+            options.add_option(Option(Content.assemble((f"{e.kind:<6} ", "dim"), (name, "bold"), "\n  ", detail),
+                                      id=e.key))
+        if select is not None:
+            try:
+                options.highlighted = options.get_option_index(select)
+            except Exception:  # noqa: BLE001
+                pass
+
+    # --- the form ------------------------------------------------------------------------------------------------
+
+    def load_form(self, profile: SamplingProfile) -> None:
+        self.base = profile
+        for name, _ in FIELDS:
+            self.query_one(f"#field-{name}", Input).value = field_text(profile, name)
+        self.query_one("#profile-description", Static).update(
+            f"{profile.name or 'custom'}: {profile.description}" if profile.description else (profile.name or "custom"))
+        self.validate_form()
+
+    def form_values(self) -> dict[str, Any]:
+        return {name: self.query_one(f"#field-{name}", Input).value for name, _ in FIELDS}
+
+    def validate_form(self) -> SamplingProfile | None:
+        data = self.base.model_dump(mode="python")
+        self.errors = {}
+        for name, text in self.form_values().items():
+            try:
+                data[name] = parse_field(name, text)
+            except ValueError as e:
+                self.errors[name] = str(e)
+        profile = None
+        if not self.errors:
+            try:
+                profile = SamplingProfile.model_validate(data)
+            except ValidationError as e:
+                for err in e.errors():
+                    self.errors.setdefault(str(err["loc"][0]) if err["loc"] else "stop", error_text(err))
+        for name, _ in FIELDS:
+            self.query_one(f"#error-{name}", Static).update(self.errors.get(name, ""))
+            self.query_one(f"#field-{name}", Input).set_class(name in self.errors, "-invalid")
+        if profile is not None and profile.model_dump() != self.base.model_dump():
+            profile = SamplingProfile.model_validate({**profile.model_dump(), "name": self._edited_name()})
+        self.edited = profile
+        self.query_one("#profile-chain", Static).update(
+            f"chain: {profile.describe_chain()}" if profile else "fix the fields marked above")
+        warnings = profile.warnings() if profile else []
+        self.query_one("#profile-warnings", Static).update("\n".join(f"⚠ {w}" for w in warnings))
+        self.query_one("#profile-use", Button).disabled = profile is None
+        return profile
+
+    def _edited_name(self) -> str:
+        base = self.base.name or "custom"
+        return base if base.endswith(" edited") else f"{base[:57]} edited"
+
+    @on(Input.Changed)
+    def _changed(self, event: Input.Changed) -> None:
+        if event.input.id and event.input.id.startswith("field-"):
+            self.validate_form()
+
+    @on(OptionList.OptionHighlighted, "#profile-list")
+    def _highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        entry = next((e for e in self.entries if e.key == event.option.id), None)
+        if entry and entry.profile:
+            self.load_form(entry.profile)
+
+    @on(OptionList.OptionSelected, "#profile-list")
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#profile-use")
+    def action_use(self) -> None:
+        if self.edited is not None:
+            self.dismiss(self.edited)
+
+    @on(Button.Pressed, "#profile-cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    @on(Button.Pressed, "#profile-save")
+    def action_save_as(self) -> None:
+        if self.edited is None:
+            self.notify("Fix the fields marked in red first", severity="warning")
+            return
+        profile = self.edited
+        suggested = (profile.name or "mine").removesuffix(" edited").replace(" ", "-")
+
+        def save(name: str | None) -> None:
+            if not name:
+                return
+            try:
+                named = SamplingProfile.model_validate({**profile.model_dump(), "name": name})
+                path = self.store.save(named)
+            except (ValidationError, ProfileError) as e:
+                msg = error_text(e.errors()[0]) if isinstance(e, ValidationError) else str(e)
+                self.notify(msg, severity="error")
+                return
+            self.notify(f"Saved profile {name} to {path}")
+            self.refresh_entries(select=f"user:{name}")
+            self.load_form(named)
+
+        self.app.push_screen(TextPrompt("Save the profile as", suggested, accept="Save"), save)
+
+    def action_delete_profile(self) -> None:
+        options = self.query_one("#profile-list", OptionList)
+        if options.highlighted is None:
+            return
+        key = options.get_option_at_index(options.highlighted).id or ""
+        if not key.startswith("user:"):
+            self.notify("Presets cannot be deleted", severity="warning")
+            return
+        self.store.delete(key.removeprefix("user:"))
+        self.notify(f"Deleted profile {key.removeprefix('user:')}")
+        self.refresh_entries()

@@ -1,0 +1,348 @@
+"""Conversations in SQLite: a schema version table with step-wise migrations, WAL, a busy timeout, and one
+transaction per message.
+
+The database is the user's history, so it is never overwritten: a file that is not an SQLite database (or fails
+its integrity check), an SQLite file that is not mlxchat's, or one written by a newer schema raises
+:class:`StoreError` (one line: the file, what is wrong, what to do) and the file is left exactly as it was.
+
+Schema (version 2)::
+
+    schema_version(version)                                  -- one row
+    conversations(id, title, system_prompt, profile JSON, model, created_at, updated_at)
+    messages(id, conversation_id → conversations ON DELETE CASCADE, position, role, content, created_at,
+             finish_reason, metrics JSON, profile JSON, sampler, seed, model)
+    models(path, label, added_at)                            -- local model files/folders the user added (v2)
+    settings(key, value)                                     -- small UI state, e.g. the theme (v2)
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 2
+BUSY_TIMEOUT_MS = 5000
+
+
+class StoreError(Exception):
+    """The conversations database cannot be used. One line, naming the file."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str | None
+    profile: dict[str, Any]
+    model: str | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    id: int
+    conversation_id: int
+    position: int
+    role: str
+    content: str
+    created_at: float
+    finish_reason: str | None = None
+    metrics: dict[str, Any] | None = None
+    profile: dict[str, Any] | None = None
+    sampler: str | None = None
+    seed: int | None = None
+    model: str | None = None
+
+    def as_chat_message(self) -> dict[str, Any]:
+        """The dict a core ChatSession keeps in ``messages``."""
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.role == "assistant":
+            m.update(finish_reason=self.finish_reason, metrics=self.metrics or {}, profile=self.profile or {})
+        return m
+
+
+# --- migrations: MIGRATIONS[n] takes a database at version n to n + 1 ------------------------------------------
+
+def _to_v1(c: sqlite3.Connection) -> None:
+    # Statement by statement: executescript() would commit the surrounding transaction first.
+    _script(c, """
+        CREATE TABLE schema_version (version INTEGER NOT NULL);
+        INSERT INTO schema_version (version) VALUES (0);
+        CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            system_prompt TEXT,
+            profile TEXT NOT NULL DEFAULT '{}',
+            model TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            finish_reason TEXT,
+            metrics TEXT,
+            profile TEXT,
+            sampler TEXT,
+            seed TEXT,  -- a 64-bit unsigned seed does not fit SQLite's signed INTEGER
+            UNIQUE (conversation_id, position)
+        );
+        CREATE INDEX conversations_by_update ON conversations (updated_at DESC);
+    """)
+
+
+def _script(c: sqlite3.Connection, script: str) -> None:
+    for statement in script.split(";"):
+        if statement.strip():
+            c.execute(statement)
+
+
+def _to_v2(c: sqlite3.Connection) -> None:
+    c.execute("ALTER TABLE messages ADD COLUMN model TEXT")
+    c.execute("UPDATE messages SET model = (SELECT model FROM conversations WHERE conversations.id = "
+              "messages.conversation_id) WHERE role = 'assistant'")
+    c.execute("CREATE TABLE models (path TEXT PRIMARY KEY, label TEXT NOT NULL, added_at REAL NOT NULL)")
+    c.execute("CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2]
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class Store:
+    """One connection to the conversations database. Use it from one thread (the UI's)."""
+
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time,
+                 target_version: int = SCHEMA_VERSION) -> None:
+        self.path = path if path == ":memory:" else Path(path)
+        self.clock = clock
+        if isinstance(self.path, Path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._c = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: cannot open the conversations database ({e})") from None
+        try:
+            self._open(target_version)
+        except BaseException:
+            self._c.close()
+            raise
+
+    # --- opening and migrating ------------------------------------------------------------------------------------
+
+    def _fail(self, problem: str) -> StoreError:
+        return StoreError(f"{self.path}: {problem}; the file was left untouched (move it away to start a new "
+                          "history)")
+
+    def _open(self, target: int) -> None:
+        c = self._c
+        c.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        try:
+            tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.DatabaseError as e:
+            raise self._fail(f"not an SQLite database or damaged ({e})") from None
+        version = self._version() if "schema_version" in tables else None
+        if version is None and tables:
+            raise self._fail("an SQLite database, but not mlxchat's (no schema_version table)")
+        if version is not None and version > SCHEMA_VERSION:
+            raise self._fail(f"written by a newer mlxchat (schema version {version}; this one reads up to "
+                             f"{SCHEMA_VERSION}): upgrade mlxchat")
+        if version is not None:
+            try:
+                check = c.execute("PRAGMA quick_check(1)").fetchall()[0][0]
+            except sqlite3.DatabaseError as e:
+                check = str(e)
+            if check != "ok":
+                raise self._fail(f"damaged (integrity check: {check})")
+        if self.path != ":memory:":
+            mode = c.execute("PRAGMA journal_mode = WAL").fetchall()[0][0]
+            if mode.lower() != "wal":
+                raise self._fail(f"cannot switch to WAL journaling (got {mode})")
+        c.execute("PRAGMA foreign_keys = ON")
+        c.execute("PRAGMA synchronous = NORMAL")
+        if (version or 0) < target and version and isinstance(self.path, Path):
+            # Keep the last copy of the older schema, in case an upgrade step ever goes wrong.
+            backup = sqlite3.connect(self.path.with_name(f"{self.path.name}.v{version}.bak"))
+            try:
+                c.backup(backup)
+            finally:
+                backup.close()
+        self.migrate(target)
+
+    def _version(self) -> int:
+        rows = self._c.execute("SELECT version FROM schema_version").fetchall()
+        row = rows[0] if rows else None
+        if row is None:
+            raise self._fail("its schema_version table is empty")
+        return int(row[0])
+
+    def migrate(self, target: int = SCHEMA_VERSION) -> None:
+        """Apply the missing steps, each in its own transaction with its version bump."""
+        while True:
+            with self._tx() as c:
+                tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                version = self._version() if "schema_version" in tables else 0
+                if version >= target:
+                    return
+                MIGRATIONS[version](c)
+                c.execute("UPDATE schema_version SET version = ?", (version + 1,))
+
+    @property
+    def version(self) -> int:
+        return self._version()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taking the write lock up front (so busy_timeout applies, no upgrade deadlock)."""
+        c = self._c
+        try:
+            c.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise StoreError(f"{self.path}: the database is busy ({e}); is another mlxchat writing to it?") from None
+        try:
+            yield c
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        else:
+            c.execute("COMMIT")
+
+    def close(self) -> None:
+        self._c.close()
+
+    # --- conversations -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _conversation(row: tuple) -> Conversation:
+        id_, title, system, profile, model, created, updated = row
+        return Conversation(id_, title, system, _loads(profile) or {}, model, created, updated)
+
+    _CONV = "SELECT id, title, system_prompt, profile, model, created_at, updated_at FROM conversations"
+
+    def create_conversation(self, title: str, *, system_prompt: str | None = None,
+                            profile: dict[str, Any] | None = None, model: str | None = None) -> Conversation:
+        now = self.clock()
+        with self._tx() as c:
+            cur = c.execute("INSERT INTO conversations (title, system_prompt, profile, model, created_at, updated_at)"
+                            " VALUES (?, ?, ?, ?, ?, ?)",
+                            (title.strip() or "New chat", system_prompt, _dumps(profile or {}), model, now, now))
+            return Conversation(cur.lastrowid, title.strip() or "New chat", system_prompt, profile or {}, model,
+                                now, now)
+
+    def conversations(self) -> list[Conversation]:
+        """Newest first (by last activity)."""
+        return [self._conversation(r) for r in self._c.execute(self._CONV + " ORDER BY updated_at DESC, id DESC")]
+
+    def conversation(self, conversation_id: int) -> Conversation:
+        row = self._c.execute(self._CONV + " WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no conversation {conversation_id}")
+        return self._conversation(row)
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        if not title.strip():
+            raise ValueError("a conversation title cannot be empty")
+        with self._tx() as c:
+            c.execute("UPDATE conversations SET title = ? WHERE id = ?", (title.strip(), conversation_id))
+
+    def update_conversation(self, conversation_id: int, **fields: Any) -> None:
+        """Change system_prompt, profile (a dict) or model."""
+        allowed = {"system_prompt", "profile", "model"}
+        if unknown := set(fields) - allowed:
+            raise ValueError(f"cannot update {', '.join(sorted(unknown))}")
+        if not fields:
+            return
+        values = [_dumps(v) if k == "profile" else v for k, v in fields.items()]
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._tx() as c:
+            c.execute(f"UPDATE conversations SET {sets}, updated_at = ? WHERE id = ?",
+                      (*values, self.clock(), conversation_id))
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # --- messages ------------------------------------------------------------------------------------------------
+
+    def add_message(self, conversation_id: int, role: str, content: str, *, finish_reason: str | None = None,
+                    metrics: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
+                    sampler: str | None = None, seed: int | None = None, model: str | None = None) -> StoredMessage:
+        """Append one message (with its stats) and touch the conversation, in one transaction."""
+        now = self.clock()
+        with self._tx() as c:
+            (position,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id = ?",
+                                    (conversation_id,)).fetchone()
+            try:
+                cur = c.execute(
+                    "INSERT INTO messages (conversation_id, position, role, content, created_at, finish_reason, "
+                    "metrics, profile, sampler, seed, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, position, role, content, now, finish_reason, _dumps(metrics), _dumps(profile),
+                     sampler, None if seed is None else str(seed), model))
+            except sqlite3.IntegrityError as e:
+                raise ValueError(f"cannot store the message: {e}") from None
+            c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return StoredMessage(cur.lastrowid, conversation_id, position, role, content, now, finish_reason, metrics,
+                             profile, sampler, seed, model)
+
+    def messages(self, conversation_id: int) -> list[StoredMessage]:
+        rows = self._c.execute(
+            "SELECT id, conversation_id, position, role, content, created_at, finish_reason, metrics, profile, "
+            "sampler, seed, model FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,))
+        return [StoredMessage(*r[:7], _loads(r[7]), _loads(r[8]), r[9], None if r[10] is None else int(r[10]), r[11])
+                for r in rows]
+
+    def recent_user_messages(self, limit: int = 200) -> list[str]:
+        """What the user sent lately, oldest first (the input's up/down history)."""
+        rows = self._c.execute("SELECT content FROM messages WHERE role = 'user' ORDER BY created_at DESC, id DESC "
+                               "LIMIT ?", (limit,)).fetchall()
+        return [r[0] for r in reversed(rows)]
+
+    def delete_messages_from(self, conversation_id: int, position: int) -> None:
+        """Drop the message at ``position`` and every later one (regenerate, edit and resend)."""
+        with self._tx() as c:
+            c.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", (conversation_id, position))
+
+    def clear_messages(self, conversation_id: int) -> None:
+        self.delete_messages_from(conversation_id, 0)
+
+    # --- models and settings -------------------------------------------------------------------------------------
+
+    def add_model(self, path: str, label: str | None = None) -> None:
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO models (path, label, added_at) VALUES (?, ?, ?)",
+                      (path, label or Path(path).name, self.clock()))
+
+    def remove_model(self, path: str) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM models WHERE path = ?", (path,))
+
+    def models(self) -> list[tuple[str, str]]:
+        """(path, label), most recently added first."""
+        return [(p, lbl) for p, lbl in self._c.execute("SELECT path, label FROM models ORDER BY added_at DESC")]
+
+    def get_setting(self, key: str, default: str | None = None) -> str | None:
+        row = self._c.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone()
+        return default if row is None else row[0]
+
+    def set_setting(self, key: str, value: str) -> None:
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", (key, value))

@@ -1,0 +1,8 @@
+"""Widgets, grouped by UI area."""
+
+from .chat_input import ChatInput
+from .sidebar import ConversationList, Sidebar
+from .stats_bar import StatsBar
+from .transcript import MessageView, Notice, Transcript
+
+__all__ = ["ChatInput", "ConversationList", "MessageView", "Notice", "Sidebar", "StatsBar", "Transcript"]

@@ -1,0 +1,62 @@
+"""The live readouts line above the footer (like toolong's footer): model state, prefill progress, TTFT, TPOT,
+decode tok/s, tokens in/out, context used vs. limit (and the rotating window), peak memory, and the profile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Static
+
+from ..formatting import live_readouts
+
+
+class StatsBar(Horizontal):
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.metrics: Any = None  # the last Metrics shown (tests read it)
+        self.state = "idle"
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="stats-state", markup=False)
+        yield Static("", id="stats-readouts", markup=False)
+        yield Static("", id="stats-profile", markup=False)
+
+    def _set(self, part: str, text: str) -> None:
+        widget = self.query_one(f"#stats-{part}", Static)
+        if str(widget.content) != text:
+            # The parts have fixed widths (app.tcss), so a new text never needs a new layout.
+            widget.update(text, layout=False)
+
+    def show_state(self, state: str, text: str, detail: str | None = None) -> None:
+        """A short label on the left; ``detail`` (if given) replaces the readouts, e.g. an error message."""
+        self.state = state
+        self.set_class(state == "error", "-error")
+        self.set_class(state in ("prefill", "decode", "loading", "waiting", "stopping"), "-busy")
+        self._set("state", text)
+        if detail is not None:
+            self.metrics = None
+            self._set("readouts", detail)
+
+    def show_profile(self, name: str) -> None:
+        self._set("profile", f"profile {name}")
+
+    def show_prefill(self, done: int, total: int, cached: int = 0) -> None:
+        todo = max(total - cached, 1)
+        pct = 100 * (done - cached) / todo
+        self.show_state("prefill", f"▷ prefill {pct:.0f}%", f"prefill {done}/{total} prompt tokens"
+                        + (f" ({cached} cached)" if cached else ""))
+
+    def show_metrics(self, metrics: Any, *, state: str = "decode", label: str = "decoding") -> None:
+        self.metrics = metrics
+        self.show_state(state, label)
+        self._set("readouts", live_readouts(metrics))
+
+    def clear_readouts(self) -> None:
+        self.metrics = None
+        self._set("readouts", "")
+
+    @property
+    def readouts(self) -> str:
+        return str(self.query_one("#stats-readouts", Static).content)

@@ -1,0 +1,187 @@
+"""The transcript: user and assistant messages, the reply streaming in as Markdown, stats under each reply."""
+
+from __future__ import annotations
+
+import time
+
+from textual import events, on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from markdown_it import MarkdownIt
+from textual.widgets import Button, Markdown, Static
+from textual.widgets._markdown import MarkdownFence, MarkdownStream
+
+_PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would otherwise build one per append
+
+
+def _parser() -> MarkdownIt:
+    return _PARSER
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Focus it (click or tab) to copy it (c) or its code blocks (k)."""
+
+    BINDINGS = [
+        Binding("c", "copy_message", "Copy message", id="copy_message"),
+        Binding("k", "copy_code", "Copy code block", id="copy_code_block"),
+    ]
+
+    def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
+                 stored_position: int | None = None) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.text = text
+        self.label = label or {"user": "You", "assistant": "Assistant"}.get(role, role.title())
+        self.stats = stats
+        self.stored_position = stored_position  # position in the store, once saved
+        self.finish_reason: str | None = None
+        self._stream: MarkdownStream | None = None
+        self._chunks: list[str] = []
+        self._code_index = 0
+        self.first_write_at: float | None = None  # monotonic times: when streamed text first showed, and the end
+        self.finished_at: float | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.label, classes="role", markup=False)
+        if self.role == "assistant":
+            yield Markdown(self.text, classes="body", open_links=False, parser_factory=_parser)
+        else:
+            yield Static(self.text, classes="body", markup=False)
+        yield Static(self.stats, classes="stats", markup=False)
+
+    @property
+    def streaming(self) -> bool:
+        return self._stream is not None
+
+    # --- streaming -----------------------------------------------------------------------------------------------
+
+    def start_stream(self) -> None:
+        self._chunks = []
+        self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
+        self.add_class("streaming")
+
+    async def write(self, text: str) -> None:
+        if self._stream is None:
+            self.start_stream()
+        assert self._stream is not None
+        self._chunks.append(text)
+        self.text = "".join(self._chunks)
+        if self.first_write_at is None:
+            self.first_write_at = time.monotonic()
+        await self._stream.write(text)
+
+    async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
+        """End the stream and parse the final text once, in full."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.remove_class("streaming")
+        self.finished_at = time.monotonic()
+        self.text = text
+        self.finish_reason = finish_reason
+        await self.query_one(".body", Markdown).update(text)
+        self.set_stats(stats)
+
+    async def fail(self, error: str) -> None:
+        partial = self.text
+        await self.finish(partial, "")
+        self.add_class("failed")
+        self.set_stats(f"error: {error}")
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+        self.query_one(".role", Static).update(label)
+
+    def set_stats(self, stats: str) -> None:
+        if stats != self.stats:
+            self.stats = stats
+            self.query_one(".stats", Static).update(stats)
+
+    # --- copying -------------------------------------------------------------------------------------------------
+
+    def code_blocks(self) -> list[str]:
+        return [f.code for f in self.query(MarkdownFence)]
+
+    def action_copy_message(self) -> None:
+        self.app.copy_to_clipboard(self.text)
+        self.app.notify(f"Copied the message ({len(self.text)} characters)")
+
+    def action_copy_code(self) -> None:
+        blocks = self.code_blocks()
+        if not blocks:
+            self.app.notify("This message has no code block", severity="warning")
+            return
+        i = self._code_index % len(blocks)
+        self._code_index += 1
+        self.app.copy_to_clipboard(blocks[i])
+        self.app.notify(f"Copied code block {i + 1}/{len(blocks)}")
+
+    @on(events.Click)
+    def _click_code(self, event: events.Click) -> None:
+        # A click on a code block copies it.
+        node = event.widget
+        while node is not None and node is not self:
+            if isinstance(node, MarkdownFence):
+                self.app.copy_to_clipboard(node.code)
+                self.app.notify("Copied the code block")
+                return
+            node = node.parent
+
+
+class Notice(Vertical):
+    """An error or information line in the transcript, optionally with action buttons."""
+
+    class Action(Message):
+        def __init__(self, notice: "Notice", action: str) -> None:
+            super().__init__()
+            self.notice, self.action = notice, action
+
+        @property
+        def control(self) -> "Notice":
+            return self.notice
+
+    def __init__(self, text: str, *, severity: str = "error", actions: dict[str, str] | None = None) -> None:
+        super().__init__(classes=f"notice {severity}")
+        self.text = text
+        self.actions = actions or {}
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.text, markup=False)
+        if self.actions:
+            with Horizontal(classes="notice-actions"):
+                for action, label in self.actions.items():
+                    yield Button(label, id=f"notice-{action}", compact=True)
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.post_message(self.Action(self, (event.button.id or "").removeprefix("notice-")))
+
+
+class Transcript(VerticalScroll):
+    """The scrolling list of messages; anchored to the bottom while a reply streams."""
+
+    @property
+    def messages(self) -> list[MessageView]:
+        return list(self.query_children(MessageView))
+
+    def last(self, role: str | None = None) -> MessageView | None:
+        for view in reversed(self.messages):
+            if role is None or view.role == role:
+                return view
+        return None
+
+    async def add(self, view: MessageView | Notice) -> MessageView | Notice:
+        await self.mount(view)
+        self.anchor()
+        return view
+
+    async def clear(self) -> None:
+        await self.remove_children()
+
+    async def drop_from(self, view: MessageView) -> None:
+        """Remove ``view`` and everything after it."""
+        children = list(self.children)
+        await self.remove_children(children[children.index(view):])

@@ -1,0 +1,534 @@
+"""The full-screen chat, driven with Textual's Pilot on the real embedded model (no engine mocks).
+
+One Engine is loaded for the module (about 7 s) and handed to every app through the factory; each test gets its own
+data and config folders. Replies are capped at a few tokens to keep the module near a minute on two cores.
+Snapshot tests (pytest-textual-snapshot) cover the main screen, the profile picker and the help screen; they show
+stored data only (fixed clock, UTC), never live model output or timings, so they are deterministic. Snapshots live
+in tests/snapshots/test_tui/; refresh them with `pytest tests/test_tui.py --snapshot-update`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from pytest_textual_snapshot import SVGImageExtension
+from textual.widgets import Button, Input, OptionList
+
+from app.app import MlxChatApp, make_app
+from app.screens import HelpScreen, ModelPicker, ProfilePicker, TextPrompt
+from app.store import Store
+from app.widgets import ChatInput, ConversationList, Notice
+from core import Engine, SamplingProfile
+from core.profile import ProfileStore
+
+MAX_TOKENS = 12
+SIZE = (110, 32)
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+# `engine` is conftest.py's session fixture: the embedded model, loaded once for the whole run.
+
+
+def new_app(tmp_path: Path, engine: Engine | None, **kw) -> MlxChatApp:
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return make_app(data_dir=tmp_path / "data", config_dir=tmp_path / "config", engine=engine,
+                    scan_hf_cache=False, **kw)
+
+
+async def wait_for(pilot, condition, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def type_and_send(pilot, text: str) -> None:
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+async def reply(pilot, text: str, timeout: float = 60.0):
+    screen = pilot.app.chat_screen
+    before = screen.last_result
+    await type_and_send(pilot, text)
+    await wait_for(pilot, lambda: screen.last_result is not before and not screen.busy, timeout, "the reply")
+    return screen.last_result
+
+
+# --- chat ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_send_streams_a_reply_with_live_readouts_and_stores_it(tmp_path, engine):
+    app = new_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await type_and_send(pilot, "Hi")
+        assert screen.input.text == ""
+        views = screen.transcript.messages
+        assert [v.role for v in views] == ["user", "assistant"] and views[0].text == "Hi"
+        reply_view = views[1]
+        await wait_for(pilot, lambda: screen.last_result is not None and not screen.busy, what="the reply")
+        result = screen.last_result
+        assert result is not None and result.finish_reason in ("stop", "length")
+        # It streamed: text arrived in batches, the first well before the end, and nothing was dropped.
+        assert len(reply_view._chunks) >= 2
+        assert reply_view.first_write_at < reply_view.finished_at - result.metrics.tpot_s
+        assert "".join(reply_view._chunks) == result.text == reply_view.text
+        assert screen.worker.tokens_posted >= result.metrics.completion_tokens
+        assert reply_view.query_one(".body").source == result.text  # the final re-parse
+        # Readouts: non-zero TTFT and TPOT, shown in the stats bar and under the message.
+        m = screen.stats.metrics
+        assert m.ttft_s > 0 and m.tpot_s > 0 and m.completion_tokens >= 2
+        readouts = screen.stats.readouts
+        assert "TTFT" in readouts and "TTFT –" not in readouts and "tok/s" in readouts and "ctx" in readouts
+        assert "tok/s" in reply_view.stats and "to first token" in reply_view.stats
+        # Stored with its stats and profile, one conversation titled by the first message.
+        [conv] = app.store.conversations()
+        assert conv.title == "Hi"
+        stored = app.store.messages(conv.id)
+        assert [s.role for s in stored] == ["user", "assistant"]
+        assert stored[1].content == result.text
+        assert stored[1].metrics["ttft_s"] == pytest.approx(result.metrics.ttft_s)
+        assert stored[1].profile["name"] == "chat" and stored[1].sampler == result.sampler
+        assert screen.chat.messages[-1]["content"] == result.text
+        # The sidebar lists it; copying the reply puts it on the clipboard.
+        assert screen.query_one(ConversationList).option_count == 1
+        await pilot.press("f5")
+        assert app.clipboard == result.text
+
+
+@pytest.mark.anyio
+async def test_escape_stops_the_reply(tmp_path, engine):
+    app = new_app(tmp_path, engine, max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await type_and_send(pilot, "Tell me a long story about a dragon")
+        await wait_for(pilot, lambda: screen.stats.metrics is not None and screen.stats.metrics.completion_tokens >= 2,
+                       what="the first tokens")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.busy, timeout=20, what="the stop")
+        result = screen.last_result
+        assert result.finish_reason == "cancelled"
+        assert 2 <= result.metrics.completion_tokens < 400
+        last = screen.transcript.messages[-1]
+        assert last.text == result.text and "stopped by you" in last.stats
+        # The partial reply is kept (in the session and the store), and the app goes on working.
+        stored = app.store.messages(screen.conversation.id)
+        assert stored[-1].finish_reason == "cancelled" and stored[-1].content == result.text
+
+
+@pytest.mark.anyio
+async def test_escape_during_prefill(tmp_path, engine):
+    app = new_app(tmp_path, engine, max_tokens=50)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        screen.input.load_text("Summarise: " + "the cat sat on the mat. " * 12)
+        # Enter and Esc back to back, as a terminal delivers them in one read (Pilot.press would wait for the app
+        # to go idle between the keys, and it is not idle while a reply streams).
+        screen.input.action_submit()
+        screen.input.action_stop()
+        await wait_for(pilot, lambda: screen.last_result is not None and not screen.busy, timeout=30, what="the stop")
+        result = screen.last_result
+        assert result.finish_reason == "cancelled" and result.metrics.completion_tokens <= 1
+        # Nothing was generated: no reply is shown or stored; the user message stays and can be answered again.
+        if not result.text:
+            assert [v.role for v in screen.transcript.messages] == ["user"]
+            assert [m.role for m in app.store.messages(screen.conversation.id)] == ["user"]
+
+
+@pytest.mark.anyio
+async def test_profile_picker_validates_inline_and_the_switch_reaches_the_engine(tmp_path, engine):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.toml").write_text("kv_window = 256\n")  # a rotating KV window, shown live
+    app = new_app(tmp_path, engine, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        assert screen.chat.profile.name == "chat"
+        await pilot.press("f2")
+        picker = app.screen
+        assert isinstance(picker, ProfilePicker)
+        names = [picker.query_one(OptionList).get_option_at_index(i).id
+                 for i in range(picker.query_one(OptionList).option_count)]
+        assert names[:5] == ["preset:chat", "preset:completion", "preset:creative", "preset:factual",
+                             "preset:precise"]
+        # An out-of-range value: SamplingProfile's own message, inline, and Use is disabled.
+        field = picker.query_one("#field-temperature", Input)
+        field.value = "5"
+        await pilot.pause()
+        assert "temperature must be between 0 and 2" in str(picker.query_one("#error-temperature").content)
+        assert "got 5" in str(picker.query_one("#error-temperature").content)
+        assert picker.query_one("#profile-use", Button).disabled
+        field.value = "abc"
+        await pilot.pause()
+        assert "temperature" in str(picker.query_one("#error-temperature").content)
+        field.value = "0.3"
+        await pilot.pause()
+        assert str(picker.query_one("#error-temperature").content) == ""
+        assert not picker.query_one("#profile-use", Button).disabled
+        assert picker.edited.temperature == 0.3 and picker.edited.name == "chat edited"
+        # Pick the greedy preset from the list instead.
+        options = picker.query_one(OptionList)
+        options.focus()
+        options.highlighted = names.index("preset:precise")
+        await pilot.pause()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen, what="the picker to close")
+        assert screen.chat.profile.name == "precise" and screen.profile.temperature == 0
+        assert "profile precise" in str(screen.stats.query_one("#stats-profile").content)
+        result = await reply(pilot, "Hi")
+        assert result.profile["name"] == "precise" and result.profile["temperature"] == 0
+        assert result.sampler == "greedy"
+        assert result.metrics.kv_window == 256 and "(window 256)" in screen.stats.readouts
+        assert app.store.conversation(screen.conversation.id).profile["name"] == "precise"
+
+
+@pytest.mark.anyio
+async def test_regenerate_and_edit_last(tmp_path, engine):
+    app = new_app(tmp_path, engine, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await reply(pilot, "Hi")
+        conv = screen.conversation.id
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: not screen.busy, what="the regenerated reply")
+        assert [v.role for v in screen.transcript.messages] == ["user", "assistant"]
+        stored = app.store.messages(conv)
+        assert [m.role for m in stored] == ["user", "assistant"]
+        assert stored[1].content == screen.last_result.text
+        # Edit and resend: the input gets the last message; Enter replaces it and what followed.
+        await pilot.press("ctrl+t")
+        assert screen.editing and screen.input.text == "Hi"
+        await pilot.press("backspace", "backspace", *"Hello")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not screen.busy, what="the edited reply")
+        assert not screen.editing
+        assert [(v.role, v.text) for v in screen.transcript.messages][0] == ("user", "Hello")
+        assert [m.content for m in app.store.messages(conv)][0] == "Hello"
+        assert len(app.store.messages(conv)) == 2
+        assert [m["role"] for m in screen.chat.messages] == ["system", "user", "assistant"]
+        assert screen.chat.messages[1]["content"] == "Hello"
+        # History: up brings back what was sent.
+        await pilot.press("up")
+        assert screen.input.text == "Hello"
+        await pilot.press("up")
+        assert screen.input.text == "Hi"
+        await pilot.press("down", "down")
+        assert screen.input.text == ""
+        # Clear: the transcript, the stored messages and the session's history go; the conversation stays.
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert screen.transcript.messages == [] and app.store.messages(conv) == []
+        assert [m["role"] for m in screen.chat.messages] == ["system"]
+        assert screen.conversation.id == conv
+
+
+@pytest.mark.anyio
+async def test_conversation_survives_a_restart_and_exports(tmp_path, engine):
+    app = new_app(tmp_path, engine, max_tokens=6, profile="factual")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        first = await reply(pilot, "What is the capital of France?")
+        conversation_id = screen.conversation.id
+
+    app = new_app(tmp_path, engine, max_tokens=4)  # the same data folder
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        listed = screen.query_one(ConversationList)
+        assert listed.option_count == 1
+        listed.focus()
+        listed.highlighted = 0
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.conversation is not None, what="the conversation to open")
+        assert screen.conversation.id == conversation_id
+        views = screen.transcript.messages
+        assert [(v.role, v.text) for v in views] == [("user", "What is the capital of France?"),
+                                                    ("assistant", first.text)]
+        assert "to first token" in views[1].stats  # the stored stats line
+        assert screen.profile.name == "factual" and screen.chat.profile.name == "factual"
+        assert [m["content"] for m in screen.chat.messages[1:]] == ["What is the capital of France?", first.text]
+        assert screen.input.sent[-1] == "What is the capital of France?"  # history from the store
+        # The restored conversation goes on, on the same session.
+        screen.input.focus()
+        second = await reply(pilot, "And of Italy?")
+        assert second.profile["name"] == "factual"
+        assert len(app.store.messages(conversation_id)) == 4
+
+        # Export to the default place in the data folder.
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, TextPrompt)
+        default = Path(app.screen.query_one(Input).value)
+        assert default.parent == tmp_path / "data" / "exports"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: default.exists(), what="the export")
+        text = default.read_text()
+        assert text.startswith("# What is the capital of France?")
+        assert "## You\n\nAnd of Italy?" in text and second.text.strip() in text and "to first token" in text
+        assert any(str(default) in n.message for n in app._notifications)
+        # ...or to a chosen path.
+        chosen = tmp_path / "elsewhere" / "chat.md"
+        await pilot.press("ctrl+s")
+        app.screen.query_one(Input).value = str(chosen)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: chosen.exists(), what="the export")
+        assert "## You\n\nAnd of Italy?" in chosen.read_text()
+
+
+@pytest.mark.anyio
+async def test_rename_delete_and_copy_a_code_block(tmp_path, engine):
+    store = Store(tmp_path / "data" / "conversations.db")
+    c = store.create_conversation("code")
+    store.add_message(c.id, "user", "show code")
+    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n", finish_reason="stop",
+                      metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
+    other = store.create_conversation("other")
+    store.close()
+    app = new_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await screen.open_conversation(c.id)
+        await pilot.pause()
+        assert screen.transcript.messages[1].code_blocks() == ["print('hi')"]
+        await pilot.press("f8")
+        assert app.clipboard == "print('hi')"
+        view = screen.transcript.messages[1]
+        view.focus()
+        await pilot.press("c")
+        assert app.clipboard == view.text
+        # Rename and delete from the sidebar.
+        listed = screen.query_one(ConversationList)
+        listed.focus()
+        listed.highlighted = listed.get_option_index(str(other.id))
+        await pilot.press("r")
+        assert isinstance(app.screen, TextPrompt)
+        app.screen.query_one(Input).value = "renamed"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.store.conversation(other.id).title == "renamed"
+        listed.highlighted = listed.get_option_index(str(c.id))
+        await pilot.press("delete")
+        await pilot.press("y")
+        await pilot.pause()
+        assert [x.title for x in app.store.conversations()] == ["renamed"]
+        assert screen.conversation is None and screen.transcript.messages == []
+
+
+# --- failures --------------------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_engine_error_mid_stream_is_shown_and_the_app_stays_usable(tmp_path, engine):
+    app = new_app(tmp_path, engine, max_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        screen.input.load_text("word " * 9000)  # longer than the model's 8192-token context
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not screen.busy, what="the failure")
+        failed = screen.transcript.messages[-1]
+        assert failed.has_class("failed") and "context of 8192" in failed.stats
+        assert screen.stats.state == "error"
+        assert any("context" in n.message for n in app._notifications)
+        screen.input.focus()
+        await pilot.press("ctrl+n")
+        result = await reply(pilot, "Hi")
+        assert result.finish_reason in ("stop", "length")
+
+
+@pytest.mark.anyio
+async def test_model_that_fails_to_load_is_reported_and_offers_the_embedded_one(tmp_path):
+    app = new_app(tmp_path, None, model=str(tmp_path / "missing.gguf"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: bool(screen.query("#notice-load_embedded")), timeout=30, what="the load error")
+        notice = screen.query_one(Notice)
+        assert "missing.gguf" in notice.text and "no such file" in notice.text
+        assert notice.query_one("#notice-load_embedded", Button).label.plain == "Load the embedded model"
+        assert screen.stats.state == "error"
+        await type_and_send(pilot, "Hi")  # usable: it says what to do instead of failing
+        assert any("No model is loaded" in n.message for n in app._notifications)
+        assert screen.input.text == "Hi"
+
+
+@pytest.mark.anyio
+async def test_model_picker_adds_a_local_model_and_a_failed_switch_keeps_the_current_one(tmp_path, engine):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    app = new_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await pilot.press("f3")
+        picker = app.screen
+        assert isinstance(picker, ModelPicker)
+        assert picker.choices[0].spec is None and picker.choices[0].source == "embedded"
+        path_input = picker.query_one("#model-path", Input)
+        path_input.value = str(tmp_path / "nothere.gguf")
+        picker.action_add()
+        assert "no such file" in str(picker.query_one("#model-error").content)
+        path_input.value = str(broken)
+        picker.action_add()
+        assert [c.spec for c in picker.choices] == [None, str(broken)]
+        assert app.store.models() == [(str(broken), "broken-model")]
+        picker.query_one("#model-list", OptionList).highlighted = 1
+        picker.action_load()
+        await wait_for(pilot, lambda: any("did not load" in (n.title or "") for n in app._notifications),
+                       timeout=30, what="the load failure")
+        assert screen.engine is engine and screen.chat is not None  # still usable on the old model
+        assert not screen.query(Notice)  # no "no model" banner: a model is loaded
+
+
+@pytest.mark.anyio
+async def test_config_remaps_keys_and_bad_config_falls_back(tmp_path, engine):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.toml").write_text('theme = "textual-light"\n[keys]\nregenerate = "f9"\n'
+                                                     'nonsense = "f7"\n')
+    app = new_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        rows = {row[3]: row[0] for row in app.binding_rows()}
+        assert rows["regenerate"] == "f9" and rows["send"] == "enter"
+        await pilot.press("f9")  # the remapped key reaches the action
+        assert any("Nothing to regenerate" in n.message for n in app._notifications)
+        assert app.theme == "textual-light"
+        assert any("nonsense" in n.message for n in app._notifications)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.press("f10")
+        assert app.theme == "textual-dark"
+        # The command palette offers the profiles (presets and saved ones) with their values.
+        await pilot.press("ctrl+p")
+        await pilot.press(*"creative")
+        await wait_for(pilot, lambda: bool(app.screen.query("CommandList Option, CommandList")), what="palette")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat_screen.profile.name == "creative", what="the palette switch")
+        assert app.chat_screen.chat.profile.name == "creative"
+
+    app = new_app(tmp_path, engine)  # the F10 choice is remembered over the (unchanged) config's theme
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.theme == "textual-dark"
+
+    (tmp_path / "config" / "config.toml").write_text("max_tokens = -1\n")
+    app = new_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.settings.max_tokens == 1024
+        assert any("max_tokens" in n.message for n in app._notifications)
+
+
+@pytest.mark.anyio
+async def test_corrupt_database_is_reported_and_left_alone(tmp_path, engine):
+    (tmp_path / "data").mkdir()
+    db = tmp_path / "data" / "conversations.db"
+    db.write_bytes(b"not sqlite at all" * 64)
+    app = new_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.store_error and "not an SQLite database" in app.store_error
+        assert any("not saved" in n.message for n in app._notifications)
+    assert db.read_bytes() == b"not sqlite at all" * 64
+
+
+# --- snapshots -------------------------------------------------------------------------------------------------
+
+class _SnapshotsInTestsFolder(SVGImageExtension):
+    @classmethod
+    def dirname(cls, *, test_location) -> str:
+        return str(Path(test_location.filepath).parent / "snapshots" / test_location.basename)
+
+
+@pytest.fixture
+def snapshot(snapshot):
+    """Keep the SVGs in tests/snapshots/ (snap_compare asks for its SVG extension; give it ours)."""
+
+    class Redirect:
+        def use_extension(self, _extension):
+            return snapshot.use_extension(_SnapshotsInTestsFolder)
+
+    return Redirect()
+
+
+SNAP_DIR = Path("/tmp/mlxchat-snapshot-dirs")  # fixed paths: the help screen shows the config file's path
+
+
+@pytest.fixture
+def snap_app(engine, monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    shutil.rmtree(SNAP_DIR, ignore_errors=True)
+    clock = iter(float(1_780_000_000 + 3600 * i) for i in range(100))
+    store = Store(SNAP_DIR / "data" / "conversations.db", clock=lambda: next(clock))
+    a = store.create_conversation("Capital of France", system_prompt="You are a helpful assistant.",
+                                  profile={"name": "chat", "temperature": 0.8, "top_p": 0.9})
+    store.add_message(a.id, "user", "What is the capital of France?")
+    store.add_message(a.id, "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
+                      finish_reason="stop", model=engine.name, profile={"name": "chat"},
+                      metrics={"prompt_tokens": 27, "cached_tokens": 0, "completion_tokens": 9, "ttft_s": 0.31,
+                               "tpot_s": 0.082, "prefill_s": 0.3, "decode_s": 0.66,
+                               "peak_memory_bytes": 551_000_000, "context_tokens": 36, "context_limit": 8192})
+    store.create_conversation("A haiku about autumn")
+    store.close()
+    ProfileStore(SNAP_DIR / "config" / "profiles").save(
+        SamplingProfile(name="mine", description="Saved by the user.", temperature=0.5, min_p=0.05))
+    app = make_app(data_dir=SNAP_DIR / "data", config_dir=SNAP_DIR / "config", engine=engine, max_tokens=8,
+                   scan_hf_cache=False)
+    yield app, a.id
+    shutil.rmtree(SNAP_DIR, ignore_errors=True)
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+async def _settle(pilot) -> None:
+    screen = pilot.app.chat_screen
+    await wait_for(pilot, lambda: bool(screen.query(ChatInput)) and screen.chat is not None, what="the screen")
+    screen.input.cursor_blink = False
+    await pilot.pause()
+
+
+def test_snapshot_main_screen(snap_compare, snap_app):
+    app, conversation_id = snap_app
+
+    async def run_before(pilot) -> None:
+        await _settle(pilot)
+        await app.chat_screen.open_conversation(conversation_id)
+        await pilot.pause()
+        app.chat_screen.input.focus()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_profile_picker(snap_compare, snap_app):
+    app, _ = snap_app
+
+    async def run_before(pilot) -> None:
+        await _settle(pilot)
+        await pilot.press("f2")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_help_screen(snap_compare, snap_app):
+    app, _ = snap_app
+
+    async def run_before(pilot) -> None:
+        await _settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
