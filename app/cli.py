@@ -8,8 +8,15 @@ import sys
 from collections.abc import Sequence
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error (and exit code 2, as argparse's)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"mlxchat: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlxchat", description="Chat with a local LLM on MLX.")
+    p = _Parser(prog="mlxchat", description="Chat with a local LLM on MLX.")
     sub = p.add_subparsers(dest="command")
 
     chat = sub.add_parser("chat", help="open the full-screen chat (the default)")
@@ -35,6 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
     bench.add_argument("--model", help="GGUF file (default: the embedded model)")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: bench/results)")
+    bench.add_argument("--repeats", type=int, help="repeats per case; each figure is their median (default: 3)")
+    bench.add_argument("--max-tokens", type=int, help="generated tokens per run (default: 128; --quick 32)")
+    bench.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,512)")
+    bench.add_argument("--rotating-context", type=int, help="tokens of context in the rotating-cache run "
+                                                            "(default: 20000; --quick 3000)")
+    bench.add_argument("--rotating-decode", type=int, help="how many of them are generated; the rest is a prompt "
+                                                           "prefilled through the window (default: 2000)")
+    bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")
+    bench.add_argument("--skip", action="append", help="leave out a section: matrix, chat, tui, rotating, "
+                                                       "roofline, formats (repeatable)")
     return p
 
 
@@ -53,12 +70,18 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
     from core import SamplingProfile
     from core.profile import ProfileStore
 
+    store = ProfileStore()
     if args.profile is None:
         base = SamplingProfile()
     elif args.profile in SamplingProfile.presets():
         base = SamplingProfile.preset(args.profile)
+    elif args.profile in store.list():
+        # A saved profile that is corrupt is an error here (the file is named and left as it is): a script that
+        # asked for a profile by name must not silently get other settings.
+        base = store.load(args.profile)
     else:
-        base = ProfileStore().load(args.profile)
+        raise ValueError(f"unknown profile {args.profile!r}; presets: {', '.join(SamplingProfile.presets())}; "
+                         f"saved profiles (in {store.folder}): {', '.join(store.list()) or 'none'}")
     overrides = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                    ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
     return SamplingProfile.model_validate({**base.model_dump(), **overrides})
@@ -76,6 +99,10 @@ def _generate(args: argparse.Namespace) -> int:
     from core.events import TokenEvent
 
     prompt = _read_prompt(args.prompt)
+    if not prompt.strip():  # checked again by the engine; here it saves loading the model for nothing
+        raise ValueError("the prompt is empty: type a message first")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
     profile = _profile(args)
     engine = Engine.load(args.model)
     stream = engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)

@@ -51,6 +51,7 @@ class InferenceThread:
 
     def __init__(self) -> None:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlxchat-inference", daemon=True)
         self._thread.start()
 
@@ -60,6 +61,13 @@ class InferenceThread:
                 job.fn(job)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller, and the thread live on
                 job.events.put(_Failure(e))
+            del job  # the last job's closure (model, cache) is not kept alive while the thread waits
+        # Never return. When a thread that ran MLX ends, MLX's thread-local destructors take the GIL; if that
+        # races the interpreter's finalization the process aborts ("terminate called without an active
+        # exception", about half of the processes that close an engine and then exit). A parked daemon thread
+        # is never finalized.
+        self._stopped.set()
+        threading.Event().wait()
 
     def submit(self, fn: Callable[[_Job], Any]) -> _Job:
         job = _Job(fn)
@@ -86,8 +94,9 @@ class InferenceThread:
         return box["value"]
 
     def stop(self) -> None:
+        """Finish the queued jobs, then park the thread (see `_run`)."""
         self._jobs.put(None)
-        self._thread.join(timeout=5)
+        self._stopped.wait(timeout=5)
 
 
 class Stream:
@@ -128,7 +137,8 @@ class Stream:
 def _as_caller_error(error: BaseException) -> BaseException:
     if isinstance(error, (MlxChatError, ValueError)):
         return error
-    return GenerationError(f"the engine failed: {type(error).__name__}: {error}")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return GenerationError(f"the engine failed: {type(error).__name__}" + (f": {first}" if first else ""))
 
 
 def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
@@ -367,9 +377,10 @@ class ChatSession:
 
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
         _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
+        message = {"role": "user", "content": text}
         with self._lock:
-            self.messages.append({"role": "user", "content": text})
-        return self._reply(max_tokens, stop)
+            self.messages.append(message)
+        return self._reply(max_tokens, stop, message)
 
     def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
         """Drop the last reply and answer the last user message again."""
@@ -388,8 +399,9 @@ class ChatSession:
             if last is None:
                 raise ValueError("there is no user message to edit")
             del self.messages[last:]
-            self.messages.append({"role": "user", "content": text})
-        return self._reply(max_tokens, stop)
+            message = {"role": "user", "content": text}
+            self.messages.append(message)
+        return self._reply(max_tokens, stop, message)
 
     def clear(self) -> None:
         """Forget every message but the system prompt; the cache starts again on the next turn."""
@@ -397,7 +409,8 @@ class ChatSession:
             self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
             self._cache = None
 
-    def _reply(self, max_tokens: int | None, stop: Sequence[str] | None) -> Stream:
+    def _reply(self, max_tokens: int | None, stop: Sequence[str] | None,
+               sent: dict[str, Any] | None = None) -> Stream:
         engine = self.engine
         request = engine._request(self.profile, max_tokens, stop)
 
@@ -406,8 +419,18 @@ class ChatSession:
                 self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep)
             with self._lock:
                 rendered = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-            prompt = engine.model.tokenizer.encode_chat(rendered)
-            result = engine._generate(job, self._cache, prompt, request)
+            try:
+                prompt = engine.model.tokenizer.encode_chat(rendered)
+                result = engine._generate(job, self._cache, prompt, request)
+            except BaseException:
+                # The turn did not happen: take back the message it answered (or a message that cannot be
+                # answered, e.g. one longer than the context, fails every later turn too), and drop the cache,
+                # whose keys/values may be ahead of its ids after a failure inside a model call.
+                self._cache = None
+                with self._lock:
+                    if sent is not None and self.messages and self.messages[-1] is sent:
+                        self.messages.pop()
+                raise
             if result.text or result.finish_reason != "cancelled":
                 with self._lock:
                     self.messages.append({"role": "assistant", "content": result.text,

@@ -22,7 +22,11 @@ GGUF_MAGIC = b"GGUF"
 _SCALARS = {
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
 }
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _F64 = 8, 9, 12
+# GGUF allows arrays of arrays; MLX's loader refuses them with a clear error. This reader accepts one level of
+# nesting and refuses deeper, which bounds its recursion (a file of nested array headers would otherwise raise
+# RecursionError).
+_MAX_NESTING = 1
 
 # ggml tensor types: name, elements per block, bytes per block.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -58,6 +62,7 @@ class GGUFHeader:
     version: int
     metadata: dict[str, Any] = field(default_factory=dict)
     tensors: list[TensorInfo] = field(default_factory=list)
+    float64_keys: list[str] = field(default_factory=list)  # metadata holding float64 values
 
     @property
     def architecture(self) -> str:
@@ -67,6 +72,7 @@ class GGUFHeader:
 class _Reader:
     def __init__(self, f: BinaryIO, size: int, path: Path) -> None:
         self.f, self.size, self.pos, self.path = f, size, 0, path
+        self.float64 = False  # whether any metadata value is a float64 (see check_loadable)
 
     def fail(self, what: str) -> ModelLoadError:
         return ModelLoadError(self.path, f"{what} (at byte {self.pos} of {self.size}); the file is truncated or not a GGUF model")
@@ -89,15 +95,21 @@ class _Reader:
         except UnicodeDecodeError:
             raise self.fail("a metadata string is not valid UTF-8") from None
 
-    def value(self, vtype: int, keep: bool) -> Any:
+    def value(self, vtype: int, keep: bool, depth: int = 0) -> Any:
+        if vtype == _F64:
+            self.float64 = True
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth > _MAX_NESTING:
+                raise self.fail(f"metadata arrays are nested more than {_MAX_NESTING + 1} deep")
             etype, count = self.scalar("<I"), self.scalar("<Q")
             if count > _MAX_ELEMENTS:
                 raise self.fail(f"metadata array claims {count} elements")
+            if etype == _F64 and count:
+                self.float64 = True
             if etype in _SCALARS and not keep:
                 self.take(count * struct.calcsize(_SCALARS[etype]))
                 return count
@@ -105,7 +117,7 @@ class _Reader:
                 fmt = _SCALARS[etype]
                 raw = self.take(count * struct.calcsize(fmt))
                 return list(struct.unpack(f"<{count}{fmt[1:]}", raw))
-            items = [self.value(etype, keep) for _ in range(count)]
+            items = [self.value(etype, keep, depth + 1) for _ in range(count)]
             return items if keep else count
         raise self.fail(f"unknown metadata value type {vtype}")
 
@@ -137,7 +149,10 @@ def _parse(r: _Reader) -> GGUFHeader:
         header = GGUFHeader(path=path, version=version)
         for _ in range(n_kv):
             key = r.string()
+            r.float64 = False
             header.metadata[key] = r.value(r.scalar("<I"), keep=key in _KEEP_ARRAYS)
+            if r.float64:
+                header.float64_keys.append(key)
         infos = []
         for _ in range(n_tensors):
             name = r.string()
@@ -177,7 +192,12 @@ def _tensor(path: Path, size: int, data_start: int, name: str, dims: tuple[int, 
 
 
 def check_loadable(header: GGUFHeader) -> None:
-    """Refuse tensor types MLX cannot load, naming them, before `mx.load` sees the file."""
+    """Refuse what MLX cannot load, naming it, before `mx.load` sees the file: tensor types it has no reader for,
+    and float64 metadata values, on which `mx.load` (MLX 0.32) dies with a segmentation fault."""
+    if header.float64_keys:
+        keys = ", ".join(header.float64_keys[:3]) + (" ..." if len(header.float64_keys) > 3 else "")
+        raise ModelLoadError(header.path, f"metadata {keys} holds float64 values, which MLX's GGUF reader cannot "
+                                          "read; rewrite them as float32 (e.g. with gguf-py)")
     bad = sorted({t.type_name for t in header.tensors if t.type_name not in MLX_LOADABLE})
     if bad:
         raise ModelLoadError(

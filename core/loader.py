@@ -158,6 +158,41 @@ def _gguf_args(h: gguf.GGUFHeader, tied: bool) -> Any:
                            rope_traditional=True, **common)
 
 
+_POSITIVE = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "attention.key_length", "context_length", "vocab_size")
+
+
+def _check_hparams(h: gguf.GGUFHeader) -> None:
+    """The hyper-parameters must be sane and agree with the tensor table, before a model is built from them: a
+    corrupt count otherwise divides by zero, overflows int32 in MLX, or builds 2**31 layers (all memory)."""
+    m, arch = h.metadata, h.architecture
+    for key in _POSITIVE:
+        value = m.get(f"{arch}.{key}")
+        if value is not None and (type(value) is not int or not 0 < value < 2**31):
+            raise ModelLoadError(h.path, f"metadata {arch}.{key} is {value!r}, not a positive integer")
+    layers = {int(x.group(1)) for t in h.tensors if (x := re.match(r"blk\.(\d+)\.", t.name))}
+    count = m.get(f"{arch}.block_count")
+    if count is not None and layers != set(range(count)):
+        raise ModelLoadError(h.path, f"metadata {arch}.block_count is {count} but the file has tensors for "
+                                     f"{len(layers)} layers")
+    hidden, heads = m.get(f"{arch}.embedding_length"), m.get(f"{arch}.attention.head_count")
+    embed = next((t for t in h.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ModelLoadError(h.path, "the file has no token_embd.weight tensor")
+    if hidden is not None and embed.shape[-1] != hidden:
+        raise ModelLoadError(h.path, f"metadata {arch}.embedding_length is {hidden} but token_embd.weight has "
+                                     f"rows of {embed.shape[-1]}")
+    if hidden is not None and heads is not None and hidden % heads:
+        raise ModelLoadError(h.path, f"metadata {arch}.embedding_length {hidden} is not a multiple of "
+                                     f"{arch}.attention.head_count {heads}")
+
+
+def _one_line(e: BaseException) -> str:
+    """MLX's load_weights lists every missing parameter on its own line: keep the first line and a count."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0].rstrip(": ") + (f" ({len(lines) - 1} more lines)" if len(lines) > 1 else "")
+
+
 def _quant_bits(weights: dict[str, mx.array], prefix: str, group: int = 32) -> int:
     w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
     return 32 * w.shape[-1] // (s.shape[-1] * group)
@@ -171,6 +206,7 @@ def load_gguf(path: Path, policy: Literal["quantized", "dequantize"]) -> LoadedM
     gguf.check_loadable(header)
     if "tokenizer.ggml.tokens" not in header.metadata:
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    _check_hparams(header)
     try:
         raw = mx.load(str(path))
     except (RuntimeError, ValueError) as e:
@@ -181,19 +217,24 @@ def load_gguf(path: Path, policy: Literal["quantized", "dequantize"]) -> LoadedM
         if new is not None:
             weights[new] = value
     tied = "lm_head.weight" not in weights
-    args = _gguf_args(header, tied)
-    model = _GGUF_ARCHS[header.architecture].Model(args)
-
-    quantized = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
-    if quantized:
-        # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
-        nn.quantize(model, group_size=32, bits=4,
-                    class_predicate=lambda p, m: p in quantized and {"group_size": 32, "bits": _quant_bits(weights, p)})
     try:
+        args = _gguf_args(header, tied)
+        model = _GGUF_ARCHS[header.architecture].Model(args)
+        quantized = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
+        if quantized:
+            # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
+            nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p in quantized and
+                        {"group_size": 32, "bits": _quant_bits(weights, p)})
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ModelLoadError(path, f"its tensors do not fit a {header.architecture} model: {e}") from None
-    tokenizer = from_gguf_metadata(header.metadata)
+    except ModelLoadError:
+        raise
+    except (ValueError, TypeError, ArithmeticError, AssertionError, KeyError, IndexError) as e:
+        raise ModelLoadError(path, f"its tensors do not fit a {header.architecture} model: "
+                                   f"{_one_line(e)}") from None
+    try:
+        tokenizer = from_gguf_metadata(header.metadata)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: {_one_line(e)}") from None
     # The file name says model, size and quantization ("SmolLM2-135M-Instruct.Q4_1"); general.name often does not.
     return _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy)
 

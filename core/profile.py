@@ -31,6 +31,8 @@ import tomli_w
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from .errors import MlxChatError
+
 log = logging.getLogger(__name__)
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "templates" / "presets"
@@ -76,7 +78,7 @@ Penalty = Annotated[float, _range(-2, 2)]
 NAME_RE = re.compile(r"^\w[\w .-]{0,63}$")
 
 
-class ProfileError(Exception):
+class ProfileError(MlxChatError):
     """A profile could not be found, read or written. The message is one line and names the file."""
 
 

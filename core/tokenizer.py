@@ -35,6 +35,7 @@ class ChatTokenizer:
         return getattr(self.hf, "chat_template", None)
 
     def encode(self, text: str) -> list[int]:
+        _check_unicode(text)
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -47,6 +48,8 @@ class ChatTokenizer:
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        for m in messages:
+            _check_unicode(m["content"])
         text = self.render(messages)
         # The template writes special tokens (BOS, <|im_start|>) itself as text; they must parse as specials.
         ids = list(self.hf.encode(text, add_special_tokens=False))
@@ -54,6 +57,16 @@ class ChatTokenizer:
         if getattr(self.hf, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+
+def _check_unicode(text: str) -> None:
+    """A lone surrogate (from a lossy decode, e.g. errors="surrogateescape") cannot be encoded: say so, and where,
+    instead of the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at position "
+                         f"{e.start}; decode the text strictly (or with errors='replace')") from None
 
 
 def from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
@@ -67,7 +80,7 @@ def from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
 
     def token(key: str) -> str | None:
         i = metadata.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+        return tokens[i] if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) else None
 
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", fields.get("tokenizer_type") == "llama")
     hf = PreTrainedTokenizerFast(
@@ -77,6 +90,7 @@ def from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
         pad_token=token("padding_token_id"),
     )
     hf.add_bos_token = bool(add_bos)
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                 "tokenizer.ggml.eom_token_id") if isinstance(metadata.get(k), int)]
+    # An id outside the vocabulary (a corrupt or careless file) is ignored: kept, it would fail every request.
+    eos = [i for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if isinstance(i := metadata.get(k), int) and not isinstance(i, bool) and 0 <= i < len(tokens)]
     return ChatTokenizer(hf, eos)
