@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, help="generated tokens per run (default: 128; --quick 32)")
     bench.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,512)")
     bench.add_argument("--rotating-context", type=int, help="tokens of context in the rotating-cache run "
-                                                            "(default: 20000; --quick 3000)")
+                                                            "(default: 20000; --quick 2600)")
     bench.add_argument("--rotating-decode", type=int, help="how many of them are generated; the rest is a prompt "
                                                            "prefilled through the window (default: 2000)")
     bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")

@@ -1,0 +1,388 @@
+"""`mlxchat bench [--quick]`: run every case in one process, print the table, write the JSON and the PNG.
+
+    python -m bench.run --quick          # the same, without the CLI
+
+All systems share the prompts and (for the two MLX systems) the very same weights in memory. The side-by-side
+matrix is interleaved: each repeat runs every system once, alternating the order, so drift from other load on the
+machine hits all of them alike, and the ratios come from the same run. Each figure is the median over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
+
+from . import cases as C
+from . import prompts, report, stats
+from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
+
+SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats")
+
+
+@dataclass(frozen=True)
+class Config:
+    quick: bool
+    prompt_lengths: tuple[int, ...]
+    max_tokens: int
+    repeats: int
+    full_chain_lengths: tuple[int, ...]  # prompt lengths that also run the full sampler chain
+    chat_turns: int
+    chat_reply_tokens: int
+    rotating_context: int
+    rotating_decode: int
+    rotating_window: int
+    tui_repeats: int
+    tui_tokens: int
+    format_repeats: int
+    bandwidth_bytes: int = 1 << 30
+    llama_threads: int = 2
+    skip: frozenset[str] = field(default_factory=frozenset)
+
+
+FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
+                  full_chain_lengths=(32, 512, 2048), chat_turns=20, chat_reply_tokens=32,
+                  rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=3, tui_tokens=128,
+                  format_repeats=5)
+# --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
+# chain runs at 32 tokens only (mlxchat's penalties count generated tokens, so the prompt length hardly matters),
+# and the rotating run is 2.6k tokens through a 512-token window.
+QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=3, full_chain_lengths=(32,),
+                   chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
+                   rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _machine(blas: str | None) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "mlx": v("mlx"), "mlx_lm": v("mlx-lm"), "blas": blas,
+            "llama_cpp_python": llama_cpp_version()}
+
+
+def _guard(errors: dict[str, str], section: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run one section; a failure is recorded (and printed), never fatal to the other sections."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - one broken case must not lose the rest of the run
+        errors[section] = f"{type(e).__name__}: {e}"
+        log(f"{section} failed: {errors[section]}")
+        return None
+
+
+def run_matrix(runners: list[Any], prompt_sets: dict[int, tuple[list, list[int]]], cfg: Config) -> list[dict]:
+    """Every system on every prompt length and sampler, interleaved by repeat; returns the cases."""
+    samples: dict[tuple[str, int, str], list[dict]] = {}
+    # Warm-up (not counted): first calls compile kernels, fault pages in and build caches.
+    msgs, ids = prompt_sets[min(prompt_sets)]
+    for r in runners:
+        for spec in (GREEDY, FULL):
+            r.run(msgs, ids, spec, 8)
+    for n in cfg.prompt_lengths:
+        msgs, ids = prompt_sets[n]
+        specs: list[SamplerSpec] = [GREEDY] + ([FULL] if n in cfg.full_chain_lengths else [])
+        for spec in specs:
+            for rep in range(cfg.repeats):
+                order = runners if rep % 2 == 0 else runners[::-1]
+                for r in order:
+                    s = r.run(msgs, ids, spec, cfg.max_tokens)
+                    if s["completion_tokens"] != cfg.max_tokens:
+                        raise RuntimeError(f"{r.name} generated {s['completion_tokens']} tokens, "
+                                           f"not {cfg.max_tokens}")
+                    samples.setdefault((r.name, n, spec.name), []).append(s)
+                line = " · ".join(f"{name} {samples[(name, n, spec.name)][-1]['decode_tokens_per_s']:.1f} tok/s"
+                                  for name in (r.name for r in runners))
+                log(f"prompt {n}, {spec.name}, repeat {rep + 1}/{cfg.repeats}: {line}")
+    return [stats.make_case(system, n, sampler, ss) for (system, n, sampler), ss in samples.items()]
+
+
+def _mib(b: float | None) -> str:
+    return "—" if b is None else f"{b / 2**20:.0f} MiB"
+
+
+def summary_text(results: dict[str, Any]) -> str:
+    """Everything printed after the table: chain overhead, chat, rotating, TUI, roofline, formats, targets."""
+    out = []
+    best = [r for r in results.get("ratios") or [] if r.get("decode_best") is not None]
+    if best:
+        out.append("Best repeat against best repeat (other load only adds time, so this is the less noisy gauge):")
+        for peer in dict.fromkeys(r["peer"] for r in best):
+            out.append(f"  /{peer}: " + ", ".join(
+                f"{r['prompt_tokens']} {r['sampler']}: decode {r['decode_best']:.2f}x TTFT {r['ttft_best']:.2f}x"
+                for r in best if r["peer"] == peer))
+    over = results.get("chain_overhead") or []
+    if over:
+        out.append("Full sampler chain vs greedy (TPOT): " + ", ".join(
+            f"{o['system']} @{o['prompt_tokens']}: {o['overhead_pct']:+.1f}%" for o in over
+            if o["overhead_pct"] is not None))
+    chat = results.get("chat")
+    if chat:
+        ttfts = " ".join(f"{t['ttft_s'] * 1000:.0f}" for t in chat["turns"])
+        out.append(f"Chat, {chat['turns_run']} turns x {chat['reply_tokens']} tokens, TTFT ms per turn: {ttfts}"
+                   f"  (turn {chat['turns_run']}/turn 1 = {chat['last_over_first_ttft']:.2f}x; context at the end "
+                   f"{chat['turns'][-1]['context_tokens']} tokens)")
+    rot = results.get("rotating")
+    if rot:
+        flat = rot.get("flatness") or {}
+        res = rot["result"]
+        pts = ", ".join(f"{s['context_tokens']}: {s['peak_memory_bytes'] / 2**20:.0f}" for s in rot["samples"])
+        out.append(f"Rotating cache (window {rot['max_kv_size']}, keep {rot['keep']}): {rot['prompt_tokens']} prompt "
+                   f"+ {rot['completion_tokens']} generated = {rot['context_tokens']} tokens; decode "
+                   f"{res['decode_tokens_per_s'] or 0:.1f} tok/s; peak MiB by context: {pts}")
+        if flat:
+            out.append(f"  peak {_mib(flat['from_bytes'])} at {flat['from_tokens']} -> {_mib(flat['to_bytes'])} at "
+                       f"{flat['to_tokens']} ({flat['growth_pct']:+.1f}%); weights {_mib(rot['weight_bytes'])}")
+    tui = results.get("tui")
+    if tui:
+        h, t = tui["headless"], tui["tui"]
+        out.append(f"TUI vs headless ({tui['path']}): headless {h['decode_tokens_per_s']:.1f} tok/s, TUI "
+                   f"{t['decode_tokens_per_s']:.1f} tok/s ({tui['slowdown_pct']:+.1f}% slower); TTFT "
+                   f"{h['ttft_s'] * 1000:.0f} vs {t['ttft_s'] * 1000:.0f} ms")
+    roof = results.get("roofline")
+    if roof:
+        bw = roof["bandwidth"]
+        methods = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw["methods_bytes_per_s"].items())
+        out.append(f"Roofline: memory read bandwidth {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (best of: "
+                   f"{methods} GB/s, {bw['bytes_read'] / 2**30:.0f} GiB read, median of {bw['repeats']})")
+        out.append(f"  weights as loaded: {roof['weight_bytes_per_token'] / 1e6:.0f} MB/token -> ceiling "
+                   f"{roof['ceiling_tokens_per_s']:.1f} tok/s" + (
+                       f"; the GGUF's own bytes: {roof['gguf_bytes_per_token'] / 1e6:.0f} MB/token -> ceiling "
+                       f"{roof['gguf_ceiling_tokens_per_s']:.0f} tok/s" if roof.get("gguf_bytes_per_token") else ""))
+        for name, s in roof["systems"].items():
+            if s["fraction"] is not None:
+                out.append(f"  {name}: {s['decode_tokens_per_s']:.1f} tok/s = {s['fraction'] * 100:.0f}% of "
+                           f"{s['ceiling_tokens_per_s']:.0f} tok/s")
+    fmts = results.get("formats")
+    if fmts:
+        out.append("Weight formats on MLX's CPU backend (all GEMVs of one token, one graph, no attention):")
+        for f in fmts:
+            bwc = f["bandwidth_ceiling_tokens_per_s"]
+            out.append(f"  {f['format']:>4}: {f['bytes_per_token'] / 1e6:5.0f} MB/token, {f['gemv_s'] * 1000:7.1f} ms"
+                       f" (best {f.get('gemv_s_min', f['gemv_s']) * 1000:.1f})"
+                       f" -> {f['ceiling_tokens_per_s']:6.1f} tok/s ({f['effective_bytes_per_s'] / 1e9:5.1f} GB/s)"
+                       + (f"; bandwidth allows {bwc:.0f} tok/s" if bwc else ""))
+    if results.get("errors"):
+        out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
+    out.append("Targets:")
+    out.append(stats.format_targets(results["targets"]))
+    return "\n".join(out)
+
+
+def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/results", *,
+        engine: Any = None) -> dict[str, Any]:
+    """Run the benchmark; write the JSON and PNG under ``out_dir``; return the results.
+
+    ``engine``: an already loaded Engine to measure (the tests share one); it is left open."""
+    from core import Engine, blas
+
+    started = time.perf_counter()
+    created = datetime.now(timezone.utc)
+    stamp = created.strftime("%Y%m%d-%H%M%S")
+    errors: dict[str, str] = {}
+    owned = engine is None
+    if owned:
+        log(f"loading {model or 'the embedded model'}")
+        engine = Engine.load(model)
+    m = engine.model
+    tok = m.tokenizer
+    log(f"loaded {m.name}: {m.weight_bytes / 1e6:.0f} MB of weights ({'quantized' if m.quantized else 'float'}), "
+        f"BLAS {blas.loaded or 'reference'}")
+    runners: list[Any] = [EngineRunner(engine), MlxLmRunner(engine)]
+    skipped: dict[str, str] = {}
+    llama = None
+    if "matrix" not in cfg.skip:
+        llama, why = make_llama_cpp(m.source, sorted(tok.eos_ids),
+                                    n_ctx=max(cfg.prompt_lengths) + cfg.max_tokens + 64, threads=cfg.llama_threads)
+        if llama is None:
+            skipped["llama.cpp"] = why
+            log(f"llama.cpp: skipped ({why})")
+        else:
+            runners.append(llama)
+            log(f"llama.cpp: llama-cpp-python {llama_cpp_version()}, {cfg.llama_threads} threads")
+    try:
+        prompt_sets = {n: prompts.exact_prompt(tok, n) for n in cfg.prompt_lengths}
+        cases: list[dict] = []
+        if "matrix" not in cfg.skip:
+            cases = _guard(errors, "matrix", run_matrix, runners, prompt_sets, cfg) or []
+    finally:
+        if llama is not None:
+            llama.close()
+    ratios = stats.compute_ratios(cases)
+    overhead = [o for s in stats.systems_in(cases) for o in stats.chain_overhead(cases, s)]
+
+    chat = rotating = tui = roof = formats = None
+    if "chat" not in cfg.skip:
+        log(f"chat: {cfg.chat_turns} turns")
+        chat = _guard(errors, "chat", C.chat_case, engine, cfg.chat_turns, cfg.chat_reply_tokens)
+    if "tui" not in cfg.skip:
+        log("TUI vs headless")
+        tui = _guard(errors, "tui", C.tui_case, engine, cfg.tui_tokens, cfg.tui_repeats)
+    if "rotating" not in cfg.skip:
+        log(f"rotating cache: {cfg.rotating_context} tokens of context, window {cfg.rotating_window}")
+        rotating = _guard(errors, "rotating", C.rotating_case, engine, cfg.rotating_context, cfg.rotating_decode,
+                          cfg.rotating_window)
+    bandwidth = None
+    if "roofline" not in cfg.skip:
+        log("memory bandwidth")
+        bw = _guard(errors, "roofline", C.memory_bandwidth, engine, cfg.bandwidth_bytes, 5 if not cfg.quick else 3)
+        if bw:
+            bandwidth = bw["bandwidth_bytes_per_s"]
+            shortest = min(cfg.prompt_lengths)
+            decode = {s: (stats.find_case(cases, s, shortest, "greedy") or {"median": {}})["median"]
+                      .get("decode_tokens_per_s") for s in stats.systems_in(cases)}
+            roof = C.roofline(bandwidth, m.weight_bytes, C.gguf_bytes_per_token(m.source), decode)
+            roof["bandwidth"] = bw
+            roof["at_prompt_tokens"] = shortest
+    if "formats" not in cfg.skip:
+        log("weight formats")
+        formats = _guard(errors, "formats", C.weight_formats, engine, cfg.format_repeats, bandwidth=bandwidth)
+    eng = EngineRunner(engine)
+    chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
+    if owned:
+        engine.close()
+
+    results: dict[str, Any] = {
+        "schema_version": report.SCHEMA_VERSION,
+        "created": created.isoformat(timespec="seconds"),
+        "quick": cfg.quick,
+        "elapsed_s": None,
+        "machine": _machine(blas.loaded),
+        "model": {"name": m.name, "source": m.source, "weight_bytes": m.weight_bytes, "quantized": m.quantized,
+                  "context_length": m.context_length, "gguf_bytes_per_token": C.gguf_bytes_per_token(m.source)},
+        "config": {
+            "prompt_lengths": list(cfg.prompt_lengths), "max_tokens": cfg.max_tokens, "repeats": cfg.repeats,
+            "full_chain_lengths": list(cfg.full_chain_lengths),
+            "samplers": {"greedy": GREEDY.as_dict(), "full": FULL.as_dict()},
+            "sampler_chains": chains,
+            "systems": [r.name for r in runners], "skipped": skipped,
+            "eos": "end-of-turn ids banned until max_tokens (mlxchat: min_tokens; mlx-lm and llama.cpp: a logits "
+                   "processor setting them to -inf), so every system generates exactly max_tokens",
+            "mlx_lm": "stream_generate on the engine's model object, on its inference thread, defaults otherwise "
+                      "(prefill_step_size 2048, 20-token penalty windows)",
+            "llama_cpp": f"{cfg.llama_threads} threads, n_batch 512, KV cache reset before each run",
+            "prompt_source": "CPython's pydoc_data.topics, sorted by topic", "prompt_digest": prompts.corpus_digest(),
+            "chat_turns": cfg.chat_turns, "chat_reply_tokens": cfg.chat_reply_tokens,
+            "rotating": {"context": cfg.rotating_context, "decode": cfg.rotating_decode,
+                         "window": cfg.rotating_window},
+            "tui_repeats": cfg.tui_repeats, "tui_tokens": cfg.tui_tokens,
+            "skip": sorted(cfg.skip),
+        },
+        "cases": cases, "ratios": ratios, "chain_overhead": overhead, "chat": chat, "rotating": rotating,
+        "tui": tui, "roofline": roof, "formats": formats, "errors": errors,
+    }
+    results["targets"] = stats.evaluate_targets(results)
+    results["elapsed_s"] = time.perf_counter() - started
+
+    out_dir = Path(out_dir)
+    path, latest = report.write_json(results, out_dir, stamp)
+    png = _guard(errors, "plot", report.plot, results, out_dir / f"bench-{stamp}.png")
+    if png is not None:
+        import shutil
+
+        shutil.copyfile(png, out_dir / "latest.png")
+    elif "plot" not in errors:
+        errors["plot"] = "matplotlib is not installed (pip install 'mlxchat[bench]')"
+    if "plot" in errors:  # rewrite with the plot's error recorded
+        report.write_json(results, out_dir, stamp)
+    results["_paths"] = {"json": str(path), "latest": str(latest), "png": str(png) if png else None}
+    return results
+
+
+def print_results(results: dict[str, Any]) -> None:
+    m, mc = results["model"], results["machine"]
+    cfg = results["config"]
+    print(f"mlxchat bench{' --quick' if results['quick'] else ''} · {m['name']} · weights "
+          f"{m['weight_bytes'] / 1e6:.0f} MB ({'quantized' if m['quantized'] else 'float'}) · BLAS "
+          f"{mc['blas'] or 'reference'} · {mc['cpu_count']} cores · mlx {mc['mlx']}, mlx-lm {mc['mlx_lm']}"
+          f"{', llama-cpp-python ' + mc['llama_cpp_python'] if mc['llama_cpp_python'] else ''}")
+    print(f"{cfg['max_tokens']} generated tokens per run, median of {cfg['repeats']} repeats; "
+          f"full chain = {cfg['sampler_chains']['full']}")
+    for name, why in cfg["skipped"].items():
+        print(f"({name} not compared: {why})")
+    print()
+    if results["cases"]:
+        print(stats.format_table(results["cases"], results["ratios"]))
+        print("(decode /peer > 1: mlxchat decodes faster; TTFT /peer < 1: mlxchat answers sooner)")
+        print()
+    print(summary_text(results))
+    paths = results.get("_paths", {})
+    print(f"\nWrote {paths.get('json')} (and {paths.get('latest')})" +
+          (f", plot {paths['png']}" if paths.get("png") else "") + f" in {results['elapsed_s']:.0f} s")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = QUICK_RUN if getattr(args, "quick", False) else FULL_RUN
+    over: dict[str, Any] = {}
+    if getattr(args, "repeats", None):
+        over["repeats"] = args.repeats
+    if getattr(args, "max_tokens", None):
+        over["max_tokens"] = args.max_tokens
+    if getattr(args, "lengths", None):
+        lengths = tuple(int(x) for x in str(args.lengths).split(",") if x.strip())
+        over["prompt_lengths"] = lengths
+        over["full_chain_lengths"] = tuple(n for n in lengths if n in cfg.full_chain_lengths) or lengths[-1:]
+    if getattr(args, "rotating_decode", None):
+        over["rotating_decode"] = args.rotating_decode
+    if getattr(args, "rotating_context", None):
+        over["rotating_context"] = args.rotating_context
+    if getattr(args, "llama_threads", None):
+        over["llama_threads"] = args.llama_threads
+    skip = set(getattr(args, "skip", None) or ())
+    unknown = skip - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"--skip takes {', '.join(SECTIONS)}; got {', '.join(sorted(unknown))}")
+    over["skip"] = frozenset(skip)
+    cfg = replace(cfg, **over)
+    if cfg.rotating_decode >= cfg.rotating_context:
+        raise ValueError("--rotating-decode must be less than --rotating-context")
+    return cfg
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    results = run(cfg, getattr(args, "model", None), getattr(args, "out", None) or "bench/results")
+    print_results(results)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench flags beyond --quick/--model/--out (app/cli.py's ``bench`` subparser adds the same)."""
+    p.add_argument("--repeats", type=int, help="repeats per case (default: 3)")
+    p.add_argument("--max-tokens", type=int, help="generated tokens per run (default: 128; --quick 32)")
+    p.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,512)")
+    p.add_argument("--rotating-context", type=int, help="tokens of context in the rotating run (default: 20000)")
+    p.add_argument("--rotating-decode", type=int,
+                   help="of which generated, the rest is a prompt prefilled through the window (default: 2000)")
+    p.add_argument("--llama-threads", type=int, help="llama.cpp threads (default: 2)")
+    p.add_argument("--skip", action="append", choices=SECTIONS, help="leave a section out (repeatable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
+    p.add_argument("--model", help="GGUF file (default: the embedded model)")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: bench/results)")
+    add_arguments(p)
+    return run_from_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
