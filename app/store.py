@@ -136,13 +136,21 @@ class Store:
         self.path = path if path == ":memory:" else Path(path)
         self.clock = clock
         if isinstance(self.path, Path):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # e.g. a parent that is a regular file, or a folder we may not write in
+                raise StoreError(f"{self.path}: cannot create the data folder {self.path.parent} "
+                                 f"({e.strerror or e}); set MLXCHAT_DATA_DIR to a folder you can write to") from None
         try:
             self._c = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         except sqlite3.Error as e:
-            raise StoreError(f"{self.path}: cannot open the conversations database ({e})") from None
+            raise self._unwritable(e) or StoreError(
+                f"{self.path}: cannot open the conversations database ({e})") from None
         try:
             self._open(target_version)
+        except sqlite3.Error as e:  # anything not explained by _open itself: still one line, never a traceback
+            self._c.close()
+            raise self._unwritable(e) or self._fail(f"cannot be used ({e})") from None
         except BaseException:
             self._c.close()
             raise
@@ -153,13 +161,25 @@ class Store:
         return StoreError(f"{self.path}: {problem}; the file was left untouched (move it away to start a new "
                           "history)")
 
+    def _unwritable(self, e: sqlite3.Error) -> StoreError | None:
+        """The error as a one-line 'cannot write here' StoreError, if that is what it means (else None)."""
+        name = getattr(e, "sqlite_errorname", None) or ""
+        if not name.startswith(("SQLITE_CANTOPEN", "SQLITE_READONLY", "SQLITE_PERM", "SQLITE_AUTH")):
+            return None
+        where = self.path.parent if isinstance(self.path, Path) else self.path
+        if isinstance(self.path, Path) and not self.path.exists():
+            return StoreError(f"{self.path}: cannot create the conversations database ({e}): is {where} "
+                              "read-only? Set MLXCHAT_DATA_DIR to a folder you can write to")
+        return StoreError(f"{self.path}: cannot write to the conversations database ({e}): is it, or the folder "
+                          f"{where}, read-only? The file was left untouched")
+
     def _open(self, target: int) -> None:
         c = self._c
         c.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         try:
             tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.DatabaseError as e:
-            raise self._fail(f"not an SQLite database or damaged ({e})") from None
+            raise self._unwritable(e) or self._fail(f"not an SQLite database or damaged ({e})") from None
         version = self._version() if "schema_version" in tables else None
         if version is None and tables:
             raise self._fail("an SQLite database, but not mlxchat's (no schema_version table)")
@@ -187,6 +207,10 @@ class Store:
             finally:
                 backup.close()
         self.migrate(target)
+        # A file or folder we may read but not write opens fine and fails at the first message: find out now.
+        # (This statement writes nothing; it only asks SQLite for a write transaction.)
+        with self._tx() as c:
+            c.execute("UPDATE schema_version SET version = version WHERE 0")
 
     def _version(self) -> int:
         rows = self._c.execute("SELECT version FROM schema_version").fetchall()
@@ -217,14 +241,19 @@ class Store:
         try:
             c.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as e:
-            raise StoreError(f"{self.path}: the database is busy ({e}); is another mlxchat writing to it?") from None
+            raise self._unwritable(e) or StoreError(
+                f"{self.path}: the database is busy ({e}); is another mlxchat writing to it?") from None
         try:
             yield c
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
-        else:
             c.execute("COMMIT")
+        except sqlite3.OperationalError as e:  # e.g. the disk is full, or the file became read-only
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise self._unwritable(e) or StoreError(f"{self.path}: cannot save ({e})") from None
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._c.close()

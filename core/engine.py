@@ -375,6 +375,11 @@ class ChatSession:
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
 
+    @property
+    def cache(self) -> ConversationCache | None:
+        """The conversation's KV cache (None before the first turn), for size and memory readouts."""
+        return self._cache
+
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
         _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
         message = {"role": "user", "content": text}
@@ -422,6 +427,11 @@ class ChatSession:
             try:
                 prompt = engine.model.tokenizer.encode_chat(rendered)
                 result = engine._generate(job, self._cache, prompt, request)
+            except ContextLengthError:  # refused before any model call: the cache is still exact
+                with self._lock:
+                    if sent is not None and self.messages and self.messages[-1] is sent:
+                        self.messages.pop()
+                raise
             except BaseException:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too), and drop the cache,

@@ -179,9 +179,9 @@ class Temperature:
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
         logits = c.logits
-        if self._scale > 1e3:
-            # A near-zero temperature: scaling raw logits could overflow to ±inf (and 0 × inf to NaN); measured
-            # from the maximum, the best token stays at 0 and the rest sink towards -inf.
+        if self._scale > 1:
+            # Temperature below 1: scaling raw logits can overflow to ±inf (-3e38 / 0.01 is -inf, masking a live
+            # token; 0 × inf is NaN); measured from the maximum, the best token stays at 0 and the rest sink.
             logits = logits - mx.max(logits)
         return Candidates(logits * self._scale, c.ids)
 

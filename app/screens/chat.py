@@ -55,6 +55,7 @@ class Reply:
     model: str
     cached: int | None = None
     discard: bool = False  # the conversation was cleared meanwhile: do not store it
+    tokens: int = 0  # tokens streamed so far (0 when it fails: the engine rejected the prompt)
 
 
 def slug(text: str) -> str:
@@ -337,6 +338,7 @@ class ChatScreen(Screen):
         reply = self._reply_for(event.request_id)
         if reply is None:
             return
+        reply.tokens += event.count
         if reply.view.is_attached:
             await reply.view.write(event.text)
             reply.view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
@@ -390,10 +392,30 @@ class ChatScreen(Screen):
         message = str(event.error) or type(event.error).__name__
         if reply.view.is_attached:
             await reply.view.fail(message)
+        if reply is self.reply and reply.tokens == 0:
+            message += self._unsend_last_user()
         self.notify(message, title="The reply failed", severity="error", timeout=10)
         if reply is self.reply:
             self.stats.show_state("error", "✗ error", message)
             self.reply = None
+
+    def _unsend_last_user(self) -> str:
+        """The engine rejected the prompt before any token (e.g. longer than the context): the last user message
+        was not sent. Take it out of the session (core's ChatSession already drops a rejected ``send``/``edit_last``
+        message; a rejected ``regenerate`` keeps it) and out of the store, or every later turn of this chat would
+        fail the same way after a restart. Its view stays, marked unsent, for ctrl+t. Returns a note for the user."""
+        chat, view = self.chat, self.transcript.last("user")
+        if chat is None or view is None or view.has_class("unsent"):
+            return ""
+        last = chat.messages[-1] if chat.messages else None
+        if last is not None and last["role"] == "user" and last["content"] == view.text:
+            chat.messages = chat.messages[:-1]  # the job is over: the inference thread no longer reads them
+        if view.stored_position is not None and self.conversation is not None:
+            self.app.store.delete_messages_from(self.conversation.id, view.stored_position)
+            view.stored_position = None
+        view.add_class("unsent")
+        view.set_stats("not sent · ctrl+t edits and sends it")
+        return " · your message was not sent: ctrl+t edits it, or send another one"
 
     # --- actions -------------------------------------------------------------------------------------------------
 
@@ -461,6 +483,9 @@ class ChatScreen(Screen):
         if self.transcript.last("user") is None:
             self.notify("Nothing to regenerate yet", severity="warning")
             return
+        if self.transcript.last("user").has_class("unsent"):
+            self.notify("Your last message was not sent: ctrl+t edits it", severity="warning")
+            return
         self._starting = True
         try:
             last = self.transcript.messages[-1]
@@ -495,12 +520,16 @@ class ChatScreen(Screen):
     async def _resend(self, text: str) -> None:
         self._stop_editing()
         last = self.transcript.last("user")
+        unsent = last is not None and last.has_class("unsent")  # not in the session: send it, edit nothing
         if last is not None:
             if last.stored_position is not None and self.conversation is not None:
                 self.app.store.delete_messages_from(self.conversation.id, last.stored_position)
             await self.transcript.drop_from(last)
         await self._add_user(text)
-        await self._start(lambda chat: chat.edit_last(text, max_tokens=self.app.max_tokens))
+        if unsent:
+            await self._start(lambda chat: chat.send(text, max_tokens=self.app.max_tokens))
+        else:
+            await self._start(lambda chat: chat.edit_last(text, max_tokens=self.app.max_tokens))
 
     # --- conversations -------------------------------------------------------------------------------------------
 

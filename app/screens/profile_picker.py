@@ -236,6 +236,9 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
                 msg = error_text(e.errors()[0]) if isinstance(e, ValidationError) else str(e)
                 self.notify(msg, severity="error")
                 return
+            except OSError as e:  # a read-only or missing config folder: say so, stay open
+                self.notify(f"Cannot save the profile in {self.store.folder}: {e.strerror or e}", severity="error")
+                return
             self.notify(f"Saved profile {name} to {path}")
             self.refresh_entries(select=f"user:{name}")
             self.load_form(named)
@@ -250,6 +253,11 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
         if not key.startswith("user:"):
             self.notify("Presets cannot be deleted", severity="warning")
             return
-        self.store.delete(key.removeprefix("user:"))
+        try:
+            self.store.delete(key.removeprefix("user:"))
+        except (ProfileError, OSError) as e:
+            self.notify(str(e) if isinstance(e, ProfileError) else f"Cannot delete the profile: {e.strerror or e}",
+                        severity="error")
+            return
         self.notify(f"Deleted profile {key.removeprefix('user:')}")
         self.refresh_entries()

@@ -37,7 +37,8 @@ class MessageView(Vertical, can_focus=True):
         self.stats = stats
         self.stored_position = stored_position  # position in the store, once saved
         self.finish_reason: str | None = None
-        self._stream: MarkdownStream | None = None
+        self._stream: MarkdownStream | None = None  # made at the first write: a reply stopped before its first
+        self._streaming = False                       # token never starts a MarkdownStream task
         self._chunks: list[str] = []
         self._code_index = 0
         self.first_write_at: float | None = None  # monotonic times: when streamed text first showed, and the end
@@ -53,19 +54,20 @@ class MessageView(Vertical, can_focus=True):
 
     @property
     def streaming(self) -> bool:
-        return self._stream is not None
+        return self._streaming
 
     # --- streaming -----------------------------------------------------------------------------------------------
 
     def start_stream(self) -> None:
         self._chunks = []
-        self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
+        self._streaming = True
         self.add_class("streaming")
 
     async def write(self, text: str) -> None:
-        if self._stream is None:
+        if not self._streaming:
             self.start_stream()
-        assert self._stream is not None
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
         self._chunks.append(text)
         self.text = "".join(self._chunks)
         if self.first_write_at is None:
@@ -77,6 +79,7 @@ class MessageView(Vertical, can_focus=True):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+        self._streaming = False
         self.remove_class("streaming")
         self.finished_at = time.monotonic()
         self.text = text
@@ -89,6 +92,13 @@ class MessageView(Vertical, can_focus=True):
         await self.finish(partial, "")
         self.add_class("failed")
         self.set_stats(f"error: {error}")
+
+    async def on_unmount(self) -> None:
+        # Removed mid-stream (new chat, clear, another conversation): end the stream's task, which would otherwise
+        # wait forever, holding this widget.
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
 
     def set_label(self, label: str) -> None:
         self.label = label
