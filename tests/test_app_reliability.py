@@ -34,6 +34,7 @@ from app.store import Store
 from app.widgets import Notice
 from core import Engine, SamplingProfile
 from core.loader import embedded_model_path
+from tests.tui_helpers import reply, wait_for
 
 MAX_TOKENS = 4
 SIZE = (110, 32)
@@ -49,24 +50,6 @@ def new_app(tmp_path: Path, engine: Engine | None, **kw) -> MlxChatApp:
     kw.setdefault("data_dir", tmp_path / "data")
     kw.setdefault("config_dir", tmp_path / "config")
     return make_app(engine=engine, scan_hf_cache=False, **kw)
-
-
-async def wait_for(pilot, condition, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
-
-
-async def reply(pilot, text: str, timeout: float = 60.0):
-    screen = pilot.app.chat_screen
-    before = screen.last_result
-    screen.input.focus()
-    await pilot.press(*text)
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: screen.last_result is not before and not screen.busy, timeout, "the reply")
-    return screen.last_result
 
 
 def errors(app: MlxChatApp) -> list[str]:

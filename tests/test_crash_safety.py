@@ -28,6 +28,7 @@ import pytest
 
 from app.app import make_app
 from app.store import Store
+from tests.tui_helpers import reply, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = (110, 32)
@@ -42,23 +43,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-async def wait_for(pilot, condition, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
-
-
-async def reply(pilot, text: str, timeout: float = 60.0):
-    screen = pilot.app.chat_screen
-    before = screen.last_result
-    await pilot.press(*text)
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: screen.last_result is not before and not screen.busy, timeout, "the reply")
-    return screen.last_result
 
 
 def integrity(db: Path) -> str:

@@ -23,6 +23,7 @@ from app.store import Store
 from app.widgets import ChatInput, ConversationList, Notice
 from core import Engine, SamplingProfile
 from core.profile import ProfileStore
+from tests.tui_helpers import reply, type_and_send, wait_for
 
 MAX_TOKENS = 12
 SIZE = (110, 32)
@@ -40,27 +41,6 @@ def new_app(tmp_path: Path, engine: Engine | None, **kw) -> MlxChatApp:
     kw.setdefault("max_tokens", MAX_TOKENS)
     return make_app(data_dir=tmp_path / "data", config_dir=tmp_path / "config", engine=engine,
                     scan_hf_cache=False, **kw)
-
-
-async def wait_for(pilot, condition, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
-
-
-async def type_and_send(pilot, text: str) -> None:
-    await pilot.press(*text)
-    await pilot.press("enter")
-
-
-async def reply(pilot, text: str, timeout: float = 60.0):
-    screen = pilot.app.chat_screen
-    before = screen.last_result
-    await type_and_send(pilot, text)
-    await wait_for(pilot, lambda: screen.last_result is not before and not screen.busy, timeout, "the reply")
-    return screen.last_result
 
 
 # --- chat ------------------------------------------------------------------------------------------------------
