@@ -129,10 +129,6 @@ class Stream:
         assert self.result is not None
         return self.result
 
-    @property
-    def text(self) -> str:
-        return self.result.text if self.result else ""
-
 
 def _as_caller_error(error: BaseException) -> BaseException:
     if isinstance(error, (MlxChatError, ValueError)):
