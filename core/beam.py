@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from .cache import prefill
 from .tokenizer import ChatTokenizer
 
 
@@ -40,9 +41,8 @@ def beam_search(model: nn.Module, tokenizer: ChatTokenizer, prompt: Sequence[int
         raise ValueError(f"beam_size and max_tokens must be at least 1, got {beam_size} and {max_tokens}")
     eos = tokenizer.eos_ids
     cache = [KVCache() for _ in model.layers]
-    for start in range(0, len(prompt) - 1, prefill_step):
-        model(mx.array(prompt[start:min(start + prefill_step, len(prompt) - 1)])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+    for _ in prefill(model, cache, prompt[:-1], prefill_step):
+        pass
     inputs = mx.array(prompt[-1:])[None]
     alive: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
     done: list[Beam] = []
@@ -53,12 +53,12 @@ def beam_search(model: nn.Module, tokenizer: ChatTokenizer, prompt: Sequence[int
         flat = totals.reshape(-1)
         k = min(2 * beam_size, flat.size)
         top = mx.argpartition(-flat, k - 1)[:k]
-        top_scores = np.asarray(flat[top])
+        top_ids, top_scores = np.asarray(top), np.asarray(flat[top])
         order = np.argsort(-top_scores, kind="stable")
         next_alive: list[tuple[tuple[int, ...], float]] = []
         parents: list[int] = []
         for i in order:
-            parent, token = divmod(int(np.asarray(top)[i]), vocab)
+            parent, token = divmod(int(top_ids[i]), vocab)
             seq, total = alive[parent][0], float(top_scores[i])
             if token in eos:
                 done.append(Beam(seq, tokenizer.decode(seq), total, _score(total, len(seq), length_penalty), "stop"))

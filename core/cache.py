@@ -7,8 +7,9 @@ holds, so a new prompt only prefills the suffix that differs from them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
@@ -64,3 +65,15 @@ class ConversationCache:
 
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers if not c.empty())
+
+
+def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int) -> Iterator[Sequence[int]]:
+    """Run `ids` through the model into `layers` in chunks of `step`, yielding each chunk once it is in the cache.
+
+    The logits of these positions are never evaluated: only the cache state is, so no output-head work is done.
+    """
+    for start in range(0, len(ids), step):
+        chunk = ids[start:start + step]
+        model(mx.array(chunk)[None], cache=layers)
+        mx.eval([c.state for c in layers])
+        yield chunk

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from . import loader
 from .beam import Beam, beam_search
-from .cache import ConversationCache
+from .cache import ConversationCache, prefill
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
 from .profile import SamplingProfile
@@ -264,14 +264,12 @@ class Engine:
 
         todo = prompt[clock.reused:]
         job.emit(PrefillProgress(clock.reused, clock.total))
-        for start in range(0, len(todo) - 1, self.prefill_step):
-            if job.cancelled.is_set():
-                return self._finish(job, clock, "", [], [], "cancelled", sampler, req)
-            chunk = todo[start:min(start + self.prefill_step, len(todo) - 1)]
-            m.model(mx.array(chunk)[None], cache=layers)
-            mx.eval([c.state for c in layers])
+        chunks = prefill(m.model, layers, todo[:-1], self.prefill_step)
+        while not job.cancelled.is_set() and (chunk := next(chunks, None)) is not None:
             cache.tokens.extend(chunk)
-            job.emit(PrefillProgress(clock.reused + start + len(chunk), clock.total))
+            job.emit(PrefillProgress(len(cache.tokens), clock.total))
+        if job.cancelled.is_set():
+            return self._finish(job, clock, "", [], [], "cancelled", sampler, req)
 
         y, logprobs = forward(mx.array(todo[-1:]))
         cache.tokens.append(todo[-1])
@@ -423,16 +421,13 @@ class ChatSession:
             try:
                 prompt = engine.model.tokenizer.encode_chat(rendered)
                 result = engine._generate(job, self._cache, prompt, request)
-            except ContextLengthError:  # refused before any model call: the cache is still exact
-                with self._lock:
-                    if sent is not None and self.messages and self.messages[-1] is sent:
-                        self.messages.pop()
-                raise
-            except BaseException:
+            except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
-                # answered, e.g. one longer than the context, fails every later turn too), and drop the cache,
-                # whose keys/values may be ahead of its ids after a failure inside a model call.
-                self._cache = None
+                # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
+                # comes before any model call; after any other failure the cache's keys/values may be ahead of
+                # its ids, so it is dropped.
+                if not isinstance(e, ContextLengthError):
+                    self._cache = None
                 with self._lock:
                     if sent is not None and self.messages and self.messages[-1] is sent:
                         self.messages.pop()
