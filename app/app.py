@@ -15,7 +15,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
@@ -25,7 +25,7 @@ from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView
 
 if TYPE_CHECKING:
-    from core import Engine
+    from mlxchat.core import Engine
 
 
 class MlxChatApp(App[None]):

@@ -67,8 +67,8 @@ def _read_prompt(arg: str) -> str:
 
 
 def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, imported late with MLX
-    from core import SamplingProfile
-    from core.profile import ProfileStore
+    from mlxchat.core import SamplingProfile
+    from mlxchat.core.profile import ProfileStore
 
     store = ProfileStore()
     if args.profile is None:
@@ -95,8 +95,8 @@ def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from core import Engine
-    from core.events import TokenEvent
+    from mlxchat.core import Engine
+    from mlxchat.core.events import TokenEvent
 
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():  # checked again by the engine; here it saves loading the model for nothing
@@ -132,17 +132,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
-            from bench.run import run_from_cli
+            from mlxchat.bench.run import run_from_cli
 
             return run_from_cli(args)
-        from app.app import run_tui
+        from mlxchat.app.app import run_tui
 
         run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
         return 0
     except Exception as e:  # noqa: BLE001 - bad input gets one line, never a traceback
         from pydantic import ValidationError
 
-        from core.errors import MlxChatError
+        from mlxchat.core.errors import MlxChatError
 
         if isinstance(e, ValidationError):
             msg = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())

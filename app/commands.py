@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 if TYPE_CHECKING:
-    from core import SamplingProfile
+    from mlxchat.core import SamplingProfile
 
 
 class ProfileCommands(Provider):

@@ -22,8 +22,8 @@ from textual.message import Message
 from textual.message_pump import MessagePump
 
 if TYPE_CHECKING:
-    from core import Engine, Stream
-    from core.events import GenerationResult, Metrics
+    from mlxchat.core import Engine, Stream
+    from mlxchat.core.events import GenerationResult, Metrics
 
 BATCH_S = 0.040  # the shortest batch; the UI may ask for longer ones (see ``batch_s``)
 MAX_BATCH_S = 0.5
@@ -173,7 +173,7 @@ class EngineWorker:
         self._post(self.Loading(spec))
         started = time.perf_counter()
         try:
-            from core import Engine  # imports MLX (via core) on this thread, not the UI's
+            from mlxchat.core import Engine  # imports MLX (via core) on this thread, not the UI's
 
             engine = Engine.load(spec)
         except Exception as e:  # noqa: BLE001 - shown in the app, which stays usable
@@ -182,7 +182,7 @@ class EngineWorker:
         self._post(self.Loaded(engine, spec, time.perf_counter() - started))
 
     def _generate(self, command: _Generate) -> None:
-        from core.events import Done, PrefillProgress, TokenEvent
+        from mlxchat.core.events import Done, PrefillProgress, TokenEvent
 
         rid = command.request_id
         with self._lock:

@@ -91,7 +91,7 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
 
 def profile_summary(p: Any) -> str:
     """A profile's values in one line, e.g. 'temperature 0.8 · top_p 0.9'."""
-    from core.profile import SamplingProfile  # no MLX in core.profile
+    from mlxchat.core.profile import SamplingProfile  # no MLX in core.profile
 
     default = SamplingProfile()
     shown = []

@@ -17,7 +17,7 @@ from .systems import GREEDY, EngineRunner, from_metrics
 
 
 def _greedy(max_tokens: int) -> Any:
-    from core import SamplingProfile
+    from mlxchat.core import SamplingProfile
 
     return SamplingProfile(name="bench-greedy", temperature=0, min_tokens=max_tokens)
 
@@ -50,7 +50,7 @@ def rotating_case(engine: Any, context_tokens: int, decode_tokens: int, window: 
     reset by the engine at the start of each request) and the memory in use then (``mx.get_active_memory``)."""
     import mlx.core as mx
 
-    from core.events import Done, PrefillProgress, TokenEvent
+    from mlxchat.core.events import Done, PrefillProgress, TokenEvent
 
     prompt_tokens = context_tokens - decode_tokens
     msgs, ids = prompts.exact_prompt(engine.model.tokenizer, prompt_tokens, system=prompts.SYSTEM)
@@ -107,7 +107,7 @@ def _headless(engine: Any, system: str | None, text: str, max_tokens: int) -> di
 
 
 async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
-    from app.app import make_app
+    from mlxchat.app.app import make_app
 
     text = _tui_text(engine)
     headless, tui = [], []
@@ -149,7 +149,7 @@ async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any
 
 def _worker_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
     """Fallback when the app cannot be built: engine -> EngineWorker thread -> coalesced batches to a sink."""
-    from app.engine_worker import EngineWorker
+    from mlxchat.app.engine_worker import EngineWorker
 
     class Sink:
         def __init__(self) -> None:
@@ -183,7 +183,7 @@ def _worker_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
 def tui_case(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
     """Decode tok/s through the real TUI against the same ChatSession call made headless, interleaved."""
     try:
-        import app.app  # noqa: F401
+        import mlxchat.app.app  # noqa: F401
         out = asyncio.run(_tui_runs(engine, max_tokens, repeats))
     except ImportError as e:
         out = _worker_runs(engine, max_tokens, repeats)
@@ -244,7 +244,7 @@ def memory_bandwidth(engine: Any, nbytes: int = 1 << 30, repeats: int = 5) -> di
         del x
         return nbytes / t
 
-    mlx = engine._worker.run(mlx_sum)
+    mlx = engine.run(mlx_sum)
     methods = {"numpy_1_thread": one, f"numpy_{n}_threads": many, "mlx_sum": mlx}
     best = max(methods, key=methods.get)
     return {"bytes_read": nbytes, "repeats": repeats, "methods_bytes_per_s": methods,
@@ -254,7 +254,7 @@ def memory_bandwidth(engine: Any, nbytes: int = 1 << 30, repeats: int = 5) -> di
 def gguf_bytes_per_token(path: str) -> int | None:
     """The bytes of the GGUF's weights one token reads (the embedding table once, as the tied output head)."""
     try:
-        from core import gguf
+        from mlxchat.core import gguf
 
         header = gguf.read_header(__import__("pathlib").Path(path))
     except Exception:  # noqa: BLE001 - not a GGUF: no figure
@@ -346,7 +346,7 @@ def weight_formats(engine: Any, repeats: int = 5, formats: tuple[str, ...] = ("f
             del step
         return rows
 
-    return engine._worker.run(job)
+    return engine.run(job)
 
 
 __all__ = ["EngineRunner", "GREEDY", "chat_case", "gguf_bytes_per_token", "memory_bandwidth", "roofline",

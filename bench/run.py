@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
+import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
 
 from . import cases as C
 from . import prompts, report, stats
@@ -191,7 +191,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     """Run the benchmark; write the JSON and PNG under ``out_dir``; return the results.
 
     ``engine``: an already loaded Engine to measure (the tests share one); it is left open."""
-    from core import Engine, blas
+    from mlxchat.core import Engine, blas
 
     started = time.perf_counter()
     created = datetime.now(timezone.utc)

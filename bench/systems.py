@@ -90,7 +90,7 @@ class EngineRunner:
         self.engine = engine
 
     def profile(self, spec: SamplerSpec, max_tokens: int) -> Any:
-        from core import SamplingProfile
+        from mlxchat.core import SamplingProfile
 
         return SamplingProfile(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
                                repetition_penalty=spec.repetition_penalty, frequency_penalty=spec.frequency_penalty,
@@ -105,11 +105,11 @@ class EngineRunner:
 
     def describe(self, spec: SamplerSpec, max_tokens: int) -> str:
         """The chain the engine prints for this setting (built on the inference thread: it makes MLX arrays)."""
-        from core.sampling import Sampler
+        from mlxchat.core.sampling import Sampler
 
         m = self.engine.model
         profile = self.profile(spec, max_tokens)
-        return self.engine._worker.run(
+        return self.engine.run(
             lambda: Sampler(profile, vocab_size=vocab_size(m), eos_ids=m.tokenizer.eos_ids).describe())
 
 
@@ -189,7 +189,7 @@ class MlxLmRunner:
         return from_times(t0, times, len(ids), mx.get_peak_memory())
 
     def run(self, messages: list[dict[str, str]], ids: list[int], spec: SamplerSpec, max_tokens: int) -> dict:
-        return self.engine._worker.run(lambda: self._job(ids, spec, max_tokens))
+        return self.engine.run(lambda: self._job(ids, spec, max_tokens))
 
 
 def llama_cpp_available() -> bool:

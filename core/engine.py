@@ -22,11 +22,12 @@ from .beam import Beam, beam_search
 from .cache import ConversationCache, prefill
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
+from .messages import ChatMessage
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
 
-Prompt = str | Sequence[dict[str, str]]
+Prompt = str | Sequence[dict[str, str] | ChatMessage]
 DEFAULT_PREFILL_STEP = 512
 
 
@@ -35,8 +36,10 @@ class _Failure:
     error: BaseException
 
 
-class _Job:
-    def __init__(self, fn: Callable[["_Job"], Any]) -> None:
+class Job:
+    """One unit of work on the inference thread: the events it emits, a cancel flag, and when it was accepted."""
+
+    def __init__(self, fn: Callable[["Job"], Any]) -> None:
         self.fn = fn
         self.events: queue.Queue[Event | _Failure] = queue.Queue()
         self.cancelled = threading.Event()
@@ -50,7 +53,7 @@ class InferenceThread:
     """Runs jobs one at a time, in order, on a single daemon thread."""
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlxchat-inference", daemon=True)
         self._thread.start()
@@ -69,8 +72,8 @@ class InferenceThread:
         self._stopped.set()
         threading.Event().wait()
 
-    def submit(self, fn: Callable[[_Job], Any]) -> _Job:
-        job = _Job(fn)
+    def submit(self, fn: Callable[[Job], Any]) -> Job:
+        job = Job(fn)
         self._jobs.put(job)
         return job
 
@@ -79,7 +82,7 @@ class InferenceThread:
         finished = threading.Event()
         box: dict[str, Any] = {}
 
-        def job(_: _Job) -> None:
+        def job(_: Job) -> None:
             try:
                 box["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
@@ -102,7 +105,7 @@ class InferenceThread:
 class Stream:
     """Iterate for events; `cancel()` stops at the next token (or prefill chunk). Leaving early cancels."""
 
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: Job) -> None:
         self._job = job
         self.result: GenerationResult | None = None
 
@@ -138,7 +141,8 @@ def _as_caller_error(error: BaseException) -> BaseException:
 
 
 def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        m.as_prompt() if isinstance(m, ChatMessage) else dict(m) for m in prompt]
     for m in messages:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each message needs a string 'role' and a string 'content'")
@@ -192,10 +196,10 @@ class Engine:
         messages = _messages(prompt, system)
         request = self._request(profile, max_tokens, stop)
 
-        def run(job: _Job) -> None:
+        def run(job: Job) -> None:
             self._generate(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages), request)
 
-        return Stream(self._worker.submit(run))
+        return self.submit(run)
 
     def generate(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                  stop: Sequence[str] | None = None, system: str | None = None,
@@ -207,7 +211,7 @@ class Engine:
         """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py."""
         profile = profile or SamplingProfile(beam_size=4)
         ids = self.model.tokenizer.encode_chat(_messages(prompt, system))
-        return self._worker.run(lambda: beam_search(
+        return self.run(lambda: beam_search(
             self.model.model, self.model.tokenizer, ids, beam_size=profile.beam_size,
             length_penalty=profile.length_penalty, max_tokens=max_tokens or profile.max_tokens or 64,
             prefill_step=self.prefill_step))
@@ -218,6 +222,16 @@ class Engine:
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(_messages(prompt, system)))
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the inference thread (where MLX work on this engine's model must run), after the work queued
+        before it, and return its value or raise its exception here."""
+        return self._worker.run(fn)
+
+    def submit(self, fn: Callable[[Job], Any]) -> Stream:
+        """Queue `fn(job)` on the inference thread and return the Stream of the events it emits with `job.emit`.
+        `fn` should check `job.cancelled` between steps and end by emitting a `Done`."""
+        return Stream(self._worker.submit(fn))
 
     def close(self) -> None:
         self._worker.stop()
@@ -240,7 +254,7 @@ class Engine:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         return _Request(profile, max_tokens or profile.max_tokens, [*profile.stop, *(stop or [])])
 
-    def _generate(self, job: _Job, cache: ConversationCache, prompt: list[int], req: _Request) -> GenerationResult:
+    def _generate(self, job: Job, cache: ConversationCache, prompt: list[int], req: _Request) -> GenerationResult:
         m = self.model
         limit = m.context_length
         if not prompt:
@@ -317,7 +331,7 @@ class Engine:
                 job.emit(TokenEvent(tail, (), clock.metrics()))
         return self._finish(job, clock, "".join(text), ids, lps, reason, sampler, req)
 
-    def _finish(self, job: _Job, clock: "_Clock", text: str, ids: list[int], lps: list[TokenLogprob],
+    def _finish(self, job: Job, clock: "_Clock", text: str, ids: list[int], lps: list[TokenLogprob],
                 reason: FinishReason, sampler: Sampler, req: _Request) -> GenerationResult:
         result = GenerationResult(text, reason, clock.metrics(), tuple(ids), tuple(lps), sampler.describe(),
                                   sampler.seed, req.profile.model_dump(mode="json"))
@@ -364,10 +378,37 @@ class ChatSession:
                  max_kv_size: int | None = None, keep: int = 4) -> None:
         self.engine = engine
         self.profile = profile or SamplingProfile()
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        self._messages: list[ChatMessage] = [ChatMessage("system", system)] if system else []
         self.max_kv_size, self.keep = max_kv_size, keep
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """A copy of the conversation, system prompt first; change it with the methods below."""
+        with self._lock:
+            return list(self._messages)
+
+    @property
+    def system(self) -> str | None:
+        with self._lock:
+            return self._messages[0].content if self._messages and self._messages[0].role == "system" else None
+
+    def replace_history(self, messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
+        """Replace every message but the system prompt (e.g. a stored conversation reopened). The KV cache stays:
+        the next turn re-matches it by prefix and prefills only what differs."""
+        history = [ChatMessage.coerce(m) for m in messages]
+        if any(m.role == "system" for m in history):
+            raise ValueError("the history must not contain a system message: set it with the session's system")
+        with self._lock:
+            self._messages = [m for m in self._messages[:1] if m.role == "system"] + history
+
+    def drop_last_user(self) -> ChatMessage | None:
+        """Take back the last message if it is an unanswered user message (one the engine refused); return it."""
+        with self._lock:
+            if self._messages and self._messages[-1].role == "user":
+                return self._messages.pop()
+        return None
 
     @property
     def cache(self) -> ConversationCache | None:
@@ -376,17 +417,17 @@ class ChatSession:
 
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
         _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
-        message = {"role": "user", "content": text}
+        message = ChatMessage("user", text)
         with self._lock:
-            self.messages.append(message)
+            self._messages.append(message)
         return self._reply(max_tokens, stop, message)
 
     def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
         """Drop the last reply and answer the last user message again."""
         with self._lock:
-            if self.messages and self.messages[-1]["role"] == "assistant":
-                self.messages.pop()
-            if not self.messages or self.messages[-1]["role"] != "user":
+            if self._messages and self._messages[-1].role == "assistant":
+                self._messages.pop()
+            if not self._messages or self._messages[-1].role != "user":
                 raise ValueError("there is no user message to answer again")
         return self._reply(max_tokens, stop)
 
@@ -394,30 +435,30 @@ class ChatSession:
         """Replace the last user message (dropping what followed it) and answer it."""
         _messages(text, None)
         with self._lock:
-            last = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
+            last = max((i for i, m in enumerate(self._messages) if m.role == "user"), default=None)
             if last is None:
                 raise ValueError("there is no user message to edit")
-            del self.messages[last:]
-            message = {"role": "user", "content": text}
-            self.messages.append(message)
+            del self._messages[last:]
+            message = ChatMessage("user", text)
+            self._messages.append(message)
         return self._reply(max_tokens, stop, message)
 
     def clear(self) -> None:
         """Forget every message but the system prompt; the cache starts again on the next turn."""
         with self._lock:
-            self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+            self._messages = [m for m in self._messages[:1] if m.role == "system"]
             self._cache = None
 
     def _reply(self, max_tokens: int | None, stop: Sequence[str] | None,
-               sent: dict[str, Any] | None = None) -> Stream:
+               sent: ChatMessage | None = None) -> Stream:
         engine = self.engine
         request = engine._request(self.profile, max_tokens, stop)
 
-        def run(job: _Job) -> None:
+        def run(job: Job) -> None:
             if self._cache is None:
                 self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep)
             with self._lock:
-                rendered = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+                rendered = [m.as_prompt() for m in self._messages]
             try:
                 prompt = engine.model.tokenizer.encode_chat(rendered)
                 result = engine._generate(job, self._cache, prompt, request)
@@ -429,13 +470,12 @@ class ChatSession:
                 if not isinstance(e, ContextLengthError):
                     self._cache = None
                 with self._lock:
-                    if sent is not None and self.messages and self.messages[-1] is sent:
-                        self.messages.pop()
+                    if sent is not None and self._messages and self._messages[-1] is sent:
+                        self._messages.pop()
                 raise
             if result.text or result.finish_reason != "cancelled":
                 with self._lock:
-                    self.messages.append({"role": "assistant", "content": result.text,
-                                          "finish_reason": result.finish_reason,
-                                          "metrics": result.metrics.as_dict(), "profile": result.profile})
+                    self._messages.append(ChatMessage("assistant", result.text, result.finish_reason,
+                                                      result.metrics.as_dict(), result.profile))
 
-        return Stream(engine._worker.submit(run))
+        return engine.submit(run)

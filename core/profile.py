@@ -18,11 +18,13 @@ The sampler chain is described in ``core.sampling``; ``sampler_order`` names its
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import os
 import re
 import tempfile
 import tomllib
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,7 +37,8 @@ from .errors import MlxChatError
 
 log = logging.getLogger(__name__)
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "templates" / "presets"
+# Package data (templates/presets in the repository), so a wheel install has the presets too.
+PRESET_DIR = importlib.resources.files("mlxchat.templates") / "presets"
 
 # Chain transform names, in the default order: llama.cpp's and mlx-lm's convention of filtering the untempered
 # distribution and applying temperature last, so a filter's cut does not move when the temperature changes.
@@ -170,7 +173,7 @@ class SamplingProfile(BaseModel):
 
     @classmethod
     def presets(cls) -> list[str]:
-        return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+        return sorted(p.name.removesuffix(".toml") for p in PRESET_DIR.iterdir() if p.name.endswith(".toml"))
 
     @classmethod
     def preset(cls, name: str) -> SamplingProfile:
@@ -255,7 +258,7 @@ class SamplingProfile(BaseModel):
 
 # --- user profiles -----------------------------------------------------------------------------------------------
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Traversable) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
@@ -265,7 +268,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ProfileError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _validated(data: dict[str, Any], path: Path) -> SamplingProfile:
+def _validated(data: dict[str, Any], path: Traversable) -> SamplingProfile:
     try:
         profile = SamplingProfile.model_validate(data)
     except ValidationError as e:

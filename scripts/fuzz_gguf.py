@@ -260,8 +260,8 @@ class PropertyViolation(AssertionError):
 def check_bytes(data: bytes, path: Path, *, max_seconds: float = 2.0, trace_memory: bool = True) -> str:
     """Write `data` to `path` and read its header. Returns "ok" or "error: <message>"; raises PropertyViolation
     for anything but a header or a one-line ModelLoadError (another exception, too slow, too much memory)."""
-    from core.errors import ModelLoadError
-    from core.gguf import read_header
+    from mlxchat.core.errors import ModelLoadError
+    from mlxchat.core.gguf import read_header
 
     path.write_bytes(data)
     if trace_memory:
@@ -309,9 +309,9 @@ def summarize(outcome: str) -> str:
 
 CHILD = r"""
 import sys, traceback
-import core
-from core import loader, Engine, SamplingProfile
-from core.errors import ModelLoadError, MlxChatError
+import mlxchat.core
+from mlxchat.core import loader, Engine, SamplingProfile
+from mlxchat.core.errors import ModelLoadError, MlxChatError
 for path in sys.argv[1:]:
     print("START", path, flush=True)
     try:
@@ -383,7 +383,7 @@ def load_in_child(paths: list[Path], timeout: float = 300, per_file: float = 60)
 
 MX_CHILD = r"""
 import sys
-import core
+import mlxchat.core
 import mlx.core as mx
 for path in sys.argv[1:]:
     print("START", path, flush=True)
@@ -406,8 +406,8 @@ def mx_load_in_children(paths: list[Path], timeout: float = 300) -> dict[str, st
 
 def loadable_mutants(rng: random.Random, folder: Path, n: int, max_tries: int = 100_000) -> list[Path]:
     """Mutated loadable seeds that pass read_header and check_loadable: what reaches `mx.load`."""
-    from core.errors import ModelLoadError
-    from core.gguf import check_loadable, read_header
+    from mlxchat.core.errors import ModelLoadError
+    from mlxchat.core.gguf import check_loadable, read_header
 
     base, fields = seed_file(loadable=True)
     out: list[Path] = []
@@ -427,7 +427,7 @@ def loadable_mutants(rng: random.Random, folder: Path, n: int, max_tries: int = 
 def tiny_model_mutants(rng: random.Random, folder: Path, n: int) -> list[Path]:
     """Copies of a small real llama GGUF (tests/model_files.py) with noise written into the tensor data, and
     a few with hyper-parameters changed in place, that all pass read_header."""
-    from core.gguf import read_header
+    from mlxchat.core.gguf import read_header
     from tests.model_files import tiny_llama_gguf
 
     base = tiny_llama_gguf(folder / "tiny.gguf")

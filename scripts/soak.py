@@ -37,11 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import core  # noqa: E402,F401 - loads the optimized BLAS before MLX
+import mlxchat.core  # noqa: E402,F401 - loads the optimized BLAS before MLX
 import mlx.core as mx  # noqa: E402
 
-from app.store import Store  # noqa: E402
-from core import Engine, SamplingProfile  # noqa: E402
+from mlxchat.app.store import Store  # noqa: E402
+from mlxchat.core import Engine, SamplingProfile  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in two or three sentences."
 QUESTIONS = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
-from core import Engine, SamplingProfile
+import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
+from mlxchat.core import Engine, SamplingProfile
 
 
 @pytest.fixture(scope="session")

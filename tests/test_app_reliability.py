@@ -27,13 +27,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from app.app import MlxChatApp, make_app
-from app.engine_worker import EngineWorker
-from app.screens import ProfilePicker, TextPrompt
-from app.store import Store
-from app.widgets import Notice
-from core import Engine, SamplingProfile
-from core.loader import embedded_model_path
+from mlxchat.app.app import MlxChatApp, make_app
+from mlxchat.app.engine_worker import EngineWorker
+from mlxchat.app.screens import ProfilePicker, TextPrompt
+from mlxchat.app.store import Store
+from mlxchat.app.widgets import Notice
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.loader import embedded_model_path
 from tests.tui_helpers import reply, wait_for
 
 MAX_TOKENS = 4
@@ -252,7 +252,7 @@ async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_
         assert "context of 8192" in line and "not sent" in line and one_line(line)
         unsent = screen.transcript.last("user")
         assert unsent.has_class("unsent") and unsent.text == huge
-        assert [m["content"] for m in screen.chat.messages if m["role"] == "user"] == ["Hi"]
+        assert [m.content for m in screen.chat.messages if m.role == "user"] == ["Hi"]
         assert [m.content for m in app.store.messages(cid)] == ["Hi", first.text]
         await pilot.press("ctrl+r")  # regenerate would answer the message before it: refused, with the way out
         assert any("ctrl+t" in n.message for n in app._notifications if n.severity == "warning")
@@ -339,7 +339,7 @@ def test_stopping_50_times_in_prefill_and_50_in_decode_through_the_worker_keeps_
             assert result.finish_reason == "cancelled" and 1 <= result.metrics.completion_tokens < 50
             memory.append(mx.get_active_memory())
         assert not worker.busy
-        assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]  # nothing piled up
+        assert [m.role for m in chat.messages] == ["system", "user", "assistant"]  # nothing piled up
         base = memory[CYCLES // 5]
         growth = max(memory[CYCLES // 2:CYCLES]) - base, max(memory[CYCLES + CYCLES // 2:]) - base
         assert max(growth) < 16 * 2**20, f"active memory grew by {max(growth) / 2**20:.1f} MiB"

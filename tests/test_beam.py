@@ -7,8 +7,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from core import Engine, SamplingProfile
-from core.beam import _score
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.beam import _score
 
 
 def brute_force(model: nn.Module, eos: frozenset[int], prompt: list[int], beam_size: int, horizon: int,
@@ -38,7 +38,7 @@ def test_beam_search_equals_brute_force(engine: Engine):
     ids = engine.model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     profile = SamplingProfile(beam_size=3, length_penalty=1.0)
     beams = engine.beam_search(prompt, profile=profile, max_tokens=3)
-    ref = engine._worker.run(lambda: brute_force(engine.model.model, engine.model.tokenizer.eos_ids, ids, 3, 3, 1.0))
+    ref = engine.run(lambda: brute_force(engine.model.model, engine.model.tokenizer.eos_ids, ids, 3, 3, 1.0))
     assert [b.token_ids for b in beams] == [seq for seq, _ in ref]
     assert [b.score for b in beams] == pytest.approx([s for _, s in ref], abs=2e-3)
     assert beams[0].score >= beams[-1].score and len(beams) >= 3

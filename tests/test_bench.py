@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from bench import prompts, report, stats
-from bench.run import QUICK_RUN, Config, config_from_args, run, summary_text
-from bench.systems import FULL, GREEDY, EngineRunner, MlxLmRunner, from_times, make_llama_cpp
+from mlxchat.bench import prompts, report, stats
+from mlxchat.bench.run import QUICK_RUN, Config, config_from_args, run, summary_text
+from mlxchat.bench.systems import FULL, GREEDY, EngineRunner, MlxLmRunner, from_times, make_llama_cpp
 
 
 def sample(tpot: float, ttft: float = 0.2, prompt: int = 32, n: int = 8, peak: int | None = 600 << 20) -> dict:

@@ -2,7 +2,7 @@
 "mlxchat: error:", never a traceback.
 
 Most cases call `app.cli.main` in this process (the modules are already imported, and the embedded model, where one
-is needed, is the session's engine); a handful run `python -m app.cli` as real processes, side by side, to show the
+is needed, is the session's engine); a handful run `python -m mlxchat.app.cli` as real processes, side by side, to show the
 same at the process level, including a real answer to a prompt full of control characters.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from core import Engine, SamplingProfile
-from core.profile import ProfileStore
+from mlxchat.app.cli import main
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.profile import ProfileStore
 from tests.test_reliability import BAD_NAMES, bad_model_files, tiny  # noqa: F401 - `tiny` is a fixture
 
 ROOT = Path(__file__).resolve().parent.parent

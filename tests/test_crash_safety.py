@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from app.app import make_app
-from app.store import Store
+from mlxchat.app.app import make_app
+from mlxchat.app.store import Store
 from tests.tui_helpers import reply, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def integrity(db: Path) -> str:
 # The real app, headless, in its own process: two short exchanges, then a long reply it never finishes.
 DRIVER = r'''
 import asyncio, json, sys, time
-from app.app import make_app
+from mlxchat.app.app import make_app
 
 LONG = ["Count from 1 to 500.", "Write a long story about a dragon and a knight.", "List 100 animals, one per line."]
 
@@ -172,7 +172,7 @@ async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, e
 WRITER = r'''
 import sys, time
 from pathlib import Path
-from app.store import Store
+from mlxchat.app.store import Store
 
 db, name, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 store = Store(db)

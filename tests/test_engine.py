@@ -7,8 +7,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from core import ContextLengthError, Engine, SamplingProfile
-from core.events import Done, PrefillProgress, TokenEvent
+from mlxchat.core import ContextLengthError, Engine, SamplingProfile
+from mlxchat.core.events import Done, PrefillProgress, TokenEvent
 
 QUESTION = "What is the capital of France?"
 
@@ -32,7 +32,7 @@ def test_greedy_matches_mlx_lm_generate_step(engine: Engine, greedy: SamplingPro
     def reference() -> list[int]:
         return [t for t, _ in generate_step(mx.array(ids), engine.model.model, max_tokens=n)]
 
-    ref = engine._worker.run(reference)  # on the inference thread, like everything MLX
+    ref = engine.run(reference)  # on the inference thread, like everything MLX
     ours = engine.generate(prompt, profile=greedy, max_tokens=n)
     eos = engine.model.tokenizer.eos_ids
     expected = ref[: next((i for i, t in enumerate(ref) if t in eos), len(ref))]
@@ -53,7 +53,7 @@ def test_deltas_concatenate_to_the_final_text(engine: Engine):
 
 @pytest.mark.parametrize("text", ["Emoji 🎉🐍👍🏽 and more 🇫🇷", "中文字符：你好，世界。日本語も。", "naïve café — ∑ ≤ ∞"])
 def test_streaming_detokenizer_never_emits_broken_utf8(engine: Engine, text: str):
-    from core.streaming import IncrementalDetokenizer
+    from mlxchat.core.streaming import IncrementalDetokenizer
 
     tok = engine.model.tokenizer
     ids = tok.encode(text)
@@ -83,7 +83,7 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(engine: Engine, g
 
 
 def test_stop_filter_holds_back_prefixes():
-    from core.streaming import StopStringFilter
+    from mlxchat.core.streaming import StopStringFilter
 
     f = StopStringFilter(["</answer>", "STOP"])
     out = [f.feed(t) for t in ["The ", "result</", "ans", "wer> tail"]]
@@ -104,7 +104,7 @@ def test_chat_cache_reuse_gives_the_same_tokens_as_a_fresh_prefill(engine: Engin
     chat.send("Name a fruit.", max_tokens=16).wait()
     second = chat.send("Name a colour.", max_tokens=16).wait()
     assert second.metrics.cached_tokens > 10  # the first turn was not prefilled again
-    fresh = engine.generate([{"role": m["role"], "content": m["content"]} for m in chat.messages[:-1]],
+    fresh = engine.generate([m.as_prompt() for m in chat.messages[:-1]],
                             profile=greedy, max_tokens=16)
     assert fresh.metrics.cached_tokens == 0
     assert second.token_ids == fresh.token_ids
@@ -116,7 +116,7 @@ def test_regenerate_and_edit_trim_the_cache(engine: Engine, greedy: SamplingProf
     again = chat.regenerate(max_tokens=8).wait()
     assert again.token_ids == first.token_ids and len(chat.messages) == 2
     edited = chat.edit_last("Say goodbye.", max_tokens=8).wait()
-    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["Say goodbye."]
+    assert [m.content for m in chat.messages if m.role == "user"] == ["Say goodbye."]
     assert edited.token_ids == engine.generate("Say goodbye.", profile=greedy, max_tokens=8).token_ids
 
 

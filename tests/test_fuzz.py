@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from core import ModelLoadError
-from core import gguf
-from core.profile import ProfileError, ProfileStore, SamplingProfile
-from core.sampling import Sampler
+from mlxchat.core import ModelLoadError
+from mlxchat.core import gguf
+from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampling import Sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("fuzz_gguf", ROOT / "scripts" / "fuzz_gguf.py")

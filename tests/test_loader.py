@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from core import Engine, ModelLoadError, SamplingProfile
-from core import loader
-from core.loader import embedded_model_path
+from mlxchat.core import Engine, ModelLoadError, SamplingProfile
+from mlxchat.core import loader
+from mlxchat.core.loader import embedded_model_path
 from tests.model_files import hf_cache_with_tiny_model, tiny_llama_gguf
 
 
@@ -99,7 +99,7 @@ def test_unsupported_architecture(tmp_path: Path):
 def test_unsupported_tensor_type(tmp_path: Path):
     import struct
 
-    from core import gguf
+    from mlxchat.core import gguf
 
     path = tiny_llama_gguf(tmp_path / "k-quant.gguf")
     header = gguf.read_header(path)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from core.profile import DEFAULT_ORDER, ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.profile import DEFAULT_ORDER, ProfileError, ProfileStore, SamplingProfile
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -165,7 +165,7 @@ def test_default_folder_honours_xdg_config_home(tmp_path: Path, monkeypatch: pyt
 def test_loading_a_stacked_profile_logs_the_advice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = ProfileStore(tmp_path)
     store.save(SamplingProfile(name="stacked", top_k=20, min_p=0.1))
-    with caplog.at_level(logging.WARNING, logger="core.profile"):
+    with caplog.at_level(logging.WARNING, logger="mlxchat.core.profile"):
         store.load("stacked")
     assert "stacked" in caplog.text and "top_k + min_p" in caplog.text
 

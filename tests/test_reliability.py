@@ -16,9 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from core import ContextLengthError, Engine, GenerationError, ModelLoadError, SamplingProfile
-from core import gguf, loader
-from core.events import PrefillProgress, TokenEvent
+from mlxchat.core import ContextLengthError, Engine, GenerationError, ModelLoadError, SamplingProfile
+from mlxchat.core import gguf, loader
+from mlxchat.core.events import PrefillProgress, TokenEvent
 from tests.model_files import tiny_llama_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,7 +355,7 @@ def test_fifty_cancels_in_one_chat_keep_its_cache_consistent(tiny_engine: Engine
     assert all(c.offset == len(chat._cache.tokens) for c in chat._cache.layers)
     reused = chat.send("What is the capital of France?", max_tokens=12).wait()
     fresh = tiny_engine.chat(profile=greedy)
-    fresh.messages = [{"role": m["role"], "content": m["content"]} for m in chat.messages[:-2]]
+    fresh.replace_history(chat.messages[:-2])
     assert fresh.send("What is the capital of France?", max_tokens=12).wait().token_ids == reused.token_ids
 
 
@@ -430,8 +430,8 @@ def test_closing_an_engine_then_exiting_does_not_abort_the_process(tiny: Path) -
     an active exception"): the inference thread's MLX thread-local destructors take the GIL while the interpreter
     finalizes. The TUI closes its engine on unmount, so quitting it can abort the same way."""
     script = textwrap.dedent(f"""
-        import core
-        from core import Engine, SamplingProfile
+        import mlxchat.core
+        from mlxchat.core import Engine, SamplingProfile
         e = Engine.load({str(tiny)!r})
         e.generate("hi", profile=SamplingProfile(temperature=0), max_tokens=2)
         e.close()

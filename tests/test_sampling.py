@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.profile import SamplingProfile
-from core.sampling import (
+from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.sampling import (
     CANDIDATES, XTC, Candidates, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
     Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP,
 )

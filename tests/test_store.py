@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError
+from mlxchat.app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError
 
 
 @pytest.fixture

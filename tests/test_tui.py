@@ -17,12 +17,12 @@ import pytest
 from pytest_textual_snapshot import SVGImageExtension
 from textual.widgets import Button, Input, OptionList
 
-from app.app import MlxChatApp, make_app
-from app.screens import HelpScreen, ModelPicker, ProfilePicker, TextPrompt
-from app.store import Store
-from app.widgets import ChatInput, ConversationList, Notice
-from core import Engine, SamplingProfile
-from core.profile import ProfileStore
+from mlxchat.app.app import MlxChatApp, make_app
+from mlxchat.app.screens import HelpScreen, ModelPicker, ProfilePicker, TextPrompt
+from mlxchat.app.store import Store
+from mlxchat.app.widgets import ChatInput, ConversationList, Notice
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.profile import ProfileStore
 from tests.tui_helpers import reply, type_and_send, wait_for
 
 MAX_TOKENS = 12
@@ -79,7 +79,7 @@ async def test_send_streams_a_reply_with_live_readouts_and_stores_it(tmp_path, e
         assert stored[1].content == result.text
         assert stored[1].metrics["ttft_s"] == pytest.approx(result.metrics.ttft_s)
         assert stored[1].profile["name"] == "chat" and stored[1].sampler == result.sampler
-        assert screen.chat.messages[-1]["content"] == result.text
+        assert screen.chat.messages[-1].content == result.text
         # The sidebar lists it; copying the reply puts it on the clipboard.
         assert screen.query_one(ConversationList).option_count == 1
         await pilot.press("f5")
@@ -198,8 +198,8 @@ async def test_regenerate_and_edit_last(tmp_path, engine):
         assert [(v.role, v.text) for v in screen.transcript.messages][0] == ("user", "Hello")
         assert [m.content for m in app.store.messages(conv)][0] == "Hello"
         assert len(app.store.messages(conv)) == 2
-        assert [m["role"] for m in screen.chat.messages] == ["system", "user", "assistant"]
-        assert screen.chat.messages[1]["content"] == "Hello"
+        assert [m.role for m in screen.chat.messages] == ["system", "user", "assistant"]
+        assert screen.chat.messages[1].content == "Hello"
         # History: up brings back what was sent.
         await pilot.press("up")
         assert screen.input.text == "Hello"
@@ -211,7 +211,7 @@ async def test_regenerate_and_edit_last(tmp_path, engine):
         await pilot.press("ctrl+l")
         await pilot.pause()
         assert screen.transcript.messages == [] and app.store.messages(conv) == []
-        assert [m["role"] for m in screen.chat.messages] == ["system"]
+        assert [m.role for m in screen.chat.messages] == ["system"]
         assert screen.conversation.id == conv
 
 
@@ -240,7 +240,7 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine):
                                                     ("assistant", first.text)]
         assert "to first token" in views[1].stats  # the stored stats line
         assert screen.profile.name == "factual" and screen.chat.profile.name == "factual"
-        assert [m["content"] for m in screen.chat.messages[1:]] == ["What is the capital of France?", first.text]
+        assert [m.content for m in screen.chat.messages[1:]] == ["What is the capital of France?", first.text]
         assert screen.input.sent[-1] == "What is the capital of France?"  # history from the store
         # The restored conversation goes on, on the same session.
         screen.input.focus()

@@ -32,8 +32,8 @@ from .model_picker import ModelPicker
 from .profile_picker import ProfilePicker
 
 if TYPE_CHECKING:
-    from core import ChatSession, Engine, SamplingProfile, Stream
-    from core.events import GenerationResult
+    from mlxchat.core import ChatSession, Engine, SamplingProfile, Stream
+    from mlxchat.core.events import GenerationResult
 
     from ..app import MlxChatApp
 
@@ -226,7 +226,7 @@ class ChatScreen(Screen):
         """The conversation so far (no system message), from the session if there is one."""
         if self.chat is None:
             return list(self._pending_messages)
-        return [dict(m) for m in self.chat.messages if m["role"] != "system"]
+        return [m.as_prompt() for m in self.chat.messages if m.role != "system"]
 
     def _new_session(self, messages: list[dict[str, Any]]) -> None:
         """A fresh ChatSession holding ``messages``; its KV cache re-matches them by prefix on the next turn."""
@@ -236,7 +236,7 @@ class ChatScreen(Screen):
             return
         self.chat = self.engine.chat(system=self.system_prompt or None, profile=self.profile,
                                      max_kv_size=self.app.settings.kv_window)
-        self.chat.messages = self.chat.messages + [dict(m) for m in messages]
+        self.chat.replace_history(messages)
         self._pending_messages = []
 
     # --- sending -------------------------------------------------------------------------------------------------
@@ -408,8 +408,8 @@ class ChatScreen(Screen):
         if chat is None or view is None or view.has_class("unsent"):
             return ""
         last = chat.messages[-1] if chat.messages else None
-        if last is not None and last["role"] == "user" and last["content"] == view.text:
-            chat.messages = chat.messages[:-1]  # the job is over: the inference thread no longer reads them
+        if last is not None and last.role == "user" and last.content == view.text:
+            chat.drop_last_user()
         if view.stored_position is not None and self.conversation is not None:
             self.app.store.delete_messages_from(self.conversation.id, view.stored_position)
             view.stored_position = None
@@ -539,7 +539,7 @@ class ChatScreen(Screen):
 
     async def open_conversation(self, conversation_id: int) -> None:
         """Restore a saved conversation: its messages (with their stats), system prompt and profile."""
-        from core import SamplingProfile
+        from mlxchat.core import SamplingProfile
 
         self._cancel_for_navigation()
         store = self.app.store

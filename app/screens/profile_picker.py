@@ -17,7 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 from ..formatting import profile_summary
 from .dialogs import TextPrompt

@@ -1,0 +1,1 @@
+"""mlxchat's data, shipped inside the package and read with ``importlib.resources``: sampling presets (``presets/``)."""
