@@ -1,0 +1,277 @@
+#include "qmm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "kernel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "pool.h"
+
+namespace mlxchat {
+
+namespace {
+
+// ---- threads ------------------------------------------------------------------------------------------------
+
+std::mutex pool_mu;  // guards the pointer and serialises jobs: the pool runs one job at a time
+std::unique_ptr<Pool> pool;
+
+int default_threads() {
+  if (const char* env = std::getenv("MLXCHAT_NATIVE_THREADS")) {
+    int n = std::atoi(env);
+    if (n >= 1) return n;
+  }
+  unsigned hw = std::thread::hardware_concurrency();
+  return hw >= 2 ? 2 : 1;
+}
+
+// Runs fn over `chunks` chunks on the pool; when another stream holds the pool, on this thread alone.
+void parallel_for(int chunks, const std::function<void(int)>& fn) {
+  std::unique_lock<std::mutex> lock(pool_mu, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    for (int c = 0; c < chunks; ++c) fn(c);
+    return;
+  }
+  if (!pool) pool = std::make_unique<Pool>(default_threads() - 1);
+  pool->run(chunks, fn);
+}
+
+// Rows per chunk: enough work (~64k weights) that claiming a chunk costs nothing in comparison, a multiple of 16.
+int chunk_rows(int K) {
+  int rows = (262144 + K - 1) / K;
+  return std::max(16, (rows + 15) / 16 * 16);
+}
+
+// ---- argument checks -----------------------------------------------------------------------------------------
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  return ScaleType::bf16;
+}
+
+void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("w must be a 2-D uint32 array");
+  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
+    throw std::invalid_argument("scales and biases must be 2-D arrays of the same shape and dtype");
+  }
+  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) {
+    throw std::invalid_argument("scales must be float32, float16 or bfloat16");
+  }
+  const int K = w.shape(1) * 32 / bits;
+  if (scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != K) {
+    throw std::invalid_argument("scales of shape (" + std::to_string(scales.shape(0)) + ", " +
+                                std::to_string(scales.shape(1)) + ") do not match w for group_size " +
+                                std::to_string(group_size) + " and bits " + std::to_string(bits));
+  }
+}
+
+// The kernels read weights as dense rows. Loaded weights already are (no extra graph node); a lazy input gets a
+// contiguous() node, which costs nothing when its result is already dense.
+mx::array dense(const mx::array& a, const mx::Stream& s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
+mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device(mx::Device::cpu));
+}
+
+// ---- x preparation -------------------------------------------------------------------------------------------
+
+template <typename T>
+void gather_x(const mx::array& x, std::vector<float>& out) {
+  const int M = x.shape(0), K = x.shape(1);
+  const auto s0 = x.strides()[0], s1 = x.strides()[1];
+  const T* p = x.data<T>();
+  for (int m = 0; m < M; ++m) {
+    for (int k = 0; k < K; ++k) out[size_t(m) * K + k] = static_cast<float>(p[m * s0 + k * s1]);
+  }
+}
+
+// x as dense fp32 rows, reordered per block of 32 for 4 bits (evens then odds, as the nibbles come out), and the
+// per-group sums of x for the bias term.
+void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>& xq, std::vector<float>& xsum) {
+  const int M = x.shape(0), K = x.shape(1), G = K / group_size;
+  std::vector<float> plain(size_t(M) * K);
+  if (x.dtype() == mx::float32) {
+    gather_x<float>(x, plain);
+  } else if (x.dtype() == mx::float16) {
+    gather_x<mx::float16_t>(x, plain);
+  } else {
+    gather_x<mx::bfloat16_t>(x, plain);
+  }
+  xsum.assign(size_t(M) * G, 0.0f);
+  for (int m = 0; m < M; ++m) {
+    for (int k = 0; k < K; ++k) xsum[size_t(m) * G + k / group_size] += plain[size_t(m) * K + k];
+  }
+  if (bits == 8) {
+    xq = std::move(plain);
+    return;
+  }
+  xq.resize(plain.size());
+  for (size_t base = 0; base < plain.size(); base += 32) {
+    for (int j = 0; j < 16; ++j) {
+      xq[base + j] = plain[base + 2 * j];
+      xq[base + 16 + j] = plain[base + 2 * j + 1];
+    }
+  }
+}
+
+// ---- primitives ----------------------------------------------------------------------------------------------
+
+class NativeQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  NativeQuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]),
+                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_]() mutable {
+      std::vector<float> xq, xsum;
+      prepare_x(x, group_size, bits, xq, xsum);
+      QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
+                    scale_type(scales.dtype()), out.data<float>(), x.shape(0), w.shape(0), x.shape(1),
+                    group_size, bits};
+      const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
+      parallel_for(chunks, [&](int c) { qmm_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native quantized matmul runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeQuantizedMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+class NativeDequantize : public mx::UnaryPrimitive {
+ public:
+  NativeDequantize(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
+                      biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_]() mutable {
+      DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+                    out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
+      const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
+      parallel_for(chunks, [&](int c) { dequant_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native dequantize runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatDequantize"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeDequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace
+
+bool cpu_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::string cpu_unsupported_reason() {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_supported() ? "" : "this CPU lacks AVX2, FMA or F16C, which the native kernel needs";
+#else
+  return "the native kernel is written for x86-64 (AVX2/FMA); this CPU is not one";
+#endif
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits) {
+  check_weights(w, scales, biases, group_size, bits);
+  const int K = w.shape(1) * 32 / bits, N = w.shape(0);
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    throw std::invalid_argument("x's last dimension must be " + std::to_string(K) + " (the weight's input size)");
+  }
+  auto s = cpu_stream();
+  const bool kept = x.dtype() == mx::float32 || x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
+  mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
+  if (x2.ndim() != 2) x2 = mx::reshape(x2, {-1, K}, s);
+  mx::array y(mx::Shape{x2.shape(0), N}, mx::float32,
+              std::make_shared<NativeQuantizedMatmul>(s, group_size, bits),
+              {x2, dense(w, s), dense(scales, s), dense(biases, s)});
+  if (x.ndim() != 2) {
+    mx::Shape shape = x.shape();
+    shape.back() = N;
+    y = mx::reshape(y, shape, s);
+  }
+  return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
+}
+
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  check_weights(w, scales, biases, group_size, bits);
+  auto s = cpu_stream();
+  return mx::array(mx::Shape{w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
+                   std::make_shared<NativeDequantize>(s, group_size, bits),
+                   {dense(w, s), dense(scales, s), dense(biases, s)});
+}
+
+void set_threads(int n) {
+  if (n < 1) throw std::invalid_argument("threads must be at least 1");
+  std::lock_guard<std::mutex> lock(pool_mu);
+  pool = std::make_unique<Pool>(n - 1);
+}
+
+int threads() {
+  std::lock_guard<std::mutex> lock(pool_mu);
+  return pool ? pool->threads() : default_threads();
+}
+
+}  // namespace mlxchat
