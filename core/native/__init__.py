@@ -73,3 +73,8 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return _module().threads()
+
+
+def kernel_seconds() -> float:
+    """Seconds spent inside the native ops so far in this process (the bench's matmul share of a decode step)."""
+    return _module().kernel_seconds()

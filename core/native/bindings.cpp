@@ -18,4 +18,5 @@ NB_MODULE(_ext, m) {
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);
   m.def("set_threads", &mlxchat::set_threads, "n"_a);
   m.def("threads", &mlxchat::threads);
+  m.def("kernel_seconds", &mlxchat::kernel_seconds);
 }

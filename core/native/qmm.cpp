@@ -1,6 +1,8 @@
 #include "qmm.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -19,6 +21,18 @@ namespace mlxchat {
 namespace {
 
 // ---- threads ------------------------------------------------------------------------------------------------
+
+std::atomic<uint64_t> kernel_ns{0};  // time spent inside the ops' CPU tasks, for the bench's per-token breakdown
+
+// Adds the lifetime of this object to kernel_ns.
+struct KernelTimer {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~KernelTimer() {
+    kernel_ns.fetch_add(uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now() - start).count()),
+                        std::memory_order_relaxed);
+  }
+};
 
 std::mutex pool_mu;  // guards the pointer and serialises jobs: the pool runs one job at a time
 std::unique_ptr<Pool> pool;
@@ -91,20 +105,31 @@ mx::Stream cpu_stream() {
 
 // ---- x preparation -------------------------------------------------------------------------------------------
 
+// x [..., K] with any strides as dense fp32 rows [M, K] (M = the product of the leading dimensions).
 template <typename T>
 void gather_x(const mx::array& x, std::vector<float>& out) {
-  const int M = x.shape(0), K = x.shape(1);
-  const auto s0 = x.strides()[0], s1 = x.strides()[1];
+  const int nd = x.ndim(), K = x.shape(-1);
+  const size_t M = x.size() / K;
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  const int64_t sk = strides[nd - 1];
   const T* p = x.data<T>();
-  for (int m = 0; m < M; ++m) {
-    for (int k = 0; k < K; ++k) out[size_t(m) * K + k] = static_cast<float>(p[m * s0 + k * s1]);
+  std::vector<int> idx(nd > 1 ? nd - 1 : 0, 0);
+  for (size_t m = 0; m < M; ++m) {
+    int64_t base = 0;
+    for (int d = 0; d + 1 < nd; ++d) base += int64_t(idx[d]) * strides[d];
+    for (int k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(p[base + k * sk]);
+    for (int d = nd - 2; d >= 0; --d) {  // next row index, last leading dimension fastest
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
   }
 }
 
 // x as dense fp32 rows, reordered per block of 32 for 4 bits (evens then odds, as the nibbles come out), and the
 // per-group sums of x for the bias term.
 void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>& xq, std::vector<float>& xsum) {
-  const int M = x.shape(0), K = x.shape(1), G = K / group_size;
+  const int K = x.shape(-1), M = int(x.size() / K), G = K / group_size;
   std::vector<float> plain(size_t(M) * K);
   if (x.dtype() == mx::float32) {
     gather_x<float>(x, plain);
@@ -146,10 +171,12 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
                       scales = mx::array::unsafe_weak_copy(inputs[2]),
                       biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_, bits = bits_]() mutable {
+      KernelTimer timer;
       std::vector<float> xq, xsum;
       prepare_x(x, group_size, bits, xq, xsum);
       QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
-                    scale_type(scales.dtype()), out.data<float>(), x.shape(0), w.shape(0), x.shape(1),
+                    scale_type(scales.dtype()), out.data<float>(), int(x.size() / x.shape(-1)), w.shape(0),
+                    x.shape(-1),
                     group_size, bits};
       const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
       parallel_for(chunks, [&](int c) { qmm_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
@@ -168,7 +195,9 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
 
  private:
@@ -188,6 +217,7 @@ class NativeDequantize : public mx::UnaryPrimitive {
     encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
                       biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_, bits = bits_]() mutable {
+      KernelTimer timer;
       DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
       const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
@@ -242,16 +272,13 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   }
   auto s = cpu_stream();
   const bool kept = x.dtype() == mx::float32 || x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
+  // x keeps its shape and strides (the kernel gathers its rows): no reshape or copy nodes, each of which costs a
+  // decode step as much as a small matmul.
   mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
-  if (x2.ndim() != 2) x2 = mx::reshape(x2, {-1, K}, s);
-  mx::array y(mx::Shape{x2.shape(0), N}, mx::float32,
-              std::make_shared<NativeQuantizedMatmul>(s, group_size, bits),
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, group_size, bits),
               {x2, dense(w, s), dense(scales, s), dense(biases, s)});
-  if (x.ndim() != 2) {
-    mx::Shape shape = x.shape();
-    shape.back() = N;
-    y = mx::reshape(y, shape, s);
-  }
   return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
 }
 
@@ -267,6 +294,10 @@ void set_threads(int n) {
   if (n < 1) throw std::invalid_argument("threads must be at least 1");
   std::lock_guard<std::mutex> lock(pool_mu);
   pool = std::make_unique<Pool>(n - 1);
+}
+
+double kernel_seconds() {
+  return double(kernel_ns.load(std::memory_order_relaxed)) * 1e-9;
 }
 
 int threads() {

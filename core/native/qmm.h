@@ -24,6 +24,8 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 
 // Worker threads used by both ops (the calling thread counts as one).
 void set_threads(int n);
+// Total seconds spent running the ops' CPU tasks in this process (for per-token breakdowns).
+double kernel_seconds();
 int threads();
 
 }  // namespace mlxchat
