@@ -182,3 +182,44 @@ def test_greedy_tokens_equal_mlx_lm_on_mlx_quantized_matmul(engine: Engine):
                                                      sampler=lambda logits: mx.argmax(logits, axis=-1))]
         assert len(ours) == 64, f"{prompt!r} stopped after {len(ours)} tokens"
         assert list(ours) == theirs[:64], prompt
+
+
+# --- GGUF's own quantizations map exactly onto MLX's affine format -----------------------------------------------
+
+def _ggml_dequantize(kind: str, raw: bytes, rows: int, cols: int) -> np.ndarray:
+    """ggml's definitions (ggml-quants.c): per block of 32, fp16 scale d (and min m for Q4_1); Q4_* hold element j in
+    the low nibble of byte j and element j + 16 in its high nibble."""
+    nbytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = np.frombuffer(raw, np.uint8).reshape(-1, nbytes)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    if kind == "Q8_0":
+        q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+        return (q * d).reshape(rows, cols)
+    qs = blocks[:, 4:] if kind == "Q4_1" else blocks[:, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+    if kind == "Q4_0":
+        return ((q - 8) * d).reshape(rows, cols)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return (q * d + m).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_quantizations_load_exactly(tmp_path, kind: str):
+    from mlxchat.bench.native import write_gguf
+
+    rng = np.random.default_rng(7)
+    rows, cols = 24, 128
+    blocks = rng.integers(0, 256, size=(rows * cols // 32, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]), dtype=np.uint8)
+    scales = rng.uniform(-0.1, 0.1, size=len(blocks)).astype(np.float16)  # signed, as real files have
+    blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
+    if kind == "Q4_1":
+        blocks[:, 2:4] = rng.uniform(-1, 1, size=len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw = blocks.tobytes()
+    path = write_gguf(tmp_path / "q.gguf", {"general.architecture": "llama"}, [("t.weight", kind, (rows, cols), raw)])
+    loaded = mx.load(str(path))
+    w, s, b = loaded["t.weight"], loaded["t.scales"], loaded["t.biases"]
+    bits = 8 if kind == "Q8_0" else 4
+    ours = np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits))
+    np.testing.assert_array_equal(ours, _ggml_dequantize(kind, raw, rows, cols))
+    if native.available():
+        np.testing.assert_array_equal(np.array(native.dequantize(w, s, b, group_size=32, bits=bits)), ours)
