@@ -282,7 +282,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     if is_quantized and policy == "native":
         bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
         native_linear.use_native(model)
-        weights_path = f"native {'/'.join(f'q{b}' for b in bits)} ({native.KERNEL}, {native.threads()} threads)"
+        weights_path = f"native {'/'.join(f'q{b}' for b in bits)} ({native.kernel_name()}, {native.threads()} thread{'s' if native.threads() > 1 else ''})"
     elif is_quantized and policy in ("dequantize", "fallback"):
         model = dequantize_model(model)
         is_quantized = False

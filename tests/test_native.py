@@ -141,7 +141,7 @@ def test_bad_arguments_say_what_is_wrong():
 @needs_native
 def test_auto_policy_runs_the_native_kernel_at_the_gguf_size(engine: Engine):
     m = engine.model
-    assert m.weights_path.startswith("native q4/q8 (avx2")
+    assert m.weights_path.startswith("native q4/q8 (avx")
     layer = m.model.model.layers[0]
     assert isinstance(layer.mlp.up_proj, NativeQuantizedLinear) and layer.mlp.up_proj.bits == 4
     assert isinstance(m.model.model.embed_tokens, NativeQuantizedEmbedding) and m.model.model.embed_tokens.bits == 8

@@ -15,7 +15,6 @@ from types import ModuleType
 
 import mlx.core as mx  # first: loads libmlx and registers mx.array with nanobind, which _ext's signatures use
 
-KERNEL = "avx2"
 _FIX = "reinstall with a C++17 compiler and CMake >= 3.24 present (`bash scripts/setup.sh` or `pip install -e .`)"
 
 
@@ -67,12 +66,17 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: i
 
 
 def set_threads(n: int) -> None:
-    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else 2)."""
+    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else 1)."""
     _module().set_threads(n)
 
 
 def threads() -> int:
     return _module().threads()
+
+
+def kernel_name() -> str:
+    """Which matmul kernel runs here ("avx2")."""
+    return _module().kernel_name()
 
 
 def kernel_seconds() -> float:

@@ -19,4 +19,5 @@ NB_MODULE(_ext, m) {
   m.def("set_threads", &mlxchat::set_threads, "n"_a);
   m.def("threads", &mlxchat::threads);
   m.def("kernel_seconds", &mlxchat::kernel_seconds);
+  m.def("kernel_name", &mlxchat::kernel_name);
 }

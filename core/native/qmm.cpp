@@ -42,8 +42,9 @@ int default_threads() {
     int n = std::atoi(env);
     if (n >= 1) return n;
   }
-  unsigned hw = std::thread::hardware_concurrency();
-  return hw >= 2 ? 2 : 1;
+  // One: in a real decode the other core builds the next step's graph (Python), and a second kernel thread
+  // gained nothing there (bench/README.md); MLXCHAT_NATIVE_THREADS=2 helps GEMV-only graphs.
+  return 1;
 }
 
 // Runs fn over `chunks` chunks on the pool; when another stream holds the pool, on this thread alone.
@@ -298,6 +299,11 @@ void set_threads(int n) {
 
 double kernel_seconds() {
   return double(kernel_ns.load(std::memory_order_relaxed)) * 1e-9;
+}
+
+std::string kernel_name() {
+  // An AVX-512 variant (16 lanes) measured no faster in decode here: the kernel waits on memory, not on ALUs.
+  return "avx2";
 }
 
 int threads() {

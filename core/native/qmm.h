@@ -26,6 +26,8 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 void set_threads(int n);
 // Total seconds spent running the ops' CPU tasks in this process (for per-token breakdowns).
 double kernel_seconds();
+// Which matmul kernel runs ("avx2"), for the weight-path line.
+std::string kernel_name();
 int threads();
 
 }  // namespace mlxchat
