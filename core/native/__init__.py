@@ -10,6 +10,7 @@ compiler or CMake at install time), the CPU lacks AVX2/FMA/F16C, or ``MLXCHAT_NA
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from types import ModuleType
 
@@ -19,10 +20,12 @@ _FIX = "reinstall with a C++17 compiler and CMake >= 3.24 present (`bash scripts
 
 
 def _load() -> tuple[ModuleType | None, str]:
+    if importlib.util.find_spec(f"{__name__}._ext") is None:
+        return None, f"the native extension is not built; {_FIX}"
     try:
         from . import _ext
-    except ImportError as e:
-        return None, f"the native extension is not built ({e}); {_FIX}"
+    except ImportError as e:  # built against another mlx/nanobind, or a missing libmlx
+        return None, f"the native extension does not load ({str(e).splitlines()[0]}); {_FIX}"
     if not _ext.cpu_supported():
         return None, _ext.cpu_unsupported_reason()
     return _ext, ""
