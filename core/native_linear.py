@@ -19,7 +19,8 @@ DEQUANTIZE_ROWS = 16
 
 def supports(module: nn.Module) -> bool:
     """Whether the native kernel handles this layer's quantization."""
-    return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and module.mode == "affine"
+    return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+            and not isinstance(module, (NativeQuantizedLinear, NativeQuantizedEmbedding)) and module.mode == "affine"
             and module.bits in (4, 8) and module.group_size in (32, 64, 128) and module.get("biases") is not None)
 
 
@@ -30,11 +31,13 @@ def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
     return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits)
 
 
-class NativeQuantizedLinear(nn.Module):
+# Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's
+# weight-format case) still finds them. MLX's __init__ is skipped: it would quantize fresh random weights.
+class NativeQuantizedLinear(nn.QuantizedLinear):
     """QuantizedLinear's parameters and call, computed by the native kernel."""
 
     def __init__(self, layer: nn.QuantizedLinear):
-        super().__init__()
+        nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
         self.weight, self.scales, self.biases = layer["weight"], layer["scales"], layer["biases"]
         if "bias" in layer:
@@ -46,11 +49,11 @@ class NativeQuantizedLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
 
-class NativeQuantizedEmbedding(nn.Module):
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     """QuantizedEmbedding: the lookup is MLX's own (a few rows), `as_linear` (a tied output head) is native."""
 
     def __init__(self, layer: nn.QuantizedEmbedding):
-        super().__init__()
+        nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
         self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
         self.weight, self.scales, self.biases = layer["weight"], layer["scales"], layer["biases"]
@@ -74,7 +77,3 @@ def use_native(model: nn.Module) -> int:
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)
-
-
-def is_native(module: nn.Module) -> bool:
-    return isinstance(module, (NativeQuantizedLinear, NativeQuantizedEmbedding))
