@@ -179,7 +179,6 @@ def gemv_breakdown(engine: Any, repeats: int) -> dict[str, Any]:
                 times["fp32_blas"] += _time(run_fp32, 1)
         finally:
             native.set_threads(before)
-            del fp32
         out = {k: median(v) * 1e3 for k, v in times.items()}
         out["native_ms"] = out["native_2_threads"] if before >= 2 else out["native_1_thread"]
         out |= {"matmuls": len(layers), "threads": before}
@@ -194,7 +193,7 @@ def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[
 
     from mlxchat.core import native
 
-    layers = [m for m in _weight_layers(engine.model.model.model.layers[0])]
+    layers = _weight_layers(engine.model.model.model.layers[0])
 
     def job() -> list[dict[str, Any]]:
         out = []
