@@ -122,7 +122,7 @@ def _generate(args: argparse.Namespace) -> int:
                   sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     if args.stats:
-        print(format_stats(result.metrics), file=sys.stderr)
+        print(f"{format_stats(result.metrics)} · weights {engine.model.weights_path}", file=sys.stderr)
     return 0
 
 

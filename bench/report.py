@@ -33,6 +33,14 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
                    "bandwidth": {"bytes_read", "repeats", "methods_bytes_per_s": {...}, "method"}},
       "formats": [{"format": "fp32" | "bf16" | "fp16" | "q8" | "q4", "bytes_per_token", "gemv_s", "gemv_s_min",
                    "ceiling_tokens_per_s", "effective_bytes_per_s", "bandwidth_ceiling_tokens_per_s"}],
+      "native": {"available", "reason" | "weights_path", "active_bytes_after_load", "gguf_bytes", "memory_vs_gguf",
+                 "decode": [{"system", "prompt_tokens", "decode_tokens_per_s", "ttft_s", "repeats"}],
+                 "gemv": {"native_1_thread", "native_2_threads", "fp32_blas", "native_ms", "matmuls", "threads"},
+                 "per_token_ms": {"step", "matmuls", "everything_else"},
+                 "prefill": [{"rows", "kernel_ms", "dequant_blas_ms"}],
+                 "synthetic": {"parameters", "layers", "gguf_bytes", "tokens", "native": RUN, "fp32": RUN},
+                 "targets": [TARGET]} or null (not run: bench/native.py; RUN = {"active_bytes", "load_s",
+                 "weights_path", "decode_tokens_per_s"}),
       "targets": [{"name", "value", "threshold", "unit", "passed": true | false | null, "detail"}],
       "errors": {"<section>": "what failed"}
     }

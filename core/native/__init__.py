@@ -1,0 +1,87 @@
+"""mlxchat's native quantized matmul for MLX's CPU backend (a C++ MLX extension, built by setup.py).
+
+MLX's own CPU ``quantized_matmul`` dequantizes to fp32 first (~1 GB/s here), so without this the loader has to keep
+fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/8-bit format directly, in exact fp32 math, as
+lazy graph nodes (``mx.eval``, ``mx.async_eval`` and ``mx.compile`` work as with any MLX op).
+
+``available()`` says whether they can run here and ``unavailable_reason()`` why not: the extension was not built (no
+compiler or CMake at install time), the CPU lacks AVX2/FMA/F16C, or ``MLXCHAT_NATIVE=0`` switched it off.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import mlx.core as mx  # first: loads libmlx and registers mx.array with nanobind, which _ext's signatures use
+
+_FIX = "reinstall with a C++17 compiler and CMake >= 3.24 present (`bash scripts/setup.sh` or `pip install -e .`)"
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    if importlib.util.find_spec(f"{__name__}._ext") is None:
+        return None, f"the native extension is not built; {_FIX}"
+    try:
+        from . import _ext
+    except ImportError as e:  # built against another mlx/nanobind, or a missing libmlx
+        return None, f"the native extension does not load ({str(e).splitlines()[0]}); {_FIX}"
+    if not _ext.cpu_supported():
+        return None, _ext.cpu_unsupported_reason()
+    return _ext, ""
+
+
+_ext, _reason = _load()
+
+
+def _disabled() -> bool:
+    return os.environ.get("MLXCHAT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def available() -> bool:
+    """Whether the native ops can run in this process (read at each call, so MLXCHAT_NATIVE=0 takes effect)."""
+    return _ext is not None and not _disabled()
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False ("" when it is True)."""
+    if _disabled():
+        return "switched off by MLXCHAT_NATIVE=0"
+    return _reason
+
+
+def _module() -> ModuleType:
+    if not available():
+        raise RuntimeError(f"the native quantized matmul is unavailable: {unavailable_reason()}")
+    return _ext  # type: ignore[return-value]
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                     bits: int) -> mx.array:
+    """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4 or 8 bits, groups of 32/64/128, with
+    fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides."""
+    return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
+def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
+    """The fp32 weight ``[N, K]`` (scale * q + bias in fp32), for long prompts where one BLAS GEMM is faster."""
+    return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits)
+
+
+def set_threads(n: int) -> None:
+    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else 1)."""
+    _module().set_threads(n)
+
+
+def threads() -> int:
+    return _module().threads()
+
+
+def kernel_name() -> str:
+    """Which matmul kernel runs here ("avx2")."""
+    return _module().kernel_name()
+
+
+def kernel_seconds() -> float:
+    """Seconds spent inside the native ops so far in this process (the bench's matmul share of a decode step)."""
+    return _module().kernel_seconds()

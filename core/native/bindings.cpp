@@ -1,0 +1,23 @@
+// Python bindings. NB_DOMAIN mlx (set in CMakeLists.txt) shares nanobind's type registry with mlx.core, so mx.array
+// arguments and results pass through as MLX's own type.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "qmm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlxchat's native quantized matmul for MLX's CPU backend";
+  m.def("quantized_matmul", &mlxchat::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format).");
+  m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+        "The fp32 weight [N, K] of an affine-quantized one.");
+  m.def("cpu_supported", &mlxchat::cpu_supported);
+  m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);
+  m.def("set_threads", &mlxchat::set_threads, "n"_a);
+  m.def("threads", &mlxchat::threads);
+  m.def("kernel_seconds", &mlxchat::kernel_seconds);
+  m.def("kernel_name", &mlxchat::kernel_name);
+}

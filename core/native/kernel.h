@@ -1,0 +1,37 @@
+// Kernels over MLX's affine quantization (as mx.quantize returns it), with no MLX types so that the one file built
+// with -mavx2 -mfma -mf16c (kernel_avx2.cpp) never leaks those instructions into code that runs before the CPU check.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mlxchat {
+
+enum class ScaleType { f32, f16, bf16 };
+
+// y[M, N] = x[M, K] @ dequant(w[N, K])^T, where dequant(q) = scale * q + bias per group of `group_size` along K.
+struct QMatmulArgs {
+  const float* xq;    // [M, K] fp32; for 4 bits each block of 32 is reordered (evens, then odds) to match nibbles
+  const float* xsum;  // [M, K / group_size]: sum of x over each group (the bias term is bias * sum(x))
+  const uint8_t* w;   // [N, K * bits / 8]: MLX's uint32 words, little-endian, lowest bits first
+  const void* scales; // [N, K / group_size]
+  const void* biases; // [N, K / group_size]
+  ScaleType scale_type;
+  float* y;           // [M, N]
+  int M, N, K, group_size, bits;
+};
+
+struct DequantArgs {
+  const uint8_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType scale_type;
+  float* out;  // [N, K] fp32
+  int N, K, group_size, bits;
+};
+
+// Rows [n0, n1) of y (all M rows of x) / of the dequantized weight. Need AVX2, FMA and F16C.
+void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1);
+void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
+
+}  // namespace mlxchat

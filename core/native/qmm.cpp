@@ -1,0 +1,316 @@
+#include "qmm.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "kernel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "pool.h"
+
+namespace mlxchat {
+
+namespace {
+
+// ---- threads ------------------------------------------------------------------------------------------------
+
+std::atomic<uint64_t> kernel_ns{0};  // time spent inside the ops' CPU tasks, for the bench's per-token breakdown
+
+// Adds the lifetime of this object to kernel_ns.
+struct KernelTimer {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~KernelTimer() {
+    kernel_ns.fetch_add(uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now() - start).count()),
+                        std::memory_order_relaxed);
+  }
+};
+
+std::mutex pool_mu;  // guards the pointer and serialises jobs: the pool runs one job at a time
+std::unique_ptr<Pool> pool;
+
+int default_threads() {
+  if (const char* env = std::getenv("MLXCHAT_NATIVE_THREADS")) {
+    int n = std::atoi(env);
+    if (n >= 1) return n;
+  }
+  // One: in a real decode the other core builds the next step's graph (Python), and a second kernel thread
+  // gained nothing there (bench/README.md); MLXCHAT_NATIVE_THREADS=2 helps GEMV-only graphs.
+  return 1;
+}
+
+// Runs fn over `chunks` chunks on the pool; when another stream holds the pool, on this thread alone.
+void parallel_for(int chunks, const std::function<void(int)>& fn) {
+  std::unique_lock<std::mutex> lock(pool_mu, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    for (int c = 0; c < chunks; ++c) fn(c);
+    return;
+  }
+  if (!pool) pool = std::make_unique<Pool>(default_threads() - 1);
+  pool->run(chunks, fn);
+}
+
+// Rows per chunk: ~256k weights, a multiple of 16. Smaller chunks (64k) made 2 threads slower than 1 on the 211
+// GEMVs of a token (25 vs 15 ms): the small matrices were split into pieces too short to be worth a hand-off.
+int chunk_rows(int K) {
+  int rows = (262144 + K - 1) / K;
+  return std::max(16, (rows + 15) / 16 * 16);
+}
+
+// ---- argument checks -----------------------------------------------------------------------------------------
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  return ScaleType::bf16;
+}
+
+void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("w must be a 2-D uint32 array");
+  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
+    throw std::invalid_argument("scales and biases must be 2-D arrays of the same shape and dtype");
+  }
+  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) {
+    throw std::invalid_argument("scales must be float32, float16 or bfloat16");
+  }
+  const int K = w.shape(1) * 32 / bits;
+  if (scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != K) {
+    throw std::invalid_argument("scales of shape (" + std::to_string(scales.shape(0)) + ", " +
+                                std::to_string(scales.shape(1)) + ") do not match w for group_size " +
+                                std::to_string(group_size) + " and bits " + std::to_string(bits));
+  }
+}
+
+// The kernels read weights as dense rows. Loaded weights already are (no extra graph node); a lazy input gets a
+// contiguous() node, which costs nothing when its result is already dense.
+mx::array dense(const mx::array& a, const mx::Stream& s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
+mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device(mx::Device::cpu));
+}
+
+// ---- x preparation -------------------------------------------------------------------------------------------
+
+// x [..., K] with any strides as dense fp32 rows [M, K] (M = the product of the leading dimensions).
+template <typename T>
+void gather_x(const mx::array& x, std::vector<float>& out) {
+  const int nd = x.ndim(), K = x.shape(-1);
+  const size_t M = x.size() / K;
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  const int64_t sk = strides[nd - 1];
+  const T* p = x.data<T>();
+  std::vector<int> idx(nd > 1 ? nd - 1 : 0, 0);
+  for (size_t m = 0; m < M; ++m) {
+    int64_t base = 0;
+    for (int d = 0; d + 1 < nd; ++d) base += int64_t(idx[d]) * strides[d];
+    for (int k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(p[base + k * sk]);
+    for (int d = nd - 2; d >= 0; --d) {  // next row index, last leading dimension fastest
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// x as dense fp32 rows, reordered per block of 32 for 4 bits (evens then odds, as the nibbles come out), and the
+// per-group sums of x for the bias term.
+void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>& xq, std::vector<float>& xsum) {
+  const int K = x.shape(-1), M = int(x.size() / K), G = K / group_size;
+  std::vector<float> plain(size_t(M) * K);
+  if (x.dtype() == mx::float32) {
+    gather_x<float>(x, plain);
+  } else if (x.dtype() == mx::float16) {
+    gather_x<mx::float16_t>(x, plain);
+  } else {
+    gather_x<mx::bfloat16_t>(x, plain);
+  }
+  xsum.assign(size_t(M) * G, 0.0f);
+  for (int m = 0; m < M; ++m) {
+    for (int k = 0; k < K; ++k) xsum[size_t(m) * G + k / group_size] += plain[size_t(m) * K + k];
+  }
+  if (bits == 8) {
+    xq = std::move(plain);
+    return;
+  }
+  xq.resize(plain.size());
+  for (size_t base = 0; base < plain.size(); base += 32) {
+    for (int j = 0; j < 16; ++j) {
+      xq[base + j] = plain[base + 2 * j];
+      xq[base + 16 + j] = plain[base + 2 * j + 1];
+    }
+  }
+}
+
+// ---- primitives ----------------------------------------------------------------------------------------------
+
+class NativeQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  NativeQuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]),
+                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_]() mutable {
+      KernelTimer timer;
+      std::vector<float> xq, xsum;
+      prepare_x(x, group_size, bits, xq, xsum);
+      QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
+                    scale_type(scales.dtype()), out.data<float>(), int(x.size() / x.shape(-1)), w.shape(0),
+                    x.shape(-1),
+                    group_size, bits};
+      const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
+      parallel_for(chunks, [&](int c) { qmm_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native quantized matmul runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeQuantizedMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+class NativeDequantize : public mx::UnaryPrimitive {
+ public:
+  NativeDequantize(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
+                      biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_]() mutable {
+      KernelTimer timer;
+      DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+                    out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
+      const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
+      parallel_for(chunks, [&](int c) { dequant_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native dequantize runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatDequantize"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeDequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace
+
+bool cpu_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::string cpu_unsupported_reason() {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_supported() ? "" : "this CPU lacks AVX2, FMA or F16C, which the native kernel needs";
+#else
+  return "the native kernel is written for x86-64 (AVX2/FMA); this CPU is not one";
+#endif
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits) {
+  check_weights(w, scales, biases, group_size, bits);
+  const int K = w.shape(1) * 32 / bits, N = w.shape(0);
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    throw std::invalid_argument("x's last dimension must be " + std::to_string(K) + " (the weight's input size)");
+  }
+  auto s = cpu_stream();
+  const bool kept = x.dtype() == mx::float32 || x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
+  // x keeps its shape and strides (the kernel gathers its rows): no reshape or copy nodes, each of which costs a
+  // decode step as much as a small matmul.
+  mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, group_size, bits),
+              {x2, dense(w, s), dense(scales, s), dense(biases, s)});
+  return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
+}
+
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+  check_weights(w, scales, biases, group_size, bits);
+  auto s = cpu_stream();
+  return mx::array(mx::Shape{w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
+                   std::make_shared<NativeDequantize>(s, group_size, bits),
+                   {dense(w, s), dense(scales, s), dense(biases, s)});
+}
+
+void set_threads(int n) {
+  if (n < 1) throw std::invalid_argument("threads must be at least 1");
+  std::lock_guard<std::mutex> lock(pool_mu);
+  pool = std::make_unique<Pool>(n - 1);
+}
+
+double kernel_seconds() {
+  return double(kernel_ns.load(std::memory_order_relaxed)) * 1e-9;
+}
+
+std::string kernel_name() {
+  // An AVX-512 variant (16 lanes) measured no faster here, in decode or on 250 MB of GEMVs (6.8/5.8 vs 6.1/6.2
+  // GB/s): the int-to-float conversions and FMAs share the same two ports either way.
+  return "avx2";
+}
+
+int threads() {
+  std::lock_guard<std::mutex> lock(pool_mu);
+  return pool ? pool->threads() : default_threads();
+}
+
+}  // namespace mlxchat

@@ -1,0 +1,33 @@
+// MLX operations backed by the kernels in kernel_avx2.cpp. They are lazy graph nodes like any MLX op, so they work
+// with mx.eval, mx.async_eval and mx.compile.
+#pragma once
+
+#include <string>
+
+#include "mlx/array.h"
+
+namespace mlxchat {
+
+namespace mx = mlx::core;
+
+// Whether this CPU has what the kernels need (AVX2, FMA, F16C), and a sentence saying what is missing if not.
+bool cpu_supported();
+std::string cpu_unsupported_reason();
+
+// x @ dequantize(w, scales, biases).T for MLX's affine format (w as mx.quantize returns it), computed in fp32.
+// x may have any shape [..., K], dtype and strides; the result has x's shape with K replaced by N, in x's float dtype.
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits);
+
+// The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel.
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
+
+// Worker threads used by both ops (the calling thread counts as one).
+void set_threads(int n);
+// Total seconds spent running the ops' CPU tasks in this process (for per-token breakdowns).
+double kernel_seconds();
+// Which matmul kernel runs ("avx2"), for the weight-path line.
+std::string kernel_name();
+int threads();
+
+}  // namespace mlxchat
