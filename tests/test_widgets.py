@@ -39,3 +39,71 @@ async def test_up_and_down_move_between_lines_and_reach_history_only_at_the_edge
         assert box.text == "second sent"
         await pilot.press("down")  # back to the draft, whole
         assert box.text == "one\ntwo\nthree"
+
+
+# --- the stats bar -----------------------------------------------------------------------------------------------
+
+METRICS = Metrics(prompt_tokens=5413, cached_tokens=1024, completion_tokens=312, ttft_s=1.98, tpot_s=0.0494,
+                  prefill_s=1.5, decode_s=15.4, peak_memory_bytes=525 * 2**20, context_tokens=5725,
+                  context_limit=8192, kv_window=4096)
+
+
+class BarApp(App):
+    CSS_PATH = "../app/app.tcss"  # the app's own widths for the bar's parts
+
+    def compose(self) -> ComposeResult:
+        yield StatsBar(id="stats")
+
+
+def rendered(widget) -> str:
+    """The text the widget draws, row by row, as the terminal would show it."""
+    region = widget.region
+    return "\n".join(strip.text for strip in widget.render_lines(region.reset_offset))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("columns", [120, 80, 60])
+async def test_every_readout_is_shown_at_narrow_widths(columns: int):
+    app = BarApp()
+    async with app.run_test(size=(columns, 6)) as pilot:
+        bar = app.query_one(StatsBar)
+        bar.show_profile("chat")
+        bar.show_metrics(METRICS)
+        await pilot.pause()
+        shown = rendered(bar.query_one("#stats-readouts"))
+        flat = " ".join(shown.split())
+        for part in ("TTFT", "TPOT", "t/s", "in 5413", "out 312", "ctx 5725/8192", "mem 525"):
+            assert part in flat, (columns, part, shown)
+        assert "MiB" in flat and "MB" not in flat.replace("MiB", "")
+        assert ("\n" in shown.strip()) == (columns < 120)  # narrow bars wrap onto a second row, never cut
+        bar.reset("SmolLM2 · context 8192")  # a new chat: the last reply's numbers go
+        await pilot.pause()
+        assert bar.metrics is None and bar.readouts == "SmolLM2 · context 8192"
+
+
+def test_readouts_are_compact_only_when_the_full_form_does_not_fit():
+    full = live_readouts(METRICS)
+    assert full == live_readouts(METRICS, len(full))
+    compact = live_readouts(METRICS, len(full) - 1)
+    assert len(compact) < len(full) and "out 312" in compact and "mem 525MiB" in compact
+
+
+@pytest.mark.anyio
+async def test_prefill_progress_is_one_consistent_readout():
+    app = BarApp()
+    async with app.run_test(size=(120, 6)) as pilot:
+        bar = app.query_one(StatsBar)
+        bar.show_prefill(1024, 5413, cached=1024)  # nothing prefilled yet: the cached tokens are not progress
+        await pilot.pause()
+        state = str(bar.query_one("#stats-state").content)
+        assert state == "▷ prefill 0%" and bar.readouts == "prefill 0/4389 new tokens · 1024 cached · prompt 5413"
+        bar.show_prefill(3219, 5413, cached=1024)
+        assert str(bar.query_one("#stats-state").content) == "▷ prefill 50%"
+        assert bar.readouts.startswith("prefill 2195/4389 new tokens")
+        bar.show_prefill(300, 600)
+        assert bar.readouts == "prefill 300/600 new tokens"
+
+
+def test_memory_is_in_binary_units_everywhere():
+    assert fmt_bytes(525 * 2**20) == "525 MiB" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 * 2**30) == "3.0 GiB"
+    assert "peak 525 MiB" in stats_line(METRICS)
