@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,27 +98,98 @@ def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
             f"peak {m.peak_memory_bytes / 2**20:.0f} MiB")
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from mlxchat.core import Engine
-    from mlxchat.core.events import TokenEvent
+class _Interrupts:
+    """Ctrl-C during `generate`: the first stops the reply at the next token (its text so far stays printed, exit
+    130); before a reply streams (imports, loading) there is nothing to keep, so it leaves at once. A second Ctrl-C
+    leaves at once too.
 
+    Leaving at once is `os._exit`, after flushing: a KeyboardInterrupt raised in the main thread while the
+    inference thread runs MLX (it cannot be stopped mid-load) lets the interpreter finalize under that thread, which
+    aborts the process ("terminate called without an active exception", exit 134) or crashes it (exit 139)."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None  # core.Stream, once the reply streams
+        self.count = 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        if self.stream is None or self.count > 1:
+            _leave_now(130)
+        self.stream.cancel()
+
+
+def _leave_now(code: int) -> None:
+    for out, end in ((sys.stdout, ""), (sys.stderr, "\n")):
+        try:
+            out.write(end)
+            out.flush()
+        except (OSError, RuntimeError, ValueError):  # a closed pipe, or a write this signal interrupted
+            pass
+    os._exit(code)
+
+
+def _without_sigint(fn: Callable[[], Any]) -> Any:
+    """Run `fn` on a thread that blocks SIGINT, as will every thread it starts (MLX's, OpenBLAS's, the engine's
+    inference thread): Ctrl-C then always reaches the main thread, and never interrupts MLX code mid-call (which
+    hung or crashed the process). The main thread waits in short joins, so its handler runs promptly."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="mlxchat-load", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _import_core() -> None:
+    """Import the engine (MLX, and the BLAS whose worker threads start on import) with SIGINT blocked on this, the
+    main thread, so that those threads block it too; a Ctrl-C meanwhile is handled once the import is done. (Not
+    on another thread, like the load: MLX's per-thread state would then end with that thread, which aborts the
+    process at exit.)"""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import mlxchat.core  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _load(spec: str | None) -> Any:  # noqa: ANN401 - core.Engine, imported late with MLX
+    from mlxchat.core import Engine
+
+    return Engine.load(spec)
+
+
+def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():  # checked again by the engine; here it saves loading the model for nothing
         raise ValueError("the prompt is empty: type a message first")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
+    if "" in args.stop:
+        raise ValueError("--stop needs a non-empty string (an empty one would match everywhere)")
+    _import_core()
     profile = _profile(args)
-    engine = Engine.load(args.model)
+    engine = _without_sigint(lambda: _load(args.model))
+    from mlxchat.core.events import TokenEvent
+
     stream = engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)
-    try:
-        for event in stream:
-            if isinstance(event, TokenEvent) and not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-    except KeyboardInterrupt:
-        stream.cancel()
-        print(file=sys.stderr)
-        return 130
+    interrupts.stream = stream
+    for event in stream:
+        if isinstance(event, TokenEvent) and not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    # The reply has ended; wait for the inference thread to finish the job (it frees MLX arrays after its last
+    # event), so the interpreter never finalizes while that thread runs MLX code.
+    engine.run(lambda: None)
     result = stream.result
     if args.json:
         json.dump({"text": result.text, "finish_reason": result.finish_reason, "model": engine.name,
@@ -123,14 +198,25 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.stats:
         print(format_stats(result.metrics), file=sys.stderr)
-    return 0
+    return 130 if interrupts.count else 0
+
+
+def _with_interrupts(args: argparse.Namespace) -> int:
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        return _generate(args, _Interrupts())
+    interrupts = _Interrupts()
+    previous = signal.signal(signal.SIGINT, interrupts)
+    try:
+        return _generate(args, interrupts)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
-            return _generate(args)
+            return _with_interrupts(args)
         if args.command == "bench":
             from mlxchat.bench.run import run_from_cli
 

@@ -1,0 +1,63 @@
+"""`mlxchat generate` under Ctrl-C, and `--stop ""` (issue 12 items 1 and 21), with real processes on the embedded
+model: SIGINT while the model loads or while the reply streams always ends with exit 130, no traceback and no core
+dump, and what was generated stays printed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxchat.app.cli import main
+from mlxchat.core import Engine
+
+PROMPT = "Tell me a very long story about a cat and a dog."
+
+
+def start(tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "generate", PROMPT, "--max-tokens", "2000",
+                             "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "PYTHONFAULTHANDLER": "1"})
+
+
+def test_ctrl_c_while_loading_or_streaming_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    # Side by side, to fit a busy two-core machine: three interrupted before any token (1.5, 3 and 5 s after the
+    # start: importing MLX, then loading the model), three after the reply has started, each at a different delay.
+    # (Not earlier: in the first ~0.3 s Python itself is starting, before any of mlxchat's code runs.)
+    loading = [start(tmp_path) for _ in range(3)]
+    streaming = [start(tmp_path) for _ in range(3)]
+    for proc, delay in zip(loading, (1.5, 1.5, 2.0)):
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    firsts = []
+    for proc, delay in zip(streaming, (0.0, 0.3, 1.0)):
+        firsts.append(proc.stdout.read(1))  # the reply has started
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+    for proc, first in [*((p, b"") for p in loading), *zip(streaming, firsts)]:
+        out, err = proc.communicate(timeout=120)
+        text = (first + out).decode()
+        assert proc.returncode == 130, (proc.returncode, err.decode()[-2000:])
+        assert b"Traceback" not in err and b"Fatal Python error" not in err and b"terminate" not in err, err.decode()
+        if first:
+            assert len(text.strip()) >= 1 and text.endswith("\n")  # the partial reply, ended by a newline
+    # A second Ctrl-C while the first is still landing leaves at once, with the same exit code.
+    proc = start(tmp_path)
+    proc.stdout.read(1)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"Traceback" not in err
+
+
+def test_an_empty_stop_string_is_one_line_naming_the_flag(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("loaded the model for nothing")))
+    rc = main(["generate", "hi", "--stop", "</s>", "--stop", ""])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.splitlines() == [err.strip()] and "--stop" in err and "empty" in err, err
