@@ -1,4 +1,5 @@
-"""The `mlxchat` command: the TUI by default, `generate` for scripts, `bench` for the side-by-side benchmark."""
+"""The `mlxchat` command: the TUI by default, `generate` for scripts, `pull` / `models` / `rm` for models by name
+(in the Hugging Face cache), `bench` for the side-by-side benchmark."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from .formatting import fmt_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="system prompt")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
+
+    pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
+    pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
+    sub.add_parser("models", help="list the models in the Hugging Face cache: size, last used, loadable")
+    rm = sub.add_parser("rm", help="delete a model from the Hugging Face cache")
+    rm.add_argument("repo_id", help="ORG/NAME, as `mlxchat models` lists it")
+    rm.add_argument("--yes", "-y", action="store_true", help="delete without asking (for scripts)")
 
     bench = sub.add_parser("bench", help="benchmark against mlx-lm (and llama.cpp when installed)")
     bench.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
@@ -201,6 +212,52 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     return 130 if interrupts.count else 0
 
 
+def _pull(args: argparse.Namespace) -> int:
+    from mlxchat.core import hub
+
+    snapshot = hub.pull(args.repo_id)  # huggingface_hub's own progress bars, on stderr
+    model = hub.find(args.repo_id)
+    size = f" ({fmt_bytes(model.size_bytes)})" if model else ""
+    print(f"{args.repo_id}{size} is in {snapshot}")
+    if model is not None and not model.loadable:
+        print(f"mlxchat: note: {args.repo_id} has no config.json with safetensors weights; mlxchat cannot load it",
+              file=sys.stderr)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from mlxchat.core import hub
+
+    rows = [(m.repo_id, fmt_bytes(m.size_bytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)),
+             "yes" if m.loadable else "no") for m in hub.cached_models()]
+    if not rows:
+        print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
+        return 0
+    rows.insert(0, ("MODEL", "SIZE", "LAST USED", "LOADABLE"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths)), r[3]]))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from mlxchat.core import hub
+
+    model = hub.find(args.repo_id)
+    if model is None:
+        raise hub.HubError(f"{args.repo_id} is not in the Hugging Face cache (`mlxchat models` lists what is)")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ValueError(f"rm asks before deleting; pass --yes to delete {args.repo_id} without asking")
+        answer = input(f"Delete {args.repo_id} ({fmt_bytes(model.size_bytes)}) from the Hugging Face cache? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("kept", file=sys.stderr)
+            return 1
+    freed = hub.remove(args.repo_id)
+    print(f"deleted {args.repo_id} ({fmt_bytes(freed)} freed)")
+    return 0
+
+
 def _with_interrupts(args: argparse.Namespace) -> int:
     if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
         return _generate(args, _Interrupts())
@@ -217,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _with_interrupts(args)
+        if args.command in ("pull", "models", "rm"):
+            return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
         if args.command == "bench":
             from mlxchat.bench.run import run_from_cli
 
