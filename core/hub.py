@@ -4,6 +4,8 @@ work, and a pull fetches exactly the files `loader.load` reads for a repo id (it
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,16 +61,35 @@ def cached_models(cache_dir: str | Path | None = None) -> list[CachedModel]:
     return out
 
 
-def pull(repo_id: str, *, cache_dir: str | Path | None = None, tqdm_class: Any = None) -> Path:
-    """Download `repo_id` (the files mlxchat loads) into the cache; return its snapshot folder. `tqdm_class` replaces
-    huggingface_hub's progress bar (the TUI passes one that reports to the screen)."""
+def _reporting_tqdm(progress: Callable[[int, int], None]) -> type:
+    """A tqdm that draws nothing and calls `progress(done, total)` (files) instead: a full-screen app owns the
+    terminal, so huggingface_hub's own bars must not write to it."""
+    from tqdm import tqdm
+
+    class Reporting(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("name", None)  # huggingface_hub's own bar takes a logger name; tqdm does not
+            super().__init__(*args, **{**kwargs, "file": io.StringIO()})
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            progress(int(self.n), int(self.total or 0))
+            return shown
+
+    return Reporting
+
+
+def pull(repo_id: str, *, cache_dir: str | Path | None = None,
+         progress: Callable[[int, int], None] | None = None) -> Path:
+    """Download `repo_id` (the files mlxchat loads) into the cache; return its snapshot folder. Without `progress`,
+    huggingface_hub draws its progress bar on stderr; with it, `progress(files done, files)` is called instead."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, \
         RepositoryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, cache_dir=_cache_dir(cache_dir),
-                                      tqdm_class=tqdm_class))
+                                      tqdm_class=_reporting_tqdm(progress) if progress else None))
     except HFValidationError:
         raise HubError(f"{repo_id!r} is not a repo id: use ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")\
             from None

@@ -4,9 +4,14 @@ items 8, 9, 10, 11, 14 and 16 (MiB)."""
 from __future__ import annotations
 
 import pytest
+from pathlib import Path
+
 from textual.app import App, ComposeResult
+from textual.widgets import Input
 
 from mlxchat.app.formatting import fmt_bytes, live_readouts, stats_line
+from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
+from mlxchat.app.screens import ModelPicker
 from mlxchat.app.widgets import ChatInput, StatsBar
 from mlxchat.core.events import Metrics
 
@@ -107,3 +112,79 @@ async def test_prefill_progress_is_one_consistent_readout():
 def test_memory_is_in_binary_units_everywhere():
     assert fmt_bytes(525 * 2**20) == "525 MiB" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 * 2**30) == "3.0 GiB"
     assert "peak 525 MiB" in stats_line(METRICS)
+
+
+# --- the model picker (item 13, and item 17's F3 pull) -------------------------------------------------------------
+
+class PickerApp(App):
+    CSS_PATH = "../app/app.tcss"
+
+    def __init__(self, saved: list[tuple[str, str]], current: str | None) -> None:
+        super().__init__()
+        self.saved, self.current, self.results = saved, current, []
+
+    def on_mount(self) -> None:
+        self.push_screen(ModelPicker(lambda: list(self.saved), self.saved.remove, self.current,
+                                     scan_hf_cache=False), self.results.append)
+
+
+@pytest.mark.anyio
+async def test_the_picker_keeps_nothing_that_has_not_loaded_and_does_not_reload_the_current_model(tmp_path: Path):
+    fake = tmp_path / "x.gguf"
+    fake.write_text("just text\n")
+    real = tmp_path / "real.gguf"
+    real.write_bytes(b"GGUF" + bytes(28))  # the picker checks the magic; loading checks the rest
+    app = PickerApp([], current=None)
+    async with app.run_test(size=(100, 40)) as pilot:
+        picker = app.screen
+        field = picker.query_one("#model-path", Input)
+        field.value = str(fake)
+        picker.action_add()
+        assert "not a GGUF file" in str(picker.query_one("#model-error").content)
+        field.value = str(real)
+        picker.action_add()
+        assert [c.spec for c in picker.choices] == [None, str(real.resolve())]
+        assert "kept once it loads" in picker.choices[1].detail
+        assert app.saved == []  # nothing stored until the screen has loaded it
+        picker.action_load()
+        await pilot.pause()
+        assert app.results == [ModelPick(picker.choices[1], already_loaded=False)]
+    # The embedded model is loaded: choosing it again is a pick the screen ignores, not a reload.
+    app = PickerApp([], current=None)
+    async with app.run_test(size=(100, 40)) as pilot:
+        app.screen.action_load()
+        await pilot.pause()
+        assert app.results == [ModelPick(EMBEDDED, already_loaded=True)]
+
+
+def test_only_a_loaded_local_path_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    snapshot = tmp_path / "hub" / "models--a--b" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    assert to_remember(str(model)) == (str(model.resolve()), "m.gguf")
+    assert to_remember(None) is None and to_remember("org/name") is None and to_remember(str(snapshot)) is None
+
+
+@pytest.mark.anyio
+async def test_a_pull_that_cannot_reach_the_hub_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    app = PickerApp([], current=None)
+    async with app.run_test(size=(100, 40)) as pilot:
+        picker = app.screen
+        picker.query_one("#model-repo", Input).value = "mlxchat-test/absent"
+        picker.action_pull()
+        error = picker.query_one("#model-error")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if "cannot be reached" in str(error.content):
+                break
+        assert str(error.content) == ("mlxchat-test/absent: the Hugging Face hub cannot be reached (offline?); "
+                                      "try again with a network")
+        assert not picker.query_one("#model-pull").disabled
