@@ -11,9 +11,10 @@ from textual.widgets import Input
 
 from mlxchat.app.formatting import fmt_bytes, live_readouts, stats_line
 from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
-from mlxchat.app.screens import ModelPicker
+from mlxchat.app.screens import ModelPicker, ProfilePicker
 from mlxchat.app.widgets import ChatInput, StatsBar
 from mlxchat.core.events import Metrics
+from mlxchat.core.profile import ProfileStore, SamplingProfile
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,7 @@ class BarApp(App):
 
 def rendered(widget) -> str:
     """The text the widget draws, row by row, as the terminal would show it."""
-    region = widget.region
-    return "\n".join(strip.text for strip in widget.render_lines(region.reset_offset))
+    return "\n".join(strip.text for strip in widget.render_lines(widget.size.region))
 
 
 @pytest.mark.anyio
@@ -188,3 +188,53 @@ async def test_a_pull_that_cannot_reach_the_hub_is_one_line(tmp_path: Path, monk
         assert str(error.content) == ("mlxchat-test/absent: the Hugging Face hub cannot be reached (offline?); "
                                       "try again with a network")
         assert not picker.query_one("#model-pull").disabled
+
+
+# --- the profile dialog (items 14 and 16) --------------------------------------------------------------------------
+
+class ProfileApp(App):
+    CSS_PATH = "../app/app.tcss"
+
+    def __init__(self, store: ProfileStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def on_mount(self) -> None:
+        self.push_screen(ProfilePicker(self.store, SamplingProfile.preset("chat")))
+
+
+@pytest.mark.anyio
+async def test_the_profile_dialog_shows_every_error_at_once_wrapped_whole(tmp_path: Path):
+    app = ProfileApp(ProfileStore(tmp_path / "profiles"))
+    async with app.run_test(size=(90, 50)) as pilot:
+        picker = app.screen
+        picker.query_one("#field-temperature", Input).value = "abc"
+        picker.query_one("#field-top_k", Input).value = "-1"
+        picker.query_one("#field-min_p", Input).value = "2"
+        picker.query_one("#field-stop", Input).value = "[broken"
+        await pilot.pause()
+        assert set(picker.errors) == {"temperature", "top_k", "min_p", "stop"}
+        for name in picker.errors:
+            widget = picker.query_one(f"#error-{name}")
+            shown = " ".join(rendered(widget).split())
+            assert shown == " ".join(picker.errors[name].split()), (name, shown)  # every word, none cut
+        assert picker.query_one("#error-min_p").size.height >= 2  # the long one wraps
+        assert picker.edited is None and picker.query_one("#profile-use").disabled
+
+
+@pytest.mark.anyio
+async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_path: Path):
+    store = ProfileStore(tmp_path / "profiles")
+    app = ProfileApp(store)
+    async with app.run_test(size=(90, 50)) as pilot:
+        picker = app.screen
+        picker.query_one("#field-temperature", Input).value = "0.3"
+        await pilot.pause()
+        assert picker.edited.description == "based on the chat preset"
+        picker.action_save_as()
+        await pilot.pause()
+        await pilot.press("enter")  # the suggested name
+        await pilot.pause()
+    (name,) = store.list()
+    assert store.load(name).description == "based on the chat preset"
+    assert SamplingProfile.preset("chat").description not in ("", "based on the chat preset")
