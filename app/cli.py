@@ -23,6 +23,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"mlxchat: error: {message} (see `{self.prog} --help`)\n")
 
 
+CONTEXT_POLICIES = ("error", "truncate", "rotate")
+# Tokens left for the reply when a prompt is truncated to fit the context and no --max-tokens says how many.
+TRUNCATE_REPLY_ROOM = 512
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mlxchat", description="Chat with a local LLM on MLX.")
     sub = p.add_subparsers(dest="command")
@@ -43,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile", help="a preset (precise, factual, chat, creative, completion) or a saved profile")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--system", help="system prompt")
+    gen.add_argument("--context-policy", choices=CONTEXT_POLICIES, default="error",
+                     help="a prompt longer than the context: error (the default), truncate (keep the system prompt "
+                          "and the prompt's end), rotate (a rotating KV window, see --kv-window)")
+    gen.add_argument("--kv-window", type=int, help="tokens kept in a rotating KV cache (implies "
+                                                   "--context-policy rotate; default with rotate: the context)")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
 
@@ -187,12 +197,18 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
     if "" in args.stop:
         raise ValueError("--stop needs a non-empty string (an empty one would match everywhere)")
+    if args.kv_window is not None:
+        if args.context_policy == "truncate":
+            raise ValueError("--kv-window goes with --context-policy rotate, not truncate")
+        if args.kv_window < 16:
+            raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
+        args.context_policy = "rotate"
     _import_core()
     profile = _profile(args)
     engine = _without_sigint(lambda: _load(args.model))
     from mlxchat.core.events import TokenEvent
 
-    stream = engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)
+    stream = _start(engine, prompt, profile, args)
     interrupts.stream = stream
     for event in stream:
         if isinstance(event, TokenEvent) and not args.json:
@@ -256,6 +272,40 @@ def _rm(args: argparse.Namespace) -> int:
     freed = hub.remove(args.repo_id)
     print(f"deleted {args.repo_id} ({fmt_bytes(freed)} freed)")
     return 0
+
+
+def _start(engine: Any, prompt: str, profile: Any, args: argparse.Namespace) -> Any:  # noqa: ANN401 - core types
+    """Start the reply under the context policy: a prompt that does not fit is refused naming the flags that
+    apply here, cut to its end (the system prompt stays), or run through a rotating KV window."""
+    limit = engine.context_length
+    if args.context_policy == "rotate":
+        chat = engine.chat(system=args.system, profile=profile, max_kv_size=args.kv_window or limit)
+        return chat.send(prompt, max_tokens=args.max_tokens, stop=args.stop)
+    size = engine.count_tokens(prompt, args.system)
+    if size >= limit:
+        if args.context_policy == "error":
+            raise ValueError(f"the prompt is {size} tokens but {engine.name} has a context of {limit}: shorten it, "
+                             "or pass --context-policy truncate (keep its end) or --context-policy rotate")
+        prompt = _keep_end(engine, prompt, args.system, limit - min(args.max_tokens or TRUNCATE_REPLY_ROOM,
+                                                                    limit // 2))
+        print(f"mlxchat: note: the prompt ({size} tokens) was cut to its last "
+              f"{engine.count_tokens(prompt, args.system)} tokens to fit the context of {limit} "
+              "(--context-policy truncate)", file=sys.stderr)
+    return engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)
+
+
+def _keep_end(engine: Any, prompt: str, system: str | None, budget: int) -> str:  # noqa: ANN401 - core.Engine
+    """The longest end of `prompt` that, with the system prompt and the chat template, is at most `budget` tokens
+    (a binary search over where to cut: token counts grow with the text kept)."""
+    lo, hi = 0, len(prompt)  # cutting at hi keeps nothing, which always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        kept = prompt[mid:]
+        if not kept.strip() or engine.count_tokens(kept, system) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return prompt[lo:].lstrip() or prompt[-1:]
 
 
 def _with_interrupts(args: argparse.Namespace) -> int:
