@@ -238,3 +238,20 @@ async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_
     (name,) = store.list()
     assert store.load(name).description == "based on the chat preset"
     assert SamplingProfile.preset("chat").description not in ("", "based on the chat preset")
+
+
+@pytest.mark.anyio
+async def test_ctrl_c_in_the_input_copies_a_selection_and_otherwise_only_says_how_to_quit():
+    """Textual 8's ctrl+c, kept as it is (documented in the report): the terminal is in raw mode, so ctrl+c is a
+    key, not SIGINT; it copies the selection, and with none the app says which key quits. It never quits."""
+    app = InputApp()
+    async with app.run_test() as pilot:
+        box = app.query_one(ChatInput)
+        box.focus()
+        await pilot.press(*"hello")
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app.is_running and any("to quit" in n.message for n in app._notifications)
+        box.select_all()
+        await pilot.press("ctrl+c")
+        assert app.clipboard == "hello" and box.text == "hello"
