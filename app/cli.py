@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_prompt(arg: str) -> str:
     if arg != "-":
+        # Python decodes argv with surrogateescape: bytes that are not UTF-8 arrive as lone surrogates.
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid UTF-8 (byte {ord(arg[e.start]) - 0xDC00:#04x} at offset "
+                             f"{e.start}); convert it first, e.g. with iconv -t UTF-8") from None
         return arg
     raw = sys.stdin.buffer.read()
     try:

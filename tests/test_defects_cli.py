@@ -114,3 +114,11 @@ def test_bad_context_flags_are_one_line(capsys, monkeypatch, argv: list[str], ex
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and expected in err and err.count("\n") == 1, err
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_one_line_without_python_advice(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "mlxchat.app.cli", "generate", b"caf\xe9"], capture_output=True,
+                          env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)}, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.count("\n") == 1, err
+    assert "the prompt is not valid UTF-8 (byte 0xe9 at offset 3)" in err and "errors=" not in err
