@@ -67,7 +67,7 @@ def live_readouts(m: Any, width: int | None = None) -> str:
         return full
     rate = decode_rate(m)
     return " ".join([f"TTFT {fmt_seconds(ttft, '')}", f"TPOT {fmt_seconds(tpot, '')}",
-                     f"{rate:.1f}t/s" if rate else "–t/s", tokens, context(m),
+                     f"{rate:.1f}tok/s" if rate else "–tok/s", tokens, context(m),
                      f"mem {fmt_bytes(mem, '')}"])
 
 

@@ -77,7 +77,7 @@ async def test_every_readout_is_shown_at_narrow_widths(columns: int):
         await pilot.pause()
         shown = rendered(bar.query_one("#stats-readouts"))
         flat = " ".join(shown.split())
-        for part in ("TTFT", "TPOT", "t/s", "in 5413", "out 312", "ctx 5725/8192", "mem 525"):
+        for part in ("TTFT", "TPOT", "tok/s", "in 5413", "out 312", "ctx 5725/8192", "mem 525"):
             assert part in flat, (columns, part, shown)
         assert "MiB" in flat and "MB" not in flat.replace("MiB", "")
         assert ("\n" in shown.strip()) == (columns < 120)  # narrow bars wrap onto a second row, never cut
