@@ -1,11 +1,19 @@
-"""The `mlxchat` command: the TUI by default, `generate` for scripts, `bench` for the side-by-side benchmark."""
+"""The `mlxchat` command: the TUI by default, `generate` for scripts, `pull` / `models` / `rm` for models by name
+(in the Hugging Face cache), `bench` for the side-by-side benchmark."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .formatting import fmt_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -13,6 +21,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"mlxchat: error: {message} (see `{self.prog} --help`)\n")
+
+
+CONTEXT_POLICIES = ("error", "truncate", "rotate")
+# Tokens left for the reply when a prompt is truncated to fit the context and no --max-tokens says how many.
+TRUNCATE_REPLY_ROOM = 512
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile", help="a preset (precise, factual, chat, creative, completion) or a saved profile")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--system", help="system prompt")
+    gen.add_argument("--context-policy", choices=CONTEXT_POLICIES, default="error",
+                     help="a prompt longer than the context: error (the default), truncate (keep the system prompt "
+                          "and the prompt's end), rotate (a rotating KV window, see --kv-window)")
+    gen.add_argument("--kv-window", type=int, help="tokens kept in a rotating KV cache (implies "
+                                                   "--context-policy rotate; default with rotate: the context)")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
+
+    pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
+    pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
+    sub.add_parser("models", help="list the models in the Hugging Face cache: size, last used, loadable")
+    rm = sub.add_parser("rm", help="delete a model from the Hugging Face cache")
+    rm.add_argument("repo_id", help="ORG/NAME, as `mlxchat models` lists it")
+    rm.add_argument("--yes", "-y", action="store_true", help="delete without asking (for scripts)")
 
     bench = sub.add_parser("bench", help="benchmark against mlx-lm (and llama.cpp when installed)")
     bench.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
@@ -57,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_prompt(arg: str) -> str:
     if arg != "-":
+        # Python decodes argv with surrogateescape: bytes that are not UTF-8 arrive as lone surrogates.
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid UTF-8 (byte {ord(arg[e.start]) - 0xDC00:#04x} at offset "
+                             f"{e.start}); convert it first, e.g. with iconv -t UTF-8") from None
         return arg
     raw = sys.stdin.buffer.read()
     try:
@@ -94,27 +125,104 @@ def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
             f"peak {m.peak_memory_bytes / 2**20:.0f} MiB")
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from mlxchat.core import Engine
-    from mlxchat.core.events import TokenEvent
+class _Interrupts:
+    """Ctrl-C during `generate`: the first stops the reply at the next token (its text so far stays printed, exit
+    130); before a reply streams (imports, loading) there is nothing to keep, so it leaves at once. A second Ctrl-C
+    leaves at once too.
 
+    Leaving at once is `os._exit`, after flushing: a KeyboardInterrupt raised in the main thread while the
+    inference thread runs MLX (it cannot be stopped mid-load) lets the interpreter finalize under that thread, which
+    aborts the process ("terminate called without an active exception", exit 134) or crashes it (exit 139)."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None  # core.Stream, once the reply streams
+        self.count = 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        if self.stream is None or self.count > 1:
+            _leave_now(130)
+        self.stream.cancel()
+
+
+def _leave_now(code: int) -> None:
+    for out, end in ((sys.stdout, ""), (sys.stderr, "\n")):
+        try:
+            out.write(end)
+            out.flush()
+        except (OSError, RuntimeError, ValueError):  # a closed pipe, or a write this signal interrupted
+            pass
+    os._exit(code)
+
+
+def _without_sigint(fn: Callable[[], Any]) -> Any:
+    """Run `fn` on a thread that blocks SIGINT, as will every thread it starts (MLX's, OpenBLAS's, the engine's
+    inference thread): Ctrl-C then always reaches the main thread, and never interrupts MLX code mid-call (which
+    hung or crashed the process). The main thread waits in short joins, so its handler runs promptly."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="mlxchat-load", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _import_core() -> None:
+    """Import the engine (MLX, and the BLAS whose worker threads start on import) with SIGINT blocked on this, the
+    main thread, so that those threads block it too; a Ctrl-C meanwhile is handled once the import is done. (Not
+    on another thread, like the load: MLX's per-thread state would then end with that thread, which aborts the
+    process at exit.)"""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import mlxchat.core  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _load(spec: str | None) -> Any:  # noqa: ANN401 - core.Engine, imported late with MLX
+    from mlxchat.core import Engine
+
+    return Engine.load(spec)
+
+
+def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():  # checked again by the engine; here it saves loading the model for nothing
         raise ValueError("the prompt is empty: type a message first")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
+    if "" in args.stop:
+        raise ValueError("--stop needs a non-empty string (an empty one would match everywhere)")
+    if args.kv_window is not None:
+        if args.context_policy == "truncate":
+            raise ValueError("--kv-window goes with --context-policy rotate, not truncate")
+        if args.kv_window < 16:
+            raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
+        args.context_policy = "rotate"
+    _import_core()
     profile = _profile(args)
-    engine = Engine.load(args.model)
-    stream = engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)
-    try:
-        for event in stream:
-            if isinstance(event, TokenEvent) and not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-    except KeyboardInterrupt:
-        stream.cancel()
-        print(file=sys.stderr)
-        return 130
+    engine = _without_sigint(lambda: _load(args.model))
+    from mlxchat.core.events import TokenEvent
+
+    stream = _start(engine, prompt, profile, args)
+    interrupts.stream = stream
+    for event in stream:
+        if isinstance(event, TokenEvent) and not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    # The reply has ended; wait for the inference thread to finish the job (it frees MLX arrays after its last
+    # event), so the interpreter never finalizes while that thread runs MLX code.
+    engine.run(lambda: None)
     result = stream.result
     if args.json:
         json.dump({"text": result.text, "finish_reason": result.finish_reason, "model": engine.name,
@@ -123,14 +231,107 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.stats:
         print(f"{format_stats(result.metrics)} · weights {engine.model.weights_path}", file=sys.stderr)
+    return 130 if interrupts.count else 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from mlxchat.core import hub
+
+    snapshot = hub.pull(args.repo_id)  # huggingface_hub's own progress bars, on stderr
+    model = hub.find(args.repo_id)
+    size = f" ({fmt_bytes(model.size_bytes)})" if model else ""
+    print(f"{args.repo_id}{size} is in {snapshot}")
+    if model is not None and not model.loadable:
+        print(f"mlxchat: note: {args.repo_id} has no config.json with safetensors weights; mlxchat cannot load it",
+              file=sys.stderr)
     return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from mlxchat.core import hub
+
+    rows = [(m.repo_id, fmt_bytes(m.size_bytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)),
+             "yes" if m.loadable else "no") for m in hub.cached_models()]
+    if not rows:
+        print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
+        return 0
+    rows.insert(0, ("MODEL", "SIZE", "LAST USED", "LOADABLE"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths)), r[3]]))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from mlxchat.core import hub
+
+    model = hub.find(args.repo_id)
+    if model is None:
+        raise hub.HubError(f"{args.repo_id} is not in the Hugging Face cache (`mlxchat models` lists what is)")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ValueError(f"rm asks before deleting; pass --yes to delete {args.repo_id} without asking")
+        answer = input(f"Delete {args.repo_id} ({fmt_bytes(model.size_bytes)}) from the Hugging Face cache? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("kept", file=sys.stderr)
+            return 1
+    freed = hub.remove(args.repo_id)
+    print(f"deleted {args.repo_id} ({fmt_bytes(freed)} freed)")
+    return 0
+
+
+def _start(engine: Any, prompt: str, profile: Any, args: argparse.Namespace) -> Any:  # noqa: ANN401 - core types
+    """Start the reply under the context policy: a prompt that does not fit is refused naming the flags that
+    apply here, cut to its end (the system prompt stays), or run through a rotating KV window."""
+    limit = engine.context_length
+    if args.context_policy == "rotate":
+        chat = engine.chat(system=args.system, profile=profile, max_kv_size=args.kv_window or limit)
+        return chat.send(prompt, max_tokens=args.max_tokens, stop=args.stop)
+    size = engine.count_tokens(prompt, args.system)
+    if size >= limit:
+        if args.context_policy == "error":
+            raise ValueError(f"the prompt is {size} tokens but {engine.name} has a context of {limit}: shorten it, "
+                             "or pass --context-policy truncate (keep its end) or --context-policy rotate")
+        prompt = _keep_end(engine, prompt, args.system, limit - min(args.max_tokens or TRUNCATE_REPLY_ROOM,
+                                                                    limit // 2))
+        print(f"mlxchat: note: the prompt ({size} tokens) was cut to its last "
+              f"{engine.count_tokens(prompt, args.system)} tokens to fit the context of {limit} "
+              "(--context-policy truncate)", file=sys.stderr)
+    return engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)
+
+
+def _keep_end(engine: Any, prompt: str, system: str | None, budget: int) -> str:  # noqa: ANN401 - core.Engine
+    """The longest end of `prompt` that, with the system prompt and the chat template, is at most `budget` tokens
+    (a binary search over where to cut: token counts grow with the text kept)."""
+    lo, hi = 0, len(prompt)  # cutting at hi keeps nothing, which always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        kept = prompt[mid:]
+        if not kept.strip() or engine.count_tokens(kept, system) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return prompt[lo:].lstrip() or prompt[-1:]
+
+
+def _with_interrupts(args: argparse.Namespace) -> int:
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        return _generate(args, _Interrupts())
+    interrupts = _Interrupts()
+    previous = signal.signal(signal.SIGINT, interrupts)
+    try:
+        return _generate(args, interrupts)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
-            return _generate(args)
+            return _with_interrupts(args)
+        if args.command in ("pull", "models", "rm"):
+            return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
         if args.command == "bench":
             from mlxchat.bench.run import run_from_cli
 

@@ -9,20 +9,21 @@ FINISH = {"stop": "stop: end of reply", "length": "stop: max tokens", "cancelled
 DONE = {"stop": "✓ done", "length": "✓ max tokens", "cancelled": "■ stopped"}
 
 
-def fmt_bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None, sep: str = " ") -> str:
+    """Binary units (KiB, MiB, GiB), as memory is counted and as the CLI prints it."""
     if not n:
         return "–"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if n >= 100 or unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{sep}{unit}" if n >= 100 or unit == "B" else f"{n:.1f}{sep}{unit}"
+        n /= 1024
     raise AssertionError("unreachable")
 
 
-def fmt_seconds(s: float | None) -> str:
+def fmt_seconds(s: float | None, sep: str = " ") -> str:
     if not s:
         return "–"
-    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+    return f"{s * 1000:.0f}{sep}ms" if s < 1 else f"{s:.2f}{sep}s"
 
 
 def fmt_rate(r: float | None) -> str:
@@ -54,16 +55,32 @@ def context(m: Any) -> str:
     return text
 
 
-def live_readouts(m: Any) -> str:
-    """The stats bar while a reply streams (and after it, until the next one)."""
-    return " · ".join([
-        f"TTFT {fmt_seconds(_get(m, 'ttft_s', 0.0))}",
-        f"TPOT {fmt_seconds(_get(m, 'tpot_s', 0.0))}",
-        fmt_rate(decode_rate(m)),
-        f"in {_get(m, 'prompt_tokens')} out {_get(m, 'completion_tokens')}",
-        context(m),
-        f"mem {fmt_bytes(_get(m, 'peak_memory_bytes'))}",
-    ])
+def live_readouts(m: Any, width: int | None = None) -> str:
+    """The stats bar while a reply streams (and after it, until the next one). Given the ``width`` it has, the
+    readouts are written compactly when the full form does not fit; every readout is always there (the bar
+    wraps what still does not fit)."""
+    ttft, tpot, mem = _get(m, "ttft_s", 0.0), _get(m, "tpot_s", 0.0), _get(m, "peak_memory_bytes")
+    tokens = f"in {_get(m, 'prompt_tokens')} out {_get(m, 'completion_tokens')}"
+    full = " · ".join([f"TTFT {fmt_seconds(ttft)}", f"TPOT {fmt_seconds(tpot)}", fmt_rate(decode_rate(m)), tokens,
+                       context(m), f"mem {fmt_bytes(mem)}"])
+    if width is None or len(full) <= width:
+        return full
+    rate = decode_rate(m)
+    return " ".join([f"TTFT {fmt_seconds(ttft, '')}", f"TPOT {fmt_seconds(tpot, '')}",
+                     f"{rate:.1f}tok/s" if rate else "–tok/s", tokens, context(m),
+                     f"mem {fmt_bytes(mem, '')}"])
+
+
+def prefill_progress(done: int, total: int, cached: int = 0) -> tuple[int, str]:
+    """Prefill progress as (percent, readout), both counting only the prompt tokens being prefilled (the cached
+    ones are not work): e.g. (0, "prefill 0/4389 new tokens · 1024 cached · prompt 5413")."""
+    todo = max(total - cached, 0)
+    new = min(max(done - cached, 0), todo)
+    pct = round(100 * new / todo) if todo else 100
+    text = f"prefill {new}/{todo} new tokens"
+    if cached:
+        text += f" · {cached} cached · prompt {total}"
+    return pct, text
 
 
 def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = None,

@@ -18,16 +18,49 @@ class ModelChoice:
 EMBEDDED = ModelChoice(None, "SmolLM2-135M-Instruct (embedded)", "embedded", "Q4_1 GGUF shipped with mlxchat")
 
 
+@dataclass(frozen=True)
+class ModelPick:
+    """What the model picker returns: the choice, and whether it is the model already loaded (nothing to do)."""
+
+    choice: ModelChoice
+    already_loaded: bool = False
+
+
 def check_local(path: str) -> str | None:
-    """Why ``path`` cannot be a model, or None if it looks like one (a .gguf file or a folder with config.json)."""
+    """Why ``path`` cannot be a model, or None if it looks like one (a GGUF file or a folder with config.json)."""
     p = Path(path).expanduser()
     if not p.exists():
         return f"{p}: no such file or folder"
-    if p.is_file() and p.suffix.lower() != ".gguf":
-        return f"{p}: not a .gguf file"
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            return f"{p}: not a .gguf file"
+        try:
+            with p.open("rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            return f"{p}: cannot read it ({e.strerror})"
+        if magic != b"GGUF":
+            return f"{p}: not a GGUF file (it does not start with GGUF)"
     if p.is_dir() and not (p / "config.json").exists():
         return f"{p}: not a model folder (no config.json)"
     return None
+
+
+def to_remember(spec: str | None, cache_dir: str | Path | None = None) -> tuple[str, str] | None:
+    """The (path, label) to add to the picker's local models once ``spec`` has loaded, or None: the embedded model,
+    a repo id and a snapshot in the Hugging Face cache are listed without it."""
+    if spec is None:
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return None  # a repo id
+    from huggingface_hub import constants
+
+    cache = Path(cache_dir or constants.HF_HUB_CACHE).expanduser().resolve()
+    resolved = path.resolve()
+    if resolved.is_relative_to(cache):
+        return None
+    return str(resolved), resolved.name
 
 
 def local_choices(paths: list[tuple[str, str]]) -> list[ModelChoice]:
@@ -39,22 +72,14 @@ def local_choices(paths: list[tuple[str, str]]) -> list[ModelChoice]:
 
 
 def hf_cache_choices(cache_dir: str | Path | None = None) -> list[ModelChoice]:
-    """Model repos in the Hugging Face cache that have a config and safetensors weights (what the loader reads)."""
-    try:
-        from huggingface_hub import scan_cache_dir
+    """Model repos in the Hugging Face cache that mlxchat can load (a config and safetensors weights)."""
+    from mlxchat.core.hub import HubError, cached_models
 
-        info = scan_cache_dir(cache_dir)
-    except Exception:  # noqa: BLE001 - no cache, or an unreadable one: nothing to offer
+    from .formatting import fmt_bytes
+
+    try:
+        models = cached_models(cache_dir)
+    except HubError:  # an unreadable cache: nothing to offer from it
         return []
-    out = []
-    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
-        if repo.repo_type != "model":
-            continue
-        revisions = sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True)
-        for rev in revisions:
-            snap = Path(rev.snapshot_path)
-            if (snap / "config.json").exists() and any(snap.glob("*.safetensors")):
-                size = repo.size_on_disk_str
-                out.append(ModelChoice(str(snap), repo.repo_id, "hf-cache", f"{size} · {rev.commit_hash[:8]}"))
-                break
-    return out
+    return [ModelChoice(str(m.snapshot), m.repo_id, "hf-cache", f"{fmt_bytes(m.size_bytes)} · {m.revision[:8]}")
+            for m in models if m.loadable]

@@ -165,6 +165,8 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
         return {name: self.query_one(f"#field-{name}", Input).value for name, _ in FIELDS}
 
     def validate_form(self) -> SamplingProfile | None:
+        """Check every field at once: each field's error next to it (a field that does not parse keeps the base's
+        value for the check, so the others are still checked), errors between fields under the form."""
         data = self.base.model_dump(mode="python")
         self.errors = {}
         for name, text in self.form_values().items():
@@ -173,24 +175,38 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
             except ValueError as e:
                 self.errors[name] = str(e)
         profile = None
-        if not self.errors:
-            try:
-                profile = SamplingProfile.model_validate(data)
-            except ValidationError as e:
-                for err in e.errors():
-                    self.errors.setdefault(str(err["loc"][0]) if err["loc"] else "stop", error_text(err))
+        general: list[str] = []
+        try:
+            profile = SamplingProfile.model_validate(data)
+        except ValidationError as e:
+            for err in e.errors():
+                if err["loc"]:
+                    self.errors.setdefault(str(err["loc"][0]), error_text(err))
+                else:
+                    general.append(err["msg"].removeprefix("Value error, "))
+        if self.errors:
+            profile = None
         for name, _ in FIELDS:
-            self.query_one(f"#error-{name}", Static).update(self.errors.get(name, ""))
+            error = self.query_one(f"#error-{name}", Static)
+            error.update(self.errors.get(name, ""))
+            error.set_class(name in self.errors, "-shown")
             self.query_one(f"#field-{name}", Input).set_class(name in self.errors, "-invalid")
         if profile is not None and profile.model_dump() != self.base.model_dump():
-            profile = SamplingProfile.model_validate({**profile.model_dump(), "name": self._edited_name()})
+            profile = SamplingProfile.model_validate({**profile.model_dump(), "name": self._edited_name(),
+                                                      "description": self._edited_description()})
         self.edited = profile
         self.query_one("#profile-chain", Static).update(
-            f"chain: {profile.describe_chain()}" if profile else "fix the fields marked above")
+            f"chain: {profile.describe_chain()}" if profile else "\n".join(general) or "fix the fields marked above")
         warnings = profile.warnings() if profile else []
         self.query_one("#profile-warnings", Static).update("\n".join(f"⚠ {w}" for w in warnings))
         self.query_one("#profile-use", Button).disabled = profile is None
         return profile
+
+    def _edited_description(self) -> str:
+        # A preset's description describes the preset's values, not these: say where they came from instead.
+        if self.base.name in SamplingProfile.presets():
+            return f"based on the {self.base.name} preset"
+        return self.base.description
 
     def _edited_name(self) -> str:
         base = self.base.name or "custom"
@@ -230,7 +246,10 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
             if not name:
                 return
             try:
-                named = SamplingProfile.model_validate({**profile.model_dump(), "name": name})
+                description = (f"based on the {profile.name} preset" if profile.name in SamplingProfile.presets()
+                               else profile.description)
+                named = SamplingProfile.model_validate({**profile.model_dump(), "name": name,
+                                                        "description": description})
                 path = self.store.save(named)
             except (ValidationError, ProfileError) as e:
                 msg = error_text(e.errors()[0]) if isinstance(e, ValidationError) else str(e)

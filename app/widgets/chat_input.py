@@ -76,19 +76,15 @@ class ChatInput(TextArea):
         self._history_index = None
         self._draft = ""
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # Up/down move through history only from the first/last line; elsewhere the TextArea moves the cursor.
-        if action == "history_previous":
-            return bool(self.sent) and self.cursor_location[0] == 0
-        if action == "history_next":
-            return self._history_index is not None and self.cursor_location[0] == self.document.line_count - 1
-        return super().check_action(action, parameters)
-
     def _show(self, text: str) -> None:
         self.load_text(text)
         self.move_cursor(self.document.end)
 
     def action_history_previous(self) -> None:
+        """Up: a row up in the message; on its first (visual) row, the previous sent message."""
+        if not self.navigator.is_first_wrapped_line(self.cursor_location) or not self.sent:
+            self.action_cursor_up()
+            return
         if self._history_index is None:
             self._draft = self.text
             self._history_index = len(self.sent)
@@ -97,7 +93,9 @@ class ChatInput(TextArea):
             self._show(self.sent[self._history_index])
 
     def action_history_next(self) -> None:
-        if self._history_index is None:
+        """Down: a row down in the message; on its last (visual) row, the next sent message (then the draft)."""
+        if not self.navigator.is_last_wrapped_line(self.cursor_location) or self._history_index is None:
+            self.action_cursor_down()
             return
         self._history_index += 1
         if self._history_index >= len(self.sent):

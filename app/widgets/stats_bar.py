@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from ..formatting import live_readouts
+from ..formatting import live_readouts, prefill_progress
 
 
 class StatsBar(Horizontal):
@@ -43,19 +43,31 @@ class StatsBar(Horizontal):
         self._set("profile", f"profile {name}")
 
     def show_prefill(self, done: int, total: int, cached: int = 0) -> None:
-        todo = max(total - cached, 1)
-        pct = 100 * (done - cached) / todo
-        self.show_state("prefill", f"▷ prefill {pct:.0f}%", f"prefill {done}/{total} prompt tokens"
-                        + (f" ({cached} cached)" if cached else ""))
+        pct, text = prefill_progress(done, total, cached)
+        self.show_state("prefill", f"▷ prefill {pct}%", text)
 
     def show_metrics(self, metrics: Any, *, state: str = "decode", label: str = "decoding") -> None:
         self.metrics = metrics
         self.show_state(state, label)
-        self._set("readouts", live_readouts(metrics))
+        self._show_readouts()
 
-    def clear_readouts(self) -> None:
+    def reset(self, detail: str = "") -> None:
+        """Forget the last reply's readouts (a new or another chat): show ``detail`` instead, e.g. the model."""
         self.metrics = None
-        self._set("readouts", "")
+        self._set("readouts", detail)
+
+    def _show_readouts(self) -> None:
+        width = self.query_one("#stats-readouts", Static).content_region.width
+        text = live_readouts(self.metrics, width or None)
+        # What does not fit even written compactly wraps onto a second row rather than being cut off.
+        rows = 2 if width and len(text) > width else 1
+        if self.styles.height is None or self.styles.height.value != rows:
+            self.styles.height = rows
+        self._set("readouts", text)
+
+    def on_resize(self) -> None:
+        if self.metrics is not None:
+            self._show_readouts()
 
     @property
     def readouts(self) -> str:

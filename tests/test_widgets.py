@@ -1,0 +1,257 @@
+"""The input, the stats bar and the dialogs' plain logic, in a bare Textual app (no engine, no model): issue 12's
+items 8, 9, 10, 11, 14 and 16 (MiB)."""
+
+from __future__ import annotations
+
+import pytest
+from pathlib import Path
+
+from textual.app import App, ComposeResult
+from textual.widgets import Input
+
+from mlxchat.app.formatting import fmt_bytes, live_readouts, stats_line
+from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
+from mlxchat.app.screens import ModelPicker, ProfilePicker
+from mlxchat.app.widgets import ChatInput, StatsBar
+from mlxchat.core.events import Metrics
+from mlxchat.core.profile import ProfileStore, SamplingProfile
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+class InputApp(App):
+    def compose(self) -> ComposeResult:
+        yield ChatInput(id="input", history=["first sent", "second sent"])
+
+
+@pytest.mark.anyio
+async def test_up_and_down_move_between_lines_and_reach_history_only_at_the_edges():
+    app = InputApp()
+    async with app.run_test() as pilot:
+        box = app.query_one(ChatInput)
+        box.focus()
+        await pilot.press(*"one", "ctrl+j", *"two", "ctrl+j", *"three")
+        assert box.cursor_location == (2, 5)
+        await pilot.press("up")
+        assert box.cursor_location[0] == 1 and box.text == "one\ntwo\nthree"  # a line up, not the history
+        await pilot.press("up")
+        assert box.cursor_location[0] == 0 and box.text == "one\ntwo\nthree"
+        await pilot.press("down", "down")
+        assert box.cursor_location[0] == 2 and box.text == "one\ntwo\nthree"
+        await pilot.press("up", "up", "up")  # from the first line: the history
+        assert box.text == "second sent"
+        await pilot.press("down")  # back to the draft, whole
+        assert box.text == "one\ntwo\nthree"
+
+
+# --- the stats bar -----------------------------------------------------------------------------------------------
+
+METRICS = Metrics(prompt_tokens=5413, cached_tokens=1024, completion_tokens=312, ttft_s=1.98, tpot_s=0.0494,
+                  prefill_s=1.5, decode_s=15.4, peak_memory_bytes=525 * 2**20, context_tokens=5725,
+                  context_limit=8192, kv_window=4096)
+
+
+class BarApp(App):
+    CSS_PATH = "../app/app.tcss"  # the app's own widths for the bar's parts
+
+    def compose(self) -> ComposeResult:
+        yield StatsBar(id="stats")
+
+
+def rendered(widget) -> str:
+    """The text the widget draws, row by row, as the terminal would show it."""
+    return "\n".join(strip.text for strip in widget.render_lines(widget.size.region))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("columns", [120, 80, 60])
+async def test_every_readout_is_shown_at_narrow_widths(columns: int):
+    app = BarApp()
+    async with app.run_test(size=(columns, 6)) as pilot:
+        bar = app.query_one(StatsBar)
+        bar.show_profile("chat")
+        bar.show_metrics(METRICS)
+        await pilot.pause()
+        shown = rendered(bar.query_one("#stats-readouts"))
+        flat = " ".join(shown.split())
+        for part in ("TTFT", "TPOT", "tok/s", "in 5413", "out 312", "ctx 5725/8192", "mem 525"):
+            assert part in flat, (columns, part, shown)
+        assert "MiB" in flat and "MB" not in flat.replace("MiB", "")
+        assert ("\n" in shown.strip()) == (columns < 120)  # narrow bars wrap onto a second row, never cut
+        bar.reset("SmolLM2 · context 8192")  # a new chat: the last reply's numbers go
+        await pilot.pause()
+        assert bar.metrics is None and bar.readouts == "SmolLM2 · context 8192"
+
+
+def test_readouts_are_compact_only_when_the_full_form_does_not_fit():
+    full = live_readouts(METRICS)
+    assert full == live_readouts(METRICS, len(full))
+    compact = live_readouts(METRICS, len(full) - 1)
+    assert len(compact) < len(full) and "out 312" in compact and "mem 525MiB" in compact
+
+
+@pytest.mark.anyio
+async def test_prefill_progress_is_one_consistent_readout():
+    app = BarApp()
+    async with app.run_test(size=(120, 6)) as pilot:
+        bar = app.query_one(StatsBar)
+        bar.show_prefill(1024, 5413, cached=1024)  # nothing prefilled yet: the cached tokens are not progress
+        await pilot.pause()
+        state = str(bar.query_one("#stats-state").content)
+        assert state == "▷ prefill 0%" and bar.readouts == "prefill 0/4389 new tokens · 1024 cached · prompt 5413"
+        bar.show_prefill(3219, 5413, cached=1024)
+        assert str(bar.query_one("#stats-state").content) == "▷ prefill 50%"
+        assert bar.readouts.startswith("prefill 2195/4389 new tokens")
+        bar.show_prefill(300, 600)
+        assert bar.readouts == "prefill 300/600 new tokens"
+
+
+def test_memory_is_in_binary_units_everywhere():
+    assert fmt_bytes(525 * 2**20) == "525 MiB" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 * 2**30) == "3.0 GiB"
+    assert "peak 525 MiB" in stats_line(METRICS)
+
+
+# --- the model picker (item 13, and item 17's F3 pull) -------------------------------------------------------------
+
+class PickerApp(App):
+    CSS_PATH = "../app/app.tcss"
+
+    def __init__(self, saved: list[tuple[str, str]], current: str | None) -> None:
+        super().__init__()
+        self.saved, self.current, self.results = saved, current, []
+
+    def on_mount(self) -> None:
+        self.push_screen(ModelPicker(lambda: list(self.saved), self.saved.remove, self.current,
+                                     scan_hf_cache=False), self.results.append)
+
+
+@pytest.mark.anyio
+async def test_the_picker_keeps_nothing_that_has_not_loaded_and_does_not_reload_the_current_model(tmp_path: Path):
+    fake = tmp_path / "x.gguf"
+    fake.write_text("just text\n")
+    real = tmp_path / "real.gguf"
+    real.write_bytes(b"GGUF" + bytes(28))  # the picker checks the magic; loading checks the rest
+    app = PickerApp([], current=None)
+    async with app.run_test(size=(100, 40)) as pilot:
+        picker = app.screen
+        field = picker.query_one("#model-path", Input)
+        field.value = str(fake)
+        picker.action_add()
+        assert "not a GGUF file" in str(picker.query_one("#model-error").content)
+        field.value = str(real)
+        picker.action_add()
+        assert [c.spec for c in picker.choices] == [None, str(real.resolve())]
+        assert "kept once it loads" in picker.choices[1].detail
+        assert app.saved == []  # nothing stored until the screen has loaded it
+        picker.action_load()
+        await pilot.pause()
+        assert app.results == [ModelPick(picker.choices[1], already_loaded=False)]
+    # The embedded model is loaded: choosing it again is a pick the screen ignores, not a reload.
+    app = PickerApp([], current=None)
+    async with app.run_test(size=(100, 40)) as pilot:
+        app.screen.action_load()
+        await pilot.pause()
+        assert app.results == [ModelPick(EMBEDDED, already_loaded=True)]
+
+
+def test_only_a_loaded_local_path_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    snapshot = tmp_path / "hub" / "models--a--b" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    assert to_remember(str(model)) == (str(model.resolve()), "m.gguf")
+    assert to_remember(None) is None and to_remember("org/name") is None and to_remember(str(snapshot)) is None
+
+
+@pytest.mark.anyio
+async def test_a_pull_that_cannot_reach_the_hub_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    app = PickerApp([], current=None)
+    async with app.run_test(size=(100, 40)) as pilot:
+        picker = app.screen
+        picker.query_one("#model-repo", Input).value = "mlxchat-test/absent"
+        picker.action_pull()
+        error = picker.query_one("#model-error")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if "cannot be reached" in str(error.content):
+                break
+        assert str(error.content) == ("mlxchat-test/absent: the Hugging Face hub cannot be reached (offline?); "
+                                      "try again with a network")
+        assert not picker.query_one("#model-pull").disabled
+
+
+# --- the profile dialog (items 14 and 16) --------------------------------------------------------------------------
+
+class ProfileApp(App):
+    CSS_PATH = "../app/app.tcss"
+
+    def __init__(self, store: ProfileStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def on_mount(self) -> None:
+        self.push_screen(ProfilePicker(self.store, SamplingProfile.preset("chat")))
+
+
+@pytest.mark.anyio
+async def test_the_profile_dialog_shows_every_error_at_once_wrapped_whole(tmp_path: Path):
+    app = ProfileApp(ProfileStore(tmp_path / "profiles"))
+    async with app.run_test(size=(90, 50)) as pilot:
+        picker = app.screen
+        picker.query_one("#field-temperature", Input).value = "abc"
+        picker.query_one("#field-top_k", Input).value = "-1"
+        picker.query_one("#field-min_p", Input).value = "2"
+        picker.query_one("#field-stop", Input).value = "[broken"
+        await pilot.pause()
+        assert set(picker.errors) == {"temperature", "top_k", "min_p", "stop"}
+        for name in picker.errors:
+            widget = picker.query_one(f"#error-{name}")
+            shown = " ".join(rendered(widget).split())
+            assert shown == " ".join(picker.errors[name].split()), (name, shown)  # every word, none cut
+        assert picker.query_one("#error-min_p").size.height >= 2  # the long one wraps
+        assert picker.edited is None and picker.query_one("#profile-use").disabled
+
+
+@pytest.mark.anyio
+async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_path: Path):
+    store = ProfileStore(tmp_path / "profiles")
+    app = ProfileApp(store)
+    async with app.run_test(size=(90, 50)) as pilot:
+        picker = app.screen
+        picker.query_one("#field-temperature", Input).value = "0.3"
+        await pilot.pause()
+        assert picker.edited.description == "based on the chat preset"
+        picker.action_save_as()
+        await pilot.pause()
+        await pilot.press("enter")  # the suggested name
+        await pilot.pause()
+    (name,) = store.list()
+    assert store.load(name).description == "based on the chat preset"
+    assert SamplingProfile.preset("chat").description not in ("", "based on the chat preset")
+
+
+@pytest.mark.anyio
+async def test_ctrl_c_in_the_input_copies_a_selection_and_otherwise_only_says_how_to_quit():
+    """Textual 8's ctrl+c, kept as it is (documented in the report): the terminal is in raw mode, so ctrl+c is a
+    key, not SIGINT; it copies the selection, and with none the app says which key quits. It never quits."""
+    app = InputApp()
+    async with app.run_test() as pilot:
+        box = app.query_one(ChatInput)
+        box.focus()
+        await pilot.press(*"hello")
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app.is_running and any("to quit" in n.message for n in app._notifications)
+        box.select_all()
+        await pilot.press("ctrl+c")
+        assert app.clipboard == "hello" and box.text == "hello"
