@@ -53,7 +53,7 @@ class BatchRequest:
     profile: SamplingProfile
     emit: Emit
     max_tokens: int | None = None
-    stop: Sequence[str] = ()
+    stop: Sequence[str] = ()  # in addition to the profile's
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -75,7 +75,7 @@ class _Sequence:
         self.todo = req.prompt[reused:-1]  # prefilled before joining; the last id is the first decode input
         self.started = time.perf_counter()
         self.detok = IncrementalDetokenizer(m.tokenizer)
-        self.stops = StopStringFilter(list(req.stop))
+        self.stops = StopStringFilter([*req.profile.stop, *req.stop])
         self.ids: list[int] = []  # generated ids, end-of-sequence excluded
         self.read: list[int] = []  # every id read back, end-of-sequence included: the cache holds prompt + these
         self.logprobs: list[TokenLogprob] = []
