@@ -55,7 +55,7 @@ def server() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def tight() -> Iterator[str]:
     """One slot, no queue, an API key: for 401, 429 and the disconnect test."""
-    proc, url = _start("--max-concurrent", "1", "--max-queue", "0", "--api-key", KEY)
+    proc, url = _start("--max-concurrent", "1", "--max-queue", "0", "--api-key", KEY, "--cors", "http://app.test")
     yield url
     _stop(proc)
 
@@ -304,3 +304,31 @@ def test_four_concurrent_streams_each_equal_their_solo_greedy_text(server: str) 
         time.sleep(0.02)
     assert out == solo
     assert peak[0] >= 2  # they really ran together
+
+
+# --- CORS and flags ---------------------------------------------------------------------------------------------
+
+def _preflight(url: str) -> httpx.Response:
+    return httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": "http://app.test", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_is_off_unless_asked(server: str, tight: str) -> None:
+    assert "access-control-allow-origin" not in _preflight(server).headers
+    allowed = _preflight(tight)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://app.test"
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--max-concurrent", "0"], "--max-concurrent must be at least 1"),
+    (["--port", "70000"], "--port must be between 0 and 65535"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--profile", "nope"], "unknown profile"),
+])
+def test_bad_flags_are_one_line(flags: list[str], words: str, capsys: pytest.CaptureFixture) -> None:
+    from mlxchat.app.cli import main
+
+    assert main(["serve", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
