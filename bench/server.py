@@ -82,7 +82,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -136,7 +136,10 @@ def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str 
                                     env={**os.environ, **env})
             try:
                 _wait_ready(url, proc)
-                model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+                # mlx_lm.server's /v1/models lists the Hugging Face cache (and fails without one): it serves its
+                # --model as "default_model".
+                model = "default_model" if system == "mlx_lm.server" else \
+                    httpx.get(url + "/v1/models").json()["data"][0]["id"]
                 measure(url, model, 1, 4, bias, system)  # warm-up
                 for n in clients:
                     figures.append(measure(url, model, n, max_tokens, bias, system))
