@@ -325,7 +325,10 @@ class BatchScheduler:
     def _fail_all(self, error: Exception) -> None:
         for seq in [*self._prefilling, *self._rows]:
             self._release()
-            seq.req.emit(error)
+            try:
+                seq.req.emit(error)
+            except Exception:  # noqa: BLE001, S110 - a caller that cannot take the error must not stop the others'
+                pass
         self._prefilling.clear()
         self._rows = []
         self._batch = self._inputs = self._pending = None

@@ -53,8 +53,15 @@ class _Choice:
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
                  max_tokens: int | None) -> None:
         self.events: asyncio.Queue = asyncio.Queue()
-        self.request = BatchRequest(prompt, profile, lambda e: loop.call_soon_threadsafe(self.events.put_nowait, e),
-                                    max_tokens=max_tokens)
+        self._loop = loop
+        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens)
+
+    def _deliver(self, event: object) -> None:
+        """Called on the inference thread: hand the event to the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            self.request.cancel()  # the loop has closed (the server is stopping): nobody is listening
 
     async def next(self) -> TokenEvent | Done:
         event = await self.events.get()
@@ -309,6 +316,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return JSONResponse({"status": "ok", "model": name, "running": running, "waiting": waiting})
 
     async def http_error(request: HttpRequest, exc: HTTPException) -> Response:
+        log.info("%s %s %d", request.method, request.url.path, exc.status_code)
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         err = ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
