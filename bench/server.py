@@ -1,12 +1,13 @@
 """The server case: aggregate decode tok/s and the time between tokens with 1, 2, 4, 8 concurrent streaming clients.
 
-    python -m mlxchat.bench.server [--clients 1,2,4,8] [--max-tokens 64] [--mlx-lm]
+    python -m mlxchat.bench.server [--clients 1,2,4,8] [--max-tokens 64] [--mlx-lm] [--turns 10]
 
 Each client streams one greedy chat completion of exactly `max_tokens` tokens (end-of-turn ids banned with OpenAI's
 `logit_bias`, which both servers honour, so nobody stops early). Aggregate decode tok/s = tokens received after each
 client's first token / (last token - first of the first tokens); gaps are per client, pooled. With `--mlx-lm`,
 `mlx_lm.server` runs on the same weights (the engine's loaded model saved as an MLX folder) with the same BLAS
-(preloaded as mlxchat does), after ours, in the same run. Both servers listen on 127.0.0.1 only.
+(preloaded as mlxchat does), after ours, in the same run. Then a client resends a growing conversation for
+`--turns` turns: with the prefix cache, turn N's TTFT stays near turn 1's. Both servers listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -76,6 +77,19 @@ def measure(url: str, model: str, clients: int, max_tokens: int, bias: dict[str,
                          statistics.mean(s[0] - sent for sent, s in out if s) * 1000)
 
 
+def resent_conversation_ttft(url: str, model: str, turns: int, reply_tokens: int = 16) -> list[float]:
+    """TTFT (ms, from the server's timings) of each turn of a chat whose client resends the whole conversation."""
+    messages: list[dict[str, str]] = []
+    ttfts = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn + 1}: tell me one more fact about lighthouses."})
+        r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0}).json()
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+        ttfts.append(r["timings"]["ttft_ms"])
+    return ttfts
+
+
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -115,7 +129,8 @@ def load_model_info(model_spec: str | None, folder: Path | None) -> list[int]:
         engine.close()
 
 
-def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str | None) -> list[ServerFigures]:
+def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str | None,
+        turns: int = 10) -> list[ServerFigures]:
     figures: list[ServerFigures] = []
     with tempfile.TemporaryDirectory() as tmp:
         eos = load_model_info(model_spec, Path(tmp) if with_mlx_lm else None)
@@ -144,6 +159,10 @@ def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str 
                 for n in clients:
                     figures.append(measure(url, model, n, max_tokens, bias, system))
                     print(_row(figures[-1]), flush=True)
+                if turns and system == "mlxchat serve":  # mlx_lm.server reports no timings
+                    ttft = resent_conversation_ttft(url, model, turns)
+                    print(f"{system:14} resent conversation: TTFT turn 1 {ttft[0]:.0f} ms, turn {turns} "
+                          f"{ttft[-1]:.0f} ms ({ttft[-1] / ttft[0]:.2f}x)", flush=True)
             finally:
                 proc.terminate()
                 proc.wait(30)
@@ -161,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights")
     p.add_argument("--model", help="GGUF file or folder (default: the embedded model)")
+    p.add_argument("--turns", type=int, default=10, help="turns of the resent-conversation TTFT check (0 skips)")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     clients = [int(c) for c in re.split(r"[,\s]+", args.clients) if c]
-    figures = run(clients, args.max_tokens, args.mlx_lm, args.model)
+    figures = run(clients, args.max_tokens, args.mlx_lm, args.model, args.turns)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(f) for f in figures], indent=2))
     return 0
