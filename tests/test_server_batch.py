@@ -102,3 +102,15 @@ def test_queue_and_context_limits(engine: Engine, greedy: SamplingProfile) -> No
         s.submit(BatchRequest([1] * engine.context_length, greedy, lambda e: None))
     with pytest.raises(ValueError):
         BatchScheduler(engine, max_batch=0)
+
+
+def test_a_long_prompt_joining_mid_decode_changes_nothing(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=2, prefix_cache_bytes=0)
+    long_text = "Summarize this in one line: " + " ".join(f"item {i} is red." for i in range(60))
+    alone = [_result(_submit(s, engine, p, greedy, max_tokens=12)) for p in (PROMPTS[2], long_text)]
+    first = _submit(s, engine, PROMPTS[2], greedy, max_tokens=12)
+    assert isinstance(first.get(timeout=60), TokenEvent)  # decoding already when the long prompt arrives
+    second = _submit(s, engine, long_text, greedy, max_tokens=12)
+    together = [_result(first), _result(second)]
+    assert together[1].metrics.prompt_tokens > 3 * 64  # prefilled in several interleaved chunks
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
