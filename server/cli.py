@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     parser.add_argument("--host", default=LOOPBACK, help="address to bind (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
-    parser.add_argument("--api-key", default=os.environ.get("MLXCHAT_API_KEY"),
+    parser.add_argument("--api-key", default=os.environ.get("MLXCHAT_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' (default: $MLXCHAT_API_KEY; none when unset)")
     parser.add_argument("--max-concurrent", type=int, default=4,
                         help="requests decoded together in one batch (default: 4)")

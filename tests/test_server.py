@@ -22,8 +22,7 @@ GREEDY = {"temperature": 0}
 
 
 def _start(*flags: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "MLXCHAT_API_KEY": ""}
-    env.pop("MLXCHAT_API_KEY")
+    env = {k: v for k, v in os.environ.items() if k != "MLXCHAT_API_KEY"}  # the key, if any, comes from flags
     proc = subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "serve", "--host", HOST, "--port", "0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 120
