@@ -163,6 +163,11 @@ def test_logprobs(client: openai.OpenAI, server: str) -> None:
     for t in content:
         assert len(t.top_logprobs) == 3 and t.logprob <= 0
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy takes the most likely token
+    _, chunks = _sse(server, "/v1/chat/completions", {"messages": _msgs("Hi"), "max_tokens": 4, "logprobs": True,
+                                                       "top_logprobs": 3, **GREEDY})
+    streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for t in c["choices"][0]["logprobs"]["content"]]
+    assert [t["logprob"] for t in streamed] == pytest.approx([t.logprob for t in content])
     r = httpx.post(server + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "logprobs": 2, **GREEDY},
                    timeout=60).json()
     lp = r["choices"][0]["logprobs"]
