@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (KVCache, LRUPromptCache, can_trim_prompt_cache, make_prompt_cache,
+                                 trim_prompt_cache)
 
 from .cache import prefill
 from .engine import Engine, Job
@@ -68,14 +69,14 @@ class BatchRequest:
 class _Sequence:
     """A request's state on the inference thread, from admission to its `Done`."""
 
-    def __init__(self, req: BatchRequest, engine: Engine, cache: list, reused: int) -> None:
+    def __init__(self, req: BatchRequest, engine: Engine) -> None:
         m = engine.model
         self.req = req
         self.sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids,
                                prompt_ids=req.prompt)
-        self.cache = cache  # per-layer caches while prefilling; None once merged into the batch
-        self.reused = reused
-        self.todo = req.prompt[reused:-1]  # prefilled before joining; the last id is the first decode input
+        self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the batch
+        self.reused = 0
+        self.todo: list[int] = []  # prefilled before joining; the last prompt id is the first decode input
         self.started = time.perf_counter()
         self.detok = IncrementalDetokenizer(m.tokenizer)
         self.stops = StopStringFilter([*req.profile.stop, *req.stop])
@@ -86,6 +87,11 @@ class _Sequence:
         self.first: float | None = None
         self.last: float | None = None
         self.context = 0  # positions in the KV cache, for Metrics
+
+    def begin(self, cache: list, reused: int) -> None:
+        self.cache, self.reused = cache, reused
+        self.todo = self.req.prompt[reused:-1]
+        self.started = time.perf_counter()
 
     def metrics(self, limit: int) -> Metrics:
         first, last, n = self.first, self.last, len(self.ids)
@@ -178,7 +184,7 @@ class BatchScheduler:
                 self._finish_early(req, "cancelled")
                 continue
             try:
-                self._prefilling.append(_Sequence(req, self.engine, *self._cache_for(req.prompt)))
+                self._prefilling.append(_Sequence(req, self.engine))
             except Exception as e:  # noqa: BLE001 - a request the sampler refuses fails alone
                 self._release()
                 req.emit(e)
@@ -206,6 +212,10 @@ class BatchScheduler:
             self._done(seq, "cancelled")
             return
         # While other rows decode, every chunk delays their next token: keep chunks short then.
+        if seq.cache is None:
+            # Looked up when its prefill starts, not at admission: a prompt prefilled just before (the other
+            # choices of an n > 1 request, a shared system prompt) is in the prefix cache by then.
+            seq.begin(*self._cache_for(seq.req.prompt))
         chunk = seq.todo[:self.prefill_step if not self._rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
         if chunk:
             next(prefill(self.engine.model.model, seq.cache, chunk, len(chunk)))
@@ -216,6 +226,8 @@ class BatchScheduler:
 
     def _join(self, seq: _Sequence) -> None:
         """Add a prefilled sequence as a new row; it decodes from the next step on."""
+        if self.prefix_cache is not None and len(seq.req.prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
+            self._remember(seq.req.prompt[:-1], seq.cache)
         row = [c.merge([c]) for c in seq.cache]
         seq.cache = None
         seq.context = len(seq.req.prompt) - 1
@@ -227,6 +239,14 @@ class BatchScheduler:
         self._rows.append(seq)
         first = mx.array(seq.req.prompt[-1:], mx.int32)
         self._inputs = first if self._inputs is None else mx.concatenate([self._inputs, first])
+
+    def _remember(self, ids: list[int], cache: list[KVCache]) -> None:
+        """Store a prompt's cache, cut to what it holds (its buffers grow in steps of 256 positions). Merging into the
+        batch copies the keys/values, so these caches are never written again."""
+        for c in cache:
+            c.keys, c.values = mx.contiguous(c.keys[..., :c.offset, :]), mx.contiguous(c.values[..., :c.offset, :])
+        mx.eval([(c.keys, c.values) for c in cache])
+        self.prefix_cache.insert_cache(self.engine.name, ids, cache)
 
     def _decode(self) -> None:
         queued = None

@@ -114,3 +114,12 @@ def test_a_long_prompt_joining_mid_decode_changes_nothing(engine: Engine, greedy
     together = [_result(first), _result(second)]
     assert together[1].metrics.prompt_tokens > 3 * 64  # prefilled in several interleaved chunks
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_same_prompt_twice_at_once_is_prefilled_once(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=2)
+    a, b = (_submit(s, engine, PROMPTS[3], greedy, max_tokens=8) for _ in range(2))
+    first, second = _result(a), _result(b)
+    assert first.metrics.cached_tokens == 0
+    assert second.metrics.cached_tokens == second.metrics.prompt_tokens - 1  # e.g. the choices of n=2
+    assert second.token_ids == first.token_ids
