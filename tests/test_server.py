@@ -289,7 +289,7 @@ def test_full_server_says_429_and_a_disconnect_frees_the_slot(tight: str) -> Non
 def test_four_concurrent_streams_each_equal_their_solo_greedy_text(server: str) -> None:
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to ten.",
                "Explain gravity to a child in two sentences, please, and keep it short."]
-    solo = [_chat(server, {"messages": _msgs(p), "max_tokens": 16, **GREEDY}).json()["choices"][0]["message"]
+    solo = [_chat(server, {"messages": _msgs(p), "max_tokens": 12, **GREEDY}).json()["choices"][0]["message"]
             ["content"] for p in prompts]
     out: list[str | None] = [None] * 4
     peak = [0]
@@ -297,7 +297,7 @@ def test_four_concurrent_streams_each_equal_their_solo_greedy_text(server: str) 
 
     def one(i: int) -> None:
         barrier.wait()
-        _, chunks = _sse(server, "/v1/chat/completions", {"messages": _msgs(prompts[i]), "max_tokens": 16, **GREEDY})
+        _, chunks = _sse(server, "/v1/chat/completions", {"messages": _msgs(prompts[i]), "max_tokens": 12, **GREEDY})
         out[i] = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
