@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 
 LOOPBACK = "127.0.0.1"
 
@@ -90,20 +91,26 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import ServerConfig, create_app
 
-    engine = Engine.load(args.model)
-    scheduler = BatchScheduler(engine, max_batch=args.max_concurrent, max_queue=args.max_queue,
-                               prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
-    config = ServerConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                          cors_origins=tuple(args.cors), profile=profiles.get(args.profile), profiles=profiles)
-    app = create_app(engine, scheduler, config)
-    host, port = sock.getsockname()[:2]
-    print(f"mlxchat: serving {engine.name} on http://{host}:{port}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     try:
+        engine = Engine.load(args.model)
+    except KeyboardInterrupt:
+        return 130
+    try:
+        scheduler = BatchScheduler(engine, max_batch=args.max_concurrent, max_queue=args.max_queue,
+                                   prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+        config = ServerConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+                              cors_origins=tuple(args.cors), profile=profiles.get(args.profile), profiles=profiles)
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, scheduler, config), log_level="warning",
+                                               access_log=False, lifespan="off"))
+        host, port = sock.getsockname()[:2]
+        print(f"mlxchat: serving {engine.name} on http://{host}:{port}/v1", flush=True)
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on Ctrl-C, then raises the signal again for its caller: here.
+        print("mlxchat: stopped", file=sys.stderr)
+        return 130
     finally:
         engine.close()
     return 0
-
 
 __all__ = ["add_arguments", "run"]
