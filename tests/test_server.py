@@ -28,7 +28,9 @@ def _start(*flags: str) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 120
     for line in proc.stdout:
         if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            output: list[str] = []
+            proc.output = output  # type: ignore[attr-defined] - what it printed after starting
+            threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()  # keep the pipe drained
             return proc, m.group(1)
         if time.monotonic() > deadline:
             break
@@ -336,3 +338,15 @@ def test_bad_flags_are_one_line(flags: list[str], words: str, capsys: pytest.Cap
     assert main(["serve", "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_ctrl_c_stops_with_one_line() -> None:
+    import signal
+
+    proc, url = _start()
+    assert httpx.get(url + "/health").status_code == 200
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 130
+    time.sleep(0.2)  # the drain thread reads the last lines
+    said = "".join(proc.output)
+    assert "mlxchat: stopped" in said and "Traceback" not in said
