@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")
     bench.add_argument("--skip", action="append", help="leave out a section: matrix, chat, tui, rotating, "
                                                        "roofline, formats (repeatable)")
+    # The server is a tool above core: its flags and runner live in mlxchat.server.cli.
+    from mlxchat.server.cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched, streaming)"))
     return p
 
 
@@ -332,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _with_interrupts(args)
         if args.command in ("pull", "models", "rm"):
             return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
+        if args.command == "serve":
+            from mlxchat.server.cli import run as serve
+
+            return serve(args)
         if args.command == "bench":
             from mlxchat.bench.run import run_from_cli
 

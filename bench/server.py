@@ -1,0 +1,194 @@
+"""The server case: aggregate decode tok/s and the time between tokens with 1, 2, 4, 8 concurrent streaming clients.
+
+    python -m mlxchat.bench.server [--clients 1,2,4,8] [--max-tokens 64] [--mlx-lm] [--turns 10]
+
+Each client streams one greedy chat completion of exactly `max_tokens` tokens (end-of-turn ids banned with OpenAI's
+`logit_bias`, which both servers honour, so nobody stops early). Aggregate decode tok/s = tokens received after each
+client's first token / (last token - first of the first tokens); gaps are per client, pooled. With `--mlx-lm`,
+`mlx_lm.server` runs on the same weights (the engine's loaded model saved as an MLX folder) with the same BLAS
+(preloaded as mlxchat does), after ours, in the same run. Then a client resends a growing conversation for
+`--turns` turns: with the prefix cache, turn N's TTFT stays near turn 1's. Both servers listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+PROMPT = "Write a long story about a lighthouse keeper and a storm."
+
+
+@dataclass
+class ServerFigures:
+    system: str
+    clients: int
+    tokens: int
+    aggregate_tok_s: float
+    p50_gap_ms: float
+    p99_gap_ms: float
+    mean_ttft_ms: float
+
+
+def _stream(url: str, model: str, max_tokens: int, bias: dict[str, int], out: list, barrier: threading.Barrier) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "logit_bias": bias}
+    barrier.wait()
+    sent = time.perf_counter()
+    stamps = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    stamps.append(time.perf_counter())
+    out.append((sent, stamps))
+
+
+def measure(url: str, model: str, clients: int, max_tokens: int, bias: dict[str, int], system: str) -> ServerFigures:
+    out: list = []
+    barrier = threading.Barrier(clients)
+    threads = [threading.Thread(target=_stream, args=(url, model, max_tokens, bias, out, barrier))
+               for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    firsts = [s[0] for _, s in out if s]
+    lasts = [s[-1] for _, s in out if s]
+    after_first = sum(len(s) - 1 for _, s in out if s)
+    gaps = sorted(b - a for _, s in out for a, b in zip(s, s[1:]))
+    window = max(lasts) - min(firsts)
+    return ServerFigures(system, clients, sum(len(s) for _, s in out), after_first / window if window > 0 else 0.0,
+                         gaps[len(gaps) // 2] * 1000 if gaps else 0.0,
+                         gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1000 if gaps else 0.0,
+                         statistics.mean(s[0] - sent for sent, s in out if s) * 1000)
+
+
+def resent_conversation_ttft(url: str, model: str, turns: int, reply_tokens: int = 16) -> list[float]:
+    """TTFT (ms, from the server's timings) of each turn of a chat whose client resends the whole conversation."""
+    messages: list[dict[str, str]] = []
+    ttfts = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn + 1}: tell me one more fact about lighthouses."})
+        r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0}).json()
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+        ttfts.append(r["timings"]["ttft_ms"])
+    return ttfts
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not come up")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_model_info(model_spec: str | None, folder: Path | None) -> list[int]:
+    """The model's end-of-turn ids; with `folder`, also save the engine's loaded model there (the same weights) as
+    an MLX folder for mlx_lm.server."""
+    from mlx_lm.utils import save_config, save_model
+
+    from mlxchat.core import Engine
+
+    engine = Engine.load(model_spec)
+    try:
+        m = engine.model
+        if folder is not None:
+            save_model(folder, m.model)
+            save_config({**vars(m.model.args), "model_type": m.model.model_type}, folder / "config.json")
+            m.tokenizer.hf.save_pretrained(folder)
+        return sorted(m.tokenizer.eos_ids)
+    finally:
+        engine.close()
+
+
+def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str | None,
+        turns: int = 10) -> list[ServerFigures]:
+    figures: list[ServerFigures] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        eos = load_model_info(model_spec, Path(tmp) if with_mlx_lm else None)
+        bias = {str(i): -100 for i in eos}
+        port = _free_port()
+        cmd = [sys.executable, "-m", "mlxchat.app.cli", "serve", "--port", str(port),
+               "--max-concurrent", str(max(clients))] + (["--model", model_spec] if model_spec else [])
+        systems = [("mlxchat serve", cmd, {})]
+        if with_mlx_lm:
+            mport = _free_port()
+            blas = {"LD_PRELOAD": "libopenblas.so.0"} if sys.platform.startswith("linux") else {}
+            systems.append(("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", tmp, "--port",
+                                              str(mport), "--decode-concurrency", str(max(clients))], blas))
+        for system, command, env in systems:
+            port = int(command[command.index("--port") + 1])
+            url = f"http://127.0.0.1:{port}"
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env={**os.environ, **env})
+            try:
+                _wait_ready(url, proc)
+                # mlx_lm.server's /v1/models lists the Hugging Face cache (and fails without one): it serves its
+                # --model as "default_model".
+                model = "default_model" if system == "mlx_lm.server" else \
+                    httpx.get(url + "/v1/models").json()["data"][0]["id"]
+                measure(url, model, 1, 4, bias, system)  # warm-up
+                for n in clients:
+                    figures.append(measure(url, model, n, max_tokens, bias, system))
+                    print(_row(figures[-1]), flush=True)
+                if turns and system == "mlxchat serve":  # mlx_lm.server reports no timings
+                    ttft = resent_conversation_ttft(url, model, turns)
+                    print(f"{system:14} resent conversation: TTFT turn 1 {ttft[0]:.0f} ms, turn {turns} "
+                          f"{ttft[-1]:.0f} ms ({ttft[-1] / ttft[0]:.2f}x)", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    return figures
+
+
+def _row(f: ServerFigures) -> str:
+    return (f"{f.system:14} {f.clients} clients: {f.aggregate_tok_s:6.1f} tok/s aggregate · gap p50 "
+            f"{f.p50_gap_ms:6.1f} ms p99 {f.p99_gap_ms:6.1f} ms · TTFT {f.mean_ttft_ms:6.0f} ms · {f.tokens} tok")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlxchat.bench.server", description=__doc__.splitlines()[0])
+    p.add_argument("--clients", default="1,2,4,8", help="concurrent clients per run, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights")
+    p.add_argument("--model", help="GGUF file or folder (default: the embedded model)")
+    p.add_argument("--turns", type=int, default=10, help="turns of the resent-conversation TTFT check (0 skips)")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    clients = [int(c) for c in re.split(r"[,\s]+", args.clients) if c]
+    figures = run(clients, args.max_tokens, args.mlx_lm, args.model, args.turns)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(f) for f in figures], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

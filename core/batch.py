@@ -1,0 +1,361 @@
+"""Continuous batching: many requests decode together, one batched forward per step, on the engine's thread.
+
+Each request is a `_Sequence` with its own `Sampler` (chain, penalties, seed), stop strings, detokenizer and KV cache
+rows. The scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while
+there is work:
+
+    admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ join the finished prefills
+    ─▶ queue step k+1 over every active row ─▶ read step k's tokens, emit them ─▶ drop the rows that ended
+
+A newcomer joins at the next step and a finished or cancelled row leaves at once (its slot is free for the next
+admission). Prefill runs per sequence, in chunks interleaved with decode steps, so one long prompt does not stall
+the clients already streaming; it runs through the same `core.cache.prefill` as a single request, and the
+sequence's cache is merged into mlx-lm's `BatchKVCache` (left-padded, with a per-row attention mask) only to
+decode. Step k+1 is queued before step k's tokens are read, as in the single-request engine, so the host never
+idles the device.
+
+The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a finished sequence's KV
+cache is stored under the ids it holds, and a new prompt starts from the longest cached prefix, so a client that
+resends a whole conversation prefills only what is new. `Metrics.cached_tokens` reports what was reused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import (KVCache, LRUPromptCache, can_trim_prompt_cache, make_prompt_cache,
+                                 trim_prompt_cache)
+
+from .cache import prefill
+from .engine import Engine, Job
+from .errors import ContextLengthError
+from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from .profile import SamplingProfile
+from .sampling import Sampler
+from .streaming import IncrementalDetokenizer, StopStringFilter
+
+Emit = Callable[[Event | BaseException], None]
+# Prefill chunk while other sequences are decoding: ~0.4 s of a 2-core CPU (prefill ~150 tok/s), the longest
+# pause a streaming client sees when another joins; alone, a sequence prefills in the engine's full chunks.
+INTERLEAVED_PREFILL = 64
+
+
+class QueueFull(Exception):
+    """More requests wait than the scheduler's queue holds; the caller should retry later."""
+
+
+@dataclass
+class BatchRequest:
+    """One generation: prompt ids, its settings, and where its events go (called on the inference thread)."""
+
+    prompt: list[int]
+    profile: SamplingProfile
+    emit: Emit
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()  # in addition to the profile's
+    accepted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop at the next token (or prefill chunk); the request then ends with finish_reason "cancelled"."""
+        self.cancelled.set()
+
+
+class _Sequence:
+    """A request's state on the inference thread, from admission to its `Done`."""
+
+    def __init__(self, req: BatchRequest, engine: Engine) -> None:
+        m = engine.model
+        self.req = req
+        self.sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids,
+                               prompt_ids=req.prompt)
+        self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the batch
+        self.reused = 0
+        self.todo: list[int] = []  # prefilled before joining; the last prompt id is the first decode input
+        self.started = time.perf_counter()
+        self.detok = IncrementalDetokenizer(m.tokenizer)
+        self.stops = StopStringFilter([*req.profile.stop, *req.stop])
+        self.ids: list[int] = []  # generated ids, end-of-sequence excluded
+        self.read: list[int] = []  # every id read back, end-of-sequence included: the cache holds prompt + these
+        self.logprobs: list[TokenLogprob] = []
+        self.text: list[str] = []
+        self.first: float | None = None
+        self.last: float | None = None
+        self.context = 0  # positions in the KV cache, for Metrics
+
+    def begin(self, cache: list, reused: int) -> None:
+        self.cache, self.reused = cache, reused
+        self.todo = self.req.prompt[reused:-1]
+        self.started = time.perf_counter()
+
+    def metrics(self, limit: int) -> Metrics:
+        first, last, n = self.first, self.last, len(self.ids)
+        return Metrics(
+            prompt_tokens=len(self.req.prompt), cached_tokens=self.reused, completion_tokens=n,
+            ttft_s=first - self.req.accepted if first else 0.0,
+            tpot_s=(last - first) / (n - 1) if first and last and n > 1 else 0.0,
+            prefill_s=(first or time.perf_counter()) - self.started,
+            decode_s=last - first if first and last else 0.0,
+            peak_memory_bytes=mx.get_peak_memory(), context_tokens=self.context, context_limit=limit,
+        )
+
+
+class BatchScheduler:
+    """Serve many requests on one engine with continuous batching; see the module docstring.
+
+    `submit` is thread-safe and never blocks: up to `max_batch` requests run at once, up to `max_queue` more wait,
+    and beyond that `submit` raises `QueueFull`. `prefix_cache_bytes` bounds the prefix cache (0 disables it)."""
+
+    def __init__(self, engine: Engine, *, max_batch: int = 4, max_queue: int = 16,
+                 prefix_cache_bytes: int = 512 * 2**20, prefill_step: int | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        self.engine = engine
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill_step = prefill_step or engine.prefill_step
+        self.prefix_cache = LRUPromptCache(max_size=1 << 30, max_bytes=prefix_cache_bytes) \
+            if prefix_cache_bytes > 0 else None
+        self._lock = threading.Lock()
+        self._waiting: deque[BatchRequest] = deque()
+        self._running = False  # whether the scheduler job is on (or queued for) the inference thread
+        self._active = 0  # admitted and not yet done
+        # Inference-thread state.
+        self._prefilling: deque[_Sequence] = deque()
+        self._rows: list[_Sequence] = []  # aligned with the batch cache's rows
+        self._batch: list | None = None  # per-layer batch caches
+        self._inputs: mx.array | None = None  # the next step's input id per row (lazy)
+        self._pending: tuple[list[_Sequence], mx.array, list[mx.array | None]] | None = None
+
+    # --- any thread ----------------------------------------------------------------------------------------
+
+    def submit(self, req: BatchRequest) -> BatchRequest:
+        if not req.prompt:
+            raise ValueError("the prompt is empty: type a message first")
+        limit = self.engine.context_length
+        if len(req.prompt) >= limit:
+            raise ContextLengthError(f"the prompt is {len(req.prompt)} tokens but {self.engine.name} has a context "
+                                     f"of {limit}: shorten it")
+        with self._lock:
+            if self._active + len(self._waiting) >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{self.max_batch} requests are running and {len(self._waiting)} waiting")
+            self._waiting.append(req)
+            if not self._running:
+                self._running = True
+                self.engine.submit(self._run)
+        return req
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) right now."""
+        with self._lock:
+            return self._active, len(self._waiting)
+
+    # --- the inference thread ------------------------------------------------------------------------------
+
+    def _run(self, job: Job) -> None:
+        while True:
+            try:
+                self._admit()
+                if self._prefilling:
+                    self._prefill_chunk()
+                self._decode()
+            except Exception as e:  # noqa: BLE001 - an MLX failure ends every request in flight, not the server
+                self._fail_all(e)
+            with self._lock:
+                if not (self._waiting or self._prefilling or self._rows or self._pending):
+                    self._running = False
+                    return
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting or len(self._prefilling) + len(self._rows) >= self.max_batch:
+                    return
+                req = self._waiting.popleft()
+                self._active += 1
+            if req.cancelled.is_set():
+                self._finish_early(req, "cancelled")
+                continue
+            try:
+                self._prefilling.append(_Sequence(req, self.engine))
+            except Exception as e:  # noqa: BLE001 - a request the sampler refuses fails alone
+                self._release()
+                req.emit(e)
+
+    def _cache_for(self, prompt: list[int]) -> tuple[list, int]:
+        """A KV cache holding the longest cached prefix of `prompt` (leaving at least one id to run), and its length."""
+        model = self.engine.model.model
+        if self.prefix_cache is None:
+            return make_prompt_cache(model), 0
+        cache, rest = self.prefix_cache.fetch_nearest_cache(self.engine.name, prompt)
+        if cache is None:
+            return make_prompt_cache(model), 0
+        reused = len(prompt) - len(rest)
+        if reused >= len(prompt):  # the whole prompt is cached: its last id must still run for the logits
+            if not can_trim_prompt_cache(cache):
+                return make_prompt_cache(model), 0
+            trim_prompt_cache(cache, reused - len(prompt) + 1)
+            reused = len(prompt) - 1
+        return cache, reused
+
+    def _prefill_chunk(self) -> None:
+        seq = self._prefilling[0]
+        if seq.req.cancelled.is_set():
+            self._prefilling.popleft()
+            self._done(seq, "cancelled")
+            return
+        # While other rows decode, every chunk delays their next token: keep chunks short then.
+        if seq.cache is None:
+            # Looked up when its prefill starts, not at admission: a prompt prefilled just before (the other
+            # choices of an n > 1 request, a shared system prompt) is in the prefix cache by then.
+            seq.begin(*self._cache_for(seq.req.prompt))
+        chunk = seq.todo[:self.prefill_step if not self._rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
+        if chunk:
+            next(prefill(self.engine.model.model, seq.cache, chunk, len(chunk)))
+            seq.todo = seq.todo[len(chunk):]
+        if not seq.todo:
+            self._prefilling.popleft()
+            self._join(seq)
+
+    def _join(self, seq: _Sequence) -> None:
+        """Add a prefilled sequence as a new row; it decodes from the next step on."""
+        if self.prefix_cache is not None and len(seq.req.prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
+            self._remember(seq.req.prompt[:-1], seq.cache)
+        row = [c.merge([c]) for c in seq.cache]
+        seq.cache = None
+        seq.context = len(seq.req.prompt) - 1
+        if self._batch is None:
+            self._batch = row
+        else:
+            for mine, new in zip(self._batch, row):
+                mine.extend(new)
+        self._rows.append(seq)
+        first = mx.array(seq.req.prompt[-1:], mx.int32)
+        self._inputs = first if self._inputs is None else mx.concatenate([self._inputs, first])
+
+    def _remember(self, ids: list[int], cache: list[KVCache]) -> None:
+        """Store a prompt's cache, cut to what it holds (its buffers grow in steps of 256 positions). Merging into the
+        batch copies the keys/values, so these caches are never written again."""
+        for c in cache:
+            c.keys, c.values = mx.contiguous(c.keys[..., :c.offset, :]), mx.contiguous(c.values[..., :c.offset, :])
+        mx.eval([(c.keys, c.values) for c in cache])
+        self.prefix_cache.insert_cache(self.engine.name, ids, cache)
+
+    def _decode(self) -> None:
+        queued = None
+        if self._rows:
+            queued = self._step()
+        pending, self._pending = self._pending, queued
+        if pending is None:
+            return
+        rows, tokens, logprobs = pending
+        ended = [i for i, (seq, token) in enumerate(zip(rows, tokens.tolist()))
+                 if self._accept(seq, token, logprobs[i])]
+        # Rows that joined after `pending` was queued sit after it, so its indices are still the batch's.
+        if ended:
+            self._drop(ended)
+
+    def _step(self) -> tuple[list[_Sequence], mx.array, list[mx.array | None]]:
+        logits = self.engine.model.model(self._inputs[:, None], cache=self._batch)[:, -1, :]
+        tokens, logprobs = [], []
+        for i, seq in enumerate(self._rows):
+            token, lp = seq.sampler.step(logits[i])
+            tokens.append(token)
+            logprobs.append(lp if seq.req.profile.logprobs else None)
+            seq.context += 1
+        self._inputs = mx.stack(tokens)
+        mx.async_eval(self._inputs, *(lp for lp in logprobs if lp is not None))
+        return list(self._rows), self._inputs, logprobs
+
+    def _accept(self, seq: _Sequence, token: int, logprobs: mx.array | None) -> bool:
+        """Record one generated token of `seq`; return whether the sequence has ended."""
+        req, m = seq.req, self.engine.model
+        seq.read.append(token)
+        if token in m.tokenizer.eos_ids:
+            return self._done(seq, "stop")
+        seq.last = time.perf_counter()
+        seq.first = seq.first or seq.last
+        seq.ids.append(token)
+        token_lp: tuple[TokenLogprob, ...] = ()
+        if logprobs is not None:
+            chosen, top = Sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
+            token_lp = (TokenLogprob(token, chosen, tuple(top)),)
+            seq.logprobs.extend(token_lp)
+        delta = seq.stops.feed(seq.detok.add(token))
+        seq.text.append(delta)
+        req.emit(TokenEvent(delta, (token,), seq.metrics(m.context_length), token_lp))
+        if seq.stops.stopped:
+            return self._done(seq, "stop")
+        if (req.max_tokens is not None and len(seq.ids) >= req.max_tokens) or \
+                len(req.prompt) + len(seq.ids) + 1 >= m.context_length:
+            return self._done(seq, "length")
+        if req.cancelled.is_set():
+            return self._done(seq, "cancelled")
+        return False
+
+    def _drop(self, ended: list[int]) -> None:
+        """Remove ended rows from the batch, storing their KV caches in the prefix cache."""
+        gone = set(ended)
+        keep = [i for i in range(len(self._rows)) if i not in gone]
+        if self.prefix_cache is not None:
+            for i in ended:
+                seq = self._rows[i]
+                cache = [c.extract(i) for c in self._batch]
+                ids = (seq.req.prompt + seq.read)[:cache[0].size()]
+                if len(ids) == cache[0].size():
+                    self.prefix_cache.insert_cache(self.engine.name, ids, cache)
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._batch = self._inputs = self._pending = None
+            return
+        for c in self._batch:
+            c.filter(keep)
+        index = mx.array(keep)
+        self._inputs = self._inputs[index]
+        if self._pending is not None:
+            rows, tokens, lps = self._pending
+            self._pending = ([rows[i] for i in keep], tokens[index], [lps[i] for i in keep])
+
+    def _done(self, seq: _Sequence, reason: FinishReason) -> bool:
+        req, m = seq.req, self.engine.model
+        if not seq.stops.stopped and reason != "cancelled":
+            tail = seq.stops.feed(seq.detok.flush()) + seq.stops.flush()
+            if tail:
+                seq.text.append(tail)
+                req.emit(TokenEvent(tail, (), seq.metrics(m.context_length)))
+        result = GenerationResult("".join(seq.text), reason, seq.metrics(m.context_length), tuple(seq.ids),
+                                  tuple(seq.logprobs), seq.sampler.describe(), seq.sampler.seed,
+                                  req.profile.model_dump(mode="json"))
+        self._release()
+        req.emit(Done(result))
+        return True
+
+    def _finish_early(self, req: BatchRequest, reason: FinishReason) -> None:
+        self._release()
+        req.emit(Done(GenerationResult("", reason, Metrics(prompt_tokens=len(req.prompt)), seed=req.profile.seed,
+                                       profile=req.profile.model_dump(mode="json"))))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    def _fail_all(self, error: Exception) -> None:
+        for seq in [*self._prefilling, *self._rows]:
+            self._release()
+            try:
+                seq.req.emit(error)
+            except Exception:  # noqa: BLE001, S110 - a caller that cannot take the error must not stop the others'
+                pass
+        self._prefilling.clear()
+        self._rows = []
+        self._batch = self._inputs = self._pending = None
+
+
+__all__ = ["BatchRequest", "BatchScheduler", "QueueFull"]

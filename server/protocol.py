@@ -1,0 +1,274 @@
+"""OpenAI's request and response shapes, mapped onto the engine's `SamplingProfile` and results.
+
+Requests are checked in two layers: JSON types here (strictly: "0.5" is not a number), ranges by
+`SamplingProfile` (one source of truth for what a setting allows). Either failure is an `ApiError` whose message names
+the field, and its `param` is that field, as OpenAI's errors do. A field OpenAI defines that this server does not
+implement is refused by name rather than silently dropped; `user` is accepted and ignored by design (it is an abuse-
+monitoring tag for OpenAI's platform, with no meaning for a local model).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from mlxchat.core import GenerationResult, SamplingProfile
+from mlxchat.core.events import Metrics, TokenLogprob
+
+# Fields of OpenAI's API that are not implemented; each is refused by name unless it carries its neutral value.
+UNSUPPORTED = {
+    "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
+    "parallel_tool_calls": (None,), "response_format": ({"type": "text"}, None), "audio": (None,),
+    "modalities": (["text"], None), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "store": (False, None), "metadata": (None,), "service_tier": ("auto", "default", None), "suffix": (None,),
+    "echo": (False, None), "best_of": (1, None),
+}
+# The extra sampler fields accepted at the top level (vLLM's `extra_body` convention), by their profile names.
+EXTRA_SAMPLER_FIELDS = ("top_k", "min_p", "typical_p", "repetition_penalty", "xtc_threshold", "xtc_probability",
+                        "min_tokens", "sampler_order", "penalty_window", "penalize_prompt")
+
+
+class ApiError(Exception):
+    """An error answered to the client as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+class _Types(BaseModel):
+    """JSON types of the fields both endpoints share (ranges are SamplingProfile's)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, bool] | None = None
+    user: str | None = None
+    profile: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    xtc_threshold: float | None = None
+    xtc_probability: float | None = None
+    min_tokens: int | None = None
+    sampler_order: list[str] | None = None
+    penalty_window: int | None = None
+    penalize_prompt: bool | None = None
+
+
+class _ChatTypes(_Types):
+    messages: list[dict[str, Any]]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class _CompletionTypes(_Types):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = None
+
+
+@dataclass
+class Request:
+    """A validated completion request: what to run and how to answer."""
+
+    chat: bool
+    messages: list[dict[str, str]] | None
+    prompt: str | list[int] | None
+    profile: SamplingProfile
+    max_tokens: int | None
+    n: int
+    stream: bool
+    include_usage: bool
+    seed: int  # the base seed: choice i samples with seed + i
+
+
+def _type_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return ApiError(400, f"{where}: {first['msg']}", where.split(".")[0])
+
+
+def profile_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    return ApiError(400, msg if msg.startswith(where) else f"{where}: {msg}", where.split(".")[0] or None)
+
+
+def _refuse_unsupported(body: dict[str, Any], known: set[str]) -> None:
+    for name, value in body.items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise ApiError(400, f"{name} is not supported by this server; remove it from the request", name)
+        if name not in known and name not in UNSUPPORTED:
+            raise ApiError(400, f"unrecognized request field: {name}", name)
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+    if not raw:
+        raise ApiError(400, "messages must not be empty: send at least one user message", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        role, content = m.get("role"), m.get("content")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r}",
+                           "messages")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": role, "content": content})
+    if not any(m["content"].strip() for m in out if m["role"] != "system"):
+        raise ApiError(400, "messages have no user content: send a non-empty user message", "messages")
+    return out
+
+
+def parse(body: Any, *, chat: bool, base: SamplingProfile, profiles: dict[str, SamplingProfile]) -> Request:
+    """Validate a request body against the endpoint; `base` is the server's profile, `profiles` the named ones."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = _ChatTypes if chat else _CompletionTypes
+    _refuse_unsupported(body, set(model.model_fields))
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise _type_error(e) from None
+
+    if req.profile is not None:
+        if req.profile not in profiles:
+            raise ApiError(400, f"unknown profile {req.profile!r}; known: {', '.join(sorted(profiles))}", "profile")
+        base = profiles[req.profile]
+    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
+                                           *EXTRA_SAMPLER_FIELDS) if getattr(req, k) is not None}
+    if req.logit_bias:
+        try:
+            fields["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    if req.stop is not None:
+        fields["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    if chat:
+        if req.logprobs is not None:
+            fields["logprobs"] = req.logprobs
+        if req.top_logprobs is not None:
+            fields["top_logprobs"] = req.top_logprobs
+    elif req.logprobs is not None:  # completions: logprobs is the number of alternatives (0-5)
+        if not 0 <= req.logprobs <= 5:
+            raise ApiError(400, f"logprobs must be between 0 and 5, got {req.logprobs}", "logprobs")
+        fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    fields["seed"] = seed
+    try:
+        profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
+    except ValidationError as e:
+        err = profile_error(e)
+        if err.param == "max_tokens" and req.max_completion_tokens is not None:
+            err.param = "max_completion_tokens"
+            err.message = err.message.replace("max_tokens", "max_completion_tokens")
+        raise err from None
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= 16:
+        raise ApiError(400, f"n must be between 1 and 16, got {n}", "n")
+
+    prompt: str | list[int] | None = None
+    messages = None
+    if chat:
+        messages = _messages(req.messages)
+    else:
+        p = req.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise ApiError(400, "prompt: only one prompt per request is supported", "prompt")
+            p = p[0]
+        if not p or (isinstance(p, str) and not p.strip()):
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        prompt = p
+    return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
+                   bool((req.stream_options or {}).get("include_usage")), seed)
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(results: list[GenerationResult]) -> dict[str, Any]:
+    first = results[0].metrics
+    completion = sum(r.metrics.completion_tokens for r in results)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+def timings(m: Metrics) -> dict[str, float | int]:
+    """llama.cpp's `timings` object (plus TTFT): prefill and decode measured separately."""
+    prompt_n = m.prompt_tokens - m.cached_tokens
+    prompt_ms, predicted_ms = m.prefill_s * 1000, m.decode_s * 1000
+    decoded = max(m.completion_tokens - 1, 0)  # the first token's time is in the prefill
+    return {
+        "cache_n": m.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_second": prompt_n / m.prefill_s if m.prefill_s > 0 else 0.0,
+        "predicted_n": m.completion_tokens, "predicted_ms": predicted_ms,
+        "predicted_per_second": decoded / m.decode_s if m.decode_s > 0 else 0.0,
+        "ttft_ms": m.ttft_s * 1000,
+    }
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def chat_logprobs(lps: tuple[TokenLogprob, ...], token_text) -> dict[str, Any]:  # noqa: ANN001 - id -> str
+    def entry(token_id: int, lp: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                        for t in lps]}
+
+
+def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text, offset: int = 0) -> dict[str, Any]:  # noqa: ANN001
+    tokens = [token_text(t.token_id) for t in lps]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{token_text(i): v for i, v in t.top} for t in lps], "text_offset": offsets}
+
+
+def envelope(rid: str, chat: bool, model: str, chunk: bool) -> dict[str, Any]:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "system_fingerprint": None}

@@ -1,0 +1,125 @@
+"""The batch scheduler under the server, on the real embedded model: batching and the prefix cache change no
+result, a cancelled row leaves at once, the queue is bounded."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from mlxchat.core import ContextLengthError, Engine, GenerationResult, SamplingProfile
+from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
+from mlxchat.core.events import Done, TokenEvent
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to ten.",
+           "Explain gravity to a child in two sentences, please, and keep it short."]
+
+
+def _submit(s: BatchScheduler, engine: Engine, text: str, profile: SamplingProfile, **kw) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    s.submit(BatchRequest(engine.model.tokenizer.encode_chat([{"role": "user", "content": text}]), profile, q.put,
+                          **kw))
+    return q
+
+
+def _result(q: queue.Queue) -> GenerationResult:
+    while True:
+        event = q.get(timeout=120)
+        if isinstance(event, BaseException):
+            raise event
+        if isinstance(event, Done):
+            return event.result
+
+
+def test_greedy_alone_in_a_batch_of_4_and_from_the_engine_are_equal(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=4, prefix_cache_bytes=0)  # no reuse: every row prefilled from scratch
+    alone = [_result(_submit(s, engine, p, greedy, max_tokens=24)) for p in PROMPTS]
+    together = [_result(q) for q in [_submit(s, engine, p, greedy, max_tokens=24) for p in PROMPTS]]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert alone[2].text == engine.generate(PROMPTS[2], profile=greedy, max_tokens=24).text
+    assert len({len(r.token_ids) for r in alone}) > 1  # rows of different lengths left the batch at different steps
+
+
+def test_seeded_sampling_in_a_batch_equals_alone(engine: Engine) -> None:
+    s = BatchScheduler(engine, max_batch=2, prefix_cache_bytes=0)
+    profile = SamplingProfile(temperature=1.0, top_p=0.9, seed=42, frequency_penalty=0.5)
+    alone = _result(_submit(s, engine, PROMPTS[1], profile, max_tokens=12))
+    qs = [_submit(s, engine, PROMPTS[0], profile, max_tokens=12), _submit(s, engine, PROMPTS[1], profile,
+                                                                          max_tokens=12)]
+    assert [_result(q) for q in qs][1].token_ids == alone.token_ids
+
+
+def test_prefix_cache_reuses_a_resent_conversation(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=2)
+    tok = engine.model.tokenizer
+    turn1 = [{"role": "user", "content": "Tell me about cats in one sentence."}]
+    q: queue.Queue = queue.Queue()
+    s.submit(BatchRequest(tok.encode_chat(turn1), greedy, q.put, max_tokens=12))
+    first = _result(q)
+    assert first.metrics.cached_tokens == 0
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And dogs?"}]
+    ids = tok.encode_chat(turn2)
+    s.submit(BatchRequest(ids, greedy, q.put, max_tokens=12))
+    second = _result(q)
+    assert second.metrics.cached_tokens >= first.metrics.prompt_tokens + len(first.token_ids) - 2
+    # Reused keys/values give the same tokens as a fresh prefill.
+    fresh = BatchScheduler(engine, prefix_cache_bytes=0)
+    fresh.submit(BatchRequest(ids, greedy, q.put, max_tokens=12))
+    assert _result(q).token_ids == second.token_ids
+
+
+def test_prefix_cache_stays_under_its_bound(engine: Engine, greedy: SamplingProfile) -> None:
+    bound = 3 * 2**20
+    s = BatchScheduler(engine, max_batch=1, prefix_cache_bytes=bound)
+    for p in PROMPTS:
+        _result(_submit(s, engine, p, greedy, max_tokens=4))
+    assert 0 < s.prefix_cache.nbytes <= bound
+
+
+def test_cancel_leaves_the_batch_at_the_next_token(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=2, max_queue=0)
+    tok = engine.model.tokenizer
+    q1: queue.Queue = queue.Queue()
+    long = BatchRequest(tok.encode_chat([{"role": "user", "content": PROMPTS[0]}]),
+                        SamplingProfile(temperature=0, min_tokens=500), q1.put, max_tokens=500)
+    s.submit(long)
+    q2 = _submit(s, engine, PROMPTS[1], greedy, max_tokens=8)
+    with pytest.raises(QueueFull):
+        _submit(s, engine, PROMPTS[2], greedy)
+    assert isinstance(q1.get(timeout=60), TokenEvent)
+    long.cancel()
+    cancelled = _result(q1)
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 100
+    assert s.load[0] <= 1  # its slot is free while the other row goes on
+    assert _result(q2).finish_reason in ("stop", "length")
+    assert s.load == (0, 0)
+
+
+def test_queue_and_context_limits(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=1, max_queue=0)
+    with pytest.raises(ContextLengthError):
+        s.submit(BatchRequest([1] * engine.context_length, greedy, lambda e: None))
+    with pytest.raises(ValueError):
+        BatchScheduler(engine, max_batch=0)
+
+
+def test_a_long_prompt_joining_mid_decode_changes_nothing(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=2, prefix_cache_bytes=0)
+    long_text = "Summarize this in one line: " + " ".join(f"item {i} is red." for i in range(60))
+    alone = [_result(_submit(s, engine, p, greedy, max_tokens=12)) for p in (PROMPTS[2], long_text)]
+    first = _submit(s, engine, PROMPTS[2], greedy, max_tokens=12)
+    assert isinstance(first.get(timeout=60), TokenEvent)  # decoding already when the long prompt arrives
+    second = _submit(s, engine, long_text, greedy, max_tokens=12)
+    together = [_result(first), _result(second)]
+    assert together[1].metrics.prompt_tokens > 3 * 64  # prefilled in several interleaved chunks
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_same_prompt_twice_at_once_is_prefilled_once(engine: Engine, greedy: SamplingProfile) -> None:
+    s = BatchScheduler(engine, max_batch=2)
+    a, b = (_submit(s, engine, PROMPTS[3], greedy, max_tokens=8) for _ in range(2))
+    first, second = _result(a), _result(b)
+    assert first.metrics.cached_tokens == 0
+    assert second.metrics.cached_tokens == second.metrics.prompt_tokens - 1  # e.g. the choices of n=2
+    assert second.token_ids == first.token_ids
