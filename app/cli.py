@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")
     bench.add_argument("--skip", action="append", help="leave out a section: matrix, chat, tui, rotating, "
                                                        "roofline, formats (repeatable)")
+    from mlxchat.lab.cli import add_arguments as add_lab_arguments
+
+    add_lab_arguments(sub.add_parser("lab", help="tune sampling on fixed prompt sets: runs, metrics, comparisons"))
     return p
 
 
@@ -131,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "lab":
+            from mlxchat.lab.cli import run as run_lab
+
+            return run_lab(args)
         if args.command == "bench":
             from mlxchat.bench.run import run_from_cli
 
