@@ -10,13 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from . import prompts as P
-from .runner import METRICS, RUN_FIELDS
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
-# Fields a sweep may not change: labels and provenance, per-run fields (max_tokens is --max-tokens), lists and
-# dicts that have no "v1,v2" form, and beam search, which the lab (sampling only) does not run.
-_NOT_SWEEPABLE = {"name", "description", "version", "stop", "logit_bias", "sampler_order", "max_tokens",
-                  "beam_size", "length_penalty"} | RUN_FIELDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,71 +56,12 @@ def run(args: argparse.Namespace) -> int:
     return 2
 
 
-# --- settings --------------------------------------------------------------------------------------------------
-
-def named_profile(name: str):  # noqa: ANN201 - SamplingProfile (imported late: core loads MLX)
-    from mlxchat.core import SamplingProfile
-    from mlxchat.core.profile import ProfileStore
-
-    if name in SamplingProfile.presets():
-        return SamplingProfile.preset(name)
-    store = ProfileStore(P.config_dir() / "profiles")
-    if name in store.list():
-        return store.load(name)
-    raise ValueError(f"--profile {name!r}: unknown; presets: {', '.join(SamplingProfile.presets())}; saved "
-                     f"profiles (in {store.folder}): {', '.join(store.list()) or 'none'}")
-
-
-def sweep_settings(spec: str, base_name: str | None) -> list:  # list[Setting]
-    from pydantic import ValidationError
-
-    from mlxchat.core import SamplingProfile
-
-    from .runner import Setting
-
-    field, sep, raw = spec.partition("=")
-    field = field.strip()
-    sweepable = sorted(f for f in SamplingProfile.model_fields if f not in _NOT_SWEEPABLE)
-    if not sep or not raw.strip():
-        raise ValueError(f"--sweep {spec!r}: write PARAM=v1,v2,..., e.g. temperature=0,0.7,1.2")
-    if field not in sweepable:
-        raise ValueError(f"--sweep: {field!r} cannot be swept; fields: {', '.join(sweepable)}")
-    base = named_profile(base_name) if base_name else SamplingProfile()
-    settings = []
-    for value in (v.strip() for v in raw.split(",")):
-        try:
-            profile = SamplingProfile.model_validate({**base.model_dump(), field: value})
-        except ValidationError as e:
-            msg = e.errors()[0]["msg"]
-            raise ValueError(f"--sweep {field}={value}: {msg if msg.startswith(field) else f'{field}: {msg}'}") \
-                from None
-        settings.append(Setting(f"{field}={value}", profile))
-    if len({s.label for s in settings}) != len(settings):
-        raise ValueError(f"--sweep {spec!r}: a value is given twice")
-    return settings
-
-
-def settings_from(args: argparse.Namespace) -> list:  # list[Setting]
-    from .runner import Setting
-
-    if args.sweep and args.profile:
-        raise ValueError("give either --profile (one or more) or --sweep, not both")
-    if args.sweep:
-        return sweep_settings(args.sweep, args.base)
-    if args.base:
-        raise ValueError("--base goes with --sweep; to run a profile as it is, use --profile")
-    if not args.profile:
-        raise ValueError("give at least one --profile NAME (e.g. --profile chat --profile creative) or a --sweep")
-    if len(set(args.profile)) != len(args.profile):
-        raise ValueError("--profile: a profile is given twice")
-    return [Setting(name, named_profile(name)) for name in args.profile]
-
-
 # --- run -------------------------------------------------------------------------------------------------------
 
 def _run(args: argparse.Namespace) -> int:
     from .compare import Bound, check_bounds
     from .runner import Experiment
+    from .settings import build_settings
     from .store import LabStore
 
     bounds = [Bound.parse(b) for b in args.fail_on]
@@ -134,7 +70,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     prompt_set = P.load(args.prompts).limited(args.limit)
-    experiment = Experiment(prompt_set, settings_from(args), args.seeds, args.max_tokens)
+    experiment = Experiment(prompt_set, build_settings(args.profile, args.sweep, args.base), args.seeds,
+                            args.max_tokens)
     store = LabStore()
     baseline = store.load(args.baseline) if args.baseline else None  # fail before loading the model
 
@@ -260,6 +197,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from .compare import changed_prompts, metric_deltas
+    from .runner import METRICS
     from .store import LabStore
 
     store = LabStore()
