@@ -182,8 +182,11 @@ def _show(args: argparse.Namespace) -> int:
     store = LabStore()
     run = store.load(args.run)
     print(_summary(run))
-    for s in run.settings:
-        changed = {k: v for k, v in s["setting"].items() if v not in (None, [], {}, "") and k != "description"}
+    from mlxchat.core import SamplingProfile
+
+    defaults = SamplingProfile().model_dump(mode="json")
+    for s in run.settings:  # what each setting changes from the default profile
+        changed = {k: v for k, v in s["setting"].items() if k != "description" and defaults.get(k) != v}
         print(f"  {s['label']}: {json.dumps(changed)}")
     votes = store.votes(run.id)
     pairs = sorted({(v["cell_a"], v["cell_b"]) for v in votes})
