@@ -91,3 +91,14 @@ def test_cli_bad_flags_are_one_line(capsys):
     assert err == "mlxchat lab: error: --sweep top_p=0: top_p must be greater than 0 and at most 1, got 0.0"
     assert main(["lab", "run", "--prompts", "chat", "--profile", "chat", "--fail-on", "rep_4>0.1"]) == 2
     assert "--fail-on needs --baseline" in capsys.readouterr().err
+
+
+def test_cancelled_run_keeps_what_finished(engine, tmp_path, sweep):
+    from mlxchat.lab.session import LabSession
+
+    experiment, _ = sweep
+    session = LabSession(LabStore(tmp_path / "lab.db"))
+    # stop after the first output, as Esc in the screen (or Ctrl-C in the CLI) does mid-run
+    run = session.execute(engine, experiment, lambda done, total: session.cancel())
+    assert run.status == "cancelled"
+    assert len(run.outputs) == 1 and run.outputs[0].text
