@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 # --- run -------------------------------------------------------------------------------------------------------
 
 def _run(args: argparse.Namespace) -> int:
-    from .compare import Bound, check_bounds
+    from .compare import Bound, check_bounds, check_comparable
     from .runner import Experiment
     from .settings import build_settings
     from .store import LabStore
@@ -73,7 +73,10 @@ def _run(args: argparse.Namespace) -> int:
     experiment = Experiment(prompt_set, build_settings(args.profile, args.sweep, args.base), args.seeds,
                             args.max_tokens)
     store = LabStore()
-    baseline = store.load(args.baseline) if args.baseline else None  # fail before loading the model
+    baseline = store.load(args.baseline) if args.baseline else None
+    if baseline is not None:  # fail before loading the model
+        check_comparable(baseline, [p.id for p in prompt_set.prompts], prompt_set.digest,
+                         [s.label for s in experiment.settings])
 
     from mlxchat.core import Engine
 

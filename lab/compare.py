@@ -72,13 +72,22 @@ def changed_prompts(a: Run, b: Run, top: int = 5) -> list[dict[str, Any]]:
     return [{"prompt_id": pid, "change": c, "prompt": b.prompts.get(pid, "")} for c, pid in ranked[:top] if c > 0]
 
 
-def check_bounds(baseline: Run, run: Run, bounds: list[Bound]) -> list[str]:
-    """One line per violated bound; empty when the run stays inside every bound."""
-    labels = {s["label"] for s in baseline.settings}
-    missing = [s["label"] for s in run.settings if s["label"] not in labels]
+def check_comparable(baseline: Run, prompt_ids: list[str], prompt_set_hash: str, labels: list[str]) -> None:
+    """A regression gate compares like with like: the same prompts (same file, same --limit) and settings."""
+    if prompt_set_hash != baseline.prompt_set_hash or list(baseline.prompts) != prompt_ids:
+        raise ValueError(f"--baseline run {baseline.id} used other prompts ({baseline.prompt_set}, "
+                         f"{len(baseline.prompts)} prompts, hash {baseline.prompt_set_hash[:8]}); gate against a run "
+                         "of the same --prompts and --limit")
+    known = {s["label"] for s in baseline.settings}
+    missing = [label for label in labels if label not in known]
     if missing:
         raise ValueError(f"--baseline run {baseline.id} has no setting {missing[0]!r} (it has "
-                         f"{', '.join(sorted(labels))}); compare runs of the same settings")
+                         f"{', '.join(sorted(known))}); compare runs of the same settings")
+
+
+def check_bounds(baseline: Run, run: Run, bounds: list[Bound]) -> list[str]:
+    """One line per violated bound; empty when the run stays inside every bound."""
+    check_comparable(baseline, list(run.prompts), run.prompt_set_hash, [s["label"] for s in run.settings])
     failures = []
     for row in metric_deltas(baseline, run):
         for bound in bounds:

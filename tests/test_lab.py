@@ -158,6 +158,10 @@ def test_store_roundtrip_compare_and_bounds():
     failures = check_bounds(run_a, run_b, [Bound.parse("pass_rate<-0.05"), Bound.parse("rep_4>+0.1")])
     assert len(failures) == 1 and failures[0].startswith("B: pass_rate moved -0.500")
     assert check_bounds(run_a, run_a, [Bound.parse("pass_rate<-0.05")]) == []
+    fewer = store.create(model="m", prompt_set="s", prompt_set_hash="h" * 64, settings=run_b.settings,
+                         prompts={"p1": "first"}, seeds=2, max_tokens=8)
+    with pytest.raises(ValueError, match="used other prompts"):  # e.g. another --limit: not like with like
+        check_bounds(run_a, store.load(fewer), [Bound.parse("pass_rate<-0.05")])
     with pytest.raises(RunNotFound):
         store.load("99")
 
