@@ -85,8 +85,13 @@ def _run(args: argparse.Namespace) -> int:
                           settings=[{"label": s.label, "setting": s.fields()} for s in experiment.settings],
                           prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
                           max_tokens=args.max_tokens)
-    status = _execute(experiment, engine, store, run_id)
-    engine.close()
+    try:
+        status = _execute(experiment, engine, store, run_id)
+    except BaseException:
+        store.finish(run_id, "failed")  # what finished stays stored and listed
+        raise
+    finally:
+        engine.close()
     result = store.load(run_id)
     _outputs(result, args.json, args.report)
     print(_summary(result))

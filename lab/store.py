@@ -68,7 +68,7 @@ class Run:
     prompts: dict[str, str]  # id -> text, in the set's order
     seeds: int
     max_tokens: int
-    status: str  # running | done | cancelled
+    status: str  # running | done | cancelled | failed
     outputs: list[Output] = field(default_factory=list)
 
     def outputs_of(self, cell: int) -> list[Output]:
