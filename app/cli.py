@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     from mlxchat.server.cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched, streaming)"))
+    from mlxchat.lab.cli import add_arguments as add_lab_arguments
+
+    add_lab_arguments(sub.add_parser("lab", help="tune sampling on fixed prompt sets: runs, metrics, comparisons"))
     return p
 
 
@@ -340,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mlxchat.server.cli import run as serve
 
             return serve(args)
+        if args.command == "lab":
+            from mlxchat.lab.cli import run as run_lab
+
+            return run_lab(args)
         if args.command == "bench":
             from mlxchat.bench.run import run_from_cli
 

@@ -1,0 +1,234 @@
+"""`mlxchat lab`: run experiments, list/show/compare stored runs. `add_arguments(parser)` sets up the subcommand,
+`run(args)` executes it and returns the exit code. Nothing here imports MLX until a run starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import prompts as P
+
+SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare}")
+    sub.required = True
+    r = sub.add_parser("run", help="run prompts x settings x seeds and store the outputs and metrics")
+    r.add_argument("--prompts", required=True, help=f"prompt set: {', '.join(P.available())}, a name in "
+                                                    f"{P.user_dir()}, or a .toml path")
+    r.add_argument("--profile", action="append", default=[], help="a preset or saved profile (repeatable)")
+    r.add_argument("--sweep", help="PARAM=v1,v2,...: one field of --base at several values")
+    r.add_argument("--base", help="the profile a sweep starts from (default: the default profile)")
+    r.add_argument("--seeds", type=int, default=3, help="seeds per prompt and setting: 0..K-1 (default 3)")
+    r.add_argument("--max-tokens", type=int, default=64, help="tokens per output (default 64)")
+    r.add_argument("--limit", type=int, help="use only the first N prompts of the set")
+    r.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded model)")
+    r.add_argument("--json", type=Path, help="also write the run as JSON to FILE")
+    r.add_argument("--report", type=Path, help="write report.md and PNG plots into DIR")
+    r.add_argument("--baseline", help="a stored run (id or 'last') to compare with, for --fail-on")
+    r.add_argument("--fail-on", action="append", default=[],
+                   help='exit 1 when a metric moves past a bound vs --baseline, e.g. "pass_rate<-0.05" (repeatable)')
+    s = sub.add_parser("show", help="one stored run: settings and metrics with 95%% intervals")
+    s.add_argument("run", help="run id or 'last'")
+    s.add_argument("--json", type=Path, help="write the run as JSON to FILE (- for stdout)")
+    s.add_argument("--report", type=Path, help="write report.md and PNG plots into DIR")
+    sub.add_parser("list", help="stored runs")
+    c = sub.add_parser("compare", help="per-metric deltas B - A with intervals, and the prompts that changed most")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from mlxchat.core.errors import MlxChatError
+
+    try:
+        return {"run": _run, "list": _list, "show": _show, "compare": _compare}[args.lab_command](args)
+    except ValidationError as e:
+        print(f"mlxchat lab: error: {e.errors()[0]['msg']}", file=sys.stderr)
+    except (MlxChatError, ValueError, OSError) as e:
+        print(f"mlxchat lab: error: {e}", file=sys.stderr)
+    return 2
+
+
+# --- run -------------------------------------------------------------------------------------------------------
+
+def _run(args: argparse.Namespace) -> int:
+    from .compare import Bound, check_bounds, check_comparable
+    from .runner import Experiment
+    from .settings import build_settings
+    from .store import LabStore
+
+    bounds = [Bound.parse(b) for b in args.fail_on]
+    if bounds and not args.baseline:
+        raise ValueError("--fail-on needs --baseline RUN (the run to compare with)")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    prompt_set = P.load(args.prompts).limited(args.limit)
+    experiment = Experiment(prompt_set, build_settings(args.profile, args.sweep, args.base), args.seeds,
+                            args.max_tokens)
+    store = LabStore()
+    baseline = store.load(args.baseline) if args.baseline else None
+    if baseline is not None:  # fail before loading the model
+        check_comparable(baseline, [p.id for p in prompt_set.prompts], prompt_set.digest,
+                         [s.label for s in experiment.settings])
+
+    from mlxchat.core import Engine
+
+    engine = Engine.load(args.model)
+    run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
+                          settings=[{"label": s.label, "setting": s.fields()} for s in experiment.settings],
+                          prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
+                          max_tokens=args.max_tokens)
+    try:
+        status = _execute(experiment, engine, store, run_id)
+    except BaseException:
+        store.finish(run_id, "failed")  # what finished stays stored and listed
+        raise
+    finally:
+        engine.close()
+    result = store.load(run_id)
+    _outputs(result, args.json, args.report)
+    print(_summary(result))
+    if status == "cancelled":
+        print(f"cancelled: kept {len(result.outputs)} of {len(experiment.jobs())} outputs in run {run_id}",
+              file=sys.stderr)
+        return 130
+    if baseline is not None:
+        failures = check_bounds(baseline, result, bounds)
+        for line in failures:
+            print(f"regression: {line}", file=sys.stderr)
+        if failures:
+            return 1
+        if bounds:
+            print(f"within bounds vs run {baseline.id}: {', '.join(map(str, bounds))}", file=sys.stderr)
+    return 0
+
+
+def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"run {run_id}", total=len(experiment.jobs()))
+
+        def done(output: Any) -> None:
+            store.add_output(run_id, output)
+            bar.update(task, advance=1, description=f"run {run_id} {experiment.settings[output.cell].label}")
+
+        try:
+            experiment.run(engine, done)
+        except KeyboardInterrupt:
+            store.finish(run_id, "cancelled")
+            return "cancelled"
+    store.finish(run_id, "done")
+    return "done"
+
+
+def _outputs(run: Any, json_path: Path | None, report_dir: Path | None) -> None:
+    if json_path is not None:
+        text = json.dumps(run.as_json(), ensure_ascii=False, indent=1)
+        if str(json_path) == "-":
+            print(text)
+        else:
+            json_path.write_text(text, encoding="utf-8")
+            print(f"wrote {json_path}", file=sys.stderr)
+    if report_dir is not None:
+        from .report import write
+
+        print(f"wrote {write(run, report_dir)}", file=sys.stderr)
+
+
+def _est(e: dict[str, Any] | None) -> str:
+    return f"{e['mean']:.3f}±{(e['high'] - e['low']) / 2:.3f}" if e else "–"
+
+
+def _summary(run: Any) -> str:
+    head = (f"run {run.id} · {run.prompt_set} ({len(run.prompts)} prompts, hash {run.prompt_set_hash[:8]}) · "
+            f"{run.model} · {run.seeds} seed(s) · max {run.max_tokens} tok · {run.status} · code {run.code_version}")
+    rows = [["setting", *SUMMARY, "finish"]]
+    for c in run.cells():
+        m = c["metrics"]
+        rows.append([c["label"], *(_est(m.get(n)) for n in SUMMARY),
+                     " ".join(f"{k}:{v}" for k, v in sorted(m["finish_reasons"].items()))])
+    return head + "\n" + _table(rows)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# --- list / show / compare -------------------------------------------------------------------------------------
+
+def _list(args: argparse.Namespace) -> int:
+    from .store import LabStore
+
+    runs = LabStore().list()
+    if not runs:
+        print("no lab runs yet; start one with `mlxchat lab run --prompts precise --profile precise`")
+        return 0
+    rows = [["id", "created", "set", "settings", "outputs", "status", "model"]]
+    rows += [[str(r["id"]), r["created"], r["prompt_set"], ",".join(r["settings"]), str(r["outputs"]), r["status"],
+              r["model"]] for r in runs]
+    print(_table(rows))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .ab import tally, winner
+    from .store import LabStore
+
+    store = LabStore()
+    run = store.load(args.run)
+    print(_summary(run))
+    from mlxchat.core import SamplingProfile
+
+    defaults = SamplingProfile().model_dump(mode="json")
+    for s in run.settings:  # what each setting changes from the default profile
+        changed = {k: v for k, v in s["setting"].items() if k != "description" and defaults.get(k) != v}
+        print(f"  {s['label']}: {json.dumps(changed)}")
+    votes = store.votes(run.id)
+    pairs = sorted({(v["cell_a"], v["cell_b"]) for v in votes})
+    for a, b in pairs:
+        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
+        print(f"blind A/B {run.settings[a]['label']} vs {run.settings[b]['label']}: {t['a']} wins, {t['b']} losses, "
+              f"{t['tie']} ties, {t['skip']} skipped; win rate {_est(t['win_rate_a'])} (Wilson 95%)")
+    _outputs(run, args.json, args.report)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import changed_prompts, metric_deltas
+    from .runner import METRICS
+    from .store import LabStore
+
+    store = LabStore()
+    a, b = store.load(args.run_a), store.load(args.run_b)
+    notes = []
+    if a.prompt_set_hash != b.prompt_set_hash:
+        notes.append("the prompt sets differ")
+    if a.model != b.model:
+        notes.append(f"the models differ ({a.model} vs {b.model})")
+    print(f"run {b.id} - run {a.id}" + (f" (note: {'; '.join(notes)})" if notes else ""))
+    deltas = metric_deltas(a, b)
+    if not deltas:
+        print("no setting label in common: nothing to compare metric by metric")
+    rows = [["setting", "metric", f"run {a.id}", f"run {b.id}", "delta", "95% interval"]]
+    rows += [[d["setting"], d["metric"], f"{d['a']:.3f}", f"{d['b']:.3f}", f"{d['delta']:+.3f}",
+              f"[{d['low']:+.3f}, {d['high']:+.3f}]"] for d in deltas if d["metric"] in METRICS]
+    print(_table(rows))
+    changed = changed_prompts(a, b)
+    if changed:
+        print("\nprompts whose outputs changed most (1 - BLEU, same setting and seed):")
+        for c in changed:
+            print(f"  {c['change']:.2f}  {c['prompt_id']}: {c['prompt'][:70]!r}")
+    return 0
