@@ -136,7 +136,7 @@ def test_cancel_during_decode_keeps_the_session_usable(engine: Engine, greedy: S
 
 def test_cancel_during_prefill(engine: Engine, greedy: SamplingProfile):
     big = "Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 300  # ~3000 tokens
-    e = Engine(engine.model, engine._worker, prefill_step=128)
+    e = engine.with_prefill_step(128)
     stream = e.stream(big, profile=greedy, max_tokens=8)
     for event in stream:
         if isinstance(event, PrefillProgress) and event.done > 0:
@@ -173,7 +173,7 @@ def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(eng
     for q in ["Tell me about the sea.", "And about mountains?", "And rivers?"]:
         r = chat.send(q, max_tokens=48).wait()
         assert r.metrics.completion_tokens > 0
-        sizes.append(chat._cache.nbytes())
+        sizes.append(chat.cache.nbytes())
         assert r.metrics.context_tokens <= 96 and r.metrics.kv_window == 96
-    assert len(chat._cache.tokens) > 96  # the conversation outgrew the window ...
+    assert len(chat.cache.tokens) > 96  # the conversation outgrew the window ...
     assert max(sizes) <= 1.3 * min(sizes)  # ... and the cache did not grow with it
