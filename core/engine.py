@@ -276,7 +276,10 @@ class Engine:
                              "engine.beam_search(), or use beam_size 1 to sample")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        return Request(profile, max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS, [*profile.stop, *(stop or [])])
+        cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
+        if profile.min_tokens > cap:
+            raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
+        return Request(profile, cap, [*profile.stop, *(stop or [])])
 
     def check_fits(self, prompt_tokens: int, rotating: bool = False) -> None:
         """Raise ContextLengthError if a prompt of this many tokens leaves no room for a reply."""

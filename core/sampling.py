@@ -48,12 +48,12 @@ import math
 import secrets
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from .profile import SamplingProfile, format_number
+from .profile import PROCESSORS, STEPS, SamplingProfile
 
 CANDIDATES = 1024
 NEG_INF = float("-inf")
@@ -92,21 +92,40 @@ def _mass_cut(c: Candidates, rank: mx.array, probs: mx.array, mass: float) -> Ca
     return Candidates(mx.where(rank <= sorted_rank[last], c.logits, NEG_INF), c.ids)
 
 
+class ChainObject:
+    """A built chain step. It prints itself through its registry entry (``core.profile.STEPS``), so a profile's
+    printed chain and the built sampler's are the same text by construction."""
+
+    name: ClassVar[str]
+    args: tuple = ()
+
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "ChainObject":
+        return cls(*STEPS[cls.name].args(profile))
+
+    def __repr__(self) -> str:
+        return STEPS[self.name].label(*self.args)
+
+
 # --- transforms: (candidates, key) -> candidates ------------------------------------------------------------------
 
-class TopK:
+class TopK(ChainObject):
+    name = "top_k"
+
     def __init__(self, k: int) -> None:
+        self.args = (k,)
         self.k = k
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
         return top_candidates(c, self.k)
 
-    def __repr__(self) -> str:
-        return f"TopK({self.k})"
 
 
-class TopP:
+class TopP(ChainObject):
+    name = "top_p"
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
@@ -114,12 +133,13 @@ class TopP:
         c = top_candidates(c, CANDIDATES)
         return _mass_cut(c, -c.logits, mx.exp(c.logits - lse), self.p)
 
-    def __repr__(self) -> str:
-        return f"TopP({format_number(self.p)})"
 
 
-class MinP:
+class MinP(ChainObject):
+    name = "min_p"
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
         self._log_p = math.log(p) if p > 0 else -math.inf
 
@@ -127,15 +147,16 @@ class MinP:
         # prob ≥ p × max prob  ⇔  logit ≥ max logit + log p: no softmax needed.
         return Candidates(mx.where(c.logits >= mx.max(c.logits) + self._log_p, c.logits, NEG_INF), c.ids)
 
-    def __repr__(self) -> str:
-        return f"MinP({format_number(self.p)})"
 
 
-class TypicalP:
+class TypicalP(ChainObject):
     """Locally typical sampling (Meister et al. 2022, HF's ``TypicalLogitsWarper``): keep the tokens whose surprisal
     is closest to the distribution's entropy, up to ``p`` of the probability."""
 
+    name = "typical_p"
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
@@ -147,15 +168,16 @@ class TypicalP:
             c, logp, probs = c.take(idx), logp[idx], probs[idx]
         return _mass_cut(c, mx.abs(-logp - entropy), probs, self.p)
 
-    def __repr__(self) -> str:
-        return f"TypicalP({format_number(self.p)})"
 
 
-class XTC:
+class XTC(ChainObject):
     """Exclude Top Choices (text-generation-webui / llama.cpp): with probability ``probability``, drop every token
     whose probability is at least ``threshold`` except the least likely of them."""
 
+    name = "xtc"
+
     def __init__(self, threshold: float, probability: float) -> None:
+        self.args = (threshold, probability)
         self.threshold = threshold
         self.probability = probability
 
@@ -168,12 +190,13 @@ class XTC:
         drop = above & (probs > least) & (mx.random.uniform(key=key) < self.probability)
         return Candidates(mx.where(drop, NEG_INF, c.logits), c.ids)
 
-    def __repr__(self) -> str:
-        return f"XTC({format_number(self.threshold)}, {format_number(self.probability)})"
 
 
-class Temperature:
+class Temperature(ChainObject):
+    name = "temperature"
+
     def __init__(self, t: float) -> None:
+        self.args = (t,)
         self.t = t
         self._scale = min(1 / t, 1e30)
 
@@ -185,8 +208,6 @@ class Temperature:
             logits = logits - mx.max(logits)
         return Candidates(logits * self._scale, c.ids)
 
-    def __repr__(self) -> str:
-        return f"Temperature({format_number(self.t)})"
 
 
 # --- processors: (logits over the vocabulary, history) -> logits --------------------------------------------------
@@ -221,65 +242,87 @@ class TokenHistory:
             self._recent.append(token)
 
 
-class RepetitionPenalty:
+class RepetitionPenalty(ChainObject):
+    name = "repetition_penalty"
+    needs_history = True
+
     def __init__(self, r: float) -> None:
+        self.args = (r,)
         self.r = r
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return mx.where(h.counts > 0, mx.where(logits > 0, logits / self.r, logits * self.r), logits)
 
-    def __repr__(self) -> str:
-        return f"RepetitionPenalty({format_number(self.r)})"
 
 
-class FrequencyPenalty:
+class FrequencyPenalty(ChainObject):
+    name = "frequency_penalty"
+    needs_history = True
+
     def __init__(self, f: float) -> None:
+        self.args = (f,)
         self.f = f
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return logits - self.f * h.counts
 
-    def __repr__(self) -> str:
-        return f"FrequencyPenalty({format_number(self.f)})"
 
 
-class PresencePenalty:
+class PresencePenalty(ChainObject):
+    name = "presence_penalty"
+    needs_history = True
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return logits - mx.where(h.counts > 0, self.p, 0.0)
 
-    def __repr__(self) -> str:
-        return f"PresencePenalty({format_number(self.p)})"
 
 
-class LogitBias:
+class LogitBias(ChainObject):
+    name = "logit_bias"
+
     def __init__(self, bias: dict[int, float], vocab_size: int) -> None:
+        self.args = (bias,)
         dense = np.zeros(vocab_size, np.float32)
         dense[list(bias)] = list(bias.values())
         self.bias = bias
         self._dense = mx.array(dense)
 
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "LogitBias":
+        return cls(profile.logit_bias, vocab_size)
+
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return logits + self._dense
 
-    def __repr__(self) -> str:
-        return f"LogitBias({len(self.bias)} tokens)"
 
 
-class MinTokens:
+class MinTokens(ChainObject):
+    name = "min_tokens"
+
     def __init__(self, n: int, eos_ids: Iterable[int], vocab_size: int) -> None:
+        self.args = (n,)
         self.n = n
         mask = np.zeros(vocab_size, bool)
         mask[list(eos_ids)] = True
         self._eos = mx.array(mask)
 
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "MinTokens":
+        return cls(profile.min_tokens, eos_ids, vocab_size)
+
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return mx.where(self._eos, NEG_INF, logits) if h.generated < self.n else logits
 
-    def __repr__(self) -> str:
-        return f"MinTokens({self.n})"
+
+
+IMPLEMENTATIONS: dict[str, type[ChainObject]] = {cls.name: cls for cls in (
+    RepetitionPenalty, FrequencyPenalty, PresencePenalty, LogitBias, MinTokens,
+    TopK, TypicalP, TopP, MinP, XTC, Temperature)}
+assert set(IMPLEMENTATIONS) == set(STEPS), "every registry entry needs its implementation"
 
 
 # --- the sampler ---------------------------------------------------------------------------------------------------
@@ -302,31 +345,15 @@ class Sampler:
         self._key = mx.random.key(self.seed)
 
         p = profile
-        self.processors: list = []
-        if p.repetition_penalty != 1:
-            self.processors.append(RepetitionPenalty(p.repetition_penalty))
-        if p.frequency_penalty:
-            self.processors.append(FrequencyPenalty(p.frequency_penalty))
-        if p.presence_penalty:
-            self.processors.append(PresencePenalty(p.presence_penalty))
-        track = bool(self.processors)
-        if p.logit_bias:
-            self.processors.append(LogitBias(p.logit_bias, vocab_size))
-        if p.min_tokens and eos_ids:
-            self.processors.append(MinTokens(p.min_tokens, eos_ids, vocab_size))
-        make = {
-            "top_k": lambda: TopK(p.top_k),
-            "top_p": lambda: TopP(p.top_p),
-            "min_p": lambda: MinP(p.min_p),
-            "typical_p": lambda: TypicalP(p.typical_p),
-            "xtc": lambda: XTC(p.xtc_threshold, p.xtc_probability),
-            "temperature": lambda: Temperature(p.temperature),
-        }
-        self.transforms: list = [] if p.greedy else [make[t]() for t in p.order() if p.active(t)]
+        build = lambda name: IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)  # noqa: E731
+        self.processors: list[Any] = [build(n) for n in PROCESSORS if p.active(n)]
+        self.transforms: list[Any] = [] if p.greedy else [build(t) for t in p.order() if p.active(t)]
+        track = any(getattr(proc, "needs_history", False) for proc in self.processors)
         self.history = TokenHistory(vocab_size, p.penalty_window, list(prompt_ids or []) if p.penalize_prompt else [],
                                     track)
 
     def describe(self) -> str:
+        """The chain as built, printed by its objects (equal to ``SamplingProfile.describe_chain()``)."""
         tail = "greedy" if self.profile.greedy else "sample"
         return " → ".join([repr(s) for s in self.processors + self.transforms] + [tail])
 
