@@ -99,6 +99,16 @@ def test_max_tokens_gives_length(engine: Engine, greedy: SamplingProfile):
     assert r.finish_reason == "length" and r.metrics.completion_tokens == 5
 
 
+def test_a_reply_is_capped_by_default_and_the_call_or_profile_overrides_it(engine: Engine, greedy: SamplingProfile):
+    from mlxchat.core.engine import DEFAULT_MAX_TOKENS
+
+    assert engine.request(greedy).max_tokens == DEFAULT_MAX_TOKENS == 1024
+    assert engine.request(SamplingProfile(max_tokens=7)).max_tokens == 7
+    assert engine.request(SamplingProfile(max_tokens=7), max_tokens=3).max_tokens == 3
+    with pytest.raises(ValueError, match=r"min_tokens \(9\) must not exceed max_tokens \(3\)"):
+        engine.request(SamplingProfile(min_tokens=9), max_tokens=3)
+
+
 def test_chat_cache_reuse_gives_the_same_tokens_as_a_fresh_prefill(engine: Engine, greedy: SamplingProfile):
     chat = engine.chat(system="You are terse.", profile=greedy)
     chat.send("Name a fruit.", max_tokens=16).wait()

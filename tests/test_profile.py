@@ -69,12 +69,14 @@ def test_defaults_and_conveniences() -> None:
     assert SamplingProfile(logit_bias={"7": -100}).logit_bias == {7: -100.0}
 
 
+# Every preset caps the reply (issue #12 item 6: a greedy loop and the creative preset ran for minutes): ~1024
+# tokens for answers and stories, 512 for short factual answers, 128 for an IDE completion (a line or a block).
 EXPECTED_PRESETS = {
-    "precise": dict(temperature=0.0),
-    "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4),
-    "chat": dict(temperature=0.8, top_p=0.9),
-    "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6),
-    "completion": dict(temperature=0.2, min_p=0.05),
+    "precise": dict(temperature=0.0, max_tokens=1024),
+    "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4, max_tokens=512),
+    "chat": dict(temperature=0.8, top_p=0.9, max_tokens=1024),
+    "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6, max_tokens=1024),
+    "completion": dict(temperature=0.2, min_p=0.05, max_tokens=128),
 }
 
 
