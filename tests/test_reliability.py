@@ -487,3 +487,49 @@ def test_unknown_fields_are_each_named() -> None:
     with pytest.raises(ValidationError) as info:
         SamplingProfile(temprature=0.5, top_q=0.9, **{"max-tokens": 3})
     assert sorted(e["loc"][0] for e in info.value.errors()) == ["max-tokens", "temprature", "top_q"]
+
+
+# --- context policy (issue #12 item 7) ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_context_engine(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    d = bytearray(tiny.read_bytes())
+    _set_u32_after(d, "llama.context_length", 256, skip=4)
+    path = tmp_path_factory.mktemp("tiny256") / "tiny-256.gguf"
+    path.write_bytes(bytes(d))
+    e = Engine.load(path)
+    yield e
+    e.close()
+
+
+TURN = "Tell me about the weather on the coast in the early morning, please, briefly. "
+
+
+def _overflowing_chat(engine: Engine, policy: str):
+    """A conversation that no longer fits a 256-token context by its last turn, and that turn's result."""
+    chat = engine.chat(system="You are terse.", profile=SamplingProfile(temperature=0), context_policy=policy)
+    results = [chat.send(TURN * 2, max_tokens=8).wait() for _ in range(6)]
+    return chat, results
+
+
+def test_truncate_policy_drops_the_oldest_turns_and_keeps_the_system_prompt(small_context_engine: Engine) -> None:
+    chat, results = _overflowing_chat(small_context_engine, "truncate")
+    assert small_context_engine.count_tokens([m.as_prompt() for m in chat.messages[:-1]]) > 256  # it overflowed
+    assert all(r.metrics.completion_tokens >= 1 and r.metrics.prompt_tokens < 256 for r in results)
+    assert len(chat.messages) == 13 and chat.messages[0].content == "You are terse."  # the history keeps all
+
+
+def test_rotate_policy_uses_a_window_of_the_context(small_context_engine: Engine) -> None:
+    chat, results = _overflowing_chat(small_context_engine, "rotate")
+    assert results[-1].metrics.prompt_tokens > 256 and results[-1].metrics.kv_window == 256
+    assert all(r.metrics.context_tokens <= 256 for r in results)
+
+
+def test_error_policy_refuses_with_the_facts_and_no_advice(small_context_engine: Engine) -> None:
+    with pytest.raises(ContextLengthError) as info:
+        _overflowing_chat(small_context_engine, "error")
+    e = info.value
+    assert e.limit == 256 and e.prompt_tokens >= 256
+    assert "max_kv_size" not in str(e) and "kv_window" not in str(e)
+    with pytest.raises(ValueError, match="context_policy must be one of truncate, rotate, error"):
+        small_context_engine.chat(context_policy="drop")
