@@ -187,3 +187,21 @@ def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(eng
         assert r.metrics.context_tokens <= 96 and r.metrics.kv_window == 96
     assert len(chat.cache.tokens) > 96  # the conversation outgrew the window ...
     assert max(sizes) <= 1.3 * min(sizes)  # ... and the cache did not grow with it
+
+
+def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
+    """Issue #12 item 12: a cancel lands between chunks, so each chunk is sized to ~250 ms of measured work."""
+    from mlxchat.core.cache import FIRST_CHUNK, MIN_CHUNK, ConversationCache, prefill
+
+    ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300]
+
+    def sizes(budget_s: float) -> list[int]:
+        cache = ConversationCache(engine.model.model)
+        out = [len(c) for c in prefill(engine.model.model, cache.layers, ids, 512, budget_s=budget_s)]
+        assert cache.layers[0].offset == len(ids)  # every id reached the cache whatever the chunking
+        return out
+
+    tight = engine.run(lambda: sizes(1e-6))
+    assert tight[0] == FIRST_CHUNK and set(tight[1:-1]) == {MIN_CHUNK}
+    roomy = engine.run(lambda: sizes(1e6))
+    assert roomy == [FIRST_CHUNK, len(ids) - FIRST_CHUNK]  # grows back to the step (512) when chunks are quick
