@@ -7,7 +7,8 @@ holds, so a new prompt only prefills the suffix that differs from them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,13 +68,30 @@ class ConversationCache:
         return sum(c.nbytes for c in self.layers if not c.empty())
 
 
-def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int) -> Iterator[Sequence[int]]:
-    """Run `ids` through the model into `layers` in chunks of `step`, yielding each chunk once it is in the cache.
+# Work per prefill chunk: cancellation (Esc, Ctrl-C) lands between chunks, so a chunk must stay short however long
+# the context already is (attention grows with it) and however busy the machine. Each chunk is sized from the
+# previous chunk's measured speed; the first is at most FIRST_CHUNK tokens, since nothing is measured yet.
+PREFILL_BUDGET_S = 0.25
+FIRST_CHUNK = 128
+MIN_CHUNK = 16
 
-    The logits of these positions are never evaluated: only the cache state is, so no output-head work is done.
+
+def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int,
+            cancelled: Callable[[], bool] = lambda: False,
+            budget_s: float = PREFILL_BUDGET_S) -> Iterator[Sequence[int]]:
+    """Run `ids` through the model into `layers` in chunks of at most `step` ids, yielding each chunk once it is in
+    the cache, and stopping before the next chunk once `cancelled()` is true.
+
+    Chunks are sized to about `budget_s` of work each, measured on the chunk before. The logits of these positions
+    are never evaluated: only the cache state is, so no output-head work is done.
     """
-    for start in range(0, len(ids), step):
-        chunk = ids[start:start + step]
+    start, size = 0, min(step, FIRST_CHUNK)
+    while start < len(ids) and not cancelled():
+        chunk = ids[start:start + size]
+        began = time.perf_counter()
         model(mx.array(chunk)[None], cache=layers)
         mx.eval([c.state for c in layers])
+        elapsed = time.perf_counter() - began
+        start += len(chunk)
         yield chunk
+        size = max(MIN_CHUNK, min(step, int(len(chunk) * budget_s / max(elapsed, 1e-6))))

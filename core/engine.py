@@ -11,9 +11,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import mlx.core as mx
 
@@ -22,13 +22,20 @@ from .beam import Beam, beam_search
 from .cache import ConversationCache, prefill
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
+from .generate import generate_step
 from .messages import ChatMessage
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
 
 Prompt = str | Sequence[dict[str, str] | ChatMessage]
+ContextPolicy = Literal["truncate", "rotate", "error"]
+CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
 DEFAULT_PREFILL_STEP = 512
+# The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
+# (mlx-lm's generate defaults to 256, which cuts explanations and code short), short enough that a model stuck in
+# a loop stops within minutes on a slow CPU instead of running to the end of the context.
+DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass
@@ -153,10 +160,12 @@ def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
     return messages
 
 
-@dataclass
-class _Request:
+@dataclass(frozen=True)
+class Request:
+    """One validated generation request: the profile, the reply's length cap and every stop string."""
+
     profile: SamplingProfile
-    max_tokens: int | None
+    max_tokens: int
     stop: list[str]
 
 
@@ -194,10 +203,11 @@ class Engine:
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                stop: Sequence[str] | None = None, system: str | None = None) -> Stream:
         messages = _messages(prompt, system)
-        request = self._request(profile, max_tokens, stop)
+        request = self.request(profile, max_tokens, stop)
 
         def run(job: Job) -> None:
-            self._generate(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages), request)
+            self.run_request(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages),
+                             request)
 
         return self.submit(run)
 
@@ -217,8 +227,10 @@ class Engine:
             prefill_step=self.prefill_step))
 
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
-             max_kv_size: int | None = None, keep: int = 4) -> "ChatSession":
-        return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep)
+             max_kv_size: int | None = None, keep: int = 4,
+             context_policy: "ContextPolicy" = "truncate") -> "ChatSession":
+        return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
+                           context_policy=context_policy)
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(_messages(prompt, system)))
@@ -242,101 +254,107 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- on the inference thread ----------------------------------------------------------------
+    def with_prefill_step(self, prefill_step: int) -> "Engine":
+        """The same model on the same inference thread, prefilling in chunks of at most `prefill_step` ids."""
+        if prefill_step < 1:
+            raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
+        return Engine(self.model, self._worker, prefill_step)
 
-    def _request(self, profile: SamplingProfile | None, max_tokens: int | None,
-                 stop: Sequence[str] | None) -> _Request:
+    def with_model(self, model: loader.LoadedModel) -> "Engine":
+        """Another loaded model served by this engine's inference thread (closing either engine stops it)."""
+        return Engine(model, self._worker, self.prefill_step)
+
+    # --- the text layer (on the inference thread) ----------------------------------------------------------
+
+    def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
+                stop: Sequence[str] | None = None) -> Request:
+        """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
+        DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings."""
         profile = profile or SamplingProfile()
         if profile.beam_size > 1:
             raise ValueError(f"beam search (beam_size {profile.beam_size}) does not stream: call "
                              "engine.beam_search(), or use beam_size 1 to sample")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        return _Request(profile, max_tokens or profile.max_tokens, [*profile.stop, *(stop or [])])
+        cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
+        if profile.min_tokens > cap:
+            raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
+        return Request(profile, cap, [*profile.stop, *(stop or [])])
 
-    def _generate(self, job: Job, cache: ConversationCache, prompt: list[int], req: _Request) -> GenerationResult:
+    def check_fits(self, prompt_tokens: int, rotating: bool = False) -> None:
+        """Raise ContextLengthError if a prompt of this many tokens leaves no room for a reply."""
+        if not rotating and prompt_tokens >= self.model.context_length:
+            raise ContextLengthError(prompt_tokens, self.model.context_length, self.model.name)
+
+    def run_request(self, job: Job, cache: ConversationCache, prompt: list[int], req: Request) -> GenerationResult:
+        """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
+        and a final Done on `job`. Detokenising, stop strings and metrics are here; tokens come from
+        `core.generate.generate_step`."""
         m = self.model
-        limit = m.context_length
         if not prompt:
             raise ValueError("the prompt is empty: type a message first")
-        if not cache.rotating and len(prompt) >= limit:
-            raise ContextLengthError(
-                f"the prompt is {len(prompt)} tokens but {m.name} has a context of {limit}: shorten it, "
-                "start a new chat, or use a rotating window (max_kv_size)")
+        self.check_fits(len(prompt), cache.rotating)
         mx.reset_peak_memory()
-        clock = _Clock(job.accepted, time.perf_counter(), len(prompt), cache.reuse(prompt), cache, limit)
+        clock = _Clock(job.accepted, time.perf_counter(), len(prompt), cache.reuse(prompt), cache, m.context_length)
         sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids, prompt_ids=prompt)
-        layers = cache.layers
-        want_lp = req.profile.logprobs
-
-        def forward(ids: mx.array) -> tuple[mx.array, mx.array]:
-            logits = m.model(ids[None], cache=layers)[0, -1]
-            token, logprobs = sampler.step(logits)
-            # Logprobs cost a vocabulary-wide exp: evaluate them only when asked for.
-            mx.async_eval(token, logprobs) if want_lp else mx.async_eval(token)
-            return token, logprobs
-
-        todo = prompt[clock.reused:]
+        room = req.max_tokens if cache.rotating else min(req.max_tokens, m.context_length - len(prompt))
         job.emit(PrefillProgress(clock.reused, clock.total))
-        chunks = prefill(m.model, layers, todo[:-1], self.prefill_step)
-        while not job.cancelled.is_set() and (chunk := next(chunks, None)) is not None:
-            cache.tokens.extend(chunk)
-            job.emit(PrefillProgress(len(cache.tokens), clock.total))
-        if job.cancelled.is_set():
-            return self._finish(job, clock, "", [], [], "cancelled", sampler, req)
-
-        y, logprobs = forward(mx.array(todo[-1:]))
-        cache.tokens.append(todo[-1])
-        detok = IncrementalDetokenizer(m.tokenizer)
-        stops = StopStringFilter(req.stop)
-        text: list[str] = []
-        ids: list[int] = []
-        lps: list[TokenLogprob] = []
+        tokens = generate_step(
+            m.model, cache.layers, prompt[clock.reused:], sampler.step, max_tokens=room, fed=cache.tokens,
+            logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
+            on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), clock.total)))
+        reply = _Reply(m.tokenizer, req, clock, job)
         reason: FinishReason = "length"
-        while True:
-            at_limit = (req.max_tokens is not None and len(ids) + 1 >= req.max_tokens) or (
-                not cache.rotating and len(cache.tokens) + 1 >= limit)
-            if not at_limit:
-                # Queue the next step before waiting on this token, so the host never idles the device.
-                next_y, next_lp = forward(y.reshape(1))
-            token = y.item()
-            if not at_limit:
-                cache.tokens.append(token)
+        for token, logprobs in tokens:
             if token in m.tokenizer.eos_ids:
                 reason = "stop"
                 break
-            clock.tick()
-            ids.append(token)
-            token_lp = ()
-            if want_lp:
-                chosen, top = sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
-                token_lp = (TokenLogprob(token, chosen, tuple(top)),)
-                lps.extend(token_lp)
-            delta = stops.feed(detok.add(token))
-            text.append(delta)
-            job.emit(TokenEvent(delta, (token,), clock.metrics(), token_lp))
-            if stops.stopped:
+            reply.add(token, sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
+                      if req.profile.logprobs else None)
+            if reply.stops.stopped:
                 reason = "stop"
-                break
-            if at_limit:
                 break
             if job.cancelled.is_set():
                 reason = "cancelled"
                 break
-            y, logprobs = next_y, next_lp
-        if not stops.stopped:
-            tail = stops.feed(detok.flush()) + stops.flush()
-            if tail:
-                text.append(tail)
-                job.emit(TokenEvent(tail, (), clock.metrics()))
-        return self._finish(job, clock, "".join(text), ids, lps, reason, sampler, req)
-
-    def _finish(self, job: Job, clock: "_Clock", text: str, ids: list[int], lps: list[TokenLogprob],
-                reason: FinishReason, sampler: Sampler, req: _Request) -> GenerationResult:
-        result = GenerationResult(text, reason, clock.metrics(), tuple(ids), tuple(lps), sampler.describe(),
-                                  sampler.seed, req.profile.model_dump(mode="json"))
+        else:
+            if not reply.ids:  # prefill was cancelled: the generator yielded nothing
+                reason = "cancelled"
+        reply.flush()
+        result = GenerationResult("".join(reply.text), reason, clock.metrics(), tuple(reply.ids),
+                                  tuple(reply.logprobs), sampler.describe(), sampler.seed,
+                                  req.profile.model_dump(mode="json"))
         job.emit(Done(result))
         return result
+
+
+class _Reply:
+    """The text side of one reply: detokenised deltas with stop strings held back, token ids, logprobs."""
+
+    def __init__(self, tokenizer: Any, req: Request, clock: "_Clock", job: Job) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringFilter(req.stop)
+        self.clock, self.job = clock, job
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    def add(self, token: int, logprob: tuple[float, list[tuple[int, float]]] | None) -> None:
+        self.clock.tick()
+        self.ids.append(token)
+        token_lp = () if logprob is None else (TokenLogprob(token, logprob[0], tuple(logprob[1])),)
+        self.logprobs.extend(token_lp)
+        delta = self.stops.feed(self.detok.add(token))
+        self.text.append(delta)
+        self.job.emit(TokenEvent(delta, (token,), self.clock.metrics(), token_lp))
+
+    def flush(self) -> None:
+        if self.stops.stopped:
+            return
+        tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        if tail:
+            self.text.append(tail)
+            self.job.emit(TokenEvent(tail, (), self.clock.metrics()))
 
 
 @dataclass
@@ -372,13 +390,31 @@ class _Clock:
 
 
 class ChatSession:
-    """A conversation whose KV cache lives between turns: each turn prefills only the new suffix."""
+    """A conversation whose KV cache lives between turns: each turn prefills only the new suffix.
+
+    `context_policy` says what happens when the conversation no longer fits the model's context:
+
+    * ``"truncate"`` (the default, as Ollama and LM Studio do): the oldest turns are left out of the prompt (the
+      system prompt is always kept) until it fits with room for a reply; the history itself keeps every message.
+      The next turn prefills again from the first changed position.
+    * ``"rotate"``: a rotating KV window (`max_kv_size`, or the model's context when not given) keeps the first
+      `keep` tokens and the latest ones; nothing is re-prefilled, and the model forgets the middle.
+    * ``"error"``: the turn is refused with a ContextLengthError (prompt tokens and limit as attributes).
+
+    A `max_kv_size` always means a rotating window. A single message longer than the context is refused under
+    "truncate" and "error" alike.
+    """
 
     def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
-                 max_kv_size: int | None = None, keep: int = 4) -> None:
+                 max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate") -> None:
+        if context_policy not in CONTEXT_POLICIES:
+            raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
         self.profile = profile or SamplingProfile()
         self._messages: list[ChatMessage] = [ChatMessage("system", system)] if system else []
+        self.context_policy = context_policy
+        if max_kv_size is None and context_policy == "rotate":
+            max_kv_size = engine.context_length
         self.max_kv_size, self.keep = max_kv_size, keep
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
@@ -452,7 +488,7 @@ class ChatSession:
     def _reply(self, max_tokens: int | None, stop: Sequence[str] | None,
                sent: ChatMessage | None = None) -> Stream:
         engine = self.engine
-        request = engine._request(self.profile, max_tokens, stop)
+        request = engine.request(self.profile, max_tokens, stop)
 
         def run(job: Job) -> None:
             if self._cache is None:
@@ -460,8 +496,8 @@ class ChatSession:
             with self._lock:
                 rendered = [m.as_prompt() for m in self._messages]
             try:
-                prompt = engine.model.tokenizer.encode_chat(rendered)
-                result = engine._generate(job, self._cache, prompt, request)
+                prompt = self._fitted_prompt(rendered, request)
+                result = engine.run_request(job, self._cache, prompt, request)
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
@@ -479,3 +515,21 @@ class ChatSession:
                                                       result.metrics.as_dict(), result.profile))
 
         return engine.submit(run)
+
+    def _fitted_prompt(self, rendered: list[dict[str, str]], request: Request) -> list[int]:
+        """The conversation's token ids; under "truncate", without its oldest turns if it would not fit with room for
+        a reply (a quarter of the context at most)."""
+        encode = self.engine.model.tokenizer.encode_chat
+        prompt = encode(rendered)
+        if self.context_policy != "truncate" or self.max_kv_size is not None:
+            return prompt
+        limit = self.engine.context_length
+        room = min(request.max_tokens, limit // 4)
+        system = rendered[:1] if rendered and rendered[0]["role"] == "system" else []
+        turns = rendered[len(system):]
+        while len(prompt) + room > limit and len(turns) > 1:
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":  # a prompt starts with a user turn
+                turns = turns[1:]
+            prompt = encode(system + turns)
+        return prompt

@@ -16,7 +16,13 @@ class ModelLoadError(MlxChatError):
 
 
 class ContextLengthError(MlxChatError):
-    """The prompt does not fit the model's context and the session has no rotating window."""
+    """The prompt does not fit the model's context (and the session's context policy is "error", or even the last
+    message alone does not fit). It states facts only: the CLI and the TUI add the advice that fits where they show
+    it (their own flag or key)."""
+
+    def __init__(self, prompt_tokens: int, limit: int, model: str = "the model") -> None:
+        self.prompt_tokens, self.limit, self.model = prompt_tokens, limit, model
+        super().__init__(f"the prompt is {prompt_tokens} tokens but {model} has a context of {limit}")
 
 
 class GenerationError(MlxChatError):

@@ -51,7 +51,6 @@ class TokenLogprob:
 class PrefillProgress:
     done: int
     total: int
-    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,6 @@ class GenerationResult:
 @dataclass(frozen=True)
 class Done:
     result: GenerationResult
-    text: str = ""
 
 
 Event = PrefillProgress | TokenEvent | Done

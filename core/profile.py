@@ -25,12 +25,15 @@ import re
 import tempfile
 import tomllib
 from importlib.resources.abc import Traversable
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import platformdirs
 import tomli_w
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from .errors import MlxChatError
@@ -39,13 +42,6 @@ log = logging.getLogger(__name__)
 
 # Package data (templates/presets in the repository), so a wheel install has the presets too.
 PRESET_DIR = importlib.resources.files("mlxchat.templates") / "presets"
-
-# Chain transform names, in the default order: llama.cpp's and mlx-lm's convention of filtering the untempered
-# distribution and applying temperature last, so a filter's cut does not move when the temperature changes.
-DEFAULT_ORDER: tuple[str, ...] = ("top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
-TRANSFORMS = frozenset(DEFAULT_ORDER)
-TRUNCATIONS = ("top_k", "top_p", "min_p", "typical_p")
-
 
 def format_number(x: float) -> str:
     """How the chain prints a parameter: 0.9, 40, 1e-05."""
@@ -73,6 +69,56 @@ def _range(lo: float | None, hi: float | None, *, lo_open: bool = False, what: s
         return value
 
     return AfterValidator(check)
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One step of the sampler chain, described once: its name (the profile field or ``sampler_order`` entry), the
+    arguments it is built from, whether the profile's setting would change anything, and how it prints.
+
+    ``core.sampling`` builds each step's object from ``args(profile)``, and the object prints itself with
+    ``label(*args)``, so the printed chain comes from this one place (llama.cpp's ``common_sampler_print``).
+    Processors always run first, in registry order; transforms run in the profile's ``sampler_order``."""
+
+    name: str
+    kind: Literal["processor", "transform"]
+    args: Callable[["SamplingProfile"], tuple]
+    active: Callable[["SamplingProfile"], bool]
+    label: Callable[..., str]
+
+    def describe(self, profile: "SamplingProfile") -> str:
+        return self.label(*self.args(profile))
+
+
+_n = format_number
+STEPS: dict[str, ChainStep] = {s.name: s for s in (
+    ChainStep("repetition_penalty", "processor", lambda p: (p.repetition_penalty,),
+              lambda p: p.repetition_penalty != 1, lambda r: f"RepetitionPenalty({_n(r)})"),
+    ChainStep("frequency_penalty", "processor", lambda p: (p.frequency_penalty,),
+              lambda p: p.frequency_penalty != 0, lambda f: f"FrequencyPenalty({_n(f)})"),
+    ChainStep("presence_penalty", "processor", lambda p: (p.presence_penalty,),
+              lambda p: p.presence_penalty != 0, lambda v: f"PresencePenalty({_n(v)})"),
+    ChainStep("logit_bias", "processor", lambda p: (p.logit_bias,),
+              lambda p: bool(p.logit_bias), lambda b: f"LogitBias({len(b)} tokens)"),
+    ChainStep("min_tokens", "processor", lambda p: (p.min_tokens,),
+              lambda p: p.min_tokens > 0, lambda n: f"MinTokens({n})"),
+    # Transforms, in the default order: filters cut the untempered distribution and temperature comes last (as
+    # llama.cpp does, and as mlx-lm does for temperature), so a filter's cut does not move with the temperature.
+    ChainStep("top_k", "transform", lambda p: (p.top_k,), lambda p: p.top_k > 0, lambda k: f"TopK({k})"),
+    ChainStep("typical_p", "transform", lambda p: (p.typical_p,),
+              lambda p: p.typical_p < 1, lambda v: f"TypicalP({_n(v)})"),
+    ChainStep("top_p", "transform", lambda p: (p.top_p,), lambda p: p.top_p < 1, lambda v: f"TopP({_n(v)})"),
+    ChainStep("min_p", "transform", lambda p: (p.min_p,), lambda p: p.min_p > 0, lambda v: f"MinP({_n(v)})"),
+    ChainStep("xtc", "transform", lambda p: (p.xtc_threshold, p.xtc_probability),
+              lambda p: p.xtc_probability > 0 and p.xtc_threshold <= 0.5,
+              lambda t, q: f"XTC({_n(t)}, {_n(q)})"),
+    ChainStep("temperature", "transform", lambda p: (p.temperature,),
+              lambda p: p.temperature != 1, lambda t: f"Temperature({_n(t)})"),
+)}
+PROCESSORS: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "processor")
+DEFAULT_ORDER: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "transform")
+TRANSFORMS = frozenset(DEFAULT_ORDER)
+TRUNCATIONS = ("top_k", "top_p", "min_p", "typical_p")
 
 
 UnitOpen = Annotated[float, _range(0, 1, lo_open=True)]
@@ -169,6 +215,16 @@ class SamplingProfile(BaseModel):
                                       {"value": repr(v)})
         return v
 
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "SamplingProfile":
+        # Checks across fields, as vLLM's SamplingParams does; the rest (top_logprobs without logprobs, a stack of
+        # truncations, an unreachable XTC threshold) is allowed and reported by warnings().
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise PydanticCustomError(
+                "min_above_max", "min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
+                {"min_tokens": self.min_tokens, "max_tokens": self.max_tokens})
+        return self
+
     # --- presets -------------------------------------------------------------------------------------------------
 
     @classmethod
@@ -193,16 +249,9 @@ class SamplingProfile(BaseModel):
     def order(self) -> list[str]:
         return list(DEFAULT_ORDER if self.sampler_order is None else self.sampler_order)
 
-    def active(self, transform: str) -> bool:
-        """Whether a chain transform's setting would change anything (ignoring the order)."""
-        return {
-            "top_k": self.top_k > 0,
-            "top_p": self.top_p < 1,
-            "min_p": self.min_p > 0,
-            "typical_p": self.typical_p < 1,
-            "xtc": self.xtc_probability > 0 and self.xtc_threshold <= 0.5,
-            "temperature": self.temperature != 1,
-        }[transform]
+    def active(self, step: str) -> bool:
+        """Whether a chain step's setting would change anything (ignoring the order)."""
+        return STEPS[step].active(self)
 
     def warnings(self) -> list[str]:
         """The seed's advice and likely mistakes, as sentences; none of them is an error."""
@@ -226,31 +275,12 @@ class SamplingProfile(BaseModel):
         return out
 
     def chain(self) -> list[str]:
-        """The printed names of the steps that run, in order: processors, then transforms, then the draw.
-
-        ``core.sampling.Sampler.describe()`` prints the same steps from the objects it built."""
-        steps = []
-        if self.repetition_penalty != 1:
-            steps.append(f"RepetitionPenalty({format_number(self.repetition_penalty)})")
-        if self.frequency_penalty:
-            steps.append(f"FrequencyPenalty({format_number(self.frequency_penalty)})")
-        if self.presence_penalty:
-            steps.append(f"PresencePenalty({format_number(self.presence_penalty)})")
-        if self.logit_bias:
-            steps.append(f"LogitBias({len(self.logit_bias)} tokens)")
-        if self.min_tokens:
-            steps.append(f"MinTokens({self.min_tokens})")
+        """The printed steps that run, in order: processors, then transforms, then the draw. Each is printed by its
+        registry entry, as the objects ``core.sampling.Sampler`` builds print themselves."""
+        steps = [STEPS[n].describe(self) for n in PROCESSORS if self.active(n)]
         if self.greedy:
             return steps + ["greedy"]
-        labels = {
-            "top_k": f"TopK({self.top_k})",
-            "top_p": f"TopP({format_number(self.top_p)})",
-            "min_p": f"MinP({format_number(self.min_p)})",
-            "typical_p": f"TypicalP({format_number(self.typical_p)})",
-            "xtc": f"XTC({format_number(self.xtc_threshold)}, {format_number(self.xtc_probability)})",
-            "temperature": f"Temperature({format_number(self.temperature)})",
-        }
-        return steps + [labels[t] for t in self.order() if self.active(t)] + ["sample"]
+        return steps + [STEPS[t].describe(self) for t in self.order() if self.active(t)] + ["sample"]
 
     def describe_chain(self) -> str:
         return " → ".join(self.chain())
@@ -329,4 +359,4 @@ class ProfileStore:
             raise ProfileError(f"{path}: no such profile") from None
 
 
-__all__ = ["DEFAULT_ORDER", "ProfileError", "ProfileStore", "SamplingProfile"]
+__all__ = ["DEFAULT_ORDER", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore", "SamplingProfile"]

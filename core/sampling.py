@@ -13,22 +13,23 @@ banned until N tokens were generated). Bias comes after the penalties so that a 
 Penalties count generated tokens only, over the whole reply, unless the profile says otherwise
 (``penalty_window``, ``penalize_prompt``).
 
-**Transforms** run in the profile's ``sampler_order``; the default is llama.cpp's and mlx-lm's convention,
-``top_k → typical_p → top_p → min_p → xtc → temperature``: filters cut the untempered distribution and temperature
+**Transforms** run in the profile's ``sampler_order``; the default is
+``top_k → typical_p → top_p → min_p → xtc → temperature`` (close to llama.cpp's; mlx-lm applies
+top_p → min_p → xtc → top_k and shares only "temperature last" with it): filters cut the untempered distribution and temperature
 reshapes only what survives, so changing the temperature never changes which tokens are allowed. (vLLM and HF apply
 temperature first; ``sampler_order=["temperature", "top_k", ...]`` gives that.) Transforms whose setting is
 neutral are left out, and ``Sampler.describe()`` prints what runs, e.g.
 ``RepetitionPenalty(1.1) → TopK(40) → TopP(0.9) → Temperature(0.8) → sample``. Temperature 0 is greedy: the
 argmax of the processed logits (exactly ``mx.argmax``, as in mlx-lm), and no transform runs.
 
-**No full sort of the vocabulary.** Each transform sees a candidate set (values and their token ids), initially the
-whole vocabulary. ``TopK`` shrinks it with ``mx.argpartition``. ``TopP`` and ``TypicalP`` rank by cumulative
-probability, which needs an order: they first narrow the set to the ``CANDIDATES`` (1024) most likely tokens with
-``mx.argpartition`` (unless it is already that small, e.g. after a top-k) and sort only those, measuring mass
-against the normaliser of the whole set, so top-p is exact whenever the nucleus has at most 1024 tokens. A lazy MLX
-graph cannot branch on data without a host sync, so there is no "fall back to a full sort when the nucleus is
-larger": a nucleus that would hold more than 1024 tokens (a near-flat distribution) is cut to the 1024 most likely.
-Typical-p likewise picks its typical set among those 1024. ``MinP`` and ``XTC`` are thresholds and need no order.
+**No full sort of the vocabulary, in the common case.** Each transform sees a candidate set (values and their token
+ids), initially the whole vocabulary. ``TopK`` shrinks it with ``mx.argpartition``. ``TopP`` and ``TypicalP`` rank
+by cumulative probability, which needs an order: they narrow the set to the ``CANDIDATES`` (1024) best-ranked tokens
+(most likely for top-p, most typical for typical-p) with ``mx.argpartition`` and sort only those, measuring mass
+against the normaliser of the whole set. When those 1024 hold less than ``p`` (a near-flat distribution) they sort
+the whole set instead, so both are exact; that check is one host sync per step. Sums over the vocabulary are
+blocked (``accurate_sum``): MLX's sequential float32 sum moved the cut by ~1e-4 of the mass.
+``MinP`` and ``XTC`` are thresholds and need no order.
 The draw is over the final candidate set, so after a top-k it costs nothing measurable.
 
 **Randomness** comes from ``mx.random.key(seed)``, split once per step; the global MLX random state is never
@@ -48,14 +49,16 @@ import math
 import secrets
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from .profile import SamplingProfile, format_number
+from .profile import PROCESSORS, STEPS, SamplingProfile
 
 CANDIDATES = 1024
+BLOCK = 256
+FLOAT_MAX = float(np.finfo(np.float32).max)
 NEG_INF = float("-inf")
 
 
@@ -75,10 +78,54 @@ def _top_index(logits: mx.array, k: int) -> mx.array | None:
     return None if k >= n else mx.argpartition(logits, n - k)[n - k:]
 
 
+def _narrow(idx: mx.array | None, probs: mx.array, mass: float) -> mx.array | None:
+    """`idx` (the CANDIDATES best-ranked tokens) if they hold at least `mass` of the probability, else None: the cut
+    then needs the whole vocabulary sorted. A lazy graph cannot branch on data, so this one check waits on the
+    device (a host sync per step, only for top-p/typical-p over a vocabulary larger than CANDIDATES); it keeps
+    the common case at a partial sort and makes the rare flat distribution exact instead of cut at 1024."""
+    if idx is None or accurate_sum(probs[idx]).item() >= mass:
+        return idx
+    return None
+
+
 def top_candidates(c: Candidates, k: int) -> Candidates:
     """The k most likely candidates (all of them when there are no more than k)."""
     idx = _top_index(c.logits, k)
     return c if idx is None else c.take(idx)
+
+
+def accurate_sum(x: mx.array, axis: int | None = None) -> mx.array:
+    """Sum of a float32 vector in blocks of BLOCK, then over the block totals.
+
+    MLX's CPU reduction adds sequentially, so its rounding error grows with the length: over a 49k vocabulary
+    ``mx.logsumexp`` was off by ~1e-4 relative, enough to move a top-p cut. Two levels keep the error near float32
+    rounding for the cost of one reshape (measured in the report of issue #12, item 18)."""
+    n = x.size
+    pad = (-n) % BLOCK
+    if pad:
+        x = mx.concatenate([x, mx.zeros(pad, x.dtype)])
+    return mx.sum(mx.sum(x.reshape(-1, BLOCK), axis=1))
+
+
+def accurate_cumsum(x: mx.array) -> mx.array:
+    """Running sum of a float32 vector, blocked like `accurate_sum` (the last terms of a sequential cumsum over the
+    vocabulary carry the same error)."""
+    n = x.size
+    if n <= BLOCK:
+        return mx.cumsum(x)
+    pad = (-n) % BLOCK
+    if pad:
+        x = mx.concatenate([x, mx.zeros(pad, x.dtype)])
+    blocks = mx.cumsum(x.reshape(-1, BLOCK), axis=1)
+    offsets = mx.cumsum(blocks[:, -1]) - blocks[:, -1]
+    return (blocks + offsets[:, None]).reshape(-1)[:n]
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """Log-probabilities: shifted by the maximum first (near float32's maximum, ``x - logsumexp(x)`` loses the
+    normaliser or gives NaN), normalised with `accurate_sum`."""
+    shifted = logits - mx.max(logits)
+    return shifted - mx.log(accurate_sum(mx.exp(shifted)))
 
 
 def _mass_cut(c: Candidates, rank: mx.array, probs: mx.array, mass: float) -> Candidates:
@@ -87,39 +134,61 @@ def _mass_cut(c: Candidates, rank: mx.array, probs: mx.array, mass: float) -> Ca
     ``c`` is small (≤ CANDIDATES), so sorting it is cheap. Ties with the last kept rank are kept too."""
     order = mx.argsort(rank)
     sorted_rank, sorted_probs = rank[order], probs[order]
-    before = mx.cumsum(sorted_probs) - sorted_probs  # mass strictly ahead of each token
+    before = accurate_cumsum(sorted_probs) - sorted_probs  # mass strictly ahead of each token
     last = mx.sum(before < mass) - 1                 # before[0] == 0 < mass: at least one token
     return Candidates(mx.where(rank <= sorted_rank[last], c.logits, NEG_INF), c.ids)
 
 
+class ChainObject:
+    """A built chain step. It prints itself through its registry entry (``core.profile.STEPS``), so a profile's
+    printed chain and the built sampler's are the same text by construction."""
+
+    name: ClassVar[str]
+    args: tuple = ()
+
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "ChainObject":
+        return cls(*STEPS[cls.name].args(profile))
+
+    def __repr__(self) -> str:
+        return STEPS[self.name].label(*self.args)
+
+
 # --- transforms: (candidates, key) -> candidates ------------------------------------------------------------------
 
-class TopK:
+class TopK(ChainObject):
+    name = "top_k"
+
     def __init__(self, k: int) -> None:
+        self.args = (k,)
         self.k = k
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
         return top_candidates(c, self.k)
 
-    def __repr__(self) -> str:
-        return f"TopK({self.k})"
 
 
-class TopP:
+class TopP(ChainObject):
+    name = "top_p"
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
-        lse = mx.logsumexp(c.logits)
-        c = top_candidates(c, CANDIDATES)
-        return _mass_cut(c, -c.logits, mx.exp(c.logits - lse), self.p)
+        probs = mx.exp(log_softmax(c.logits))
+        idx = _narrow(_top_index(c.logits, CANDIDATES), probs, self.p)
+        if idx is not None:
+            c, probs = c.take(idx), probs[idx]
+        return _mass_cut(c, -c.logits, probs, self.p)
 
-    def __repr__(self) -> str:
-        return f"TopP({format_number(self.p)})"
 
 
-class MinP:
+class MinP(ChainObject):
+    name = "min_p"
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
         self._log_p = math.log(p) if p > 0 else -math.inf
 
@@ -127,53 +196,59 @@ class MinP:
         # prob ≥ p × max prob  ⇔  logit ≥ max logit + log p: no softmax needed.
         return Candidates(mx.where(c.logits >= mx.max(c.logits) + self._log_p, c.logits, NEG_INF), c.ids)
 
-    def __repr__(self) -> str:
-        return f"MinP({format_number(self.p)})"
 
 
-class TypicalP:
+class TypicalP(ChainObject):
     """Locally typical sampling (Meister et al. 2022, HF's ``TypicalLogitsWarper``): keep the tokens whose surprisal
     is closest to the distribution's entropy, up to ``p`` of the probability."""
 
+    name = "typical_p"
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
-        logp = c.logits - mx.logsumexp(c.logits)
+        logp = log_softmax(c.logits)
         probs = mx.exp(logp)
-        entropy = -mx.sum(mx.where(probs > 0, probs * logp, 0.0))
-        idx = _top_index(c.logits, CANDIDATES)
+        entropy = -accurate_sum(mx.where(probs > 0, probs * logp, 0.0))
+        rank = mx.abs(-logp - entropy)
+        # The most typical tokens, not the most likely: the typical set can lie outside the top by probability.
+        idx = _narrow(_top_index(-rank, CANDIDATES), probs, self.p)
         if idx is not None:
-            c, logp, probs = c.take(idx), logp[idx], probs[idx]
-        return _mass_cut(c, mx.abs(-logp - entropy), probs, self.p)
-
-    def __repr__(self) -> str:
-        return f"TypicalP({format_number(self.p)})"
+            c, rank, probs = c.take(idx), rank[idx], probs[idx]
+        return _mass_cut(c, rank, probs, self.p)
 
 
-class XTC:
+
+class XTC(ChainObject):
     """Exclude Top Choices (text-generation-webui / llama.cpp): with probability ``probability``, drop every token
     whose probability is at least ``threshold`` except the least likely of them."""
 
+    name = "xtc"
+
     def __init__(self, threshold: float, probability: float) -> None:
+        self.args = (threshold, probability)
         self.threshold = threshold
+        self._log_t = math.log(threshold) if threshold > 0 else -math.inf
         self.probability = probability
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
-        probs = mx.softmax(c.logits)
-        # Masked tokens have probability 0: with threshold 0 they must not count as "top choices".
-        above = (probs >= self.threshold) & (c.logits > NEG_INF)
-        least = mx.min(mx.where(above, probs, math.inf))
+        # Compared in log space: probabilities of unlikely tokens underflow to 0 in float32 and would tie, so with
+        # threshold 0 two of them were kept instead of the least likely. Masked tokens (-inf) never count.
+        above = (log_softmax(c.logits) >= self._log_t) & (c.logits > NEG_INF)
+        least = mx.min(mx.where(above, c.logits, math.inf))
         # Fewer than two tokens above the threshold: nothing is strictly more likely than the least, nothing drops.
-        drop = above & (probs > least) & (mx.random.uniform(key=key) < self.probability)
+        drop = above & (c.logits > least) & (mx.random.uniform(key=key) < self.probability)
         return Candidates(mx.where(drop, NEG_INF, c.logits), c.ids)
 
-    def __repr__(self) -> str:
-        return f"XTC({format_number(self.threshold)}, {format_number(self.probability)})"
 
 
-class Temperature:
+class Temperature(ChainObject):
+    name = "temperature"
+
     def __init__(self, t: float) -> None:
+        self.args = (t,)
         self.t = t
         self._scale = min(1 / t, 1e30)
 
@@ -185,8 +260,6 @@ class Temperature:
             logits = logits - mx.max(logits)
         return Candidates(logits * self._scale, c.ids)
 
-    def __repr__(self) -> str:
-        return f"Temperature({format_number(self.t)})"
 
 
 # --- processors: (logits over the vocabulary, history) -> logits --------------------------------------------------
@@ -221,65 +294,87 @@ class TokenHistory:
             self._recent.append(token)
 
 
-class RepetitionPenalty:
+class RepetitionPenalty(ChainObject):
+    name = "repetition_penalty"
+    needs_history = True
+
     def __init__(self, r: float) -> None:
+        self.args = (r,)
         self.r = r
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return mx.where(h.counts > 0, mx.where(logits > 0, logits / self.r, logits * self.r), logits)
 
-    def __repr__(self) -> str:
-        return f"RepetitionPenalty({format_number(self.r)})"
 
 
-class FrequencyPenalty:
+class FrequencyPenalty(ChainObject):
+    name = "frequency_penalty"
+    needs_history = True
+
     def __init__(self, f: float) -> None:
+        self.args = (f,)
         self.f = f
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return logits - self.f * h.counts
 
-    def __repr__(self) -> str:
-        return f"FrequencyPenalty({format_number(self.f)})"
 
 
-class PresencePenalty:
+class PresencePenalty(ChainObject):
+    name = "presence_penalty"
+    needs_history = True
+
     def __init__(self, p: float) -> None:
+        self.args = (p,)
         self.p = p
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return logits - mx.where(h.counts > 0, self.p, 0.0)
 
-    def __repr__(self) -> str:
-        return f"PresencePenalty({format_number(self.p)})"
 
 
-class LogitBias:
+class LogitBias(ChainObject):
+    name = "logit_bias"
+
     def __init__(self, bias: dict[int, float], vocab_size: int) -> None:
+        self.args = (bias,)
         dense = np.zeros(vocab_size, np.float32)
         dense[list(bias)] = list(bias.values())
         self.bias = bias
         self._dense = mx.array(dense)
 
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "LogitBias":
+        return cls(profile.logit_bias, vocab_size)
+
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return logits + self._dense
 
-    def __repr__(self) -> str:
-        return f"LogitBias({len(self.bias)} tokens)"
 
 
-class MinTokens:
+class MinTokens(ChainObject):
+    name = "min_tokens"
+
     def __init__(self, n: int, eos_ids: Iterable[int], vocab_size: int) -> None:
+        self.args = (n,)
         self.n = n
         mask = np.zeros(vocab_size, bool)
         mask[list(eos_ids)] = True
         self._eos = mx.array(mask)
 
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "MinTokens":
+        return cls(profile.min_tokens, eos_ids, vocab_size)
+
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         return mx.where(self._eos, NEG_INF, logits) if h.generated < self.n else logits
 
-    def __repr__(self) -> str:
-        return f"MinTokens({self.n})"
+
+
+IMPLEMENTATIONS: dict[str, type[ChainObject]] = {cls.name: cls for cls in (
+    RepetitionPenalty, FrequencyPenalty, PresencePenalty, LogitBias, MinTokens,
+    TopK, TypicalP, TopP, MinP, XTC, Temperature)}
+assert set(IMPLEMENTATIONS) == set(STEPS), "every registry entry needs its implementation"
 
 
 # --- the sampler ---------------------------------------------------------------------------------------------------
@@ -302,31 +397,15 @@ class Sampler:
         self._key = mx.random.key(self.seed)
 
         p = profile
-        self.processors: list = []
-        if p.repetition_penalty != 1:
-            self.processors.append(RepetitionPenalty(p.repetition_penalty))
-        if p.frequency_penalty:
-            self.processors.append(FrequencyPenalty(p.frequency_penalty))
-        if p.presence_penalty:
-            self.processors.append(PresencePenalty(p.presence_penalty))
-        track = bool(self.processors)
-        if p.logit_bias:
-            self.processors.append(LogitBias(p.logit_bias, vocab_size))
-        if p.min_tokens and eos_ids:
-            self.processors.append(MinTokens(p.min_tokens, eos_ids, vocab_size))
-        make = {
-            "top_k": lambda: TopK(p.top_k),
-            "top_p": lambda: TopP(p.top_p),
-            "min_p": lambda: MinP(p.min_p),
-            "typical_p": lambda: TypicalP(p.typical_p),
-            "xtc": lambda: XTC(p.xtc_threshold, p.xtc_probability),
-            "temperature": lambda: Temperature(p.temperature),
-        }
-        self.transforms: list = [] if p.greedy else [make[t]() for t in p.order() if p.active(t)]
+        build = lambda name: IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)  # noqa: E731
+        self.processors: list[Any] = [build(n) for n in PROCESSORS if p.active(n)]
+        self.transforms: list[Any] = [] if p.greedy else [build(t) for t in p.order() if p.active(t)]
+        track = any(getattr(proc, "needs_history", False) for proc in self.processors)
         self.history = TokenHistory(vocab_size, p.penalty_window, list(prompt_ids or []) if p.penalize_prompt else [],
                                     track)
 
     def describe(self) -> str:
+        """The chain as built, printed by its objects (equal to ``SamplingProfile.describe_chain()``)."""
         tail = "greedy" if self.profile.greedy else "sample"
         return " → ".join([repr(s) for s in self.processors + self.transforms] + [tail])
 
@@ -336,7 +415,10 @@ class Sampler:
             logits = logits.astype(mx.float32)
         for proc in self.processors:
             logits = proc(logits, self.history)
-        logprobs = logits - mx.logsumexp(logits)
+        # A penalty can push a logit past float32's maximum (e.g. repetition_penalty < 1); +inf would make every
+        # normaliser NaN. The largest finite value keeps it the most likely token.
+        logits = mx.minimum(logits, FLOAT_MAX)
+        logprobs = log_softmax(logits)
         if self.profile.greedy:
             token = mx.argmax(logits)
         else:

@@ -99,6 +99,16 @@ def test_max_tokens_gives_length(engine: Engine, greedy: SamplingProfile):
     assert r.finish_reason == "length" and r.metrics.completion_tokens == 5
 
 
+def test_a_reply_is_capped_by_default_and_the_call_or_profile_overrides_it(engine: Engine, greedy: SamplingProfile):
+    from mlxchat.core.engine import DEFAULT_MAX_TOKENS
+
+    assert engine.request(greedy).max_tokens == DEFAULT_MAX_TOKENS == 1024
+    assert engine.request(SamplingProfile(max_tokens=7)).max_tokens == 7
+    assert engine.request(SamplingProfile(max_tokens=7), max_tokens=3).max_tokens == 3
+    with pytest.raises(ValueError, match=r"min_tokens \(9\) must not exceed max_tokens \(3\)"):
+        engine.request(SamplingProfile(min_tokens=9), max_tokens=3)
+
+
 def test_chat_cache_reuse_gives_the_same_tokens_as_a_fresh_prefill(engine: Engine, greedy: SamplingProfile):
     chat = engine.chat(system="You are terse.", profile=greedy)
     chat.send("Name a fruit.", max_tokens=16).wait()
@@ -136,7 +146,7 @@ def test_cancel_during_decode_keeps_the_session_usable(engine: Engine, greedy: S
 
 def test_cancel_during_prefill(engine: Engine, greedy: SamplingProfile):
     big = "Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 300  # ~3000 tokens
-    e = Engine(engine.model, engine._worker, prefill_step=128)
+    e = engine.with_prefill_step(128)
     stream = e.stream(big, profile=greedy, max_tokens=8)
     for event in stream:
         if isinstance(event, PrefillProgress) and event.done > 0:
@@ -173,7 +183,25 @@ def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(eng
     for q in ["Tell me about the sea.", "And about mountains?", "And rivers?"]:
         r = chat.send(q, max_tokens=48).wait()
         assert r.metrics.completion_tokens > 0
-        sizes.append(chat._cache.nbytes())
+        sizes.append(chat.cache.nbytes())
         assert r.metrics.context_tokens <= 96 and r.metrics.kv_window == 96
-    assert len(chat._cache.tokens) > 96  # the conversation outgrew the window ...
+    assert len(chat.cache.tokens) > 96  # the conversation outgrew the window ...
     assert max(sizes) <= 1.3 * min(sizes)  # ... and the cache did not grow with it
+
+
+def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
+    """Issue #12 item 12: a cancel lands between chunks, so each chunk is sized to ~250 ms of measured work."""
+    from mlxchat.core.cache import FIRST_CHUNK, MIN_CHUNK, ConversationCache, prefill
+
+    ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300]
+
+    def sizes(budget_s: float) -> list[int]:
+        cache = ConversationCache(engine.model.model)
+        out = [len(c) for c in prefill(engine.model.model, cache.layers, ids, 512, budget_s=budget_s)]
+        assert cache.layers[0].offset == len(ids)  # every id reached the cache whatever the chunking
+        return out
+
+    tight = engine.run(lambda: sizes(1e-6))
+    assert tight[0] == FIRST_CHUNK and set(tight[1:-1]) == {MIN_CHUNK}
+    roomy = engine.run(lambda: sizes(1e6))
+    assert roomy == [FIRST_CHUNK, len(ids) - FIRST_CHUNK]  # grows back to the step (512) when chunks are quick

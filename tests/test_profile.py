@@ -69,12 +69,14 @@ def test_defaults_and_conveniences() -> None:
     assert SamplingProfile(logit_bias={"7": -100}).logit_bias == {7: -100.0}
 
 
+# Every preset caps the reply (issue #12 item 6: a greedy loop and the creative preset ran for minutes): ~1024
+# tokens for answers and stories, 512 for short factual answers, 128 for an IDE completion (a line or a block).
 EXPECTED_PRESETS = {
-    "precise": dict(temperature=0.0),
-    "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4),
-    "chat": dict(temperature=0.8, top_p=0.9),
-    "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6),
-    "completion": dict(temperature=0.2, min_p=0.05),
+    "precise": dict(temperature=0.0, max_tokens=1024),
+    "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4, max_tokens=512),
+    "chat": dict(temperature=0.8, top_p=0.9, max_tokens=1024),
+    "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6, max_tokens=1024),
+    "completion": dict(temperature=0.2, min_p=0.05, max_tokens=128),
 }
 
 
@@ -191,3 +193,27 @@ def test_any_dict_gives_a_profile_or_a_validation_error(data: dict) -> None:
     assert SamplingProfile.model_validate(profile.model_dump()) == profile
     profile.warnings()
     profile.describe_chain()
+
+
+def test_min_tokens_above_max_tokens_is_refused_naming_both() -> None:
+    with pytest.raises(ValidationError, match=r"min_tokens \(10\) must not exceed max_tokens \(5\)"):
+        SamplingProfile(min_tokens=10, max_tokens=5)
+    p = SamplingProfile(min_tokens=5, max_tokens=5)
+    with pytest.raises(ValidationError, match="must not exceed max_tokens"):
+        p.max_tokens = 4  # assignment is validated too
+    assert SamplingProfile(min_tokens=10).max_tokens is None  # the call's max_tokens may still be larger
+
+
+def test_the_printed_chain_is_the_built_chain_for_every_step() -> None:
+    from mlxchat.core.profile import STEPS
+    from mlxchat.core.sampling import Sampler
+
+    p = SamplingProfile(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, typical_p=0.95, xtc_probability=0.5,
+                        repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={3: 1.0},
+                        min_tokens=2)
+    assert all(p.active(name) for name in STEPS)
+    built = Sampler(p, vocab_size=16, eos_ids={0})
+    assert len(built.processors) + len(built.transforms) == len(STEPS)
+    assert built.describe() == p.describe_chain()
+    assert p.describe_chain().startswith("RepetitionPenalty(1.1) → FrequencyPenalty(0.5) → PresencePenalty(0.3) → "
+                                         "LogitBias(1 tokens) → MinTokens(2) → TopK(40) → TypicalP(0.95)")

@@ -246,7 +246,9 @@ def test_a_100k_character_prompt_is_a_clear_context_error(engine: Engine, greedy
     with pytest.raises(ContextLengthError) as info:
         engine.generate(HUNDRED_K, profile=greedy, max_tokens=2)
     message = one_line(str(info.value))
-    assert "context of 8192" in message and "max_kv_size" in message
+    # Facts only: the CLI and the TUI add advice naming their own flag or key.
+    assert "context of 8192" in message and "max_kv_size" not in message
+    assert info.value.limit == 8192 and info.value.prompt_tokens > 8192
     with pytest.raises(ContextLengthError):
         engine.chat(profile=greedy).send(HUNDRED_K, max_tokens=2).wait()
     assert engine.generate("Hi", profile=greedy, max_tokens=2).metrics.completion_tokens >= 1
@@ -329,7 +331,7 @@ def test_fifty_cancels_leave_the_engine_usable_and_memory_flat(tiny_engine: Engi
 
 
 def test_cancels_on_the_embedded_model_leave_it_answering(engine: Engine, greedy) -> None:
-    small_steps = Engine(engine.model, engine._worker, prefill_step=16)
+    small_steps = engine.with_prefill_step(16)
     before = _active_mb()
     assert _cancel_storm(small_steps, 4, "prefill").count("prefill") >= 3
     assert set(_cancel_storm(small_steps, 4, "decode")) == {"decode"}
@@ -352,7 +354,7 @@ def test_fifty_cancels_in_one_chat_keep_its_cache_consistent(tiny_engine: Engine
         assert stream.result.finish_reason == "cancelled"
         in_prefill += stream.result.metrics.completion_tokens == 0
     assert in_prefill >= 20  # most even turns were cancelled inside their prefill
-    assert all(c.offset == len(chat._cache.tokens) for c in chat._cache.layers)
+    assert all(c.offset == len(chat.cache.tokens) for c in chat.cache.layers)
     reused = chat.send("What is the capital of France?", max_tokens=12).wait()
     fresh = tiny_engine.chat(profile=greedy)
     fresh.replace_history(chat.messages[:-2])
@@ -380,7 +382,7 @@ class _Exploding:
 
 def _exploding_engine(engine: Engine, at: int, error: BaseException) -> tuple[Engine, _Exploding]:
     model = _Exploding(engine.model.model, at, error)
-    return Engine(dataclasses.replace(engine.model, model=model), engine._worker, engine.prefill_step), model
+    return engine.with_model(dataclasses.replace(engine.model, model=model)), model
 
 
 def test_a_sampler_error_on_the_inference_thread_reaches_the_caller(engine: Engine, greedy) -> None:
@@ -415,7 +417,7 @@ def test_a_chat_turn_that_failed_mid_decode_leaves_the_cache_consistent(engine: 
     flaky.calls, flaky.at = 0, 4
     with pytest.raises(GenerationError):
         chat.send("And three animals?", max_tokens=8).wait()
-    cache = chat._cache
+    cache = chat.cache
     assert cache is None or all(c.offset == len(cache.tokens) for c in cache.layers)
 
 
@@ -485,3 +487,49 @@ def test_unknown_fields_are_each_named() -> None:
     with pytest.raises(ValidationError) as info:
         SamplingProfile(temprature=0.5, top_q=0.9, **{"max-tokens": 3})
     assert sorted(e["loc"][0] for e in info.value.errors()) == ["max-tokens", "temprature", "top_q"]
+
+
+# --- context policy (issue #12 item 7) ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_context_engine(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    d = bytearray(tiny.read_bytes())
+    _set_u32_after(d, "llama.context_length", 256, skip=4)
+    path = tmp_path_factory.mktemp("tiny256") / "tiny-256.gguf"
+    path.write_bytes(bytes(d))
+    e = Engine.load(path)
+    yield e
+    e.close()
+
+
+TURN = "Tell me about the weather on the coast in the early morning, please, briefly. "
+
+
+def _overflowing_chat(engine: Engine, policy: str):
+    """A conversation that no longer fits a 256-token context by its last turn, and that turn's result."""
+    chat = engine.chat(system="You are terse.", profile=SamplingProfile(temperature=0), context_policy=policy)
+    results = [chat.send(TURN * 2, max_tokens=8).wait() for _ in range(6)]
+    return chat, results
+
+
+def test_truncate_policy_drops_the_oldest_turns_and_keeps_the_system_prompt(small_context_engine: Engine) -> None:
+    chat, results = _overflowing_chat(small_context_engine, "truncate")
+    assert small_context_engine.count_tokens([m.as_prompt() for m in chat.messages[:-1]]) > 256  # it overflowed
+    assert all(r.metrics.completion_tokens >= 1 and r.metrics.prompt_tokens < 256 for r in results)
+    assert len(chat.messages) == 13 and chat.messages[0].content == "You are terse."  # the history keeps all
+
+
+def test_rotate_policy_uses_a_window_of_the_context(small_context_engine: Engine) -> None:
+    chat, results = _overflowing_chat(small_context_engine, "rotate")
+    assert results[-1].metrics.prompt_tokens > 256 and results[-1].metrics.kv_window == 256
+    assert all(r.metrics.context_tokens <= 256 for r in results)
+
+
+def test_error_policy_refuses_with_the_facts_and_no_advice(small_context_engine: Engine) -> None:
+    with pytest.raises(ContextLengthError) as info:
+        _overflowing_chat(small_context_engine, "error")
+    e = info.value
+    assert e.limit == 256 and e.prompt_tokens >= 256
+    assert "max_kv_size" not in str(e) and "kv_window" not in str(e)
+    with pytest.raises(ValueError, match="context_policy must be one of truncate, rotate, error"):
+        small_context_engine.chat(context_policy="drop")

@@ -113,11 +113,58 @@ def test_top_p_partial_sort_is_exact_when_nucleus_fits() -> None:
     check_against(x, keep, run(TopP(0.9), x))
 
 
-def test_top_p_nucleus_larger_than_candidates_is_cut_to_the_most_likely() -> None:
-    # A flat distribution: the exact nucleus would be most of the vocabulary; the documented cut keeps the top 1024.
+def test_top_p_and_typical_p_are_exact_beyond_the_candidate_cap() -> None:
+    # A flat distribution: the exact nucleus holds most of the vocabulary (was: cut to the 1024 most likely).
     x = random_logits(20_000, 8, scale=0.5)
     assert ref_top_p(x, 0.9).sum() > CANDIDATES
-    check_against(x, ref_top_k(x, CANDIDATES), run(TopP(0.9), x))
+    check_against(x, ref_top_p(x, 0.9), run(TopP(0.9), x))
+    assert ref_typical(x, 0.9).sum() > CANDIDATES
+    check_against(x, ref_typical(x, 0.9), run(TypicalP(0.9), x))
+
+
+def test_temperature_first_then_top_p_matches_numpy_on_flattish_logits() -> None:
+    """Issue #12 item 19: sampler_order temperature -> top_p, T=1.5, p=0.9 capped 370 of 479 real rows."""
+    x = random_logits(49_152, 11, scale=1.5)
+    s = Sampler(SamplingProfile(temperature=1.5, top_p=0.9, sampler_order=["temperature", "top_p"], seed=0),
+                vocab_size=x.size, eos_ids=set())
+    c = Candidates(mx.array(x), None)
+    for t in s.transforms:
+        c = t(c, KEY)
+    tempered = x / 1.5
+    assert ref_top_p(tempered, 0.9).sum() > CANDIDATES
+    check_against(tempered, ref_top_p(tempered, 0.9), dense_probs(c, x.size))
+
+
+def test_top_p_normaliser_is_accurate_over_a_large_vocabulary() -> None:
+    """Issue #12 item 18: a sequential float32 sum put this cut at the wrong token."""
+    x = np.random.default_rng(0).uniform(-.01, .01, 49152).astype(np.float32)
+    x[1] = 9
+    x[0] = 10.9552412
+    assert set(np.flatnonzero(ref_top_p(x, 0.5))) == {0, 1}
+    assert set(np.flatnonzero(run(TopP(0.5), x) > 0)) == {0, 1}
+
+
+def test_xtc_threshold_zero_keeps_only_the_least_likely_even_when_probabilities_underflow() -> None:
+    """Issue #12 item 20: two tokens whose probabilities underflow to 0 in float32 both survived."""
+    x = np.array([0.0, -200.0, -300.0, 50.0], np.float32)
+    kept = np.flatnonzero(run(XTC(0.0, 1.0), x) > 0)
+    assert list(kept) == [2]
+
+
+def test_logprobs_near_the_float32_maximum_are_finite_and_normalised() -> None:
+    """Issue #12 item 21: `x - logsumexp(x)` lost the normaliser (0, 0) or gave NaN near float32's maximum."""
+    big = float(np.finfo(np.float32).max)
+    x = np.array([big, big, 0.0, 1.0], np.float32)
+    s = Sampler(SamplingProfile(temperature=0), vocab_size=4, eos_ids=set())
+    _, lp = s.step(mx.array(x))
+    lp = np.array(lp)
+    assert np.isfinite(lp[:2]).all()
+    np.testing.assert_allclose(lp[:2], [math.log(0.5)] * 2, rtol=1e-6)
+    # A penalty that overflows to +inf (repetition_penalty < 1 on a huge logit) must not make NaN either.
+    r = Sampler(SamplingProfile(temperature=0, repetition_penalty=0.5, penalize_prompt=True), vocab_size=4,
+                eos_ids=set(), prompt_ids=[0])
+    token, lp = r.step(mx.array(x))
+    assert token.item() == 0 and not np.isnan(np.array(lp)).any()
 
 
 @pytest.mark.parametrize("seed", range(3))
