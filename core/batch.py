@@ -9,7 +9,7 @@ there is work:
 
 A newcomer joins at the next step and a finished or cancelled row leaves at once (its slot is free for the next
 admission). Prefill runs per sequence, in chunks interleaved with decode steps, so one long prompt does not stall
-the clients already streaming; it runs through the same `core.cache.prefill` as a single request, and the
+the clients already streaming; it runs through the same `core.cache.prefill_chunk` as a single request, and the
 sequence's cache is merged into mlx-lm's `BatchKVCache` (left-padded, with a per-row attention mask) only to
 decode. Step k+1 is queued before step k's tokens are read, as in the single-request engine, so the host never
 idles the device.
@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import (KVCache, LRUPromptCache, can_trim_prompt_cache, make_prompt_cache,
                                  trim_prompt_cache)
 
-from .cache import prefill
+from .cache import prefill_chunk
 from .engine import Engine, Job
 from .errors import ContextLengthError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
@@ -140,8 +140,7 @@ class BatchScheduler:
             raise ValueError("the prompt is empty: type a message first")
         limit = self.engine.context_length
         if len(req.prompt) >= limit:
-            raise ContextLengthError(f"the prompt is {len(req.prompt)} tokens but {self.engine.name} has a context "
-                                     f"of {limit}: shorten it")
+            raise ContextLengthError(len(req.prompt), limit, self.engine.name)
         with self._lock:
             if self._active + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{self.max_batch} requests are running and {len(self._waiting)} waiting")
@@ -218,7 +217,7 @@ class BatchScheduler:
             seq.begin(*self._cache_for(seq.req.prompt))
         chunk = seq.todo[:self.prefill_step if not self._rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
         if chunk:
-            next(prefill(self.engine.model.model, seq.cache, chunk, len(chunk)))
+            prefill_chunk(self.engine.model.model, seq.cache, chunk)
             seq.todo = seq.todo[len(chunk):]
         if not seq.todo:
             self._prefilling.popleft()

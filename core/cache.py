@@ -76,6 +76,12 @@ FIRST_CHUNK = 128
 MIN_CHUNK = 16
 
 
+def prefill_chunk(model: nn.Module, layers: list, ids: Sequence[int]) -> None:
+    """Run `ids` through the model into `layers` as one forward pass; only the cache state is evaluated."""
+    model(mx.array(ids)[None], cache=layers)
+    mx.eval([c.state for c in layers])
+
+
 def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int,
             cancelled: Callable[[], bool] = lambda: False,
             budget_s: float = PREFILL_BUDGET_S) -> Iterator[Sequence[int]]:
@@ -89,8 +95,7 @@ def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int,
     while start < len(ids) and not cancelled():
         chunk = ids[start:start + size]
         began = time.perf_counter()
-        model(mx.array(chunk)[None], cache=layers)
-        mx.eval([c.state for c in layers])
+        prefill_chunk(model, layers, chunk)
         elapsed = time.perf_counter() - began
         start += len(chunk)
         yield chunk

@@ -131,7 +131,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
             raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="rate_limit_error",
                            headers={"Retry-After": "1"}) from None
         except ContextLengthError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, f"{e}: shorten the prompt") from None
         return choices
 
     def log_line(request: HttpRequest, status: int, started: float, results: list[GenerationResult]) -> None:
