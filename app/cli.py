@@ -237,7 +237,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
                   sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     if args.stats:
-        print(f"{format_stats(result.metrics)} · weights {engine.model.weights_path}", file=sys.stderr)
+        print(f"{format_stats(result.metrics)} · {engine.describe()}", file=sys.stderr)
     return 130 if interrupts.count else 0
 
 

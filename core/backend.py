@@ -108,7 +108,7 @@ class KVOptions:
         return self.bits is not None
 
 
-def kv_options(bits: int | None, group_size: int = 64, *, max_kv_size: int | None = None) -> KVOptions:
+def kv_options(bits: int | None, group_size: int = 64, *, rotating: bool = False) -> KVOptions:
     """Validated KV-cache options; a combination that cannot work is a ValueError that says why."""
     if bits is None:
         return KVOptions(None, group_size)
@@ -116,7 +116,7 @@ def kv_options(bits: int | None, group_size: int = 64, *, max_kv_size: int | Non
         raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}")
     if group_size not in KV_GROUP_SIZES:
         raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group_size}")
-    if max_kv_size is not None:
+    if rotating:
         raise ValueError("a quantized KV cache (kv_bits) cannot be combined with a rotating window (kv_window / "
                          "max_kv_size): use one of them")
     return KVOptions(bits, group_size)

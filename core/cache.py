@@ -12,18 +12,25 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+from .backend import KVOptions, kv_options
 
 
 class ConversationCache:
-    def __init__(self, model: nn.Module, max_kv_size: int | None = None, keep: int = 4) -> None:
+    def __init__(self, model: nn.Module, max_kv_size: int | None = None, keep: int = 4,
+                 kv: KVOptions = KVOptions()) -> None:
         if max_kv_size is not None and max_kv_size <= keep:
             raise ValueError(f"max_kv_size must be greater than keep ({keep}), got {max_kv_size}")
-        self.model, self.max_kv_size, self.keep = model, max_kv_size, keep
+        if kv.quantized and max_kv_size is not None:
+            kv_options(kv.bits, kv.group_size, rotating=True)  # raises: mlx-lm cannot combine them
+        self.model, self.max_kv_size, self.keep, self.kv = model, max_kv_size, keep, kv
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.layers = self._fresh()
 
     def _fresh(self) -> list:
+        if self.kv.quantized:
+            return [QuantizedKVCache(group_size=self.kv.group_size, bits=self.kv.bits) for _ in self.model.layers]
         if self.max_kv_size is None:
             return make_prompt_cache(self.model)  # plain, or the model's own mix for sliding-window layers
         return [RotatingKVCache(max_size=self.max_kv_size, keep=self.keep) for _ in self.model.layers]

@@ -7,6 +7,8 @@ cancel flag checked between prefill chunks and between decode steps.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
@@ -18,6 +20,8 @@ from typing import Any, Literal, get_args
 import mlx.core as mx
 
 from . import loader
+from .backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
+                      wants_generation_stream, wants_wired_limit)
 from .beam import Beam, beam_search
 from .cache import ConversationCache, prefill
 from .errors import ContextLengthError, GenerationError, MlxChatError
@@ -27,6 +31,8 @@ from .messages import ChatMessage
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
+
+log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str] | ChatMessage]
 ContextPolicy = Literal["truncate", "rotate", "error"]
@@ -176,6 +182,8 @@ class Engine:
         self.model = model
         self._worker = worker
         self.prefill_step = prefill_step
+        self.backend = Backend.current()
+        self._generation_stream: mx.Stream | None = None  # made on the inference thread, on a GPU only
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
@@ -188,7 +196,10 @@ class Engine:
         except BaseException:
             worker.stop()
             raise
-        return cls(loaded, worker, prefill_step)
+        engine = cls(loaded, worker, prefill_step)
+        if warning := memory_warning(engine.backend, loaded.weight_bytes):
+            log.warning("%s", warning)
+        return engine
 
     # --- the surface ---------------------------------------------------------------------------
 
@@ -199,6 +210,10 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.model.context_length
+
+    def describe(self) -> str:
+        """Where this engine computes and with which weights: one line for --stats, the TUI and the bench."""
+        return f"{self.backend.line()} · weights {self.model.weights_path}"
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                stop: Sequence[str] | None = None, system: str | None = None) -> Stream:
@@ -228,9 +243,14 @@ class Engine:
 
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4,
-             context_policy: "ContextPolicy" = "truncate") -> "ChatSession":
+             context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
+             kv_group_size: int = 64) -> "ChatSession":
+        """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
+        memory for long contexts, small numeric drift); it cannot be combined with a rotating window."""
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
-                           context_policy=context_policy)
+                           context_policy=context_policy,
+                           kv=kv_options(kv_bits, kv_group_size,
+                                         rotating=max_kv_size is not None or context_policy == "rotate"))
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(_messages(prompt, system)))
@@ -304,9 +324,39 @@ class Engine:
             logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
             on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), clock.total)))
         reply = _Reply(m.tokenizer, req, clock, job)
+        with self._device_practices():
+            reason = self._decode(tokens, reply, sampler, req, job)
+        if clear_cache_after_prefill(len(prompt) - clock.reused):
+            mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache
+        reply.flush()
+        result = GenerationResult("".join(reply.text), reason, clock.metrics(), tuple(reply.ids),
+                                  tuple(reply.logprobs), sampler.describe(), sampler.seed,
+                                  req.profile.model_dump(mode="json"))
+        job.emit(Done(result))
+        return result
+
+    @contextlib.contextmanager
+    def _device_practices(self) -> Iterator[None]:
+        """mlx-lm's practices on a GPU, as core/backend.py decides them: a generation stream of its own, and the
+        wired-memory limit raised to the recommended working set (mlx-lm's own `wired_limit`). Nothing on the CPU."""
+        if not wants_generation_stream(self.backend):
+            yield
+            return
+        from mlx_lm.generate import wired_limit
+
+        if self._generation_stream is None:
+            self._generation_stream = mx.new_stream(mx.default_device())
+        stream = self._generation_stream
+        wired = wired_limit(self.model.model, [stream]) if wants_wired_limit(self.backend) else contextlib.nullcontext()
+        with wired, mx.stream(stream):
+            yield
+
+    def _decode(self, tokens: Iterator[tuple[int, mx.array]], reply: "_Reply", sampler: Sampler, req: Request,
+                job: Job) -> FinishReason:
+        """Read tokens until an end token, a stop string, a cancel or the token layer's own end."""
         reason: FinishReason = "length"
         for token, logprobs in tokens:
-            if token in m.tokenizer.eos_ids:
+            if token in self.model.tokenizer.eos_ids:
                 reason = "stop"
                 break
             reply.add(token, sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
@@ -320,12 +370,7 @@ class Engine:
         else:
             if not reply.ids:  # prefill was cancelled: the generator yielded nothing
                 reason = "cancelled"
-        reply.flush()
-        result = GenerationResult("".join(reply.text), reason, clock.metrics(), tuple(reply.ids),
-                                  tuple(reply.logprobs), sampler.describe(), sampler.seed,
-                                  req.profile.model_dump(mode="json"))
-        job.emit(Done(result))
-        return result
+        return reason
 
 
 class _Reply:
@@ -406,7 +451,8 @@ class ChatSession:
     """
 
     def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
-                 max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate") -> None:
+                 max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate",
+                 kv: KVOptions = KVOptions()) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
@@ -415,7 +461,7 @@ class ChatSession:
         self.context_policy = context_policy
         if max_kv_size is None and context_policy == "rotate":
             max_kv_size = engine.context_length
-        self.max_kv_size, self.keep = max_kv_size, keep
+        self.max_kv_size, self.keep, self.kv = max_kv_size, keep, kv
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
 
@@ -492,7 +538,7 @@ class ChatSession:
 
         def run(job: Job) -> None:
             if self._cache is None:
-                self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep)
+                self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep, self.kv)
             with self._lock:
                 rendered = [m.as_prompt() for m in self._messages]
             try:

@@ -47,4 +47,25 @@ def test_kv_options_validate_and_refuse_the_rotating_window() -> None:
     with pytest.raises(ValueError, match="kv_group_size must be one of 32, 64, 128, got 16"):
         kv_options(4, 16)
     with pytest.raises(ValueError, match="cannot be combined with a rotating window"):
-        kv_options(8, max_kv_size=512)
+        kv_options(8, rotating=True)
+
+
+def test_a_quantized_kv_cache_answers_in_less_memory(engine) -> None:
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlxchat.core import SamplingProfile
+
+    greedy = SamplingProfile(temperature=0)
+    prompt = "Tell me about the sea. " * 20
+    plain, quantized = engine.chat(profile=greedy), engine.chat(profile=greedy, kv_bits=8)
+    a, b = plain.send(prompt, max_tokens=8).wait(), quantized.send(prompt, max_tokens=8).wait()
+    assert b.text and b.metrics.completion_tokens == 8
+    assert all(isinstance(c, QuantizedKVCache) for c in quantized.cache.layers)
+    assert quantized.cache.size == plain.cache.size and quantized.cache.nbytes() < 0.5 * plain.cache.nbytes()
+    with pytest.raises(ValueError, match="rotating window"):
+        engine.chat(kv_bits=8, max_kv_size=512)
+
+
+def test_the_engine_describes_its_device_and_weights(engine) -> None:
+    line = engine.describe()
+    assert line.startswith("cpu · ") and f"weights {engine.model.weights_path}" in line
