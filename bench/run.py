@@ -22,11 +22,12 @@ from typing import Any
 import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
 
 from . import cases as C
+from . import kv as KV
 from . import native as N
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
-SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats", "native")
+SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats", "native", "kv")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class Config:
     llama_threads: int = 2
     skip: frozenset[str] = field(default_factory=frozenset)
     native: bool = False  # the native-kernel section (bench/native.py): loads two more models, so opt-in here
+    kv_context: int = 4096  # the quantized-KV section (bench/kv.py): context length and greedy tokens decoded
+    kv_decode: int = 128
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
@@ -59,7 +62,8 @@ FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, r
 # and the rotating run is 2.6k tokens through a 512-token window.
 QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=3, full_chain_lengths=(32,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
-                   rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True)
+                   rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True,
+                   kv_context=1024, kv_decode=32)
 
 
 def log(msg: str) -> None:
@@ -182,6 +186,7 @@ def summary_text(results: dict[str, Any]) -> str:
                        f" -> {f['ceiling_tokens_per_s']:6.1f} tok/s ({f['effective_bytes_per_s'] / 1e9:5.1f} GB/s)"
                        + (f"; bandwidth allows {bwc:.0f} tok/s" if bwc else ""))
     out.extend(N.summary_lines(results.get("native")))
+    out.extend(KV.summary_lines(results.get("kv")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
@@ -264,6 +269,11 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
                         repeats=cfg.repeats)
         if native is not None:
             native["targets"] = N.native_targets(native)
+    kv = None
+    if "kv" not in cfg.skip:
+        log("KV cache: plain vs 8-bit vs 4-bit")
+        kv = _guard(errors, "kv", KV.kv_case, engine, cfg.kv_context, cfg.kv_decode)
+    backend = {**engine.backend.as_dict(), "line": engine.describe()}
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
     if owned:
@@ -297,7 +307,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
             "skip": sorted(cfg.skip),
         },
         "cases": cases, "ratios": ratios, "chain_overhead": overhead, "chat": chat, "rotating": rotating,
-        "tui": tui, "roofline": roof, "formats": formats, "native": native, "errors": errors,
+        "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "backend": backend,
+        "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)
     results["elapsed_s"] = time.perf_counter() - started

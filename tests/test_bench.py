@@ -253,7 +253,8 @@ def test_runners_generate_exactly_max_tokens(engine):
 def test_tiny_run_end_to_end(engine, tmp_path):
     cfg = Config(quick=True, prompt_lengths=(32,), max_tokens=3, repeats=1, full_chain_lengths=(32,), chat_turns=2,
                  chat_reply_tokens=2, rotating_context=300, rotating_decode=4, rotating_window=64, tui_repeats=1,
-                 tui_tokens=3, format_repeats=1, bandwidth_bytes=1 << 24, skip=frozenset({"tui", "formats"}))
+                 tui_tokens=3, format_repeats=1, bandwidth_bytes=1 << 24, skip=frozenset({"tui", "formats"}),
+                 kv_context=300, kv_decode=4)
     results = run(cfg, out_dir=tmp_path, engine=engine)
     saved = json.loads((tmp_path / "latest.json").read_text())
     report.validate(saved)
@@ -268,6 +269,9 @@ def test_tiny_run_end_to_end(engine, tmp_path):
     assert rot["context_tokens"] == 300 and rot["completion_tokens"] == 4
     assert rot["samples"][-1]["context_tokens"] == 300
     assert saved["roofline"]["ceiling_tokens_per_s"] > 0
+    kv = {v["kv_bits"]: v for v in saved["kv"]["variants"]}
+    assert set(kv) == {None, 8, 4} and kv[8]["kv_bytes"] < kv[None]["kv_bytes"] and kv[None]["equal_greedy_tokens"] == 4
+    assert saved["backend"]["device"] == "cpu" and "weights" in saved["backend"]["line"]
     assert len(saved["targets"]) == 6
     assert results["_paths"]["json"].endswith(".json")
     assert not math.isnan(saved["elapsed_s"])
