@@ -1,5 +1,5 @@
 # The two commands of the README: `make chat` and `make test`. Both set everything up first.
-.PHONY: setup chat test bench soak
+.PHONY: setup chat test test-fast bench soak
 
 setup:
 	@bash scripts/setup.sh
@@ -11,6 +11,10 @@ chat: setup
 test: setup
 	@.venv/bin/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The edit-test loop: every test that loads no model (tests/conftest.py marks the others "model").
+test-fast: setup
+	@.venv/bin/python -m pytest -q -m "not model"
 
 bench: setup
 	.venv/bin/mlxchat bench
