@@ -15,11 +15,11 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from mlxchat.core.locations import Locations
 from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
-from .locations import Locations
 from .screens import ChatScreen, HelpScreen
 from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView
@@ -105,10 +105,8 @@ class MlxChatApp(App[None]):
         """The config's profile: a preset or a saved user profile (the chat preset if it cannot be found)."""
         name = self.settings.profile
         try:
-            if name in SamplingProfile.presets():
-                return SamplingProfile.preset(name)
-            return self.profiles.load(name)
-        except (ProfileError, ValueError) as e:
+            return self.profiles.resolve(name)
+        except ProfileError as e:
             self.notify(f"profile {name!r}: {e}; using the chat preset", severity="warning")
             return SamplingProfile.preset("chat")
 
