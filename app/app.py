@@ -92,6 +92,7 @@ class MlxChatApp(App[None]):
             self.notify(problem, severity="error", timeout=15)
 
     def on_unmount(self) -> None:
+        self.chat_screen.shut_down()  # saves a reply in flight: before the store closes
         self.store.close()
 
     def watch_theme(self, theme: str) -> None:

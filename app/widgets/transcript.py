@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+from markdown_it import MarkdownIt
 from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
-from markdown_it import MarkdownIt
 from textual.widgets import Button, Markdown, Static
-from textual.widgets._markdown import MarkdownFence, MarkdownStream
+from textual.widgets.markdown import MarkdownFence, MarkdownStream
+
+if TYPE_CHECKING:
+    from ..conversation import Turn
 
 _PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would otherwise build one per append
 
@@ -29,13 +33,13 @@ class MessageView(Vertical, can_focus=True):
     ]
 
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
-                 stored_position: int | None = None) -> None:
+                 turn: "Turn | None" = None) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
         self.text = text
         self.label = label or {"user": "You", "assistant": "Assistant"}.get(role, role.title())
         self.stats = stats
-        self.stored_position = stored_position  # position in the store, once saved
+        self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
         self._stream: MarkdownStream | None = None  # made at the first write: a reply stopped before its first
         self._streaming = False                       # token never starts a MarkdownStream task
