@@ -18,7 +18,7 @@ from pytest_textual_snapshot import SVGImageExtension
 from textual.widgets import Button, Input, OptionList
 
 from mlxchat.app.app import MlxChatApp, make_app
-from mlxchat.app.screens import HelpScreen, ModelPicker, ProfilePicker, TextPrompt
+from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, Notice
 from mlxchat.core import Engine, SamplingProfile
@@ -279,7 +279,7 @@ async def test_rename_delete_and_copy_a_code_block(tmp_path, engine, new_app, wa
         listed = screen.query_one(ConversationList)
         listed.focus()
         listed.highlighted = listed.get_option_index(str(other.id))
-        await pilot.press("r")
+        await pilot.press("ctrl+e")
         assert isinstance(app.screen, TextPrompt)
         app.screen.query_one(Input).value = "renamed"
         await pilot.press("enter")
@@ -291,6 +291,38 @@ async def test_rename_delete_and_copy_a_code_block(tmp_path, engine, new_app, wa
         await pilot.pause()
         assert [x.title for x in app.store.conversations()] == ["renamed"]
         assert screen.controller.record is None and screen.transcript.messages == []
+
+
+@pytest.mark.anyio
+async def test_opening_a_chat_focuses_the_input_and_typed_text_never_deletes_or_renames(tmp_path, new_app, wait_for,
+                                                                                         send):
+    """Issue 12 item 2: typing "do it" + Enter with the sidebar focused deleted the chat (d, then Enter)."""
+    store = Store(tmp_path / "data" / "conversations.db")
+    kept = store.create_conversation("keep me")
+    store.add_message(kept.id, "user", "hello")
+    store.close()
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        listed = screen.query_one(ConversationList)
+        listed.focus()
+        listed.highlighted = 0
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.controller.record is not None, what="the chat to open")
+        assert screen.input.has_focus
+        # With the list focused, typed words are not commands: no dialog, nothing deleted or renamed.
+        listed.focus()
+        await pilot.press(*"do it", "space", *"right", "enter")
+        assert app.screen is screen and app.store.conversation(kept.id).title == "keep me"
+        # The keys that rename or delete are not letters, and a confirmation does not take Enter alone.
+        listed.focus()
+        listed.highlighted = 0
+        await pilot.press("delete")
+        assert isinstance(app.screen, Confirm)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen, what="the dialog to close")
+        assert [c.title for c in app.store.conversations()] == ["keep me"]
 
 
 # --- failures --------------------------------------------------------------------------------------------------

@@ -377,12 +377,13 @@ class ChatScreen(Screen):
             self.input.clear()
 
     async def _after_switch(self) -> None:
-        """Show the chat the controller now holds: transcript, title, profile."""
+        """Show the chat the controller now holds (transcript, title, profile), with the input focused."""
         self._stop_editing()
         await self.transcript.clear()
         await self._sync()
         self._show_chat_header()
         self.refresh_sidebar()
+        self.input.focus()  # typing goes to the input, never to the sidebar's keys
 
     async def action_new_chat(self) -> None:
         self.controller.new_chat()
