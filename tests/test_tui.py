@@ -193,8 +193,15 @@ async def test_regenerate_and_edit_last(tmp_path, engine, new_app, wait_for, sen
         assert screen.input.text == "Hi"
         await pilot.press("down", "down")
         assert screen.input.text == ""
-        # Clear: the transcript, the stored messages and the session's history go; the conversation stays.
+        # Clear asks first (Enter alone keeps the chat); yes: the transcript, the stored messages and the
+        # session's history go; the conversation stays.
         await pilot.press("ctrl+l")
+        assert isinstance(app.screen, Confirm) and "2 messages" in app.screen.question
+        await pilot.press("enter")
+        await pilot.pause()
+        assert len(app.store.messages(conv)) == 2 and len(screen.transcript.messages) == 2
+        await pilot.press("ctrl+l")
+        await pilot.press("y")
         await pilot.pause()
         assert screen.transcript.messages == [] and app.store.messages(conv) == []
         assert [m.role for m in screen.controller.session.messages] == ["system"]

@@ -389,14 +389,25 @@ class ChatScreen(Screen):
         self.controller.new_chat()
         await self._after_switch()
 
-    async def action_clear(self) -> None:
-        try:
-            self.controller.clear()
-        except Refused as e:
-            self.notify(str(e), severity=e.severity)
+    def action_clear(self) -> None:
+        if not self.controller.turns:
+            self.notify("This chat has no messages", severity="warning")
             return
-        await self._after_switch()
-        self.notify("Cleared the chat")
+        count = sum(t.role != "system" for t in self.controller.turns)
+
+        async def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            try:
+                self.controller.clear()
+            except Refused as e:
+                self.notify(str(e), severity=e.severity)
+                return
+            await self._after_switch()
+            self.notify("Cleared the chat")
+
+        self.app.push_screen(Confirm(f"Delete the {count} messages of this chat? This cannot be undone.",
+                                     yes="Delete messages"), done)
 
     async def action_regenerate(self) -> None:
         try:
