@@ -332,6 +332,25 @@ async def test_opening_a_chat_focuses_the_input_and_typed_text_never_deletes_or_
         assert [c.title for c in app.store.conversations()] == ["keep me"]
 
 
+@pytest.mark.anyio
+async def test_a_new_or_another_chat_starts_with_a_clean_stats_line(tmp_path, new_app, wait_for, send, reply):
+    """Issue 12 item 10: the stats line kept the previous chat's numbers after ctrl+n or opening another chat."""
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        await reply(pilot, "Hi")
+        first = screen.controller.record.id
+        assert screen.stats.metrics is not None and "TTFT" in screen.stats.readouts
+        await pilot.press("ctrl+n")
+        assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
+        assert screen.stats.state == "idle" and "context 8192" in screen.stats.readouts
+        await reply(pilot, "Hello")
+        assert "TTFT" in screen.stats.readouts
+        await screen.open_conversation(first)
+        assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
+
+
 # --- failures --------------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio

@@ -141,7 +141,7 @@ class ChatScreen(Screen):
         self.stats.show_profile(self.controller.profile.name or "custom")
 
     def _show_ready(self) -> None:
-        """The state line of a chat with nothing in flight; the last chat's numbers go (issue 12 item 10)."""
+        """The state line with nothing in flight: what is loaded, and none of the last chat's numbers."""
         engine = self.controller.engine
         if engine is not None:
             self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length}")
@@ -377,11 +377,13 @@ class ChatScreen(Screen):
             self.input.clear()
 
     async def _after_switch(self) -> None:
-        """Show the chat the controller now holds (transcript, title, profile), with the input focused."""
+        """Show the chat the controller now holds (transcript, title, profile, a clean stats line), with the input
+        focused."""
         self._stop_editing()
         await self.transcript.clear()
         await self._sync()
         self._show_chat_header()
+        self._show_ready()  # the last chat's numbers go
         self.refresh_sidebar()
         self.input.focus()  # typing goes to the input, never to the sidebar's keys
 
