@@ -266,8 +266,8 @@ async def test_rename_delete_and_copy_a_code_block(tmp_path, engine, new_app, wa
     store = Store(tmp_path / "data" / "conversations.db")
     c = store.create_conversation("code")
     store.add_message(c.id, "user", "show code")
-    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n", finish_reason="stop",
-                      metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
+    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n\nThen:\n\n```sh\nls -l\n```\n",
+                      finish_reason="stop", metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
     other = store.create_conversation("other")
     store.close()
     app = new_app(max_tokens=MAX_TOKENS)
@@ -275,9 +275,11 @@ async def test_rename_delete_and_copy_a_code_block(tmp_path, engine, new_app, wa
         screen = app.chat_screen
         await screen.open_conversation(c.id)
         await pilot.pause()
-        assert screen.transcript.messages[1].code_blocks() == ["print('hi')"]
+        assert screen.transcript.messages[1].code_blocks() == ["print('hi')", "ls -l"]
+        await pilot.press("f8")  # the last code block of the chat (issue 12 item 15: it copied the first)
+        assert app.clipboard == "ls -l"
         await pilot.press("f8")
-        assert app.clipboard == "print('hi')"
+        assert app.clipboard == "ls -l"
         view = screen.transcript.messages[1]
         view.focus()
         await pilot.press("c")

@@ -538,9 +538,11 @@ class ChatScreen(Screen):
         view.action_copy_message()
 
     def action_copy_code(self) -> None:
+        """F8: the last code block of the chat (of the last message that has one)."""
         for view in reversed(self.transcript.messages):
-            if view.code_blocks():
-                view.action_copy_code()
+            if blocks := view.code_blocks():
+                self.app.copy_to_clipboard(blocks[-1])
+                self.notify(f"Copied the last code block ({len(blocks[-1].splitlines())} lines)")
                 return
         self.notify("No code block in this chat", severity="warning")
 
