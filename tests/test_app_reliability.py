@@ -190,6 +190,32 @@ async def test_data_folder_that_cannot_be_created_is_reported_and_the_app_chats(
         assert result.finish_reason in ("stop", "length")
 
 
+@pytest.mark.anyio
+async def test_a_database_that_stops_writing_mid_session_is_one_line_and_the_chat_goes_on(tmp_path, new_app,
+                                                                                          wait_for, send, reply):
+    """Issue 12 item 5: a failing write (here: the connection turned read-only, as a full disk or a read-only
+    file does) raised a StoreError out of the chat screen. Now: one line, the chat stays in memory and is written
+    once the database takes writes again."""
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        first = await reply(pilot, "Hi")
+        cid = screen.controller.record.id
+        app.store._c.execute("PRAGMA query_only = ON")  # fault injection: every write now fails
+        second = await reply(pilot, "And again?")
+        third = await reply(pilot, "Once more")
+        (line,) = [m for m in errors(app) if "Cannot save" in m]
+        assert "read-only" in line and "kept here" in line and one_line(line)
+        assert [v.text for v in screen.transcript.messages] == ["Hi", first.text, "And again?", second.text,
+                                                               "Once more", third.text]
+        assert len(app.store.messages(cid)) == 2
+        app.store._c.execute("PRAGMA query_only = OFF")
+        fourth = await reply(pilot, "Saved now?")
+        assert [m.content for m in app.store.messages(cid)] == [v.text for v in screen.transcript.messages]
+        assert fourth.text == app.store.messages(cid)[-1].content
+
+
 # --- models that do not load -----------------------------------------------------------------------------------
 
 @pytest.mark.anyio

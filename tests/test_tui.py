@@ -353,6 +353,28 @@ async def test_a_new_or_another_chat_starts_with_a_clean_stats_line(tmp_path, ne
         assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
 
 
+@pytest.mark.anyio
+async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_app, wait_for, send, reply):
+    """Issue 12 item 4: ctrl+q mid-reply lost the reply; it is saved as far as it got, marked stopped."""
+    app = new_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        await send(pilot, "Tell me a long story about a dragon")
+        await wait_for(pilot, lambda: screen.controller.reply is not None and screen.controller.reply.tokens >= 3,
+                       what="the first tokens")
+        conversation = screen.controller.record.id
+        await pilot.press("ctrl+q")
+        shown = screen.transcript.messages[-1].text
+    store = Store(tmp_path / "data" / "conversations.db")
+    try:
+        stored = store.messages(conversation)
+    finally:
+        store.close()
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[1].finish_reason == "cancelled" and stored[1].content and shown.startswith(stored[1].content)
+
+
 # --- failures --------------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
