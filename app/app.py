@@ -1,8 +1,10 @@
 """The mlxchat Textual app: ``MlxChatApp``, the ``make_app`` factory the tests reuse, and ``run_tui`` for the CLI.
 
-App-wide concerns live here and in the top-level modules (posting's layout): settings (``config.py``), folders
-(``locations.py``), the conversation store (``store.py``), the engine bridge (``engine_worker.py``) and command
-palette providers (``commands.py``). The UI itself is in ``screens/`` and ``widgets/``, styled by ``app.tcss``.
+App-wide concerns live here and in the top-level modules (posting's layout): settings (``config.py``), the
+conversation's logic (``conversation.py``), the conversation store (``store.py``), Markdown export (``export.py``),
+the engine bridge (``engine_worker.py``) and command palette providers (``commands.py``); the folders come from
+``mlxchat.core.locations``, shared with the CLI. The UI itself is in ``screens/`` and ``widgets/``, styled by
+``app.tcss``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,12 @@ Notify = Callable[[str, Severity], None]
 CHECKPOINT_S = 1.0  # a streaming reply is saved at its first tokens and then at most this long apart
 
 
+def keeps(result: "GenerationResult") -> bool:
+    """Whether a finished reply stays in the chat: not when it was stopped before its first token (what the
+    ChatSession keeps, too)."""
+    return bool(result.text) or result.finish_reason != "cancelled"
+
+
 class State(Enum):
     IDLE = "idle"  # nothing in flight: send, regenerate, edit, switch chats
     LOADING = "loading"  # a message waits for the model to finish loading
@@ -272,6 +278,10 @@ class ChatController:
 
     # --- what the bridge reports ---------------------------------------------------------------------------------
 
+    def reply_for(self, stream: "Stream") -> Reply | None:
+        """The reply ``stream`` belongs to, while it is in flight."""
+        return self._replies.get(stream)
+
     def on_prefill(self, stream: "Stream", done: int, total: int) -> Reply | None:
         reply = self._replies.get(stream)
         if reply is not None and reply.cached is None:
@@ -298,7 +308,7 @@ class ChatController:
         if reply is None:
             return None
         turn = reply.turn
-        reply.kept = bool(result.text) or result.finish_reason != "cancelled"  # what the ChatSession keeps, too
+        reply.kept = keeps(result)
         turn.content, turn.finish_reason = result.text, result.finish_reason
         turn.metrics, turn.profile = result.metrics.as_dict(), dict(result.profile)
         turn.sampler, turn.seed, turn.streaming, turn.dirty = result.sampler, result.seed, False, True

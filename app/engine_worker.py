@@ -107,7 +107,6 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._following: list[Stream] = []  # queued or being iterated, for close()
         self.batches_posted = 0  # what the benchmark reports next to the TUI's decode speed
-        self.tokens_posted = 0
         self._thread = threading.Thread(target=self._run, name="mlxchat-ui-bridge", daemon=True)
         self._thread.start()
 
@@ -180,7 +179,6 @@ class EngineWorker:
             if pending or count:
                 self._post(self.Tokens(stream, "".join(pending), metrics, count))
                 self.batches_posted += 1
-                self.tokens_posted += count
             pending, count = [], 0
             last_post = time.perf_counter()
 

@@ -60,13 +60,6 @@ class StoredMessage:
     seed: int | None = None
     model: str | None = None
 
-    def as_chat_message(self) -> dict[str, Any]:
-        """The dict a core ChatSession keeps in ``messages``."""
-        m: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.role == "assistant":
-            m.update(finish_reason=self.finish_reason, metrics=self.metrics or {}, profile=self.profile or {})
-        return m
-
 
 # --- migrations: MIGRATIONS[n] takes a database at version n to n + 1 ------------------------------------------
 

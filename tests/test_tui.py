@@ -41,14 +41,20 @@ async def test_send_streams_a_reply_with_live_readouts_and_stores_it(tmp_path, e
         views = screen.transcript.messages
         assert [v.role for v in views] == ["user", "assistant"] and views[0].text == "Hi"
         reply_view = views[1]
-        await wait_for(pilot, lambda: screen.controller.last_result is not None and not screen.busy, what="the reply")
+        shown_while_busy: list[str] = []
+
+        def done() -> bool:
+            if screen.busy:
+                shown_while_busy.append(reply_view.text)
+            return screen.controller.last_result is not None and not screen.busy
+
+        await wait_for(pilot, done, what="the reply")
         result = screen.controller.last_result
         assert result is not None and result.finish_reason in ("stop", "length")
-        # It streamed: text arrived in batches, the first well before the end, and nothing was dropped.
-        assert len(reply_view._chunks) >= 2
-        assert reply_view.first_write_at < reply_view.finished_at - result.metrics.tpot_s
+        # It streamed: text showed before the reply ended, in batches, and nothing was dropped.
+        assert any(text and text != result.text for text in shown_while_busy)
+        assert len(reply_view._chunks) >= 2 and screen.worker.batches_posted >= 2
         assert "".join(reply_view._chunks) == result.text == reply_view.text
-        assert screen.worker.tokens_posted >= result.metrics.completion_tokens
         assert reply_view.query_one(".body").source == result.text  # the final re-parse
         # Readouts: non-zero TTFT and TPOT, shown in the stats bar and under the message.
         m = screen.stats.metrics

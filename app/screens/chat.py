@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
-from ..conversation import ChatController, Refused, Reply, State, Turn
+from ..conversation import ChatController, Refused, Reply, State, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelChoice
@@ -319,34 +319,36 @@ class ChatScreen(Screen):
 
     @on(EngineWorker.Finished)
     async def _finished(self, event: EngineWorker.Finished) -> None:
-        current = self.controller.reply
-        reply = self.controller.on_finished(event.stream, event.result)
+        # The view is made final first: the reply counts as in flight until its view and its record are final.
+        reply, result = self.controller.reply_for(event.stream), event.result
         if reply is None:
             return
-        result = event.result
+        current = reply is self.controller.reply
         view = self._reply_view(reply)
         if view is not None:
-            if reply.kept:
+            if keeps(result):
                 await view.finish(result.text, stats_line(result.metrics, result.finish_reason,
                                                           result.profile.get("name")), result.finish_reason)
             else:
                 await view.remove()
                 self.notify("Stopped before the first token; ctrl+r asks again")
-        if reply is current:
+        self.controller.on_finished(event.stream, result)
+        if current:
             self.stats.show_metrics(result.metrics, state="done",
                                     label=DONE.get(result.finish_reason, result.finish_reason))
             self.refresh_sidebar()
 
     @on(EngineWorker.Failed)
     async def _failed(self, event: EngineWorker.Failed) -> None:
-        current = self.controller.reply
-        reply, message = self.controller.on_failed(event.stream, event.error)
+        reply = self.controller.reply_for(event.stream)
         if reply is None:
             return
+        current = reply is self.controller.reply
         view = self._reply_view(reply)
         if view is not None:
-            await view.fail(reply.turn.error or message)
-        if reply is current:
+            await view.fail(str(event.error) or type(event.error).__name__)
+        _, message = self.controller.on_failed(event.stream, event.error)
+        if current:
             if reply.answers is not None and reply.answers.unsent:
                 await self._sync_unsent(reply.answers)
             self.stats.show_state("error", "✗ error", message)

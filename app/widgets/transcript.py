@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
@@ -45,8 +44,6 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = False                       # token never starts a MarkdownStream task
         self._chunks: list[str] = []
         self._code_index = 0
-        self.first_write_at: float | None = None  # monotonic times: when streamed text first showed, and the end
-        self.finished_at: float | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(self.label, classes="role", markup=False)
@@ -74,8 +71,6 @@ class MessageView(Vertical, can_focus=True):
             self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
         self._chunks.append(text)
         self.text = "".join(self._chunks)
-        if self.first_write_at is None:
-            self.first_write_at = time.monotonic()
         await self._stream.write(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
@@ -85,7 +80,6 @@ class MessageView(Vertical, can_focus=True):
             self._stream = None
         self._streaming = False
         self.remove_class("streaming")
-        self.finished_at = time.monotonic()
         self.text = text
         self.finish_reason = finish_reason
         await self.query_one(".body", Markdown).update(text)
