@@ -27,12 +27,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlxchat.app.app import MlxChatApp, make_app
+from mlxchat.app.app import MlxChatApp
 from mlxchat.app.engine_worker import EngineWorker
 from mlxchat.app.screens import ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import Notice
-from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core import SamplingProfile
 from mlxchat.core.loader import embedded_model_path
 
 MAX_TOKENS = 4
@@ -79,7 +79,8 @@ def _newer(db: Path) -> None:
                                         (_foreign, "not mlxchat's"),
                                         (_newer, "newer mlxchat (schema version 99")],
                          ids=["garbage", "foreign-sqlite", "newer-schema"])
-async def test_unusable_database_is_reported_left_alone_and_the_app_chats(tmp_path, engine, make, says, new_app, wait_for, send, reply):
+async def test_unusable_database_is_reported_left_alone_and_the_app_chats(tmp_path, engine, make, says, new_app,
+                                                                          wait_for, reply):
     data = tmp_path / "data"
     data.mkdir()
     db = data / "conversations.db"
@@ -133,7 +134,8 @@ def make_writable(folder: Path, how: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(tmp_path, engine, new_app, wait_for, send, reply):
+async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(tmp_path, engine, new_app, wait_for,
+                                                                                reply):
     data, config = tmp_path / "data", tmp_path / "config"
     store = Store(data / "conversations.db")
     old = store.create_conversation("my history")
@@ -178,7 +180,8 @@ async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(
 
 
 @pytest.mark.anyio
-async def test_data_folder_that_cannot_be_created_is_reported_and_the_app_chats(tmp_path, engine, new_app, wait_for, send, reply):
+async def test_data_folder_that_cannot_be_created_is_reported_and_the_app_chats(tmp_path, engine, new_app, wait_for,
+                                                                                reply):
     (tmp_path / "file").write_text("a regular file where a folder should be")
     app = new_app(data_dir=tmp_path / "file" / "data")
     async with app.run_test(size=SIZE) as pilot:
@@ -191,8 +194,7 @@ async def test_data_folder_that_cannot_be_created_is_reported_and_the_app_chats(
 
 
 @pytest.mark.anyio
-async def test_a_database_that_stops_writing_mid_session_is_one_line_and_the_chat_goes_on(tmp_path, new_app,
-                                                                                          wait_for, send, reply):
+async def test_a_database_that_stops_writing_mid_session_is_one_line_and_the_chat_goes_on(new_app, wait_for, reply):
     """Issue 12 item 5: a failing write (here: the connection turned read-only, as a full disk or a read-only
     file does) raised a StoreError out of the chat screen. Now: one line, the chat stays in memory and is written
     once the database takes writes again."""
@@ -219,7 +221,8 @@ async def test_a_database_that_stops_writing_mid_session_is_one_line_and_the_cha
 # --- models that do not load -----------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_the_notice(tmp_path, new_app, wait_for, send, reply):
+async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_the_notice(tmp_path, new_app, wait_for,
+                                                                                         reply):
     text_file = tmp_path / "notes.gguf"
     text_file.write_text("hello, I am not a model\n" * 10)
     truncated = tmp_path / "truncated.gguf"
@@ -240,7 +243,8 @@ async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_th
             assert any("No model is loaded" in m for m in errors(app)) and screen.input.text == "Hi"
             if bad is truncated:  # the offered way out: the embedded model (a real load, ~7 s)
                 await pilot.click("#notice-load_embedded")
-                await wait_for(pilot, lambda: screen.controller.session is not None, timeout=120, what="the embedded model")
+                await wait_for(pilot, lambda: screen.controller.session is not None, timeout=120,
+                               what="the embedded model")
                 assert not screen.query(Notice) and screen.controller.engine.name.startswith("SmolLM2")
                 screen.input.clear()
                 result = await reply(pilot, "Hi")
@@ -250,7 +254,7 @@ async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_th
 # --- engine errors ---------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_on(tmp_path, engine, new_app, wait_for, send, reply):
+async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_on(engine, new_app, wait_for, reply):
     app = new_app()
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen

@@ -21,7 +21,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +100,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 
 @pytest.mark.anyio
-async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, engine, new_app, wait_for, send, reply):
+async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, engine, wait_for, reply):
     data, config = tmp_path / "data", tmp_path / "config"
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
@@ -200,7 +199,7 @@ N = 300
 
 
 @pytest.mark.anyio
-async def test_two_writer_processes_and_an_app_on_one_data_folder(tmp_path, engine, new_app, wait_for, send, reply):
+async def test_two_writer_processes_and_an_app_on_one_data_folder(tmp_path, engine, wait_for, reply):
     data = tmp_path / "data"
     writer = tmp_path / "writer.py"
     writer.write_text(WRITER)

@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
-from ..conversation import ChatController, Refused, Reply, State, Turn, keeps
+from ..conversation import ChatController, Refused, Reply, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelChoice
@@ -508,7 +508,8 @@ class ChatScreen(Screen):
             await self._sync()
             self.notify("System prompt set for this chat")
 
-        self.app.push_screen(TextPrompt("System prompt for this chat", self.controller.system_prompt, accept="Set"), done)
+        self.app.push_screen(TextPrompt("System prompt for this chat", self.controller.system_prompt, accept="Set"),
+                             done)
 
     def action_models(self) -> None:
         store = self.app.store
@@ -528,7 +529,8 @@ class ChatScreen(Screen):
 
         self.app.push_screen(
             ModelPicker(lambda: [*store.models(), *((p, Path(p).name) for p in self.app.settings.models)],
-                        add, store.remove_model, self.controller.model_spec, scan_hf_cache=self.app.scan_hf_cache), done)
+                        add, store.remove_model, self.controller.model_spec, scan_hf_cache=self.app.scan_hf_cache),
+            done)
 
     # --- copy, export, layout ------------------------------------------------------------------------------------
 
@@ -565,6 +567,3 @@ class ChatScreen(Screen):
 
         self.app.push_screen(TextPrompt("Export the chat to Markdown", str(self.controller.default_export_path()),
                                         accept="Export"), done)
-
-
-__all__ = ["ChatScreen", "State"]
