@@ -1,4 +1,4 @@
-"""``python -m app [chat] [--model X] [--max-tokens N]``: the full-screen chat (what ``mlxchat`` opens)."""
+"""``python -m mlxchat.app [chat] [--model X] [--max-tokens N]``: the full-screen chat (what ``mlxchat`` opens)."""
 
 import argparse
 
@@ -6,7 +6,7 @@ from .app import run_tui
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m app", description="mlxchat's full-screen chat")
+    p = argparse.ArgumentParser(prog="python -m mlxchat.app", description="mlxchat's full-screen chat")
     p.add_argument("command", nargs="?", choices=["chat"], help="optional, as with `mlxchat chat`")
     p.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     p.add_argument("--max-tokens", type=int, help="cap each reply at N tokens")

@@ -1,8 +1,10 @@
 """The mlxchat Textual app: ``MlxChatApp``, the ``make_app`` factory the tests reuse, and ``run_tui`` for the CLI.
 
-App-wide concerns live here and in the top-level modules (posting's layout): settings (``config.py``), folders
-(``locations.py``), the conversation store (``store.py``), the engine bridge (``engine_worker.py``) and command
-palette providers (``commands.py``). The UI itself is in ``screens/`` and ``widgets/``, styled by ``app.tcss``.
+App-wide concerns live here and in the top-level modules (posting's layout): settings (``config.py``), the
+conversation's logic (``conversation.py``), the conversation store (``store.py``), Markdown export (``export.py``),
+the engine bridge (``engine_worker.py``) and command palette providers (``commands.py``); the folders come from
+``mlxchat.core.locations``, shared with the CLI. The UI itself is in ``screens/`` and ``widgets/``, styled by
+``app.tcss``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from mlxchat.core.locations import Locations
 from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
-from .locations import Locations
 from .screens import ChatScreen, HelpScreen
 from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView
@@ -92,6 +94,7 @@ class MlxChatApp(App[None]):
             self.notify(problem, severity="error", timeout=15)
 
     def on_unmount(self) -> None:
+        self.chat_screen.shut_down()  # saves a reply in flight: before the store closes
         self.store.close()
 
     def watch_theme(self, theme: str) -> None:
@@ -105,10 +108,8 @@ class MlxChatApp(App[None]):
         """The config's profile: a preset or a saved user profile (the chat preset if it cannot be found)."""
         name = self.settings.profile
         try:
-            if name in SamplingProfile.presets():
-                return SamplingProfile.preset(name)
-            return self.profiles.load(name)
-        except (ProfileError, ValueError) as e:
+            return self.profiles.resolve(name)
+        except ProfileError as e:
             self.notify(f"profile {name!r}: {e}; using the chat preset", severity="warning")
             return SamplingProfile.preset("chat")
 

@@ -1,5 +1,9 @@
 """The `mlxchat` command: the TUI by default, `generate` for scripts, `pull` / `models` / `rm` for models by name
-(in the Hugging Face cache), `bench` for the side-by-side benchmark."""
+(in the Hugging Face cache), and the subcommands that tools register.
+
+Tools above the app (``mlxchat bench``, ``serve``, ``lab``) add their subcommands through the entry-point group
+``mlxchat.commands``, so the app never imports them (the dependency runs tool -> app -> core).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 from .formatting import fmt_bytes
+
+COMMANDS_GROUP = "mlxchat.commands"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,28 +70,31 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("repo_id", help="ORG/NAME, as `mlxchat models` lists it")
     rm.add_argument("--yes", "-y", action="store_true", help="delete without asking (for scripts)")
 
-    bench = sub.add_parser("bench", help="benchmark against mlx-lm (and llama.cpp when installed)")
-    bench.add_argument("--quick", action="store_true", help="a subset that runs in under two minutes")
-    bench.add_argument("--model", help="GGUF file (default: the embedded model)")
-    bench.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: bench/results)")
-    bench.add_argument("--repeats", type=int, help="repeats per case; each figure is their median (default: 3)")
-    bench.add_argument("--max-tokens", type=int, help="generated tokens per run (default: 128; --quick 32)")
-    bench.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,512)")
-    bench.add_argument("--rotating-context", type=int, help="tokens of context in the rotating-cache run "
-                                                            "(default: 20000; --quick 2600)")
-    bench.add_argument("--rotating-decode", type=int, help="how many of them are generated; the rest is a prompt "
-                                                           "prefilled through the window (default: 2000)")
-    bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")
-    bench.add_argument("--skip", action="append", help="leave out a section: matrix, chat, tui, rotating, "
-                                                       "roofline, formats (repeatable)")
-    # The server is a tool above core: its flags and runner live in mlxchat.server.cli.
-    from mlxchat.server.cli import add_arguments as add_serve_arguments
-
-    add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched, streaming)"))
-    from mlxchat.lab.cli import add_arguments as add_lab_arguments
-
-    add_lab_arguments(sub.add_parser("lab", help="tune sampling on fixed prompt sets: runs, metrics, comparisons"))
+    _tool_commands(sub)
     return p
+
+
+def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Let each tool add its subcommand. An entry point in ``mlxchat.commands`` names a function
+    ``register(subparsers)`` that adds one parser (``subparsers.add_parser(name, help=...)``, which gets this
+    parser's one-line errors) and sets ``run`` as a default: ``run(args) -> int`` runs the command. ``register``
+    must stay cheap (no MLX, no plotting): it runs for every ``mlxchat`` invocation; ``run`` imports the tool."""
+    seen: set[str] = set()
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: (e.name, e.value)):
+        if ep.name in seen:  # the same tool found twice on the path (e.g. an editable and a regular install)
+            continue
+        seen.add(ep.name)
+        try:
+            ep.load()(sub)
+        except Exception as e:  # noqa: BLE001 - a broken tool must not take `mlxchat generate` down with it
+            broken = sub.add_parser(ep.name, help=f"unavailable: {type(e).__name__}: {e}")
+            broken.set_defaults(run=lambda _args, ep=ep, e=e: _unavailable(ep, e))
+
+
+def _unavailable(ep: object, error: Exception) -> int:
+    print(f"mlxchat: error: the {getattr(ep, 'name', '?')} command could not be loaded from "
+          f"{getattr(ep, 'value', '?')} ({type(error).__name__}: {error}); reinstall mlxchat", file=sys.stderr)
+    return 2
 
 
 def _read_prompt(arg: str) -> str:
@@ -108,18 +118,9 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
     from mlxchat.core import SamplingProfile
     from mlxchat.core.profile import ProfileStore
 
-    store = ProfileStore()
-    if args.profile is None:
-        base = SamplingProfile()
-    elif args.profile in SamplingProfile.presets():
-        base = SamplingProfile.preset(args.profile)
-    elif args.profile in store.list():
-        # A saved profile that is corrupt is an error here (the file is named and left as it is): a script that
-        # asked for a profile by name must not silently get other settings.
-        base = store.load(args.profile)
-    else:
-        raise ValueError(f"unknown profile {args.profile!r}; presets: {', '.join(SamplingProfile.presets())}; "
-                         f"saved profiles (in {store.folder}): {', '.join(store.list()) or 'none'}")
+    # A saved profile that is corrupt is an error here (the file is named and left as it is): a script that asked
+    # for a profile by name must not silently get other settings.
+    base = SamplingProfile() if args.profile is None else ProfileStore().resolve(args.profile)
     overrides = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                    ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
     return SamplingProfile.model_validate({**base.model_dump(), **overrides})
@@ -339,18 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _with_interrupts(args)
         if args.command in ("pull", "models", "rm"):
             return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
-        if args.command == "serve":
-            from mlxchat.server.cli import run as serve
-
-            return serve(args)
-        if args.command == "lab":
-            from mlxchat.lab.cli import run as run_lab
-
-            return run_lab(args)
-        if args.command == "bench":
-            from mlxchat.bench.run import run_from_cli
-
-            return run_from_cli(args)
+        if (run := getattr(args, "run", None)) is not None:  # a tool's subcommand (see _tool_commands)
+            return run(args)
         from mlxchat.app.app import run_tui
 
         run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))

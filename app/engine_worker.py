@@ -1,12 +1,17 @@
 """The bridge between the UI and the engine: ONE long-lived worker thread and a command queue.
 
 The thread loads the engine (in the background, while the UI is already visible) and iterates each reply's
-stream. Tokens are coalesced into batches of about ``BATCH_S`` (40 ms) and posted to the UI with
-``post_message``, which is thread-safe and never blocks this thread (``call_from_thread`` would wait for the UI on
-every token and inflate TPOT). Nothing is dropped: every delta goes into a batch, and the last batch is posted
-before ``Finished``.
+stream. A reply is started on the UI thread (``ChatSession.send`` only queues it on the engine's thread and
+returns its ``Stream``); ``follow(stream)`` hands the stream to this thread. Tokens are coalesced into batches of
+about ``BATCH_S`` (40 ms) and posted to the UI with ``post_message``, which is thread-safe and never blocks this
+thread (``call_from_thread`` would wait for the UI on every token and inflate TPOT). Nothing is dropped: every
+delta goes into a batch, and the last batch is posted before ``Finished``.
 
-Like toolong's reader thread, it posts messages declared here, which the screen handles with ``@on(...)``.
+Like toolong's reader thread, it posts dataclass messages declared here, which the screen handles with
+``@on(...)``; each carries the ``Stream`` it reports on. It is a plain thread rather than a Textual
+``@work(thread=True)`` worker because it lives as long as the screen (loads, replies and housekeeping share one
+queue, in order) and because the benchmark and the tests drive it without an App: any object with
+``post_message`` will do.
 """
 
 from __future__ import annotations
@@ -16,10 +21,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from textual.message import Message
-from textual.message_pump import MessagePump
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine, Stream
@@ -29,16 +33,18 @@ BATCH_S = 0.040  # the shortest batch; the UI may ask for longer ones (see ``bat
 MAX_BATCH_S = 0.5
 
 
+class Target(Protocol):
+    def post_message(self, message: Message) -> bool: ...
+
+
 @dataclass
 class _Load:
     spec: str | None
 
 
 @dataclass
-class _Generate:
-    request_id: int
-    start: Callable[[], "Stream"]
-    cancelled: threading.Event
+class _Follow:
+    stream: "Stream"
 
 
 @dataclass
@@ -49,65 +55,58 @@ class _Call:
 class EngineWorker:
     """Owns the bridge thread. Every public method is non-blocking and safe to call from the UI."""
 
+    @dataclass
     class Loading(Message):
-        def __init__(self, spec: str | None) -> None:
-            super().__init__()
-            self.spec = spec
+        spec: str | None
 
+    @dataclass
     class Loaded(Message):
-        def __init__(self, engine: "Engine", spec: str | None, seconds: float) -> None:
-            super().__init__()
-            self.engine, self.spec, self.seconds = engine, spec, seconds
+        engine: "Engine"
+        spec: str | None
+        seconds: float
 
+    @dataclass
     class LoadFailed(Message):
-        def __init__(self, spec: str | None, error: BaseException) -> None:
-            super().__init__()
-            self.spec, self.error = spec, error
+        spec: str | None
+        error: BaseException
 
-    class Started(Message):
-        """The request reached the engine (its stream exists)."""
-
-        def __init__(self, request_id: int) -> None:
-            super().__init__()
-            self.request_id = request_id
-
+    @dataclass
     class Prefill(Message):
-        def __init__(self, request_id: int, done: int, total: int) -> None:
-            super().__init__()
-            self.request_id, self.done, self.total = request_id, done, total
+        stream: "Stream"
+        done: int
+        total: int
 
+    @dataclass
     class Tokens(Message):
         """A coalesced batch of text deltas, with the metrics of its last token."""
 
-        def __init__(self, request_id: int, text: str, metrics: "Metrics", count: int) -> None:
-            super().__init__()
-            self.request_id, self.text, self.metrics, self.count = request_id, text, metrics, count
+        stream: "Stream"
+        text: str
+        metrics: "Metrics | None"
+        count: int
 
+    @dataclass
     class Finished(Message):
-        def __init__(self, request_id: int, result: "GenerationResult") -> None:
-            super().__init__()
-            self.request_id, self.result = request_id, result
+        stream: "Stream"
+        result: "GenerationResult"
 
+    @dataclass
     class Failed(Message):
-        """The request failed (an engine error mid-stream, or bad input); the text so far was already posted."""
+        """The reply failed (an engine error mid-stream, or a prompt the engine refused); the text so far was
+        already posted."""
 
-        def __init__(self, request_id: int, error: BaseException) -> None:
-            super().__init__()
-            self.request_id, self.error = request_id, error
+        stream: "Stream"
+        error: BaseException
 
-    def __init__(self, target: MessagePump, *, batch_s: float = BATCH_S) -> None:
+    def __init__(self, target: Target, *, batch_s: float = BATCH_S) -> None:
         self.target = target
         # How old a batch may get before it is posted. The UI raises it when drawing each batch costs more CPU
         # than its budget (a float written by the UI thread, read here: no lock needed).
         self.batch_s = batch_s
-        self._commands: queue.Queue[_Load | _Generate | _Call | None] = queue.Queue()
+        self._commands: queue.Queue[_Load | _Follow | _Call | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._current: _Generate | None = None
-        self._stream: Stream | None = None
-        self._next_id = 0
-        self._pending: list[_Generate] = []
-        self.batches_posted = 0
-        self.tokens_posted = 0
+        self._following: list[Stream] = []  # queued or being iterated, for close()
+        self.batches_posted = 0  # what the benchmark reports next to the TUI's decode speed
         self._thread = threading.Thread(target=self._run, name="mlxchat-ui-bridge", daemon=True)
         self._thread.start()
 
@@ -116,39 +115,21 @@ class EngineWorker:
     def load(self, spec: str | None) -> None:
         self._commands.put(_Load(spec))
 
-    def generate(self, start: Callable[[], "Stream"]) -> int:
-        """Queue a reply: ``start`` runs on the bridge thread and returns the engine's stream (e.g.
-        ``lambda: chat.send(text)``). Returns the request id that the posted messages carry."""
+    def follow(self, stream: "Stream") -> None:
+        """Iterate ``stream`` (e.g. ``chat.send(text)``) on the bridge thread and post what it yields. Stop it with
+        ``stream.cancel()``: the last batch and ``Finished`` (reason "cancelled") still come."""
         with self._lock:
-            self._next_id += 1
-            command = _Generate(self._next_id, start, threading.Event())
-            self._pending.append(command)
-        self._commands.put(command)
-        return command.request_id
+            self._following.append(stream)
+        self._commands.put(_Follow(stream))
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the bridge thread, after what is queued (e.g. closing an old engine)."""
         self._commands.put(_Call(fn))
 
-    def cancel(self) -> bool:
-        """Stop the reply in progress (prefill or decode) and any queued one. True if there was one."""
-        with self._lock:
-            found = bool(self._pending) or self._current is not None
-            for command in self._pending:
-                command.cancelled.set()
-            if self._current is not None:
-                self._current.cancelled.set()
-                if self._stream is not None:
-                    self._stream.cancel()
-        return found
-
-    @property
-    def busy(self) -> bool:
-        with self._lock:
-            return self._current is not None or bool(self._pending)
-
     def close(self, timeout: float = 5.0) -> None:
-        self.cancel()
+        with self._lock:
+            for stream in self._following:
+                stream.cancel()
         self._commands.put(None)
         self._thread.join(timeout)
 
@@ -161,8 +142,12 @@ class EngineWorker:
         while (command := self._commands.get()) is not None:
             if isinstance(command, _Load):
                 self._load(command.spec)
-            elif isinstance(command, _Generate):
-                self._generate(command)
+            elif isinstance(command, _Follow):
+                try:
+                    self._follow(command.stream)
+                finally:
+                    with self._lock:
+                        self._following.remove(command.stream)
             else:
                 try:
                     command.fn()
@@ -181,25 +166,9 @@ class EngineWorker:
             return
         self._post(self.Loaded(engine, spec, time.perf_counter() - started))
 
-    def _generate(self, command: _Generate) -> None:
+    def _follow(self, stream: "Stream") -> None:
         from mlxchat.core.events import Done, PrefillProgress, TokenEvent
 
-        rid = command.request_id
-        with self._lock:
-            self._pending.remove(command)
-            self._current = command
-        try:
-            stream = command.start()
-        except Exception as e:  # noqa: BLE001 - e.g. an empty message or no engine
-            with self._lock:
-                self._current = None
-            self._post(self.Failed(rid, e))
-            return
-        with self._lock:
-            self._stream = stream
-            if command.cancelled.is_set():
-                stream.cancel()
-        self._post(self.Started(rid))
         pending: list[str] = []
         count = 0
         metrics = None
@@ -208,9 +177,8 @@ class EngineWorker:
         def flush() -> None:
             nonlocal pending, count, last_post
             if pending or count:
-                self._post(self.Tokens(rid, "".join(pending), metrics, count))
+                self._post(self.Tokens(stream, "".join(pending), metrics, count))
                 self.batches_posted += 1
-                self.tokens_posted += count
             pending, count = [], 0
             last_post = time.perf_counter()
 
@@ -229,15 +197,11 @@ class EngineWorker:
                         flush()
                 elif isinstance(event, PrefillProgress):
                     flush()
-                    self._post(self.Prefill(rid, event.done, event.total))
+                    self._post(self.Prefill(stream, event.done, event.total))
                 elif isinstance(event, Done):
                     flush()
-                    self._post(self.Finished(rid, event.result))
+                    self._post(self.Finished(stream, event.result))
                 last_event = now
-        except Exception as e:  # noqa: BLE001 - an engine error mid-stream: shown in the app
+        except Exception as e:  # noqa: BLE001 - an engine error mid-stream, or a refused prompt: shown in the app
             flush()
-            self._post(self.Failed(rid, e))
-        finally:
-            with self._lock:
-                self._current = None
-                self._stream = None
+            self._post(self.Failed(stream, e))

@@ -60,13 +60,6 @@ class StoredMessage:
     seed: int | None = None
     model: str | None = None
 
-    def as_chat_message(self) -> dict[str, Any]:
-        """The dict a core ChatSession keeps in ``messages``."""
-        m: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.role == "assistant":
-            m.update(finish_reason=self.finish_reason, metrics=self.metrics or {}, profile=self.profile or {})
-        return m
-
 
 # --- migrations: MIGRATIONS[n] takes a database at version n to n + 1 ------------------------------------------
 
@@ -331,6 +324,17 @@ class Store:
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return StoredMessage(cur.lastrowid, conversation_id, position, role, content, now, finish_reason, metrics,
                              profile, sampler, seed, model)
+
+    def update_message(self, conversation_id: int, position: int, content: str, *, finish_reason: str | None = None,
+                       metrics: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
+                       sampler: str | None = None, seed: int | None = None) -> None:
+        """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final)."""
+        with self._tx() as c:
+            c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
+                      "seed = ? WHERE conversation_id = ? AND position = ?",
+                      (content, finish_reason, _dumps(metrics), _dumps(profile), sampler,
+                       None if seed is None else str(seed), conversation_id, position))
+            c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
         rows = self._c.execute(

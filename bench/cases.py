@@ -118,7 +118,7 @@ async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any
         async with app.run_test(headless=True, size=(120, 40)) as pilot:
             screen = app.chat_screen
             deadline = time.monotonic() + 60
-            while screen.chat is None:
+            while screen.controller.session is None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the app did not get its engine within 60 s")
                 await pilot.pause(0.05)
@@ -133,12 +133,12 @@ async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any
                 if not await screen.submit(text):
                     raise RuntimeError("the chat screen refused the message")
                 deadline = time.monotonic() + 600
-                while screen.reply is not None:
+                while screen.busy:
                     if time.monotonic() > deadline:
                         raise RuntimeError("the TUI reply did not finish within 600 s")
                     await pilot.pause(0.02)
                 wall = time.perf_counter() - started
-                result = screen.last_result
+                result = screen.controller.last_result
                 if result is None:
                     raise RuntimeError("the TUI reply finished without a result")
                 batches = (screen.worker.batches_posted if screen.worker else 0) - posted_before
@@ -169,7 +169,7 @@ def _worker_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
         sink = Sink()
         worker = EngineWorker(sink)  # type: ignore[arg-type]
         chat = engine.chat(system=prompts.SYSTEM, profile=_greedy(max_tokens))
-        worker.generate(lambda: chat.send(text, max_tokens=max_tokens))
+        worker.follow(chat.send(text, max_tokens=max_tokens))
         sink.done.wait(600)
         worker.close()
         fin = [m for m in sink.messages if isinstance(m, EngineWorker.Finished)]

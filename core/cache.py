@@ -78,7 +78,7 @@ class ConversationCache:
 # Work per prefill chunk: cancellation (Esc, Ctrl-C) lands between chunks, so a chunk must stay short however long
 # the context already is (attention grows with it) and however busy the machine. Each chunk is sized from the
 # previous chunk's measured speed; the first is at most FIRST_CHUNK tokens, since nothing is measured yet.
-PREFILL_BUDGET_S = 0.25
+PREFILL_BUDGET_S = 0.5
 FIRST_CHUNK = 128
 MIN_CHUNK = 16
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import platformdirs
 import tomli_w
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
 
 from .errors import MlxChatError
+from .locations import config_dir
 
 log = logging.getLogger(__name__)
 
@@ -313,10 +313,22 @@ def _validated(data: dict[str, Any], path: Traversable) -> SamplingProfile:
 
 
 class ProfileStore:
-    """User profiles as ``<name>.toml`` files in one folder (default: the user's config folder, XDG-aware)."""
+    """User profiles as ``<name>.toml`` files in one folder (default: ``profiles/`` in the config folder that
+    core.locations resolves, so the CLI and the TUI read the same one)."""
 
     def __init__(self, folder: Path | None = None) -> None:
-        self.folder = Path(folder) if folder is not None else platformdirs.user_config_path("mlxchat") / "profiles"
+        self.folder = Path(folder) if folder is not None else config_dir() / "profiles"
+
+    def resolve(self, name: str) -> SamplingProfile:
+        """The profile called ``name``: a preset, else a saved profile. The one place that decides which; a preset
+        wins over a saved profile of the same name. Raises ProfileError naming both lists when neither exists, and
+        for a saved profile that is corrupt (naming the file, which is left as it is)."""
+        if name in SamplingProfile.presets():
+            return SamplingProfile.preset(name)
+        if name in self.list():
+            return self.load(name)
+        raise ProfileError(f"unknown profile {name!r}; presets: {', '.join(SamplingProfile.presets())}; "
+                           f"saved profiles (in {self.folder}): {', '.join(self.list()) or 'none'}")
 
     def _path(self, name: str) -> Path:
         if not NAME_RE.match(name):

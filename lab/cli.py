@@ -14,6 +14,13 @@ from . import prompts as P
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
 
 
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``mlxchat lab`` to the command's parser (entry point ``mlxchat.commands``, see app/cli.py)."""
+    parser = sub.add_parser("lab", help="tune sampling on fixed prompt sets: runs, metrics, comparisons")
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare}")
     sub.required = True

@@ -17,10 +17,10 @@ SESSION="mlxchat-check-$$"
 WORK=$(mktemp -d)
 
 command -v tmux >/dev/null || { echo "tmux is not installed: apt-get install -y tmux" >&2; exit 2; }
-if [ -x .venv/bin/mlxchat ] && .venv/bin/python -c "import app.cli" 2>/dev/null; then
+if [ -x .venv/bin/mlxchat ] && .venv/bin/python -c "import mlxchat.app.cli" 2>/dev/null; then
     CMD=".venv/bin/mlxchat chat --max-tokens 40"
 else
-    CMD=".venv/bin/python -m app chat --max-tokens 40"
+    CMD=".venv/bin/python -m mlxchat.app chat --max-tokens 40"
 fi
 mkdir -p "$WORK/config"
 printf 'profile = "precise"\n' > "$WORK/config/config.toml"

@@ -12,6 +12,13 @@ import sys
 LOOPBACK = "127.0.0.1"
 
 
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``mlxchat serve`` to the command's parser (entry point ``mlxchat.commands``, see app/cli.py)."""
+    parser = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched, streaming)")
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     parser.add_argument("--host", default=LOOPBACK, help="address to bind (default: 127.0.0.1, this machine only)")

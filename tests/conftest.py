@@ -1,6 +1,13 @@
-"""Shared fixtures: the real embedded model, loaded once per test run (loading costs seconds)."""
+"""Shared fixtures: the real embedded model, loaded once per test run (loading costs seconds), and the helpers of
+the TUI tests (an app factory on temporary folders, waiting with Pilot, sending a message and waiting for its
+reply). Test modules get them as fixtures; none imports another test module."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,3 +25,83 @@ def engine() -> Engine:
 @pytest.fixture()
 def greedy() -> SamplingProfile:
     return SamplingProfile(temperature=0)
+
+
+# --- the TUI ---------------------------------------------------------------------------------------------------
+
+TUI_MAX_TOKENS = 4  # replies capped at a few tokens keep the TUI modules near a minute on two cores
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture()
+def new_app(tmp_path: Path, engine: Engine) -> Callable[..., Any]:
+    """``new_app(**kw)``: the app from its factory, on this test's data and config folders, with the session's
+    engine (``engine=None`` loads the model named by ``model=``), no Hugging Face cache scan, short replies."""
+    from mlxchat.app.app import make_app
+
+    def make(**kw: Any) -> Any:
+        kw.setdefault("engine", engine)
+        kw.setdefault("max_tokens", TUI_MAX_TOKENS)
+        kw.setdefault("data_dir", tmp_path / "data")
+        kw.setdefault("config_dir", tmp_path / "config")
+        kw.setdefault("scan_hf_cache", False)
+        return make_app(**kw)
+
+    return make
+
+
+async def _wait_for(pilot: Any, condition: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def _send(pilot: Any, text: str) -> None:
+    """Type ``text`` into what has the focus and press Enter."""
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+async def _reply(pilot: Any, text: str, timeout: float = 60.0) -> Any:
+    """Type ``text`` into the chat input, send it, and return the finished reply's GenerationResult."""
+    screen = pilot.app.chat_screen
+    before = screen.controller.last_result
+    screen.input.focus()
+    await _send(pilot, text)
+    await _wait_for(pilot, lambda: screen.controller.last_result is not before and not screen.busy, timeout,
+                    "the reply")
+    return screen.controller.last_result
+
+
+async def _ready(pilot: Any, timeout: float = 120.0) -> Any:
+    """Wait until the chat screen has its engine; return the screen."""
+    screen = pilot.app.chat_screen
+    await _wait_for(pilot, lambda: screen.controller.session is not None, timeout, "the engine")
+    return screen
+
+
+@pytest.fixture()
+def wait_for() -> Callable[..., Awaitable[None]]:
+    """``await wait_for(pilot, condition, timeout=60, what=...)``: pause the app until ``condition()``."""
+    return _wait_for
+
+
+@pytest.fixture()
+def send() -> Callable[..., Awaitable[None]]:
+    return _send
+
+
+@pytest.fixture()
+def reply() -> Callable[..., Awaitable[Any]]:
+    return _reply
+
+
+@pytest.fixture()
+def ready() -> Callable[..., Awaitable[Any]]:
+    return _ready

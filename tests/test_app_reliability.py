@@ -27,29 +27,16 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlxchat.app.app import MlxChatApp, make_app
+from mlxchat.app.app import MlxChatApp
 from mlxchat.app.engine_worker import EngineWorker
 from mlxchat.app.screens import ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import Notice
-from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core import SamplingProfile
 from mlxchat.core.loader import embedded_model_path
-from tests.tui_helpers import reply, wait_for
 
 MAX_TOKENS = 4
 SIZE = (110, 32)
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-def new_app(tmp_path: Path, engine: Engine | None, **kw) -> MlxChatApp:
-    kw.setdefault("max_tokens", MAX_TOKENS)
-    kw.setdefault("data_dir", tmp_path / "data")
-    kw.setdefault("config_dir", tmp_path / "config")
-    return make_app(engine=engine, scan_hf_cache=False, **kw)
 
 
 def errors(app: MlxChatApp) -> list[str]:
@@ -92,23 +79,24 @@ def _newer(db: Path) -> None:
                                         (_foreign, "not mlxchat's"),
                                         (_newer, "newer mlxchat (schema version 99")],
                          ids=["garbage", "foreign-sqlite", "newer-schema"])
-async def test_unusable_database_is_reported_left_alone_and_the_app_chats(tmp_path, engine, make, says):
+async def test_unusable_database_is_reported_left_alone_and_the_app_chats(tmp_path, engine, make, says, new_app,
+                                                                          wait_for, reply):
     data = tmp_path / "data"
     data.mkdir()
     db = data / "conversations.db"
     make(db)
     before = snapshot(data)
-    app = new_app(tmp_path, engine)
+    app = new_app()
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         (line,) = [m for m in errors(app) if "conversations.db" in m]
         assert says in line and str(db) in line and "left untouched" in line and one_line(line)
         assert "not saved in this session" in line
         assert app.store.path == ":memory:"
         result = await reply(pilot, "Hi")  # still a working chat, on a throwaway database
         assert result.finish_reason in ("stop", "length")
-        assert [m.role for m in app.store.messages(screen.conversation.id)] == ["user", "assistant"]
+        assert [m.role for m in app.store.messages(screen.controller.record.id)] == ["user", "assistant"]
     assert snapshot(data) == before  # byte for byte, and nothing added next to it (no backup, WAL or journal)
 
 
@@ -146,7 +134,8 @@ def make_writable(folder: Path, how: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(tmp_path, engine):
+async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(tmp_path, engine, new_app, wait_for,
+                                                                                reply):
     data, config = tmp_path / "data", tmp_path / "config"
     store = Store(data / "conversations.db")
     old = store.create_conversation("my history")
@@ -160,10 +149,10 @@ async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(
     how = make_read_only(data)
     make_read_only(config)
     try:
-        app = new_app(tmp_path, engine)
+        app = new_app()
         async with app.run_test(size=SIZE) as pilot:
             screen = app.chat_screen
-            await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+            await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
             (line,) = [m for m in errors(app) if "conversations.db" in m]
             assert "read-only" in line and str(data) in line and one_line(line), line
             assert "not saved in this session" in line
@@ -191,29 +180,56 @@ async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(
 
 
 @pytest.mark.anyio
-async def test_data_folder_that_cannot_be_created_is_reported_and_the_app_chats(tmp_path, engine):
+async def test_data_folder_that_cannot_be_created_is_reported_and_the_app_chats(tmp_path, engine, new_app, wait_for,
+                                                                                reply):
     (tmp_path / "file").write_text("a regular file where a folder should be")
-    app = new_app(tmp_path, engine, data_dir=tmp_path / "file" / "data")
+    app = new_app(data_dir=tmp_path / "file" / "data")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         (line,) = errors(app)
         assert "cannot create the data folder" in line and "Not a directory" in line and one_line(line)
         result = await reply(pilot, "Hi")
         assert result.finish_reason in ("stop", "length")
 
 
+@pytest.mark.anyio
+async def test_a_database_that_stops_writing_mid_session_is_one_line_and_the_chat_goes_on(new_app, wait_for, reply):
+    """Issue 12 item 5: a failing write (here: the connection turned read-only, as a full disk or a read-only
+    file does) raised a StoreError out of the chat screen. Now: one line, the chat stays in memory and is written
+    once the database takes writes again."""
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        first = await reply(pilot, "Hi")
+        cid = screen.controller.record.id
+        app.store._c.execute("PRAGMA query_only = ON")  # fault injection: every write now fails
+        second = await reply(pilot, "And again?")
+        third = await reply(pilot, "Once more")
+        (line,) = [m for m in errors(app) if "Cannot save" in m]
+        assert "read-only" in line and "kept here" in line and one_line(line)
+        assert [v.text for v in screen.transcript.messages] == ["Hi", first.text, "And again?", second.text,
+                                                               "Once more", third.text]
+        assert len(app.store.messages(cid)) == 2
+        app.store._c.execute("PRAGMA query_only = OFF")
+        fourth = await reply(pilot, "Saved now?")
+        assert [m.content for m in app.store.messages(cid)] == [v.text for v in screen.transcript.messages]
+        assert fourth.text == app.store.messages(cid)[-1].content
+
+
 # --- models that do not load -----------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_the_notice(tmp_path):
+async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_the_notice(tmp_path, new_app, wait_for,
+                                                                                         reply):
     text_file = tmp_path / "notes.gguf"
     text_file.write_text("hello, I am not a model\n" * 10)
     truncated = tmp_path / "truncated.gguf"
     with embedded_model_path().open("rb") as f:
         truncated.write_bytes(f.read(300_000))  # the real model's first 300 kB: ends inside the header
     for bad, cause in ((text_file, "not a GGUF file"), (truncated, "truncated")):
-        app = new_app(tmp_path, None, model=str(bad))
+        app = new_app(engine=None, model=str(bad))
         async with app.run_test(size=SIZE) as pilot:
             screen = app.chat_screen
             await wait_for(pilot, lambda: bool(screen.query("#notice-load_embedded")), timeout=30,
@@ -227,8 +243,9 @@ async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_th
             assert any("No model is loaded" in m for m in errors(app)) and screen.input.text == "Hi"
             if bad is truncated:  # the offered way out: the embedded model (a real load, ~7 s)
                 await pilot.click("#notice-load_embedded")
-                await wait_for(pilot, lambda: screen.chat is not None, timeout=120, what="the embedded model")
-                assert not screen.query(Notice) and screen.engine.name.startswith("SmolLM2")
+                await wait_for(pilot, lambda: screen.controller.session is not None, timeout=120,
+                               what="the embedded model")
+                assert not screen.query(Notice) and screen.controller.engine.name.startswith("SmolLM2")
                 screen.input.clear()
                 result = await reply(pilot, "Hi")
                 assert result.finish_reason in ("stop", "length")
@@ -237,13 +254,13 @@ async def test_bad_model_files_are_reported_and_the_embedded_model_loads_from_th
 # --- engine errors ---------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_on(tmp_path, engine):
-    app = new_app(tmp_path, engine)
+async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_on(engine, new_app, wait_for, reply):
+    app = new_app()
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         first = await reply(pilot, "Hi")
-        cid = screen.conversation.id
+        cid = screen.controller.record.id
         huge = "word " * 9000  # about 9000 tokens; the context is 8192
         screen.input.load_text(huge)
         await pilot.press("enter")
@@ -252,7 +269,7 @@ async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_
         assert "context of 8192" in line and "not sent" in line and one_line(line)
         unsent = screen.transcript.last("user")
         assert unsent.has_class("unsent") and unsent.text == huge
-        assert [m.content for m in screen.chat.messages if m.role == "user"] == ["Hi"]
+        assert [m.content for m in screen.controller.session.messages if m.role == "user"] == ["Hi"]
         assert [m.content for m in app.store.messages(cid)] == ["Hi", first.text]
         await pilot.press("ctrl+r")  # regenerate would answer the message before it: refused, with the way out
         assert any("ctrl+t" in n.message for n in app._notifications if n.severity == "warning")
@@ -275,10 +292,10 @@ async def test_prompt_longer_than_the_context_is_refused_and_the_same_chat_goes_
         assert [m.content for m in app.store.messages(cid)][-2:] == ["Thanks", third.text]
         assert huge not in [m.content for m in app.store.messages(cid)]
 
-    app = new_app(tmp_path, engine)  # after a restart the chat goes on too: the refused text was never stored
+    app = new_app()  # after a restart the chat goes on too: the refused text was never stored
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         await screen.open_conversation(cid)
         result = await reply(pilot, "Bye")
         assert result.finish_reason in ("stop", "length")
@@ -309,7 +326,7 @@ CYCLES = 50
 
 
 def test_stopping_50_times_in_prefill_and_50_in_decode_through_the_worker_keeps_memory_flat(engine):
-    """The app's path for Esc (EngineWorker.cancel → Stream.cancel), on its bridge thread, with the real engine;
+    """The app's path for Esc (Stream.cancel while EngineWorker.follow iterates it), with the real engine;
     the Pilot-driven single stops are in test_tui.py. Small prefill chunks make "during prefill" cheap to hit: each
     turn edits the first message at its start, so nothing is cached, and the stop goes in at the first chunk."""
     old_step = engine.prefill_step
@@ -322,29 +339,29 @@ def test_stopping_50_times_in_prefill_and_50_in_decode_through_the_worker_keeps_
     try:
         for i in range(CYCLES):
             text = f"{i}{body}"
-            worker.generate(lambda text=text, i=i: chat.edit_last(text, max_tokens=200) if i else
-                            chat.send(text, max_tokens=200))
-            inbox.next(EngineWorker.Prefill)  # prefill has begun
-            assert worker.cancel()
+            stream = chat.edit_last(text, max_tokens=200) if i else chat.send(text, max_tokens=200)
+            worker.follow(stream)
+            assert inbox.next(EngineWorker.Prefill).stream is stream  # prefill has begun
+            stream.cancel()
             result = inbox.next(EngineWorker.Finished).result
             m = result.metrics
             assert result.finish_reason == "cancelled" and result.text == "" and m.completion_tokens == 0
             assert m.cached_tokens < m.context_tokens < m.prompt_tokens  # stopped inside the prefill
             memory.append(mx.get_active_memory())
         for _ in range(CYCLES):
-            worker.generate(lambda: chat.regenerate(max_tokens=200))
+            stream = chat.regenerate(max_tokens=200)
+            worker.follow(stream)
             inbox.next(EngineWorker.Tokens)  # decoding
-            assert worker.cancel()
+            stream.cancel()
             result = inbox.next(EngineWorker.Finished).result
             assert result.finish_reason == "cancelled" and 1 <= result.metrics.completion_tokens < 50
             memory.append(mx.get_active_memory())
-        assert not worker.busy
         assert [m.role for m in chat.messages] == ["system", "user", "assistant"]  # nothing piled up
         base = memory[CYCLES // 5]
         growth = max(memory[CYCLES // 2:CYCLES]) - base, max(memory[CYCLES + CYCLES // 2:]) - base
         assert max(growth) < 16 * 2**20, f"active memory grew by {max(growth) / 2**20:.1f} MiB"
         engine.prefill_step = old_step
-        worker.generate(lambda: chat.send("Hi", max_tokens=8))  # and the session still answers
+        worker.follow(chat.send("Hi", max_tokens=8))  # and the session still answers
         result = inbox.next(EngineWorker.Finished).result
         assert result.finish_reason in ("stop", "length") and result.text
     finally:

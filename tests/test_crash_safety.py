@@ -3,8 +3,8 @@
 - ``kill -9`` of the app while a reply streams: a subprocess runs the real app headless (Textual's ``run_test``,
   the embedded model, a temporary data folder), completes two exchanges, starts a long reply and is SIGKILLed
   mid-stream. The database (still in WAL, never checkpointed) must pass ``PRAGMA integrity_check``, hold every
-  earlier message (through app/store.py), lack only the reply in flight, and reopen in a fresh app that can answer
-  the unanswered message.
+  earlier message (through app/store.py) and the reply in flight as far as it had streamed about a second before
+  the kill, marked stopped, and reopen in a fresh app that can answer the message again.
 - Two writer processes (each appending messages to its own conversation through app/store.py) and an app instance
   chatting, all on one data folder at once: every message is there, in order, and the file is intact (WAL, busy
   timeout, one transaction per message).
@@ -21,22 +21,15 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from mlxchat.app.app import make_app
 from mlxchat.app.store import Store
-from tests.tui_helpers import reply, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = (110, 32)
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
 
 
 def _env() -> dict[str, str]:
@@ -79,21 +72,25 @@ async def main(data, config):
     app = make_app(data_dir=data, config_dir=config, max_tokens=6, scan_hf_cache=False, profile="precise")
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.chat_screen
-        await until(pilot, lambda: screen.chat is not None, 180, "the model")
+        await until(pilot, lambda: screen.controller.session is not None, 180, "the model")
         for text in ("Hello", "What is 2+2?"):
-            before = screen.last_result
+            before = screen.controller.last_result
             await send(pilot, text)
-            await until(pilot, lambda: screen.last_result is not before and not screen.busy, 120, "a reply")
+            await until(pilot, lambda: screen.controller.last_result is not before and not screen.busy, 120, "a reply")
             print("REPLIED", flush=True)
-        app.max_tokens = 4000  # the in-flight reply: long enough never to end before the kill
+        screen.controller.max_tokens = 4000  # the in-flight reply: long enough never to end before the kill
         for text in LONG:  # (greedy: the first one streams on; the others are there in case a change of model
-            before = screen.last_result  # or template makes it answer in a few words)
+            before = screen.controller.last_result  # or template makes it answer in a few words)
             await send(pilot, text)
-            streaming = lambda: screen.reply is not None and len(screen.reply.view.text) >= 8
-            await until(pilot, lambda: streaming() or screen.last_result is not before, 120, "streaming")
+            shown = lambda: screen.controller.reply.turn.content if screen.controller.reply else ""
+            streaming = lambda: len(shown()) >= 8
+            await until(pilot, lambda: streaming() or screen.controller.last_result is not before, 120, "streaming")
             if streaming():
-                print("STREAMING", flush=True)
-                await asyncio.sleep(600)  # streaming on; the test kills this process now
+                print("SHOWN", json.dumps(shown()), flush=True)  # what the screen showed 1.5 s before the kill
+                await pilot.pause(1.5)
+                if streaming():
+                    print("STREAMING", flush=True)
+                    await asyncio.sleep(600)  # streaming on; the test kills this process now
             await until(pilot, lambda: not screen.busy, 120, "the short reply")
             print("REPLIED", flush=True)
         print("TIMEOUT no long reply", flush=True)
@@ -103,7 +100,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 
 @pytest.mark.anyio
-async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, engine):
+async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, engine, wait_for, reply):
     data, config = tmp_path / "data", tmp_path / "config"
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
@@ -142,11 +139,16 @@ async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, e
         stored = store.messages(conversation.id)
     finally:
         store.close()
-    # Every completed exchange is there, with its stats; of the reply in flight, nothing (it was never stored).
-    assert [m.role for m in stored] == ["user", "assistant"] * completed + ["user"]
+    # Every completed exchange is there, with its stats; the reply in flight is there up to about a second before
+    # the kill (saved while it streamed), marked as stopped.
+    assert [m.role for m in stored] == ["user", "assistant"] * (completed + 1)
     assert [m.content for m in stored if m.role == "user"] == sent
-    for m in stored[1::2]:
+    for m in stored[1:-1:2]:
         assert m.finish_reason in ("stop", "length") and "completion_tokens" in m.metrics
+    shown = json.loads([x for x in lines if x.startswith("SHOWN ")][-1].removeprefix("SHOWN "))
+    partial = stored[-1]
+    assert partial.finish_reason == "cancelled" and partial.content.startswith(shown), (partial.content, shown)
+    assert partial.metrics["completion_tokens"] >= 1
     assert [m.position for m in stored] == list(range(len(stored)))
     assert integrity(db) == "ok"
 
@@ -154,16 +156,19 @@ async def test_kill_9_while_a_reply_streams_loses_at_most_that_reply(tmp_path, e
     app = make_app(data_dir=data, config_dir=config, engine=engine, max_tokens=4, scan_hf_cache=False)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         assert app.store_error is None and not app.problems
         await screen.open_conversation(conversation.id)
         await pilot.pause()
         assert [(v.role, v.text) for v in screen.transcript.messages] == [(m.role, m.content) for m in stored]
-        before = screen.last_result
-        await pilot.press("ctrl+r")  # answer the message the killed app never answered
-        await wait_for(pilot, lambda: screen.last_result is not before and not screen.busy, what="the answer")
-        assert screen.last_result.finish_reason in ("stop", "length")
+        assert "stopped by you" in screen.transcript.messages[-1].stats
+        before = screen.controller.last_result
+        await pilot.press("ctrl+r")  # answer again the message the killed app was answering
+        await wait_for(pilot, lambda: screen.controller.last_result is not before and not screen.busy,
+                       what="the answer")
+        assert screen.controller.last_result.finish_reason in ("stop", "length")
         assert [m.role for m in app.store.messages(conversation.id)] == ["user", "assistant"] * (completed + 1)
+        assert app.store.messages(conversation.id)[-1].content == screen.controller.last_result.text
     assert integrity(db) == "ok"
 
 
@@ -194,7 +199,7 @@ N = 300
 
 
 @pytest.mark.anyio
-async def test_two_writer_processes_and_an_app_on_one_data_folder(tmp_path, engine):
+async def test_two_writer_processes_and_an_app_on_one_data_folder(tmp_path, engine, wait_for, reply):
     data = tmp_path / "data"
     writer = tmp_path / "writer.py"
     writer.write_text(WRITER)
@@ -202,7 +207,7 @@ async def test_two_writer_processes_and_an_app_on_one_data_folder(tmp_path, engi
     app = make_app(data_dir=data, config_dir=tmp_path / "config", engine=engine, max_tokens=4, scan_hf_cache=False)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         procs = [subprocess.Popen([sys.executable, str(writer), str(data / "conversations.db"), name, str(N), str(go)],
                                   cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for name in ("alpha", "beta")]
@@ -225,7 +230,7 @@ async def test_two_writer_processes_and_an_app_on_one_data_folder(tmp_path, engi
         assert first.finish_reason in ("stop", "length") and second.finish_reason in ("stop", "length")
         screen.refresh_sidebar()  # the app sees the other writers' conversations
         assert len(app.store.conversations()) == 3
-        mine = screen.conversation.id
+        mine = screen.controller.record.id
 
     assert integrity(data / "conversations.db") == "ok"
     store = Store(data / "conversations.db")

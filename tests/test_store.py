@@ -44,7 +44,7 @@ def test_conversations_and_messages_round_trip_with_stats(db):
     got = store.messages(a.id)
     assert [(x.role, x.content) for x in got] == [("user", "hi"), ("assistant", "hello")]
     assert got[1].metrics == metrics and got[1].seed == seed and got[1].finish_reason == "stop"
-    assert got[1].as_chat_message()["metrics"] == metrics
+    assert got[1].metrics == metrics
     assert store.conversation(a.id).profile == {"name": "chat", "temperature": 0.8}
     assert store.conversation(a.id).system_prompt == "be terse"
     assert store.recent_user_messages() == ["hi"]

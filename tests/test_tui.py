@@ -17,53 +17,36 @@ import pytest
 from pytest_textual_snapshot import SVGImageExtension
 from textual.widgets import Button, Input, OptionList
 
-from mlxchat.app.app import MlxChatApp, make_app
-from mlxchat.app.screens import HelpScreen, ModelPicker, ProfilePicker, TextPrompt
+from mlxchat.app.app import make_app
+from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, Notice
-from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core import SamplingProfile
 from mlxchat.core.profile import ProfileStore
-from tests.tui_helpers import reply, type_and_send, wait_for
 
 MAX_TOKENS = 12
 SIZE = (110, 32)
 
 
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-# `engine` is conftest.py's session fixture: the embedded model, loaded once for the whole run.
-
-
-def new_app(tmp_path: Path, engine: Engine | None, **kw) -> MlxChatApp:
-    kw.setdefault("max_tokens", MAX_TOKENS)
-    return make_app(data_dir=tmp_path / "data", config_dir=tmp_path / "config", engine=engine,
-                    scan_hf_cache=False, **kw)
-
-
 # --- chat ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_send_streams_a_reply_with_live_readouts_and_stores_it(tmp_path, engine):
-    app = new_app(tmp_path, engine)
+async def test_send_streams_a_reply_with_live_readouts_and_stores_it(engine, new_app, wait_for, send, reply):
+    app = new_app(max_tokens=MAX_TOKENS)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
-        await type_and_send(pilot, "Hi")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        await send(pilot, "Hi")
         assert screen.input.text == ""
         views = screen.transcript.messages
         assert [v.role for v in views] == ["user", "assistant"] and views[0].text == "Hi"
         reply_view = views[1]
-        await wait_for(pilot, lambda: screen.last_result is not None and not screen.busy, what="the reply")
-        result = screen.last_result
+        await wait_for(pilot, lambda: screen.controller.last_result is not None and not screen.busy, what="the reply")
+        result = screen.controller.last_result
         assert result is not None and result.finish_reason in ("stop", "length")
-        # It streamed: text arrived in batches, the first well before the end, and nothing was dropped.
-        assert len(reply_view._chunks) >= 2
-        assert reply_view.first_write_at < reply_view.finished_at - result.metrics.tpot_s
+        # It streamed: text arrived in several batches, and nothing was dropped.
+        assert len(reply_view._chunks) >= 2 and screen.worker.batches_posted >= 2
         assert "".join(reply_view._chunks) == result.text == reply_view.text
-        assert screen.worker.tokens_posted >= result.metrics.completion_tokens
         assert reply_view.query_one(".body").source == result.text  # the final re-parse
         # Readouts: non-zero TTFT and TPOT, shown in the stats bar and under the message.
         m = screen.stats.metrics
@@ -79,7 +62,7 @@ async def test_send_streams_a_reply_with_live_readouts_and_stores_it(tmp_path, e
         assert stored[1].content == result.text
         assert stored[1].metrics["ttft_s"] == pytest.approx(result.metrics.ttft_s)
         assert stored[1].profile["name"] == "chat" and stored[1].sampler == result.sampler
-        assert screen.chat.messages[-1].content == result.text
+        assert screen.controller.session.messages[-1].content == result.text
         # The sidebar lists it; copying the reply puts it on the clipboard.
         assert screen.query_one(ConversationList).option_count == 1
         await pilot.press("f5")
@@ -87,55 +70,58 @@ async def test_send_streams_a_reply_with_live_readouts_and_stores_it(tmp_path, e
 
 
 @pytest.mark.anyio
-async def test_escape_stops_the_reply(tmp_path, engine):
-    app = new_app(tmp_path, engine, max_tokens=400)
+async def test_escape_stops_the_reply(engine, new_app, wait_for, send, reply):
+    app = new_app(max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
-        await type_and_send(pilot, "Tell me a long story about a dragon")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        await send(pilot, "Tell me a long story about a dragon")
         await wait_for(pilot, lambda: screen.stats.metrics is not None and screen.stats.metrics.completion_tokens >= 2,
                        what="the first tokens")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.busy, timeout=20, what="the stop")
-        result = screen.last_result
+        result = screen.controller.last_result
         assert result.finish_reason == "cancelled"
         assert 2 <= result.metrics.completion_tokens < 400
         last = screen.transcript.messages[-1]
         assert last.text == result.text and "stopped by you" in last.stats
         # The partial reply is kept (in the session and the store), and the app goes on working.
-        stored = app.store.messages(screen.conversation.id)
+        stored = app.store.messages(screen.controller.record.id)
         assert stored[-1].finish_reason == "cancelled" and stored[-1].content == result.text
 
 
 @pytest.mark.anyio
-async def test_escape_during_prefill(tmp_path, engine):
-    app = new_app(tmp_path, engine, max_tokens=50)
+async def test_escape_during_prefill(engine, new_app, wait_for, reply):
+    app = new_app(max_tokens=50)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         screen.input.load_text("Summarise: " + "the cat sat on the mat. " * 12)
         # Enter and Esc back to back, as a terminal delivers them in one read (Pilot.press would wait for the app
         # to go idle between the keys, and it is not idle while a reply streams).
         screen.input.action_submit()
         screen.input.action_stop()
-        await wait_for(pilot, lambda: screen.last_result is not None and not screen.busy, timeout=30, what="the stop")
-        result = screen.last_result
-        assert result.finish_reason == "cancelled" and result.metrics.completion_tokens <= 1
-        # Nothing was generated: no reply is shown or stored; the user message stays and can be answered again.
-        if not result.text:
-            assert [v.role for v in screen.transcript.messages] == ["user"]
-            assert [m.role for m in app.store.messages(screen.conversation.id)] == ["user"]
+        await wait_for(pilot, lambda: screen.controller.last_result is not None and not screen.busy, timeout=30,
+                       what="the stop")
+        result = screen.controller.last_result
+        # The stop reached the engine with the request: nothing was generated, no reply is shown or stored, and
+        # the user message stays and can be answered again.
+        assert result.finish_reason == "cancelled" and result.metrics.completion_tokens == 0 and result.text == ""
+        assert [v.role for v in screen.transcript.messages] == ["user"]
+        assert [m.role for m in app.store.messages(screen.controller.record.id)] == ["user"]
+        assert any("ctrl+r asks again" in n.message for n in app._notifications)
 
 
 @pytest.mark.anyio
-async def test_profile_picker_validates_inline_and_the_switch_reaches_the_engine(tmp_path, engine):
+async def test_profile_picker_validates_inline_and_the_switch_reaches_the_engine(tmp_path, engine, new_app, wait_for,
+                                                                                 reply):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.toml").write_text("kv_window = 256\n")  # a rotating KV window, shown live
-    app = new_app(tmp_path, engine, max_tokens=4)
+    app = new_app(max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
-        assert screen.chat.profile.name == "chat"
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        assert screen.controller.session.profile.name == "chat"
         await pilot.press("f2")
         picker = app.screen
         assert isinstance(picker, ProfilePicker)
@@ -165,29 +151,29 @@ async def test_profile_picker_validates_inline_and_the_switch_reaches_the_engine
         await pilot.pause()
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.screen is screen, what="the picker to close")
-        assert screen.chat.profile.name == "precise" and screen.profile.temperature == 0
+        assert screen.controller.session.profile.name == "precise" and screen.controller.profile.temperature == 0
         assert "profile precise" in str(screen.stats.query_one("#stats-profile").content)
         result = await reply(pilot, "Hi")
         assert result.profile["name"] == "precise" and result.profile["temperature"] == 0
         assert result.sampler == "greedy"
         assert result.metrics.kv_window == 256 and "(window 256)" in screen.stats.readouts
-        assert app.store.conversation(screen.conversation.id).profile["name"] == "precise"
+        assert app.store.conversation(screen.controller.record.id).profile["name"] == "precise"
 
 
 @pytest.mark.anyio
-async def test_regenerate_and_edit_last(tmp_path, engine):
-    app = new_app(tmp_path, engine, max_tokens=4)
+async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
+    app = new_app(max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         await reply(pilot, "Hi")
-        conv = screen.conversation.id
+        conv = screen.controller.record.id
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: not screen.busy, what="the regenerated reply")
         assert [v.role for v in screen.transcript.messages] == ["user", "assistant"]
         stored = app.store.messages(conv)
         assert [m.role for m in stored] == ["user", "assistant"]
-        assert stored[1].content == screen.last_result.text
+        assert stored[1].content == screen.controller.last_result.text
         # Edit and resend: the input gets the last message; Enter replaces it and what followed.
         await pilot.press("ctrl+t")
         assert screen.editing and screen.input.text == "Hi"
@@ -198,8 +184,8 @@ async def test_regenerate_and_edit_last(tmp_path, engine):
         assert [(v.role, v.text) for v in screen.transcript.messages][0] == ("user", "Hello")
         assert [m.content for m in app.store.messages(conv)][0] == "Hello"
         assert len(app.store.messages(conv)) == 2
-        assert [m.role for m in screen.chat.messages] == ["system", "user", "assistant"]
-        assert screen.chat.messages[1].content == "Hello"
+        assert [m.role for m in screen.controller.session.messages] == ["system", "user", "assistant"]
+        assert screen.controller.session.messages[1].content == "Hello"
         # History: up brings back what was sent.
         await pilot.press("up")
         assert screen.input.text == "Hello"
@@ -207,40 +193,48 @@ async def test_regenerate_and_edit_last(tmp_path, engine):
         assert screen.input.text == "Hi"
         await pilot.press("down", "down")
         assert screen.input.text == ""
-        # Clear: the transcript, the stored messages and the session's history go; the conversation stays.
+        # Clear asks first (Enter alone keeps the chat); yes: the transcript, the stored messages and the
+        # session's history go; the conversation stays.
         await pilot.press("ctrl+l")
+        assert isinstance(app.screen, Confirm) and "2 messages" in app.screen.question
+        await pilot.press("enter")
+        await pilot.pause()
+        assert len(app.store.messages(conv)) == 2 and len(screen.transcript.messages) == 2
+        await pilot.press("ctrl+l")
+        await pilot.press("y")
         await pilot.pause()
         assert screen.transcript.messages == [] and app.store.messages(conv) == []
-        assert [m.role for m in screen.chat.messages] == ["system"]
-        assert screen.conversation.id == conv
+        assert [m.role for m in screen.controller.session.messages] == ["system"]
+        assert screen.controller.record.id == conv
 
 
 @pytest.mark.anyio
-async def test_conversation_survives_a_restart_and_exports(tmp_path, engine):
-    app = new_app(tmp_path, engine, max_tokens=6, profile="factual")
+async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new_app, wait_for, reply):
+    app = new_app(max_tokens=6, profile="factual")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         first = await reply(pilot, "What is the capital of France?")
-        conversation_id = screen.conversation.id
+        conversation_id = screen.controller.record.id
 
-    app = new_app(tmp_path, engine, max_tokens=4)  # the same data folder
+    app = new_app(max_tokens=4)  # the same data folder
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         listed = screen.query_one(ConversationList)
         assert listed.option_count == 1
         listed.focus()
         listed.highlighted = 0
         await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.conversation is not None, what="the conversation to open")
-        assert screen.conversation.id == conversation_id
+        await wait_for(pilot, lambda: screen.controller.record is not None, what="the conversation to open")
+        assert screen.controller.record.id == conversation_id
         views = screen.transcript.messages
         assert [(v.role, v.text) for v in views] == [("user", "What is the capital of France?"),
                                                     ("assistant", first.text)]
         assert "to first token" in views[1].stats  # the stored stats line
-        assert screen.profile.name == "factual" and screen.chat.profile.name == "factual"
-        assert [m.content for m in screen.chat.messages[1:]] == ["What is the capital of France?", first.text]
+        assert screen.controller.profile.name == "factual" and screen.controller.session.profile.name == "factual"
+        assert [m.content for m in screen.controller.session.messages[1:]] == ["What is the capital of France?",
+                                                                               first.text]
         assert screen.input.sent[-1] == "What is the capital of France?"  # history from the store
         # The restored conversation goes on, on the same session.
         screen.input.focus()
@@ -269,22 +263,24 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine):
 
 
 @pytest.mark.anyio
-async def test_rename_delete_and_copy_a_code_block(tmp_path, engine):
+async def test_rename_delete_and_copy_a_code_block(tmp_path, new_app):
     store = Store(tmp_path / "data" / "conversations.db")
     c = store.create_conversation("code")
     store.add_message(c.id, "user", "show code")
-    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n", finish_reason="stop",
-                      metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
+    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n\nThen:\n\n```sh\nls -l\n```\n",
+                      finish_reason="stop", metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
     other = store.create_conversation("other")
     store.close()
-    app = new_app(tmp_path, engine)
+    app = new_app(max_tokens=MAX_TOKENS)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await screen.open_conversation(c.id)
         await pilot.pause()
-        assert screen.transcript.messages[1].code_blocks() == ["print('hi')"]
+        assert screen.transcript.messages[1].code_blocks() == ["print('hi')", "ls -l"]
+        await pilot.press("f8")  # the last code block of the chat (issue 12 item 15: it copied the first)
+        assert app.clipboard == "ls -l"
         await pilot.press("f8")
-        assert app.clipboard == "print('hi')"
+        assert app.clipboard == "ls -l"
         view = screen.transcript.messages[1]
         view.focus()
         await pilot.press("c")
@@ -293,7 +289,7 @@ async def test_rename_delete_and_copy_a_code_block(tmp_path, engine):
         listed = screen.query_one(ConversationList)
         listed.focus()
         listed.highlighted = listed.get_option_index(str(other.id))
-        await pilot.press("r")
+        await pilot.press("ctrl+e")
         assert isinstance(app.screen, TextPrompt)
         app.screen.query_one(Input).value = "renamed"
         await pilot.press("enter")
@@ -304,17 +300,89 @@ async def test_rename_delete_and_copy_a_code_block(tmp_path, engine):
         await pilot.press("y")
         await pilot.pause()
         assert [x.title for x in app.store.conversations()] == ["renamed"]
-        assert screen.conversation is None and screen.transcript.messages == []
+        assert screen.controller.record is None and screen.transcript.messages == []
+
+
+@pytest.mark.anyio
+async def test_opening_a_chat_focuses_the_input_and_typed_text_never_deletes_or_renames(tmp_path, new_app, wait_for):
+    """Issue 12 item 2: typing "do it" + Enter with the sidebar focused deleted the chat (d, then Enter)."""
+    store = Store(tmp_path / "data" / "conversations.db")
+    kept = store.create_conversation("keep me")
+    store.add_message(kept.id, "user", "hello")
+    store.close()
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        listed = screen.query_one(ConversationList)
+        listed.focus()
+        listed.highlighted = 0
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.controller.record is not None, what="the chat to open")
+        assert screen.input.has_focus
+        # With the list focused, typed words are not commands: no dialog, nothing deleted or renamed.
+        listed.focus()
+        await pilot.press(*"do it", "space", *"right", "enter")
+        assert app.screen is screen and app.store.conversation(kept.id).title == "keep me"
+        # The keys that rename or delete are not letters, and a confirmation does not take Enter alone.
+        listed.focus()
+        listed.highlighted = 0
+        await pilot.press("delete")
+        assert isinstance(app.screen, Confirm)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen, what="the dialog to close")
+        assert [c.title for c in app.store.conversations()] == ["keep me"]
+
+
+@pytest.mark.anyio
+async def test_a_new_or_another_chat_starts_with_a_clean_stats_line(new_app, wait_for, reply):
+    """Issue 12 item 10: the stats line kept the previous chat's numbers after ctrl+n or opening another chat."""
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        await reply(pilot, "Hi")
+        first = screen.controller.record.id
+        assert screen.stats.metrics is not None and "TTFT" in screen.stats.readouts
+        await pilot.press("ctrl+n")
+        assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
+        assert screen.stats.state == "idle" and "context 8192" in screen.stats.readouts
+        await reply(pilot, "Hello")
+        assert "TTFT" in screen.stats.readouts
+        await screen.open_conversation(first)
+        assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
+
+
+@pytest.mark.anyio
+async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_app, wait_for, send, reply):
+    """Issue 12 item 4: ctrl+q mid-reply lost the reply; it is saved as far as it got, marked stopped."""
+    app = new_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        await send(pilot, "Tell me a long story about a dragon")
+        await wait_for(pilot, lambda: screen.controller.reply is not None and screen.controller.reply.tokens >= 3,
+                       what="the first tokens")
+        conversation = screen.controller.record.id
+        await pilot.press("ctrl+q")
+        shown = screen.transcript.messages[-1].text
+    store = Store(tmp_path / "data" / "conversations.db")
+    try:
+        stored = store.messages(conversation)
+    finally:
+        store.close()
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[1].finish_reason == "cancelled" and stored[1].content and shown.startswith(stored[1].content)
 
 
 # --- failures --------------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_engine_error_mid_stream_is_shown_and_the_app_stays_usable(tmp_path, engine):
-    app = new_app(tmp_path, engine, max_tokens=3)
+async def test_engine_error_mid_stream_is_shown_and_the_app_stays_usable(engine, new_app, wait_for, reply):
+    app = new_app(max_tokens=3)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         screen.input.load_text("word " * 9000)  # longer than the model's 8192-token context
         await pilot.press("enter")
         await wait_for(pilot, lambda: not screen.busy, what="the failure")
@@ -329,8 +397,8 @@ async def test_engine_error_mid_stream_is_shown_and_the_app_stays_usable(tmp_pat
 
 
 @pytest.mark.anyio
-async def test_model_that_fails_to_load_is_reported_and_offers_the_embedded_one(tmp_path):
-    app = new_app(tmp_path, None, model=str(tmp_path / "missing.gguf"))
+async def test_model_that_fails_to_load_is_reported_and_offers_the_embedded_one(tmp_path, new_app, wait_for, send):
+    app = new_app(engine=None, model=str(tmp_path / "missing.gguf"))
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: bool(screen.query("#notice-load_embedded")), timeout=30, what="the load error")
@@ -338,20 +406,21 @@ async def test_model_that_fails_to_load_is_reported_and_offers_the_embedded_one(
         assert "missing.gguf" in notice.text and "no such file" in notice.text
         assert notice.query_one("#notice-load_embedded", Button).label.plain == "Load the embedded model"
         assert screen.stats.state == "error"
-        await type_and_send(pilot, "Hi")  # usable: it says what to do instead of failing
+        await send(pilot, "Hi")  # usable: it says what to do instead of failing
         assert any("No model is loaded" in n.message for n in app._notifications)
         assert screen.input.text == "Hi"
 
 
 @pytest.mark.anyio
-async def test_model_picker_adds_a_local_model_and_a_failed_switch_keeps_the_current_one(tmp_path, engine):
+async def test_model_picker_adds_a_local_model_and_a_failed_switch_keeps_the_current_one(tmp_path, engine, new_app,
+                                                                                         wait_for):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
-    app = new_app(tmp_path, engine)
+    app = new_app(max_tokens=MAX_TOKENS)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
-        await wait_for(pilot, lambda: screen.chat is not None, what="the engine")
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
         await pilot.press("f3")
         picker = app.screen
         assert isinstance(picker, ModelPicker)
@@ -368,16 +437,17 @@ async def test_model_picker_adds_a_local_model_and_a_failed_switch_keeps_the_cur
         picker.action_load()
         await wait_for(pilot, lambda: any("did not load" in (n.title or "") for n in app._notifications),
                        timeout=30, what="the load failure")
-        assert screen.engine is engine and screen.chat is not None  # still usable on the old model
+        # Still usable on the old model.
+        assert screen.controller.engine is engine and screen.controller.session is not None
         assert not screen.query(Notice)  # no "no model" banner: a model is loaded
 
 
 @pytest.mark.anyio
-async def test_config_remaps_keys_and_bad_config_falls_back(tmp_path, engine):
+async def test_config_remaps_keys_and_bad_config_falls_back(tmp_path, new_app, wait_for, send):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.toml").write_text('theme = "textual-light"\n[keys]\nregenerate = "f9"\n'
                                                      'nonsense = "f7"\n')
-    app = new_app(tmp_path, engine)
+    app = new_app(max_tokens=MAX_TOKENS)
     async with app.run_test(size=SIZE) as pilot:
         rows = {row[3]: row[0] for row in app.binding_rows()}
         assert rows["regenerate"] == "f9" and rows["send"] == "enter"
@@ -396,26 +466,26 @@ async def test_config_remaps_keys_and_bad_config_falls_back(tmp_path, engine):
         await wait_for(pilot, lambda: bool(app.screen.query("CommandList Option, CommandList")), what="palette")
         await pilot.pause(0.3)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.chat_screen.profile.name == "creative", what="the palette switch")
-        assert app.chat_screen.chat.profile.name == "creative"
+        await wait_for(pilot, lambda: app.chat_screen.controller.profile.name == "creative", what="the palette switch")
+        assert app.chat_screen.controller.session.profile.name == "creative"
 
-    app = new_app(tmp_path, engine)  # the F10 choice is remembered over the (unchanged) config's theme
+    app = new_app(max_tokens=MAX_TOKENS)  # the F10 choice is remembered over the (unchanged) config's theme
     async with app.run_test(size=SIZE) as pilot:
         assert app.theme == "textual-dark"
 
     (tmp_path / "config" / "config.toml").write_text("max_tokens = -1\n")
-    app = new_app(tmp_path, engine)
+    app = new_app(max_tokens=MAX_TOKENS)
     async with app.run_test(size=SIZE) as pilot:
         assert app.settings.max_tokens == 1024
         assert any("max_tokens" in n.message for n in app._notifications)
 
 
 @pytest.mark.anyio
-async def test_corrupt_database_is_reported_and_left_alone(tmp_path, engine):
+async def test_corrupt_database_is_reported_and_left_alone(tmp_path, new_app):
     (tmp_path / "data").mkdir()
     db = tmp_path / "data" / "conversations.db"
     db.write_bytes(b"not sqlite at all" * 64)
-    app = new_app(tmp_path, engine)
+    app = new_app(max_tokens=MAX_TOKENS)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         assert app.store_error and "not an SQLite database" in app.store_error
@@ -472,18 +542,19 @@ def snap_app(engine, monkeypatch):
     time.tzset()
 
 
-async def _settle(pilot) -> None:
+async def _settle(pilot, wait_for) -> None:
     screen = pilot.app.chat_screen
-    await wait_for(pilot, lambda: bool(screen.query(ChatInput)) and screen.chat is not None, what="the screen")
+    await wait_for(pilot, lambda: bool(screen.query(ChatInput)) and screen.controller.session is not None,
+                   what="the screen")
     screen.input.cursor_blink = False
     await pilot.pause()
 
 
-def test_snapshot_main_screen(snap_compare, snap_app):
+def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
     app, conversation_id = snap_app
 
     async def run_before(pilot) -> None:
-        await _settle(pilot)
+        await _settle(pilot, wait_for)
         await app.chat_screen.open_conversation(conversation_id)
         await pilot.pause()
         app.chat_screen.input.focus()
@@ -492,22 +563,22 @@ def test_snapshot_main_screen(snap_compare, snap_app):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-def test_snapshot_profile_picker(snap_compare, snap_app):
+def test_snapshot_profile_picker(snap_compare, snap_app, wait_for):
     app, _ = snap_app
 
     async def run_before(pilot) -> None:
-        await _settle(pilot)
+        await _settle(pilot, wait_for)
         await pilot.press("f2")
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-def test_snapshot_help_screen(snap_compare, snap_app):
+def test_snapshot_help_screen(snap_compare, snap_app, wait_for):
     app, _ = snap_app
 
     async def run_before(pilot) -> None:
-        await _settle(pilot)
+        await _settle(pilot, wait_for)
         await pilot.press("f1")
         await pilot.pause()
 

@@ -1,20 +1,16 @@
 """The main chat screen: sidebar, transcript, input, live stats bar and footer.
 
-It owns the conversation state (the engine, its ChatSession, the stored conversation, the profile) and the
-EngineWorker whose messages it handles. Every reply is tracked by request id, so a reply that is stopped while
-the user moves to another conversation still lands, complete, in the conversation it belongs to.
+It composes the widgets and routes messages: what to do with a message, a key or a token is decided by the
+:class:`~mlxchat.app.conversation.ChatController` (no Textual there); the screen shows the outcome. Replies stream
+through the :class:`~mlxchat.app.engine_worker.EngineWorker` bridge thread, whose messages carry their stream.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -22,44 +18,26 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
+from ..conversation import ChatController, Refused, Reply, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelChoice
-from ..store import Conversation, StoredMessage
 from ..widgets import ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, Transcript
 from .dialogs import Confirm, TextPrompt
 from .model_picker import ModelPicker
 from .profile_picker import ProfilePicker
 
 if TYPE_CHECKING:
-    from mlxchat.core import ChatSession, Engine, SamplingProfile, Stream
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core import Engine, SamplingProfile
 
     from ..app import MlxChatApp
-
-StartFn = Callable[["ChatSession"], "Stream"]
 
 # Drawing streamed text costs the UI thread CPU that, on a small machine, the decoder would otherwise use. Batches
 # start at 40 ms; when the UI's CPU time per batch would exceed this share of the time between batches, the
 # batches grow (up to MAX_BATCH_S), so streaming into the TUI costs at most about this much decode speed.
 UI_CPU_BUDGET = 0.04
 
-
-@dataclass
-class Reply:
-    """A reply in flight: where its text goes and where it is stored."""
-
-    request_id: int
-    conversation_id: int
-    view: MessageView
-    model: str
-    cached: int | None = None
-    discard: bool = False  # the conversation was cleared meanwhile: do not store it
-    tokens: int = 0  # tokens streamed so far (0 when it fails: the engine rejected the prompt)
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^\w]+", "-", text.lower()).strip("-")[:40] or "chat"
+BUSY = "A reply is still coming: Esc stops it"
 
 
 class ChatScreen(Screen):
@@ -84,24 +62,10 @@ class ChatScreen(Screen):
 
     def __init__(self) -> None:
         super().__init__(id="chat-screen")
-        self.engine: Engine | None = None
-        self.owns_engine = False
-        self.model_spec: str | None = None
-        self.model_loading: str | bool = False
-        self.load_error: str | None = None
-        self.chat: ChatSession | None = None
-        self.conversation: Conversation | None = None
-        self.profile: SamplingProfile | None = None
-        self.system_prompt: str = ""
-        self.reply: Reply | None = None
-        self._replies: dict[int, Reply] = {}
-        self._deferred: tuple[str, MessageView] | None = None  # a message waiting for the model to load
-        self._pending_messages: list[dict[str, Any]] = []  # the conversation, while there is no ChatSession
-        self.last_result: GenerationResult | None = None
-        self.editing = False
+        self._controller: ChatController | None = None  # made on mount, when the app's store and settings exist
         self.worker: EngineWorker | None = None
+        self.editing = False
         self._ui_cpu_mark: float | None = None
-        self._starting = False  # between accepting a message and its reply being registered (awaits in between)
 
     # --- layout --------------------------------------------------------------------------------------------------
 
@@ -128,18 +92,25 @@ class ChatScreen(Screen):
         return self.query_one(StatsBar)
 
     @property
+    def controller(self) -> ChatController:
+        assert self._controller is not None, "the chat screen is not mounted"
+        return self._controller
+
+    @property
     def busy(self) -> bool:
-        return self.reply is not None or self._deferred is not None or self._starting
+        return self._controller is not None and self._controller.busy
 
     def on_mount(self) -> None:
         app = self.app
+        self._controller = ChatController(
+            app.store, default_profile=app.default_profile, default_system=app.settings.system_prompt,
+            max_tokens=app.max_tokens, kv_window=app.settings.kv_window, exports=app.locations.exports,
+            notify=lambda message, severity: self.notify(message, severity=severity,
+                                                         timeout=10 if severity == "error" else 5))
         self.worker = EngineWorker(self)
-        self.profile = app.default_profile()
-        self.system_prompt = app.settings.system_prompt
         self.query_one("#sidebar").display = app.settings.sidebar
         self.title = "mlxchat"
-        self.sub_title = "new chat"
-        self.stats.show_profile(self.profile.name or "custom")
+        self._show_chat_header()
         self.refresh_sidebar()
         self.input.focus()
         if app.preloaded_engine is not None:
@@ -147,21 +118,88 @@ class ChatScreen(Screen):
         else:
             self.load_model(app.model_spec)
 
-    def on_unmount(self) -> None:
+    def shut_down(self) -> None:
+        """The app is quitting: save what is in flight, stop the bridge, close the engine we loaded."""
+        controller, self._controller = self._controller, None
+        if controller is None:
+            return
+        controller.close()
         if self.worker is not None:
             self.worker.close()
-        if self.owns_engine and self.engine is not None:
-            self.engine.close()
+        if controller.owns_engine and controller.engine is not None:
+            controller.engine.close()
+
+    def on_unmount(self) -> None:
+        self.shut_down()
 
     def refresh_sidebar(self) -> None:
-        self.query_one(ConversationList).show(self.app.store.conversations(),
-                                              self.conversation.id if self.conversation else None)
+        self.query_one(ConversationList).show(self.controller.conversations(),
+                                              self.controller.record.id if self.controller.record else None)
+
+    def _show_chat_header(self) -> None:
+        self.sub_title = self.controller.title
+        self.stats.show_profile(self.controller.profile.name or "custom")
+
+    def _show_ready(self) -> None:
+        """The state line with nothing in flight: what is loaded, and none of the last chat's numbers."""
+        engine = self.controller.engine
+        if engine is not None:
+            self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length}")
+        elif self.controller.loading:
+            self.stats.show_state("loading", "◌ loading", "loading the model…")
+        else:
+            self.stats.show_state("error", "✗ no model", "no model loaded · F3 picks one")
+
+    # --- the transcript follows the controller's turns -----------------------------------------------------------
+
+    def _view(self, turn: Turn) -> MessageView:
+        if turn.role == "assistant":
+            if turn.streaming:
+                stats = ""
+            elif turn.error:
+                stats = f"error: {turn.error}"
+            else:
+                stats = stats_line(turn.metrics, turn.finish_reason, turn.profile.get("name"))
+            view = MessageView("assistant", turn.content, label=f"Assistant · {turn.model}" if turn.model else None,
+                               stats=stats, turn=turn)
+            if turn.error:
+                view.add_class("failed")
+            return view
+        if turn.role == "system":
+            return MessageView("system", turn.content, label="System prompt, from here on", turn=turn)
+        view = MessageView("user", turn.content, turn=turn)
+        if turn.unsent:
+            view.add_class("unsent")
+            view.stats = "not sent · ctrl+t edits and sends it"
+        return view
+
+    async def _sync(self) -> None:
+        """Make the transcript show the controller's turns: keep the views that match, replace the rest."""
+        views, turns = self.transcript.messages, self.controller.turns
+        same = 0
+        while same < min(len(views), len(turns)) and views[same].turn is turns[same]:
+            same += 1
+        if same < len(views):
+            await self.transcript.drop_from(views[same])
+        new = [self._view(t) for t in turns[same:]]
+        if new:
+            await self.transcript.mount_all(new)
+            for view in new:
+                if view.turn is not None and view.turn.streaming:
+                    view.start_stream()
+        self.transcript.anchor()
+
+    def _reply_view(self, reply: Reply) -> MessageView | None:
+        for view in reversed(self.transcript.messages):
+            if view.turn is reply.turn:
+                return view
+        return None
 
     # --- the engine ----------------------------------------------------------------------------------------------
 
     def load_model(self, spec: str | None) -> None:
         assert self.worker is not None
-        self.model_loading = spec or "embedded"
+        self.controller.model_loading(spec)
         self.worker.load(spec)
 
     @on(EngineWorker.Loading)
@@ -171,44 +209,32 @@ class ChatScreen(Screen):
 
     @on(EngineWorker.Loaded)
     async def _loaded(self, event: EngineWorker.Loaded) -> None:
-        old, old_owned = self.engine, self.owns_engine
+        replaced = self.controller.engine is not None
         self._engine_ready(event.engine, event.spec, owned=True)
         await self.transcript.query(Notice).remove()  # "the model did not load" banners are answered now
-        if self.conversation is not None:
-            self.app.store.update_conversation(self.conversation.id, model=event.engine.name)
-        if old is not None:
-            if old_owned and self.worker is not None:
-                self.worker.call(old.close)  # after anything still queued for it
+        if replaced:
             self.notify(f"Loaded {event.engine.name} in {event.seconds:.1f} s", timeout=4)
-        if self._deferred is not None:
-            text, view = self._deferred
-            self._deferred = None
-            self._launch(lambda chat: chat.send(text, max_tokens=self.app.max_tokens), view)
 
     def _engine_ready(self, engine: "Engine", spec: str | None, *, owned: bool) -> None:
-        messages = self._conversation_messages()
-        self.engine, self.owns_engine, self.model_spec = engine, owned, spec
-        self.model_loading = False
-        self.load_error = None
-        self._new_session(messages)
+        old, started = self.controller.engine_ready(engine, spec, owned=owned)
+        if old is not None and self.worker is not None:
+            self.worker.call(old.close)  # after anything still queued for it
         self.title = f"mlxchat · {engine.name}"
-        self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length}")
+        self._show_ready()
+        if started is not None:
+            self._follow(started)
 
     @on(EngineWorker.LoadFailed)
     async def _load_failed(self, event: EngineWorker.LoadFailed) -> None:
-        self.model_loading = False
         message = str(event.error) or type(event.error).__name__
         self.notify(message, title="The model did not load", severity="error", timeout=10)
-        if self._deferred is not None:
-            text, view = self._deferred
-            self._deferred = None
-            await view.fail("the model did not load")
-            self._pending_messages.append({"role": "user", "content": text})  # it stays, unanswered (ctrl+r)
-        if self.engine is not None:
-            self.stats.show_state("idle", "● ready", f"{self.engine.name} (kept; the new model failed: {message})")
+        if self.controller.load_failed() is not None:
+            await self._sync()  # the reply that waited goes; its message stays, unanswered (ctrl+r)
+        engine = self.controller.engine
+        if engine is not None:
+            self.stats.show_state("idle", "● ready", f"{engine.name} (kept; the new model failed: {message})")
             return
-        self.load_error = message
-        self.stats.show_state("error", "✗ no model", "no model loaded · F3 picks one")
+        self._show_ready()
         actions = {"pick_model": "Pick a model (F3)"}
         if event.spec is not None:
             actions = {"load_embedded": "Load the embedded model", **actions}
@@ -222,23 +248,6 @@ class ChatScreen(Screen):
         elif event.action == "pick_model":
             self.action_models()
 
-    def _conversation_messages(self) -> list[dict[str, Any]]:
-        """The conversation so far (no system message), from the session if there is one."""
-        if self.chat is None:
-            return list(self._pending_messages)
-        return [m.as_prompt() for m in self.chat.messages if m.role != "system"]
-
-    def _new_session(self, messages: list[dict[str, Any]]) -> None:
-        """A fresh ChatSession holding ``messages``; its KV cache re-matches them by prefix on the next turn."""
-        if self.engine is None:
-            self.chat = None
-            self._pending_messages = list(messages)
-            return
-        self.chat = self.engine.chat(system=self.system_prompt or None, profile=self.profile,
-                                     max_kv_size=self.app.settings.kv_window)
-        self.chat.replace_history(messages)
-        self._pending_messages = []
-
     # --- sending -------------------------------------------------------------------------------------------------
 
     @on(ChatInput.Submitted)
@@ -247,102 +256,55 @@ class ChatScreen(Screen):
 
     async def submit(self, text: str) -> bool:
         """Send ``text`` (or resend it, when editing the last message). False if it could not be sent now."""
-        if self.busy:
-            self.notify("A reply is still coming: Esc stops it", severity="warning")
+        try:
+            reply = self.controller.resend(text) if self.editing else self.controller.send(text)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
             return False
-        if self.engine is None and not self.model_loading:
-            self.notify("No model is loaded: press F3 to pick one", severity="error")
-            return False
-        if self.editing and self.chat is None:
-            self.notify("The model is still loading", severity="warning")
-            return False
+        self._stop_editing()
         self.input.clear()
         self.input.remember(text)
-        self._starting = True
-        try:
-            if self.editing:
-                await self._resend(text)
-            else:
-                await self._send(text)
-        finally:
-            self._starting = False
+        await self._started(reply)
+        self.refresh_sidebar()
         return True
 
-    def _ensure_conversation(self, first_text: str) -> Conversation:
-        if self.conversation is None:
-            title = " ".join(first_text.split())
-            title = title if len(title) <= 48 else title[:47] + "…"
-            self.conversation = self.app.store.create_conversation(
-                title, system_prompt=self.system_prompt, profile=self._profile_dict(),
-                model=self.engine.name if self.engine else self.model_spec)
-            self.sub_title = self.conversation.title
-        return self.conversation
-
-    def _profile_dict(self) -> dict[str, Any]:
-        return self.profile.model_dump(mode="json") if self.profile else {}
-
-    async def _add_user(self, text: str) -> MessageView:
-        conversation = self._ensure_conversation(text)
-        stored = self.app.store.add_message(conversation.id, "user", text)
-        view = MessageView("user", text, stored_position=stored.position)
-        await self.transcript.add(view)
-        return view
-
-    async def _send(self, text: str) -> None:
-        await self._add_user(text)
-        await self._start(lambda chat: chat.send(text, max_tokens=self.app.max_tokens), text)
-        self.refresh_sidebar()
-
-    async def _start(self, start: StartFn, deferrable_text: str | None = None) -> None:
-        name = self.engine.name if self.engine else "assistant"
-        view = MessageView("assistant", label=f"Assistant · {name}")
-        await self.transcript.add(view)
-        view.start_stream()
-        self.transcript.anchor()
-        if self.chat is None:
-            assert deferrable_text is not None
-            self._deferred = (deferrable_text, view)
-            view.set_stats("waiting for the model to load…")
+    async def _started(self, reply: Reply) -> None:
+        await self._sync()
+        if reply.stream is None:
+            self._set_reply_stats(reply, "waiting for the model to load…")
             self.stats.show_state("waiting", "◌ waiting", "waiting for the model to load…")
-            return
-        self._launch(start, view)
+        else:
+            self._follow(reply)
 
-    def _launch(self, start: StartFn, view: MessageView) -> None:
-        assert self.chat is not None and self.worker is not None and self.conversation is not None
-        chat = self.chat
-        rid = self.worker.generate(lambda: start(chat))
-        view.set_label(f"Assistant · {self.engine.name}" if self.engine else "Assistant")
-        self.reply = Reply(rid, self.conversation.id, view, self.engine.name if self.engine else "")
-        self._replies[rid] = self.reply
-        view.set_stats("prefilling…")
+    def _follow(self, reply: Reply) -> None:
+        assert self.worker is not None and reply.stream is not None
+        self.worker.follow(reply.stream)
+        self._set_reply_stats(reply, "prefilling…")
         self.stats.show_state("prefill", "▷ prefill", "")
         self._ui_cpu_mark = None
 
-    def _reply_for(self, request_id: int) -> Reply | None:
-        return self._replies.get(request_id)
+    def _set_reply_stats(self, reply: Reply, text: str) -> None:
+        view = self._reply_view(reply)
+        if view is not None:
+            view.set_stats(text)
 
     @on(EngineWorker.Prefill)
     def _prefill(self, event: EngineWorker.Prefill) -> None:
-        reply = self._reply_for(event.request_id)
-        if reply is None:
-            return
-        if reply.cached is None:
-            reply.cached = event.done
-        if reply is self.reply:
-            self.stats.show_prefill(event.done, event.total, reply.cached)
-            if reply.view.is_attached:
-                reply.view.set_stats(f"prefill {event.done}/{event.total}")
+        reply = self.controller.on_prefill(event.stream, event.done, event.total)
+        if reply is not None and reply is self.controller.reply:
+            self.stats.show_prefill(event.done, event.total, reply.cached or 0)
+            self._set_reply_stats(reply, f"prefill {event.done}/{event.total}")
 
     @on(EngineWorker.Tokens)
     async def _tokens(self, event: EngineWorker.Tokens) -> None:
-        reply = self._reply_for(event.request_id)
+        reply = self.controller.on_tokens(event.stream, event.text, event.count, event.metrics)
         if reply is None:
             return
-        reply.tokens += event.count
-        if reply.view.is_attached:
-            await reply.view.write(event.text)
-            reply.view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
-        if reply is self.reply and event.metrics is not None:
+        view = self._reply_view(reply)
+        if view is not None:
+            await view.write(event.text)
+            view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
+        if reply is self.controller.reply and event.metrics is not None:
             self.stats.show_metrics(event.metrics, label="▶ decoding")
         self._pace_batches()
 
@@ -357,149 +319,111 @@ class ChatScreen(Screen):
 
     @on(EngineWorker.Finished)
     async def _finished(self, event: EngineWorker.Finished) -> None:
-        reply = self._replies.pop(event.request_id, None)
+        # The view is made final first: the reply counts as in flight until its view and its record are final.
+        reply, result = self.controller.reply_for(event.stream), event.result
         if reply is None:
             return
-        result = event.result
-        current = reply is self.reply
-        kept = bool(result.text) or result.finish_reason != "cancelled"  # what the ChatSession keeps, too
-        stored: StoredMessage | None = None
-        if kept and not reply.discard:
-            stored = self.app.store.add_message(
-                reply.conversation_id, "assistant", result.text, finish_reason=result.finish_reason,
-                metrics=result.metrics.as_dict(), profile=result.profile, sampler=result.sampler, seed=result.seed,
-                model=reply.model)
-        line = stats_line(result.metrics, result.finish_reason, result.profile.get("name"))
-        if reply.view.is_attached:
-            if kept:
-                reply.view.stored_position = stored.position if stored else None
-                await reply.view.finish(result.text, line, result.finish_reason)
+        current = reply is self.controller.reply
+        view = self._reply_view(reply)
+        if view is not None:
+            if keeps(result):
+                await view.finish(result.text, stats_line(result.metrics, result.finish_reason,
+                                                          result.profile.get("name")), result.finish_reason)
             else:
-                await reply.view.remove()
+                await view.remove()
                 self.notify("Stopped before the first token; ctrl+r asks again")
-        if current and reply is self.reply:  # (not replaced while the view was finishing)
+        self.controller.on_finished(event.stream, result)
+        if current:
             self.stats.show_metrics(result.metrics, state="done",
                                     label=DONE.get(result.finish_reason, result.finish_reason))
             self.refresh_sidebar()
-            self.last_result = result
-            self.reply = None  # last: the reply counts as running until its view and record are final
 
     @on(EngineWorker.Failed)
     async def _failed(self, event: EngineWorker.Failed) -> None:
-        reply = self._replies.pop(event.request_id, None)
+        reply = self.controller.reply_for(event.stream)
         if reply is None:
             return
-        message = str(event.error) or type(event.error).__name__
-        if reply.view.is_attached:
-            await reply.view.fail(message)
-        if reply is self.reply and reply.tokens == 0:
-            message += self._unsend_last_user()
-        self.notify(message, title="The reply failed", severity="error", timeout=10)
-        if reply is self.reply:
+        current = reply is self.controller.reply
+        view = self._reply_view(reply)
+        if view is not None:
+            await view.fail(str(event.error) or type(event.error).__name__)
+        _, message = self.controller.on_failed(event.stream, event.error)
+        if current:
+            if reply.answers is not None and reply.answers.unsent:
+                await self._sync_unsent(reply.answers)
             self.stats.show_state("error", "✗ error", message)
-            self.reply = None
+        self.notify(message, title="The reply failed", severity="error", timeout=10)
 
-    def _unsend_last_user(self) -> str:
-        """The engine rejected the prompt before any token (e.g. longer than the context): the last user message
-        was not sent. Take it out of the session (core's ChatSession already drops a rejected ``send``/``edit_last``
-        message; a rejected ``regenerate`` keeps it) and out of the store, or every later turn of this chat would
-        fail the same way after a restart. Its view stays, marked unsent, for ctrl+t. Returns a note for the user."""
-        chat, view = self.chat, self.transcript.last("user")
-        if chat is None or view is None or view.has_class("unsent"):
-            return ""
-        last = chat.messages[-1] if chat.messages else None
-        if last is not None and last.role == "user" and last.content == view.text:
-            chat.drop_last_user()
-        if view.stored_position is not None and self.conversation is not None:
-            self.app.store.delete_messages_from(self.conversation.id, view.stored_position)
-            view.stored_position = None
-        view.add_class("unsent")
-        view.set_stats("not sent · ctrl+t edits and sends it")
-        return " · your message was not sent: ctrl+t edits it, or send another one"
+    async def _sync_unsent(self, turn: Turn) -> None:
+        for view in self.transcript.messages:
+            if view.turn is turn:
+                view.add_class("unsent")
+                view.set_stats("not sent · ctrl+t edits and sends it")
 
     # --- actions -------------------------------------------------------------------------------------------------
 
     @on(ChatInput.StopRequested)
-    def _stop_requested(self) -> None:
-        self.action_stop()
+    async def _stop_requested(self) -> None:
+        await self.action_stop()
 
-    def action_stop(self) -> None:
-        """Esc: stop the reply (also during prefill), or leave editing."""
-        if self._deferred is not None:
-            text, view = self._deferred
-            self._deferred = None
-            self._pending_messages.append({"role": "user", "content": text})
-            view.remove()
-            self.stats.show_state("loading", "◌ loading", "loading the model…")
-            return
-        if self.reply is not None and self.worker is not None:
-            self.worker.cancel()
+    async def action_stop(self) -> None:
+        """Esc: stop the reply (also during prefill, or while it waits for the model), or leave editing."""
+        what = self.controller.stop()
+        if what == "dropped":
+            await self._sync()
+            self._show_ready()
+        elif what == "stopping":
             self.stats.show_state("stopping", "■ stopping…")
-            return
-        if self.editing:
+        elif self.editing:
             self._stop_editing()
             self.input.clear()
 
-    def _cancel_for_navigation(self, *, discard: bool = False) -> None:
-        """Stop the reply in progress; it is still stored (unless ``discard``) in its own conversation."""
-        if self._deferred is not None:
-            self.action_stop()
-        if self.reply is not None:
-            self.reply.discard = discard
-            if self.worker is not None:
-                self.worker.cancel()
-            if self.reply.view.is_attached:
-                self.reply.view.remove()
-            self.reply = None
+    async def _after_switch(self) -> None:
+        """Show the chat the controller now holds (transcript, title, profile, a clean stats line), with the input
+        focused."""
         self._stop_editing()
+        await self.transcript.clear()
+        await self._sync()
+        self._show_chat_header()
+        self._show_ready()  # the last chat's numbers go
+        self.refresh_sidebar()
+        self.input.focus()  # typing goes to the input, never to the sidebar's keys
 
     async def action_new_chat(self) -> None:
-        self._cancel_for_navigation()
-        self.conversation = None
-        self.profile = self.app.default_profile()
-        self.system_prompt = self.app.settings.system_prompt
-        self._new_session([])
-        await self.transcript.clear()
-        self.stats.show_profile(self.profile.name or "custom")
-        self.sub_title = "new chat"
-        self.refresh_sidebar()
-        self.input.focus()
+        self.controller.new_chat()
+        await self._after_switch()
 
-    async def action_clear(self) -> None:
-        self._cancel_for_navigation(discard=True)
-        if self.conversation is not None:
-            self.app.store.clear_messages(self.conversation.id)
-        self._new_session([])
-        await self.transcript.clear()
-        self.notify("Cleared the chat")
+    def action_clear(self) -> None:
+        if not self.controller.turns:
+            self.notify("This chat has no messages", severity="warning")
+            return
+        count = sum(t.role != "system" for t in self.controller.turns)
+
+        async def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            try:
+                self.controller.clear()
+            except Refused as e:
+                self.notify(str(e), severity=e.severity)
+                return
+            await self._after_switch()
+            self.notify("Cleared the chat")
+
+        self.app.push_screen(Confirm(f"Delete the {count} messages of this chat? This cannot be undone.",
+                                     yes="Delete messages"), done)
 
     async def action_regenerate(self) -> None:
-        if self.busy:
-            self.notify("A reply is still coming: Esc stops it", severity="warning")
-            return
-        if self.chat is None:
-            self.notify("The model is still loading", severity="warning")
-            return
-        if self.transcript.last("user") is None:
-            self.notify("Nothing to regenerate yet", severity="warning")
-            return
-        if self.transcript.last("user").has_class("unsent"):
-            self.notify("Your last message was not sent: ctrl+t edits it", severity="warning")
-            return
-        self._starting = True
         try:
-            last = self.transcript.messages[-1]
-            if last.role == "assistant":
-                if last.stored_position is not None and self.conversation is not None:
-                    self.app.store.delete_messages_from(self.conversation.id, last.stored_position)
-                await self.transcript.drop_from(last)
-            await self._start(lambda chat: chat.regenerate(max_tokens=self.app.max_tokens))
-        finally:
-            self._starting = False
+            reply = self.controller.regenerate()
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        await self._started(reply)
 
     def action_edit_last(self) -> None:
         if self.busy:
-            self.notify("A reply is still coming: Esc stops it", severity="warning")
+            self.notify(BUSY, severity="warning")
             return
         last = self.transcript.last("user")
         if last is None:
@@ -517,20 +441,6 @@ class ChatScreen(Screen):
         self.input.remove_class("editing")
         self.input.border_title = None
 
-    async def _resend(self, text: str) -> None:
-        self._stop_editing()
-        last = self.transcript.last("user")
-        unsent = last is not None and last.has_class("unsent")  # not in the session: send it, edit nothing
-        if last is not None:
-            if last.stored_position is not None and self.conversation is not None:
-                self.app.store.delete_messages_from(self.conversation.id, last.stored_position)
-            await self.transcript.drop_from(last)
-        await self._add_user(text)
-        if unsent:
-            await self._start(lambda chat: chat.send(text, max_tokens=self.app.max_tokens))
-        else:
-            await self._start(lambda chat: chat.edit_last(text, max_tokens=self.app.max_tokens))
-
     # --- conversations -------------------------------------------------------------------------------------------
 
     @on(ConversationList.Opened)
@@ -539,69 +449,35 @@ class ChatScreen(Screen):
 
     async def open_conversation(self, conversation_id: int) -> None:
         """Restore a saved conversation: its messages (with their stats), system prompt and profile."""
-        from mlxchat.core import SamplingProfile
-
-        self._cancel_for_navigation()
-        store = self.app.store
-        conversation = store.conversation(conversation_id)
-        stored = store.messages(conversation_id)
-        try:
-            profile = SamplingProfile.model_validate(conversation.profile) if conversation.profile else None
-        except ValidationError as e:
-            self.notify(f"The saved profile is no longer valid ({e.errors()[0]['msg']}); using the default",
-                        severity="warning")
-            profile = None
-        self.conversation = conversation
-        self.profile = profile or self.app.default_profile()
-        self.system_prompt = conversation.system_prompt or ""
-        self._new_session([m.as_chat_message() for m in stored if m.role != "system"])
-        await self.transcript.clear()
-        views = []
-        for m in stored:
-            if m.role == "system":
-                continue
-            label = f"Assistant · {m.model}" if m.role == "assistant" and m.model else None
-            stats = (stats_line(m.metrics or {}, m.finish_reason, (m.profile or {}).get("name"))
-                     if m.role == "assistant" else "")
-            view = MessageView(m.role, m.content, label=label, stats=stats, stored_position=m.position)
-            view.finish_reason = m.finish_reason
-            views.append(view)
-        if views:
-            await self.transcript.mount_all(views)
-        self.transcript.anchor()
-        self.sub_title = conversation.title
-        self.stats.show_profile(self.profile.name or "custom")
-        self.refresh_sidebar()
+        self.controller.open(conversation_id)
+        await self._after_switch()
 
     @on(ConversationList.RenameRequested)
     def _rename(self, event: ConversationList.RenameRequested) -> None:
-        store = self.app.store
-        conversation = store.conversation(event.conversation_id)
+        conversation = self.app.store.conversation(event.conversation_id)
 
         def done(title: str | None) -> None:
-            if not title:
-                return
-            store.rename_conversation(conversation.id, title)
-            if self.conversation and self.conversation.id == conversation.id:
-                self.conversation = store.conversation(conversation.id)
-                self.sub_title = self.conversation.title
-            self.refresh_sidebar()
+            if title:
+                self.controller.rename(conversation.id, title)
+                self.sub_title = self.controller.title
+                self.refresh_sidebar()
 
         self.app.push_screen(TextPrompt("Rename the conversation", conversation.title, accept="Rename"), done)
 
     @on(ConversationList.DeleteRequested)
     def _delete(self, event: ConversationList.DeleteRequested) -> None:
-        store = self.app.store
-        conversation = store.conversation(event.conversation_id)
+        conversation = self.app.store.conversation(event.conversation_id)
 
         async def done(yes: bool | None) -> None:
             if not yes:
                 return
-            if self.conversation and self.conversation.id == conversation.id:
-                await self.action_new_chat()
-            store.delete_conversation(conversation.id)
+            current = self.controller.record is not None and self.controller.record.id == conversation.id
+            deleted = self.controller.delete(conversation.id)
+            if current:
+                await self._after_switch()
             self.refresh_sidebar()
-            self.notify(f"Deleted {conversation.title!r}")
+            if deleted:
+                self.notify(f"Deleted {conversation.title!r}")
 
         self.app.push_screen(Confirm(f"Delete {conversation.title!r} and its messages?", yes="Delete"), done)
 
@@ -609,37 +485,31 @@ class ChatScreen(Screen):
 
     def set_profile(self, profile: "SamplingProfile") -> None:
         """Use ``profile`` from the next turn on (and remember it with the conversation)."""
-        self.profile = profile
-        if self.chat is not None:
-            self.chat.profile = profile
-        if self.conversation is not None:
-            self.app.store.update_conversation(self.conversation.id, profile=self._profile_dict())
+        self.controller.set_profile(profile)
         self.stats.show_profile(profile.name or "custom")
         self.notify(f"Profile {profile.name or 'custom'}: {profile_summary(profile)}")
 
     def action_profiles(self) -> None:
-        assert self.profile is not None
-
         def done(profile: "SamplingProfile | None") -> None:
             if profile is not None:
                 self.set_profile(profile)
 
-        self.app.push_screen(ProfilePicker(self.app.profiles, self.profile), done)
+        self.app.push_screen(ProfilePicker(self.app.profiles, self.controller.profile), done)
 
     def action_system_prompt(self) -> None:
-        def done(text: str | None) -> None:
+        async def done(text: str | None) -> None:
             if text is None:
                 return
-            if self.busy:
-                self.notify("A reply is still coming: Esc stops it", severity="warning")
+            try:
+                self.controller.set_system_prompt(text)
+            except Refused as e:
+                self.notify(str(e), severity=e.severity)
                 return
-            self.system_prompt = text
-            self._new_session(self._conversation_messages())
-            if self.conversation is not None:
-                self.app.store.update_conversation(self.conversation.id, system_prompt=text)
+            await self._sync()
             self.notify("System prompt set for this chat")
 
-        self.app.push_screen(TextPrompt("System prompt for this chat", self.system_prompt, accept="Set"), done)
+        self.app.push_screen(TextPrompt("System prompt for this chat", self.controller.system_prompt, accept="Set"),
+                             done)
 
     def action_models(self) -> None:
         store = self.app.store
@@ -651,14 +521,16 @@ class ChatScreen(Screen):
         def done(choice: ModelChoice | None) -> None:
             if choice is None:
                 return
-            if self.busy:
-                self._cancel_for_navigation()
+            if self.busy:  # the reply would land in a session the new model does not have
+                self.notify(f"{BUSY}, then pick the model again", severity="warning")
+                return
             self.notify(f"Loading {choice.label}…")
             self.load_model(choice.spec)
 
         self.app.push_screen(
             ModelPicker(lambda: [*store.models(), *((p, Path(p).name) for p in self.app.settings.models)],
-                        add, store.remove_model, self.model_spec, scan_hf_cache=self.app.scan_hf_cache), done)
+                        add, store.remove_model, self.controller.model_spec, scan_hf_cache=self.app.scan_hf_cache),
+            done)
 
     # --- copy, export, layout ------------------------------------------------------------------------------------
 
@@ -670,9 +542,11 @@ class ChatScreen(Screen):
         view.action_copy_message()
 
     def action_copy_code(self) -> None:
+        """F8: the last code block of the chat (of the last message that has one)."""
         for view in reversed(self.transcript.messages):
-            if view.code_blocks():
-                view.action_copy_code()
+            if blocks := view.code_blocks():
+                self.app.copy_to_clipboard(blocks[-1])
+                self.notify(f"Copied the last code block ({len(blocks[-1].splitlines())} lines)")
                 return
         self.notify("No code block in this chat", severity="warning")
 
@@ -680,41 +554,16 @@ class ChatScreen(Screen):
         sidebar = self.query_one("#sidebar")
         sidebar.display = not sidebar.display
 
-    def default_export_path(self) -> Path:
-        title = self.conversation.title if self.conversation else "chat"
-        return self.app.locations.exports / f"{slug(title)}-{time.strftime('%Y%m%d-%H%M%S')}.md"
-
-    def export_markdown(self, path: str | Path | None = None) -> Path:
-        """Write the chat as Markdown (to ``path``, or a new file in the data folder's exports/)."""
-        target = Path(path).expanduser() if path else self.default_export_path()
-        lines = [f"# {self.conversation.title if self.conversation else 'New chat'}", ""]
-        if self.engine is not None:
-            lines.append(f"- model: {self.engine.name}")
-        if self.profile is not None:
-            lines.append(f"- profile: {self.profile.name or 'custom'} ({profile_summary(self.profile)})")
-        lines += [f"- exported: {time.strftime('%Y-%m-%d %H:%M')}", ""]
-        if self.system_prompt:
-            lines += ["## System", "", self.system_prompt, ""]
-        for view in self.transcript.messages:
-            if view.streaming:
-                continue
-            lines += [f"## {'You' if view.role == 'user' else 'Assistant'}", "", view.text.rstrip(), ""]
-            if view.role == "assistant" and view.stats:
-                lines += [f"*{view.stats}*", ""]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("\n".join(lines), encoding="utf-8")
-        return target
-
     def action_export(self) -> None:
         def done(path: str | None) -> None:
             if not path:
                 return
             try:
-                written = self.export_markdown(path)
+                written = self.controller.export_markdown(path)
             except OSError as e:
                 self.notify(f"Cannot write {path}: {e.strerror}", severity="error")
                 return
             self.notify(f"Exported to {written}", title="Export", timeout=8)
 
-        self.app.push_screen(TextPrompt("Export the chat to Markdown", str(self.default_export_path()),
+        self.app.push_screen(TextPrompt("Export the chat to Markdown", str(self.controller.default_export_path()),
                                         accept="Export"), done)

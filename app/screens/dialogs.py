@@ -46,6 +46,9 @@ class TextPrompt(ModalScreen[str | None]):
 
 
 class Confirm(ModalScreen[bool]):
+    """A yes/no question. Cancel has the focus, so an Enter typed on the way in never confirms; y or a click does."""
+
+    AUTO_FOCUS = "#confirm-no"
     BINDINGS = [Binding("escape", "no", "Cancel", id="confirm_cancel"), Binding("y", "yes", "Yes", id="confirm_yes")]
 
     def __init__(self, question: str, yes: str = "Yes") -> None:

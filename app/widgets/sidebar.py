@@ -17,9 +17,10 @@ from ..store import Conversation
 
 
 class ConversationList(OptionList):
+    # No single-letter keys: text typed while the list has focus must never rename or delete a chat.
     BINDINGS = [
-        Binding("r", "rename", "Rename", id="rename_conversation"),
-        Binding("delete,d", "delete", "Delete", id="delete_conversation"),
+        Binding("ctrl+e", "rename", "Rename", id="rename_conversation"),
+        Binding("delete,ctrl+d", "delete", "Delete", id="delete_conversation"),
     ]
 
     class Opened(Message):

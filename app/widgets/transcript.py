@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import time
+from typing import TYPE_CHECKING
 
+from markdown_it import MarkdownIt
 from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
-from markdown_it import MarkdownIt
 from textual.widgets import Button, Markdown, Static
-from textual.widgets._markdown import MarkdownFence, MarkdownStream
+from textual.widgets.markdown import MarkdownFence, MarkdownStream
+
+if TYPE_CHECKING:
+    from ..conversation import Turn
 
 _PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would otherwise build one per append
 
@@ -29,20 +32,18 @@ class MessageView(Vertical, can_focus=True):
     ]
 
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
-                 stored_position: int | None = None) -> None:
+                 turn: "Turn | None" = None) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
         self.text = text
         self.label = label or {"user": "You", "assistant": "Assistant"}.get(role, role.title())
         self.stats = stats
-        self.stored_position = stored_position  # position in the store, once saved
+        self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
         self._stream: MarkdownStream | None = None  # made at the first write: a reply stopped before its first
         self._streaming = False                       # token never starts a MarkdownStream task
         self._chunks: list[str] = []
         self._code_index = 0
-        self.first_write_at: float | None = None  # monotonic times: when streamed text first showed, and the end
-        self.finished_at: float | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(self.label, classes="role", markup=False)
@@ -70,8 +71,6 @@ class MessageView(Vertical, can_focus=True):
             self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
         self._chunks.append(text)
         self.text = "".join(self._chunks)
-        if self.first_write_at is None:
-            self.first_write_at = time.monotonic()
         await self._stream.write(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
@@ -81,7 +80,6 @@ class MessageView(Vertical, can_focus=True):
             self._stream = None
         self._streaming = False
         self.remove_class("streaming")
-        self.finished_at = time.monotonic()
         self.text = text
         self.finish_reason = finish_reason
         await self.query_one(".body", Markdown).update(text)

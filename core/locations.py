@@ -1,4 +1,5 @@
-"""Where mlxchat keeps the user's things: XDG-style data and config folders (platformdirs).
+"""Where mlxchat keeps the user's things: XDG-style data and config folders (platformdirs). One module for the CLI,
+the TUI and the profile store, so they all read the same folders.
 
 ``XDG_DATA_HOME`` / ``XDG_CONFIG_HOME`` are honoured on every platform (platformdirs honours them on Linux only),
 and ``MLXCHAT_DATA_DIR`` / ``MLXCHAT_CONFIG_DIR`` override both, for tests and portable installs.
