@@ -23,7 +23,7 @@ from . import loader
 from .backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
                       wants_generation_stream, wants_wired_limit)
 from .beam import Beam, beam_search
-from .cache import ConversationCache, prefill
+from .cache import ConversationCache
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
 from .generate import generate_step

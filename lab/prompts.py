@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
-import os
 import re
 import tomllib
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-import platformdirs
+from mlxchat.core.locations import config_dir
+
 
 BUILTIN_DIR = importlib.resources.files("mlxchat.templates") / "prompts"
 _KEYS = {"id", "text", "system", "answer", "expect", "max_words", "stop"}
@@ -27,14 +27,8 @@ class PromptSetError(ValueError):
     """A prompt set is missing or malformed; the message is one line naming the file and the fix."""
 
 
-def config_dir() -> Path:
-    """The user's config folder ($MLXCHAT_CONFIG_DIR, else platformdirs')."""
-    if value := os.environ.get("MLXCHAT_CONFIG_DIR"):
-        return Path(value).expanduser()
-    return platformdirs.user_config_path("mlxchat")
-
-
 def user_dir() -> Path:
+    """Where the user's own prompt sets live: ``prompts/`` in mlxchat's config folder."""
     return config_dir() / "prompts"
 
 

@@ -8,7 +8,6 @@ from pydantic import ValidationError
 from mlxchat.core import SamplingProfile
 from mlxchat.core.profile import ProfileStore
 
-from . import prompts as P
 from .runner import RUN_FIELDS, Setting
 
 # Fields a sweep may not change: labels and provenance, per-run fields (max_tokens is --max-tokens), lists and
@@ -20,7 +19,7 @@ _NOT_SWEEPABLE = {"name", "description", "version", "stop", "logit_bias", "sampl
 def named_profile(name: str) -> SamplingProfile:
     if name in SamplingProfile.presets():
         return SamplingProfile.preset(name)
-    store = ProfileStore(P.config_dir() / "profiles")
+    store = ProfileStore()
     if name in store.list():
         return store.load(name)
     raise ValueError(f"--profile {name!r}: unknown; presets: {', '.join(SamplingProfile.presets())}; saved "

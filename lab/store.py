@@ -4,7 +4,6 @@ code version), every output as it finishes (so a cancelled run keeps what it had
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 from dataclasses import dataclass, field
@@ -13,7 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import platformdirs
+
+from mlxchat.core.locations import data_dir
 
 from .runner import Output, cell_metrics
 
@@ -34,12 +34,6 @@ CREATE TABLE IF NOT EXISTS votes (
 
 class RunNotFound(ValueError):
     pass
-
-
-def data_dir() -> Path:
-    if value := os.environ.get("MLXCHAT_DATA_DIR"):
-        return Path(value).expanduser()
-    return platformdirs.user_data_path("mlxchat")
 
 
 def code_version() -> str:

@@ -105,3 +105,20 @@ def reply() -> Callable[..., Awaitable[Any]]:
 @pytest.fixture()
 def ready() -> Callable[..., Awaitable[Any]]:
     return _ready
+
+
+# --- the fast tier ----------------------------------------------------------------------------------------------
+# `make test-fast` (pytest -m "not model") runs what loads no model and starts no app or server: the edit-test loop.
+# A test is in the model tier when it asks for a fixture that loads one, or when its module drives real processes,
+# servers or apps throughout.
+MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_app", "with_session_engine",
+                  "server", "tight", "client", "sweep", "wheel", "bad_files"}
+MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
+                 "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__.rsplit(".", 1)[-1] in \
+                MODEL_MODULES:
+            item.add_marker(pytest.mark.model)

@@ -95,11 +95,11 @@ def test_bench_registers_its_flags_through_the_hook_and_app_never_imports_bench(
 
 
 def test_a_tool_that_fails_to_load_is_one_line_and_generate_still_parses(tmp_path, monkeypatch, capsys):
-    _install_tool(tmp_path, "lab = no_such_module:register")
+    _install_tool(tmp_path, "frob = no_such_module:register")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert cli.main(["lab"]) == 2
+    assert cli.main(["frob"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "the lab command could not be loaded from no_such_module:register" in err
+    assert err.count("\n") == 1 and "the frob command could not be loaded from no_such_module:register" in err
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--help"])
     assert e.value.code == 0

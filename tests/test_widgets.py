@@ -81,7 +81,7 @@ async def test_every_readout_is_shown_at_narrow_widths(columns: int):
             assert part in flat, (columns, part, shown)
         assert "MiB" in flat and "MB" not in flat.replace("MiB", "")
         assert ("\n" in shown.strip()) == (columns < 120)  # narrow bars wrap onto a second row, never cut
-        bar.reset("SmolLM2 · context 8192")  # a new chat: the last reply's numbers go
+        bar.show_state("idle", "● ready", "SmolLM2 · context 8192")  # a new chat: the last reply's numbers go
         await pilot.pause()
         assert bar.metrics is None and bar.readouts == "SmolLM2 · context 8192"
 

@@ -21,7 +21,7 @@ from textual.widgets import Footer, Header
 from ..conversation import ChatController, Refused, Reply, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
-from ..models import ModelChoice
+from ..models import ModelPick, to_remember
 from ..widgets import ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, Transcript
 from .dialogs import Confirm, TextPrompt
 from .model_picker import ModelPicker
@@ -56,6 +56,7 @@ class ChatScreen(Screen):
         Binding("f8", "copy_code", "Copy last code block", id="copy_code", show=False),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False),
         Binding("f4", "system_prompt", "System prompt", id="system_prompt", show=False),
+        Binding("f6", "lab", "Lab", id="lab", show=False),
     ]
 
     app: "MlxChatApp"
@@ -211,6 +212,8 @@ class ChatScreen(Screen):
     async def _loaded(self, event: EngineWorker.Loaded) -> None:
         replaced = self.controller.engine is not None
         self._engine_ready(event.engine, event.spec, owned=True)
+        if (entry := to_remember(event.spec)) is not None:  # a path is listed only once it has loaded
+            self.app.store.add_model(*entry)
         await self.transcript.query(Notice).remove()  # "the model did not load" banners are answered now
         if replaced:
             self.notify(f"Loaded {event.engine.name} in {event.seconds:.1f} s", timeout=4)
@@ -514,23 +517,31 @@ class ChatScreen(Screen):
     def action_models(self) -> None:
         store = self.app.store
 
-        def add(path: str) -> None:
-            resolved = str(Path(path).expanduser().resolve())
-            store.add_model(resolved, Path(resolved).name)
-
-        def done(choice: ModelChoice | None) -> None:
-            if choice is None:
+        def done(pick: ModelPick | None) -> None:
+            if pick is None or pick.already_loaded:  # the model in use: nothing to reload, the chat's cache stays
                 return
             if self.busy:  # the reply would land in a session the new model does not have
                 self.notify(f"{BUSY}, then pick the model again", severity="warning")
                 return
-            self.notify(f"Loading {choice.label}…")
-            self.load_model(choice.spec)
+            self.notify(f"Loading {pick.choice.label}…")
+            self.load_model(pick.choice.spec)
 
         self.app.push_screen(
             ModelPicker(lambda: [*store.models(), *((p, Path(p).name) for p in self.app.settings.models)],
-                        add, store.remove_model, self.controller.model_spec, scan_hf_cache=self.app.scan_hf_cache),
+                        store.remove_model, self.controller.model_spec, scan_hf_cache=self.app.scan_hf_cache),
             done)
+
+    def action_lab(self) -> None:
+        """F6: the sampling lab (prompt sets, sweeps, side-by-side outputs, blind A/B) on the loaded model."""
+        from mlxchat.lab.store import LabStore
+
+        from .lab import LabScreen
+
+        engine = self.controller.engine
+        if engine is None:
+            self.notify("the lab needs a loaded model: wait for it, or pick one with F3", severity="warning")
+            return
+        self.app.push_screen(LabScreen(engine, LabStore(self.app.locations.data / "lab.db")))
 
     # --- copy, export, layout ------------------------------------------------------------------------------------
 

@@ -51,11 +51,6 @@ class StatsBar(Horizontal):
         self.show_state(state, label)
         self._show_readouts()
 
-    def reset(self, detail: str = "") -> None:
-        """Forget the last reply's readouts (a new or another chat): show ``detail`` instead, e.g. the model."""
-        self.metrics = None
-        self._set("readouts", detail)
-
     def _show_readouts(self) -> None:
         width = self.query_one("#stats-readouts", Static).content_region.width
         text = live_readouts(self.metrics, width or None)
