@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Let each tool add its subcommand. An entry point in ``mlxchat.commands`` names a function
     ``register(subparsers)`` that adds one parser (``subparsers.add_parser(name, help=...)``, which gets this
-    parser's one-line errors) and sets ``run`` as a default: ``run(args) -> int`` runs the command. ``register``
+    parser's one-line errors) and sets ``command_runner`` as a default: ``command_runner(args) -> int`` runs the
+    command (a name no subcommand uses for its own arguments; `lab show RUN` has a `run`). ``register``
     must stay cheap (no MLX, no plotting): it runs for every ``mlxchat`` invocation; ``run`` imports the tool."""
     seen: set[str] = set()
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: (e.name, e.value)):
@@ -88,7 +89,7 @@ def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -
             ep.load()(sub)
         except Exception as e:  # noqa: BLE001 - a broken tool must not take `mlxchat generate` down with it
             broken = sub.add_parser(ep.name, help=f"unavailable: {type(e).__name__}: {e}")
-            broken.set_defaults(run=lambda _args, ep=ep, e=e: _unavailable(ep, e))
+            broken.set_defaults(command_runner=lambda _args, ep=ep, e=e: _unavailable(ep, e))
 
 
 def _unavailable(ep: object, error: Exception) -> int:
@@ -340,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _with_interrupts(args)
         if args.command in ("pull", "models", "rm"):
             return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
-        if (run := getattr(args, "run", None)) is not None:  # a tool's subcommand (see _tool_commands)
+        if (run := getattr(args, "command_runner", None)) is not None:  # a tool's subcommand (_tool_commands)
             return run(args)
         from mlxchat.app.app import run_tui
 

@@ -23,7 +23,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")
     bench.add_argument("--skip", action="append", help="leave out a section: matrix, chat, tui, rotating, "
                                                        "roofline, formats, native, kv (repeatable)")
-    bench.set_defaults(run=run)
+    bench.set_defaults(command_runner=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@
   on the engine's inference thread (MLX streams are per thread), fed the same prompt token ids, with mlx-lm's own
   defaults otherwise (``prefill_step_size`` 2048, its 20-token penalty window). The detokenizer is chosen the way
   ``mlx_lm.tokenizer_utils.load`` chooses it from tokenizer.json's decoder. Timed on that thread: TTFT is from the
-  call to the first token, TPOT the mean gap between later tokens (the engine's definitions, DESIGN.md §3).
+  call to the first token, TPOT the mean gap between later tokens (the engine's definitions, docs/architecture.md §8).
 * ``LlamaCppRunner``: llama.cpp through ``llama-cpp-python`` on the same GGUF file, 2 threads, fed the same ids
   (same vocabulary), its KV cache reset before each run so no prefix is reused. Only when importable.
 

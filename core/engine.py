@@ -176,7 +176,7 @@ class Request:
 
 
 class Engine:
-    """A loaded model and its inference thread. See DESIGN.md §2 for the surface scripts rely on."""
+    """A loaded model and its inference thread. See docs/architecture.md §7 for the surface scripts rely on."""
 
     def __init__(self, model: loader.LoadedModel, worker: InferenceThread, prefill_step: int) -> None:
         self.model = model

@@ -1,6 +1,6 @@
 """Sampling profiles: one validated parameter object per request, named presets, saved user profiles.
 
-Field names follow OpenAI / vLLM (DESIGN.md §2). Every range is checked here, once, at the edge; an invalid value
+Field names follow OpenAI / vLLM (docs/architecture.md §7). Every range is checked here, once, at the edge; an invalid value
 raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed range. Nothing here
 imports MLX.
 

@@ -18,15 +18,16 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     """Add ``mlxchat lab`` to the command's parser (entry point ``mlxchat.commands``, see app/cli.py)."""
     parser = sub.add_parser("lab", help="tune sampling on fixed prompt sets: runs, metrics, comparisons")
     add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(command_runner=run)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare}")
     sub.required = True
     r = sub.add_parser("run", help="run prompts x settings x seeds and store the outputs and metrics")
-    r.add_argument("--prompts", required=True, help=f"prompt set: {', '.join(P.available())}, a name in "
-                                                    f"{P.user_dir()}, or a .toml path")
+    # Named without reading the user's folder: building the parser must not import the engine (see app/cli.py).
+    r.add_argument("--prompts", required=True, help="prompt set: precise, factual, chat, creative, completion, one "
+                                                    "of yours in <config folder>/prompts/NAME.toml, or a .toml path")
     r.add_argument("--profile", action="append", default=[], help="a preset or saved profile (repeatable)")
     r.add_argument("--sweep", help="PARAM=v1,v2,...: one field of --base at several values")
     r.add_argument("--base", help="the profile a sweep starts from (default: the default profile)")

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from mlxchat.core.locations import config_dir
-
 
 BUILTIN_DIR = importlib.resources.files("mlxchat.templates") / "prompts"
 _KEYS = {"id", "text", "system", "answer", "expect", "max_words", "stop"}
@@ -29,6 +27,8 @@ class PromptSetError(ValueError):
 
 def user_dir() -> Path:
     """Where the user's own prompt sets live: ``prompts/`` in mlxchat's config folder."""
+    from mlxchat.core.locations import config_dir  # here: importing mlxchat.core loads MLX, which `mlxchat --help` need not
+
     return config_dir() / "prompts"
 
 

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 
-from mlxchat.core.locations import data_dir
-
 from .runner import Output, cell_metrics
 
 SCHEMA = """
@@ -80,7 +78,11 @@ class Run:
 
 class LabStore:
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or data_dir() / "lab.db"
+        if path is None:
+            from mlxchat.core.locations import data_dir  # here: importing mlxchat.core loads MLX
+
+            path = data_dir() / "lab.db"
+        self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # check_same_thread=False: the TUI runs experiments in a worker thread; each call is one short transaction.
         self.db = sqlite3.connect(self.path, check_same_thread=False)

@@ -16,7 +16,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     """Add ``mlxchat serve`` to the command's parser (entry point ``mlxchat.commands``, see app/cli.py)."""
     parser = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched, streaming)")
     add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(command_runner=run)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

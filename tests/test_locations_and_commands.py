@@ -71,7 +71,7 @@ def test_a_tool_registers_a_subcommand_that_mlxchat_runs(tmp_path, monkeypatch, 
         def register(sub):
             p = sub.add_parser("toy", help="a toy tool")
             p.add_argument("--n", type=int, required=True)
-            p.set_defaults(run=lambda args: print(f"toy {args.n}") or args.n)
+            p.set_defaults(command_runner=lambda args: print(f"toy {args.n}") or args.n)
     ''')
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli.main(["toy", "--n", "3"]) == 3
