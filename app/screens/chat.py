@@ -145,7 +145,8 @@ class ChatScreen(Screen):
         """The state line with nothing in flight: what is loaded, and none of the last chat's numbers."""
         engine = self.controller.engine
         if engine is not None:
-            self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length}")
+            self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length} · "
+                                                      f"{engine.model.weights_path}")
         elif self.controller.loading:
             self.stats.show_state("loading", "◌ loading", "loading the model…")
         else:
