@@ -22,6 +22,14 @@ def engine() -> Engine:
     e.close()
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer GGUF on the embedded model's real vocabulary, with a context of 256 (tests/model_files.py)."""
+    from tests.model_files import tiny_llama_gguf
+
+    return tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
 @pytest.fixture()
 def greedy() -> SamplingProfile:
     return SamplingProfile(temperature=0)

@@ -21,7 +21,7 @@ import pytest
 from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.profile import ProfileStore
-from tests.test_reliability import BAD_NAMES, bad_model_files, tiny  # noqa: F401 - `tiny` is a fixture
+from tests.bad_models import BAD_NAMES, bad_model_files
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = "presets: chat, completion, creative, factual, precise"
@@ -60,7 +60,7 @@ def with_session_engine(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Engi
 
 
 @pytest.fixture(scope="module")
-def bad_files(tmp_path_factory: pytest.TempPathFactory, tiny: Path):  # noqa: F811
+def bad_files(tmp_path_factory: pytest.TempPathFactory, tiny: Path):
     return bad_model_files(tmp_path_factory.mktemp("cli-bad"), tiny)
 
 

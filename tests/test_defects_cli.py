@@ -16,7 +16,6 @@ import pytest
 
 from mlxchat.app.cli import main
 from mlxchat.core import Engine
-from tests.test_reliability import tiny  # noqa: F401 - a fixture: a 2-layer GGUF with a context of 256
 
 PROMPT = "Tell me a very long story about a cat and a dog."
 

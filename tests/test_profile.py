@@ -100,7 +100,9 @@ def test_chain_description() -> None:
     assert SamplingProfile(temperature=0, top_p=0.5).describe_chain() == "greedy"
     assert SamplingProfile(temperature=0.5, top_p=0.5, sampler_order=["temperature", "top_p"]).describe_chain() == \
         "Temperature(0.5) → TopP(0.5) → sample"
-    assert list(DEFAULT_ORDER)[-1] == "temperature"
+    # By default temperature comes last, after every filter.
+    every = SamplingProfile(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, typical_p=0.9, xtc_probability=0.5)
+    assert every.chain()[-2:] == ["Temperature(0.7)", "sample"] and len(every.chain()) == 7
 
 
 def test_stacked_truncations_warn_but_are_allowed() -> None:

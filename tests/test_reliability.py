@@ -19,7 +19,7 @@ import pytest
 from mlxchat.core import ContextLengthError, Engine, GenerationError, ModelLoadError, SamplingProfile
 from mlxchat.core import gguf, loader
 from mlxchat.core.events import PrefillProgress, TokenEvent
-from tests.model_files import tiny_llama_gguf
+from tests.bad_models import BAD_NAMES, bad_model_files, set_u32_after
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,113 +32,10 @@ def one_line(message: str) -> str:
 # --- bad model files: one line naming the file and the cause ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-
-
-def _gguf(meta: list, tensors: list | None = None) -> bytes:
-    from scripts_fuzz import build_gguf  # noqa: PLC0415 - see below
-
-    return build_gguf(meta, tensors if tensors is not None else [("output_norm.weight", (4,), 0, bytes(16))])[0]
-
-
-def _set_u32_after(data: bytearray, key: str, value: int, skip: int = 0) -> None:
-    raw = struct.pack("<Q", len(key)) + key.encode()
-    struct.pack_into("<I", data, data.index(raw) + len(raw) + skip, value)
-
-
-def bad_model_files(folder: Path, tiny: Path) -> dict[str, tuple[Path, str]]:
-    """Name → (path, what the one-line error must say). Shared with tests/test_cli.py."""
-    data = tiny.read_bytes()
-    header = gguf.read_header(tiny)
-    first = header.tensors[0].name.encode()
-    table = data.rindex(struct.pack("<Q", len(first)) + first)
-    end = max(t.offset + t.nbytes for t in header.tensors)
-    data_start = (len(data) - end) // 32 * 32
-    cuts = {
-        "cut in the fixed header": 10,
-        "cut in the first metadata key": 30,
-        "cut in the vocabulary": data.index(b"tokenizer.ggml.tokens") + 5000,
-        "cut in the tensor table": table + 12,
-        "cut at the start of the data": data_start,
-        "cut in the middle of the data": data_start + end // 2,
-        "cut one byte short": len(data) - 1,
-    }
-    out: dict[str, tuple[Path, str]] = {}
-    for i, (name, cut) in enumerate(cuts.items()):
-        p = folder / f"cut-{i}.gguf"
-        p.write_bytes(data[:cut])
-        out[name] = (p, "truncated")
-
-    def variant(name: str, edit, expected: str) -> None:
-        d = bytearray(data)
-        edit(d)
-        p = folder / f"{name.replace(' ', '-')}.gguf"
-        p.write_bytes(bytes(d))
-        out[name] = (p, expected)
-
-    # the first tensor's type field: after its name, n_dims and dims
-    n_dims = struct.unpack_from("<I", data, table + 8 + len(first))[0]
-    type_at = table + 8 + len(first) + 4 + 8 * n_dims
-    variant("unknown tensor type", lambda d: struct.pack_into("<I", d, type_at, 99), "unknown ggml type 99")
-    variant("K-quant tensor type", lambda d: struct.pack_into("<I", d, type_at, 12), "Q4_K")
-    arch = struct.pack("<Q", 20) + b"general.architecture" + struct.pack("<IQ", 8, 5)
-    arch_at = data.index(arch) + len(arch)
-    variant("unsupported architecture", lambda d: d.__setitem__(slice(arch_at, arch_at + 5), b"mamba"),
-            "architecture 'mamba' is not supported")
-    variant("missing hyper-parameter", lambda d: d.__setitem__(slice(d.index(b"llama.block_count"),
-                                                                     d.index(b"llama.block_count") + 17),
-                                                               b"llama.block_cXunt"),
-            "metadata key llama.block_count is missing")
-
-    def write(name: str, raw: bytes, expected: str) -> None:
-        p = folder / f"{name.replace(' ', '-')}.gguf"
-        p.write_bytes(raw)
-        out[name] = (p, expected)
-
-    write("no architecture", _gguf([("general.name", 8, "x")]), "architecture '(none)' is not supported")
-    write("no tokenizer", _gguf([("general.architecture", 8, "llama")]), "has no tokenizer")
-    write("float64 metadata", _gguf([("general.architecture", 8, "llama"), ("llama.rope.freq_base", 12, 1e4)]),
-          "llama.rope.freq_base holds float64 values")
-    write("not a GGUF file", b"PK\x03\x04 a zip file, not a model" * 10, "not a GGUF file")
-    write("empty file", b"", "too short")
-    write("future GGUF version", b"GGUF" + struct.pack("<IQQ", 4, 0, 0), "GGUF version 4 is not supported")
-    empty_dir = folder / "empty-folder"
-    empty_dir.mkdir()
-    out["folder without config.json"] = (empty_dir, "no config.json")
-    no_weights = folder / "no-weights"
-    no_weights.mkdir()
-    (no_weights / "config.json").write_text('{"model_type": "llama"}')
-    out["folder without weights"] = (no_weights, "no *.safetensors")
-    out["missing file"] = (folder / "absent.gguf", "no such file")
-    return out
-
-
-# scripts/ is not a package: load the fuzz script's GGUF writer once, under a private name.
-def _load_fuzz_module() -> None:
-    import importlib.util
-
-    if "scripts_fuzz" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("scripts_fuzz", ROOT / "scripts" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["scripts_fuzz"] = module
-        spec.loader.exec_module(module)
-
-
-_load_fuzz_module()
-
-
-@pytest.fixture(scope="module")
 def bad_files(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> dict[str, tuple[Path, str]]:
     return bad_model_files(tmp_path_factory.mktemp("bad"), tiny)
 
 
-BAD_NAMES = ["cut in the fixed header", "cut in the first metadata key", "cut in the vocabulary",
-             "cut in the tensor table", "cut at the start of the data", "cut in the middle of the data",
-             "cut one byte short", "unknown tensor type", "K-quant tensor type", "unsupported architecture",
-             "missing hyper-parameter", "float64 metadata", "no architecture", "no tokenizer", "not a GGUF file",
-             "empty file", "future GGUF version", "folder without config.json", "folder without weights",
-             "missing file"]
 
 
 def test_bad_model_files_cover_the_list(bad_files) -> None:
@@ -157,9 +54,9 @@ def test_engine_load_of_a_bad_model_is_one_line_naming_file_and_cause(bad_files,
 def _hparam(tiny: Path, folder: Path, key: str, value: int, vtype: int | None = None) -> Path:
     d = bytearray(tiny.read_bytes())
     if vtype is not None:
-        _set_u32_after(d, key, vtype)
+        set_u32_after(d, key, vtype)
     else:
-        _set_u32_after(d, key, value, skip=4)
+        set_u32_after(d, key, value, skip=4)
     p = folder / f"{key}-{value}-{vtype}.gguf"
     p.write_bytes(bytes(d))
     gguf.read_header(p)  # passes the header checks: only the loader can refuse it
@@ -284,7 +181,7 @@ def test_a_100k_character_prompt_through_a_512_token_window(engine: Engine, gree
 @pytest.fixture(scope="module")
 def tiny_engine(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
     d = bytearray(tiny.read_bytes())
-    _set_u32_after(d, "llama.context_length", 4096, skip=4)  # room for a 50-turn chat
+    set_u32_after(d, "llama.context_length", 4096, skip=4)  # room for a 50-turn chat
     path = tmp_path_factory.mktemp("tiny4k") / "tiny-4k.gguf"
     path.write_bytes(bytes(d))
     e = Engine.load(path, prefill_step=8)
@@ -494,7 +391,7 @@ def test_unknown_fields_are_each_named() -> None:
 @pytest.fixture(scope="module")
 def small_context_engine(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
     d = bytearray(tiny.read_bytes())
-    _set_u32_after(d, "llama.context_length", 256, skip=4)
+    set_u32_after(d, "llama.context_length", 256, skip=4)
     path = tmp_path_factory.mktemp("tiny256") / "tiny-256.gguf"
     path.write_bytes(bytes(d))
     e = Engine.load(path)
