@@ -24,10 +24,11 @@ import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imp
 from . import cases as C
 from . import kv as KV
 from . import native as N
+from . import server as S
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
-SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats", "native", "kv")
+SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats", "native", "kv", "server")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class Config:
     native: bool = False  # the native-kernel section (bench/native.py): loads two more models, so opt-in here
     kv_context: int = 4096  # the quantized-KV section (bench/kv.py): context length and greedy tokens decoded
     kv_decode: int = 128
+    server_clients: tuple[int, ...] = (1, 2, 4, 8)  # the server section (bench/server.py): clients per run
+    server_turns: int = 10
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
@@ -63,7 +66,7 @@ FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, r
 QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=3, full_chain_lengths=(32,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True,
-                   kv_context=1024, kv_decode=32)
+                   kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5)
 
 
 def log(msg: str) -> None:
@@ -187,10 +190,12 @@ def summary_text(results: dict[str, Any]) -> str:
                        + (f"; bandwidth allows {bwc:.0f} tok/s" if bwc else ""))
     out.extend(N.summary_lines(results.get("native")))
     out.extend(KV.summary_lines(results.get("kv")))
+    out.extend(S.summary_lines(results.get("server")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
-    out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])))
+    out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])
+                                    + ((results.get("server") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -273,6 +278,13 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     if "kv" not in cfg.skip:
         log("KV cache: plain vs 8-bit vs 4-bit")
         kv = _guard(errors, "kv", KV.kv_case, engine, cfg.kv_context, cfg.kv_decode)
+    server = None
+    if "server" not in cfg.skip:
+        log("server: mlxchat serve vs mlx_lm.server, concurrent streaming clients")
+        server = _guard(errors, "server", S.server_case, cfg.server_clients, cfg.max_tokens, model,
+                        cfg.server_turns)
+        if server is not None:
+            server["targets"] = S.server_targets(server)
     backend = {**engine.backend.as_dict(), "line": engine.describe()}
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
@@ -307,7 +319,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
             "skip": sorted(cfg.skip),
         },
         "cases": cases, "ratios": ratios, "chain_overhead": overhead, "chat": chat, "rotating": rotating,
-        "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "backend": backend,
+        "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
+        "backend": backend,
         "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)

@@ -130,8 +130,10 @@ def load_model_info(model_spec: str | None, folder: Path | None) -> list[int]:
 
 
 def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str | None,
-        turns: int = 10) -> list[ServerFigures]:
+        turns: int = 10) -> tuple[list[ServerFigures], list[float]]:
+    """The figures per system and client count, and mlxchat's TTFT (ms) per turn of a resent conversation."""
     figures: list[ServerFigures] = []
+    ttft: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         eos = load_model_info(model_spec, Path(tmp) if with_mlx_lm else None)
         bias = {str(i): -100 for i in eos}
@@ -166,7 +168,46 @@ def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str 
             finally:
                 proc.terminate()
                 proc.wait(30)
-    return figures
+    return figures, ttft
+
+
+def server_case(clients: list[int], max_tokens: int, model_spec: str | None, turns: int) -> dict:
+    """The `server` section of `mlxchat bench`: both servers, the same clients, and the resent conversation."""
+    figures, ttft = run(clients, max_tokens, True, model_spec, turns)
+    return {"clients": clients, "max_tokens": max_tokens, "figures": [asdict(f) for f in figures],
+            "resent_ttft_ms": ttft}
+
+
+def server_targets(section: dict | None) -> list[dict]:
+    """The issue's targets: 4 clients >= 2.5x one client's aggregate tok/s; every figure >= mlx_lm.server's; the last
+    turn of a resent conversation within 1.2x the first turn's TTFT."""
+    def target(name: str, value: float | None, threshold: float, passed: bool | None, detail: str) -> dict:
+        return {"name": name, "value": value, "threshold": threshold, "unit": "x", "passed": passed, "detail": detail}
+
+    if not section:
+        return [target("server: 4 clients >= 2.5x one client's tok/s", None, 2.5, None, "not measured")]
+    agg = {(f["system"], f["clients"]): f["aggregate_tok_s"] for f in section["figures"]}
+    ours = {n: v for (s, n), v in agg.items() if s == "mlxchat serve"}
+    scale = ours[4] / ours[1] if 1 in ours and 4 in ours and ours[1] else None
+    vs = [v / agg[("mlx_lm.server", n)] for n, v in ours.items() if agg.get(("mlx_lm.server", n))]
+    ttft = section["resent_ttft_ms"]
+    growth = ttft[-1] / ttft[0] if len(ttft) > 1 and ttft[0] else None
+    return [
+        target("server: 4 clients >= 2.5x one client's aggregate tok/s", scale, 2.5,
+               None if scale is None else scale >= 2.5, f"{ours.get(1, 0):.1f} -> {ours.get(4, 0):.1f} tok/s"),
+        target("server: aggregate tok/s >= mlx_lm.server's at every client count", min(vs) if vs else None, 1.0,
+               None if not vs else min(vs) >= 1.0, "worst ratio over client counts"),
+        target(f"server: turn-{len(ttft)} TTFT of a resent conversation <= 1.2x turn 1", growth, 1.2,
+               None if growth is None else growth <= 1.2,
+               f"{ttft[0]:.0f} -> {ttft[-1]:.0f} ms" if growth is not None else "not measured"),
+    ]
+
+
+def summary_lines(section: dict | None) -> list[str]:
+    if not section:
+        return []
+    return ["Server (streaming clients, same weights):"] + [
+        "  " + _row(ServerFigures(**f)) for f in section["figures"]]
 
 
 def _row(f: ServerFigures) -> str:
@@ -184,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     clients = [int(c) for c in re.split(r"[,\s]+", args.clients) if c]
-    figures = run(clients, args.max_tokens, args.mlx_lm, args.model, args.turns)
+    figures, _ = run(clients, args.max_tokens, args.mlx_lm, args.model, args.turns)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(f) for f in figures], indent=2))
     return 0

@@ -253,7 +253,7 @@ def test_runners_generate_exactly_max_tokens(engine):
 def test_tiny_run_end_to_end(engine, tmp_path):
     cfg = Config(quick=True, prompt_lengths=(32,), max_tokens=3, repeats=1, full_chain_lengths=(32,), chat_turns=2,
                  chat_reply_tokens=2, rotating_context=300, rotating_decode=4, rotating_window=64, tui_repeats=1,
-                 tui_tokens=3, format_repeats=1, bandwidth_bytes=1 << 24, skip=frozenset({"tui", "formats"}),
+                 tui_tokens=3, format_repeats=1, bandwidth_bytes=1 << 24, skip=frozenset({"tui", "formats", "server"}),
                  kv_context=300, kv_decode=4)
     results = run(cfg, out_dir=tmp_path, engine=engine)
     saved = json.loads((tmp_path / "latest.json").read_text())
@@ -275,3 +275,20 @@ def test_tiny_run_end_to_end(engine, tmp_path):
     assert len(saved["targets"]) == 6
     assert results["_paths"]["json"].endswith(".json")
     assert not math.isnan(saved["elapsed_s"])
+
+
+def test_server_targets_from_figures():
+    from mlxchat.bench.server import server_targets
+
+    def fig(system, clients, tok_s):
+        return {"system": system, "clients": clients, "tokens": 64, "aggregate_tok_s": tok_s, "p50_gap_ms": 80.0,
+                "p99_gap_ms": 120.0, "mean_ttft_ms": 300.0}
+
+    section = {"figures": [fig("mlxchat serve", 1, 13.0), fig("mlxchat serve", 4, 38.0),
+                           fig("mlx_lm.server", 1, 8.0), fig("mlx_lm.server", 4, 40.0)],
+               "resent_ttft_ms": [250.0, 260.0, 400.0]}
+    scale, versus, resent = server_targets(section)
+    assert scale["passed"] is True and scale["value"] == pytest.approx(38 / 13)
+    assert versus["passed"] is False and versus["value"] == pytest.approx(38 / 40)
+    assert resent["passed"] is False and resent["value"] == pytest.approx(1.6) and "turn-3" in resent["name"]
+    assert server_targets(None)[0]["passed"] is None
