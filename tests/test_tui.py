@@ -372,7 +372,9 @@ async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_
     finally:
         store.close()
     assert [m.role for m in stored] == ["user", "assistant"]
-    assert stored[1].finish_reason == "cancelled" and stored[1].content and shown.startswith(stored[1].content)
+    saved = stored[1].content
+    # The transcript paints at most once a frame, so tokens that arrived while quitting may be saved but not shown.
+    assert stored[1].finish_reason == "cancelled" and shown and saved.startswith(shown.rstrip())
 
 
 # --- failures --------------------------------------------------------------------------------------------------
