@@ -1,0 +1,66 @@
+"""What the sampler inspector records for one generated token: its candidates through every stage of the chain.
+
+This is the contract scripts, the server's extension field and the TUI's inspector read (issue 14):
+
+* ``trace.candidates`` — best first (by raw logit after the processors), at most K of them, always holding the
+  chosen token and every candidate any stage kept (up to K);
+* each candidate's ``probs`` — an ordered mapping: ``"processed"`` (softmax after penalties and bias), then one key
+  per transform exactly as ``Sampler.describe()`` prints it (e.g. ``"TopK(5)"``), each the renormalised probability
+  the next stage sees, or ``None`` once a stage removed it. The last key's column is the distribution sampled from;
+* ``removed_by`` — the key of the stage that removed the candidate, or ``None``;
+* ``shifts`` — per processor (as ``describe()`` prints it), how far it moved this candidate's logit.
+
+Greedy chains have no transforms: ``probs`` holds just ``"processed"`` and the chosen token is its argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Candidate:
+    token_id: int
+    text: str
+    logit: float  # the model's raw logit, before any processor
+    probs: dict[str, float | None]  # ordered: "processed", then one key per transform
+    removed_by: str | None
+    chosen: bool
+    shifts: dict[str, float] = field(default_factory=dict)  # processor -> logit change it made
+
+
+@dataclass(frozen=True)
+class TokenTrace:
+    candidates: list[Candidate]
+    entropy_before: float  # nats, of the processed distribution (before the transforms)
+    entropy_after: float  # nats, of the distribution sampled from
+    chosen_rank: int  # 0-based rank of the chosen token by processed probability
+    stages: tuple[str, ...]  # the keys of every candidate's probs, in order
+
+    @property
+    def chosen(self) -> Candidate:
+        """The candidate that was sampled (always present)."""
+        return next(c for c in self.candidates if c.chosen)
+
+    @property
+    def chosen_prob(self) -> float:
+        """The chosen token's probability in the distribution it was drawn from (what a heat view shades by)."""
+        p = self.chosen.probs[self.stages[-1]]
+        return 0.0 if p is None else p
+
+    def as_dict(self) -> dict:
+        """JSON-ready form (the server's streaming extension field and the store use it)."""
+        return {
+            "candidates": [{"token_id": c.token_id, "text": c.text, "logit": c.logit, "probs": dict(c.probs),
+                            "removed_by": c.removed_by, "chosen": c.chosen, "shifts": dict(c.shifts)}
+                           for c in self.candidates],
+            "entropy_before": self.entropy_before, "entropy_after": self.entropy_after,
+            "chosen_rank": self.chosen_rank, "stages": list(self.stages),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TokenTrace":
+        return cls(candidates=[Candidate(c["token_id"], c["text"], c["logit"], dict(c["probs"]), c["removed_by"],
+                                         c["chosen"], dict(c.get("shifts", {}))) for c in d["candidates"]],
+                   entropy_before=d["entropy_before"], entropy_after=d["entropy_after"],
+                   chosen_rank=d["chosen_rank"], stages=tuple(d["stages"]))
