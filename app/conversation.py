@@ -32,11 +32,13 @@ from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import SamplingProfile
 
 from . import export
+from .replay import ReplaySource
 from .store import Conversation, Store, StoreError
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
     from mlxchat.core.events import GenerationResult, Metrics
+    from mlxchat.core.trace import TokenTrace
 
 Severity = Literal["information", "warning", "error"]
 Notify = Callable[[str, Severity], None]
@@ -82,6 +84,8 @@ class Turn:
     error: str | None = None  # the reply failed mid-way: shown, not stored, not in the session
     streaming: bool = False
     dirty: bool = False  # saved, but changed since (a reply saved while it streamed)
+    traces: "list[TokenTrace] | None" = None  # per generated token, when the reply was traced
+    branches: "list[Turn] | None" = None  # every branch of this reply, itself among them, once it has two
 
     @property
     def in_history(self) -> bool:
@@ -110,8 +114,9 @@ class ChatController:
 
     def __init__(self, store: Store, *, default_profile: Callable[[], SamplingProfile], default_system: str,
                  max_tokens: int | None = None, kv_window: int | None = None, exports: Path | None = None,
-                 notify: Notify | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0) -> None:
         self.store = store
+        self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
         self.default_profile, self.default_system = default_profile, default_system
         self.max_tokens, self.kv_window = max_tokens, kv_window
         self.exports = exports or Path("exports")
@@ -558,6 +563,43 @@ class ChatController:
             self._write(lambda: self.store.update_conversation(record.id, system_prompt=text))
             self.record = dataclasses.replace(record, system_prompt=text)
         self._new_session()
+
+    # --- the sampler inspector ----------------------------------------------------------------------------------
+
+    def traces(self, turn: Turn | None) -> "list[TokenTrace]":
+        """The per-token traces of a reply, for the heat view and the inspector."""
+        if turn is None or turn.role != "assistant":
+            raise Refused("Pick a reply: the heat view shows a reply's tokens")
+        if turn.streaming:
+            raise Refused("The reply is still coming: its heat view opens once it is done")
+        if not turn.traces:
+            why = "tracing is off (trace = 0 in config.toml)" if self.trace_k == 0 else \
+                "it was written before tracing was on"
+            raise Refused(f"This reply has no per-token trace: {why}; F9 replays it traced")
+        return turn.traces
+
+    def branch_place(self, turn: Turn) -> tuple[int, int] | None:
+        """(1-based number, count) of the branch ``turn`` is among its reply's branches; None with one branch."""
+        if not turn.branches or len(turn.branches) < 2:
+            return None
+        return turn.branches.index(turn) + 1, len(turn.branches)
+
+    def replay_source(self, turn: Turn | None) -> ReplaySource:
+        """What a replay of ``turn`` re-runs: the messages before it (system prompt first), its profile and seed."""
+        self._require_idle()
+        if self.engine is None:
+            raise Refused("No model is loaded: press F3 to pick one", "error")
+        if turn is None or turn.role != "assistant" or turn.error is not None:
+            raise Refused("No reply to replay yet")
+        if turn not in self.turns:
+            raise Refused("That reply is no longer in the chat")
+        before = self.turns[:self.turns.index(turn)]
+        changes = [t.content for t in before if t.role == "system"]
+        # The prompt in effect when it was written: the last one set before it, else the one the chat started with.
+        system = changes[-1] if changes else (self.record.system_prompt if self.record else self.system_prompt)
+        messages = [ChatMessage("system", system)] if system else []
+        messages += [ChatMessage(t.role, t.content) for t in before if t.in_history]  # type: ignore[arg-type]
+        return ReplaySource(tuple(messages), dict(turn.profile) or self._profile_dict(), turn.seed, self.max_tokens)
 
     # --- export and quitting -------------------------------------------------------------------------------------
 

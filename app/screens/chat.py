@@ -22,7 +22,9 @@ from ..conversation import ChatController, Refused, Reply, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelPick, to_remember
-from ..widgets import ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, Transcript
+from ..replay import REPLAY_K
+from ..widgets import (ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, TokenInspector, TokenStrip,
+                       Transcript)
 from .dialogs import Confirm, TextPrompt
 from .model_picker import ModelPicker
 from .profile_picker import ProfilePicker
@@ -57,6 +59,9 @@ class ChatScreen(Screen):
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False),
         Binding("f4", "system_prompt", "System prompt", id="system_prompt", show=False),
         Binding("f6", "lab", "Lab", id="lab", show=False),
+        # priority: the input (a TextArea) would take F7 as "select all" while it has the focus, which it mostly has
+        Binding("f7", "heat", "Heat", id="heat_view", priority=True),
+        Binding("f9", "replay", "Replay with a change", id="replay", show=False),
     ]
 
     app: "MlxChatApp"
@@ -67,6 +72,7 @@ class ChatScreen(Screen):
         self.worker: EngineWorker | None = None
         self.editing = False
         self._ui_cpu_mark: float | None = None
+        self._inspected: TokenStrip | None = None  # the heat strip whose token the inspector shows
 
     # --- layout --------------------------------------------------------------------------------------------------
 
@@ -76,6 +82,7 @@ class ChatScreen(Screen):
             yield Sidebar(id="sidebar")
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
+                yield TokenInspector(id="inspector")
                 yield ChatInput(id="input", history=self.app.store.recent_user_messages())
         yield StatsBar(id="stats")
         yield Footer()
@@ -87,6 +94,10 @@ class ChatScreen(Screen):
     @property
     def input(self) -> ChatInput:
         return self.query_one(ChatInput)
+
+    @property
+    def inspector(self) -> TokenInspector:
+        return self.query_one(TokenInspector)
 
     @property
     def stats(self) -> StatsBar:
@@ -106,6 +117,7 @@ class ChatScreen(Screen):
         self._controller = ChatController(
             app.store, default_profile=app.default_profile, default_system=app.settings.system_prompt,
             max_tokens=app.max_tokens, kv_window=app.settings.kv_window, exports=app.locations.exports,
+            trace_k=app.settings.trace,
             notify=lambda message, severity: self.notify(message, severity=severity,
                                                          timeout=10 if severity == "error" else 5))
         self.worker = EngineWorker(self)
@@ -162,8 +174,10 @@ class ChatScreen(Screen):
                 stats = f"error: {turn.error}"
             else:
                 stats = stats_line(turn.metrics, turn.finish_reason, turn.profile.get("name"))
-            view = MessageView("assistant", turn.content, label=f"Assistant · {turn.model}" if turn.model else None,
-                               stats=stats, turn=turn)
+            label = f"Assistant · {turn.model}" if turn.model else "Assistant"
+            if (place := self.controller.branch_place(turn)) is not None:
+                label += f"   < {place[0]}/{place[1]} >  [ ] switch"
+            view = MessageView("assistant", turn.content, label=label, stats=stats, turn=turn)
             if turn.error:
                 view.add_class("failed")
             return view
@@ -543,6 +557,115 @@ class ChatScreen(Screen):
             self.notify("the lab needs a loaded model: wait for it, or pick one with F3", severity="warning")
             return
         self.app.push_screen(LabScreen(engine, LabStore(self.app.locations.data / "lab.db")))
+
+    # --- the sampler inspector: heat view, token inspector, branches, replay --------------------------------------
+
+    def _target_reply(self) -> MessageView | None:
+        """The reply under the cursor (the focused message, or the one holding the focus), else the last reply."""
+        node = self.focused
+        while node is not None and not isinstance(node, MessageView):
+            node = node.parent
+        if isinstance(node, MessageView) and node.role == "assistant":
+            return node
+        return self.transcript.last("assistant")
+
+    async def action_heat(self) -> None:
+        """F7: show the reply under the cursor (or the last one) as tokens shaded by probability, or go back."""
+        view = self._target_reply()
+        if view is None:
+            self.notify("No reply yet: the heat view shows a reply's tokens", severity="warning")
+            return
+        if view.strip is not None:
+            self._close_inspector()
+            await view.hide_heat()
+            view.focus()
+            return
+        try:
+            traces = self.controller.traces(view.turn)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        strip = await view.show_heat(traces)
+        strip.focus()
+        strip.scroll_visible()
+
+    def _show_token(self, strip: TokenStrip, index: int) -> None:
+        view = strip.query_ancestor(MessageView)
+        turn = view.turn
+        assert turn is not None
+        self._inspected = strip
+        self.inspector.show(strip.traces[index], index, seed=turn.seed, profile=turn.profile.get("name"),
+                            sampler=turn.sampler)
+        self.inspector.add_class("-open")
+
+    def _close_inspector(self) -> None:
+        self.inspector.remove_class("-open")
+        self._inspected = None
+
+    @on(TokenStrip.Inspect)
+    def _inspect(self, event: TokenStrip.Inspect) -> None:
+        self._show_token(event.strip, event.index)
+        self.inspector.table.focus()
+
+    @on(TokenStrip.Moved)
+    def _token_moved(self, event: TokenStrip.Moved) -> None:
+        if self._inspected is event.strip:  # the open inspector follows the cursor
+            self._show_token(event.strip, event.index)
+
+    @on(TokenInspector.Closed)
+    def _inspector_closed(self, event: TokenInspector.Closed) -> None:
+        strip = self._inspected
+        self._close_inspector()
+        if strip is not None and strip.is_attached:
+            strip.focus()
+        else:
+            self.input.focus()
+
+    @on(TokenInspector.BranchRequested)
+    async def _branch(self, event: TokenInspector.BranchRequested) -> None:
+        strip = self._inspected
+        if strip is None or not strip.is_attached:
+            return
+        turn = strip.query_ancestor(MessageView).turn
+        assert turn is not None
+        try:
+            reply = self.controller.branch(turn, event.token_index, event.token_id)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        self._close_inspector()
+        await self._started(reply)
+        self.input.focus()
+
+    @on(MessageView.BranchStep)
+    async def _branch_step(self, event: MessageView.BranchStep) -> None:
+        turn = event.view.turn
+        if turn is None or turn.role != "assistant":
+            return
+        try:
+            shown = self.controller.switch_branch(turn, event.step)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        self._close_inspector()
+        await self._sync()
+        for view in self.transcript.messages:
+            if view.turn is shown:
+                view.focus()
+
+    def action_replay(self) -> None:
+        """F9: answer the reply's messages again with one parameter changed (same seed), side by side."""
+        from .replay import ReplayScreen
+
+        view = self._target_reply()
+        try:
+            source = self.controller.replay_source(view.turn if view else None)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        assert self.controller.engine is not None
+        # A replay is always traced (it exists to compare tokens), with the chat's K when tracing is on.
+        self.app.push_screen(ReplayScreen(self.controller.engine, source, trace=self.controller.trace_k or REPLAY_K))
 
     # --- copy, export, layout ------------------------------------------------------------------------------------
 

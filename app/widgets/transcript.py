@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
@@ -13,7 +14,12 @@ from textual.message import Message
 from textual.widgets import Button, Markdown, Static
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 
+from .. import inspector
+from .inspector import TokenStrip
+
 if TYPE_CHECKING:
+    from mlxchat.core.trace import TokenTrace
+
     from ..conversation import Turn
 
 _PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would otherwise build one per append
@@ -24,12 +30,22 @@ def _parser() -> MarkdownIt:
 
 
 class MessageView(Vertical, can_focus=True):
-    """One message. Focus it (click or tab) to copy it (c) or its code blocks (k)."""
+    """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
+    ``< 1/2 >`` and [ / ] switch between them."""
 
     BINDINGS = [
         Binding("c", "copy_message", "Copy message", id="copy_message"),
         Binding("k", "copy_code", "Copy code block", id="copy_code_block"),
+        Binding("left_square_bracket", "branch(-1)", "Previous branch", id="branch_previous"),
+        Binding("right_square_bracket", "branch(1)", "Next branch", id="branch_next"),
     ]
+
+    @dataclass
+    class BranchStep(Message):
+        """[ or ]: show the previous / next branch of this reply."""
+
+        view: "MessageView"
+        step: int
 
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
                  turn: "Turn | None" = None) -> None:
@@ -101,6 +117,30 @@ class MessageView(Vertical, can_focus=True):
     def set_label(self, label: str) -> None:
         self.label = label
         self.query_one(".role", Static).update(label)
+
+    def action_branch(self, step: int) -> None:
+        self.post_message(self.BranchStep(self, step))
+
+    # --- the heat view -------------------------------------------------------------------------------------------
+
+    @property
+    def strip(self) -> TokenStrip | None:
+        """The heat view's token strip, while it is shown."""
+        strips = self.query(TokenStrip)
+        return strips.first() if strips else None
+
+    async def show_heat(self, traces: "list[TokenTrace]") -> TokenStrip:
+        """Show the reply as its tokens shaded by probability (in place of the Markdown), with a legend."""
+        await self.hide_heat()
+        strip = TokenStrip(traces)
+        legend = Static(inspector.heat_legend(), classes="heat-legend", markup=False)
+        await self.mount(strip, legend, after=self.query_one(".body"))
+        self.add_class("heat")
+        return strip
+
+    async def hide_heat(self) -> None:
+        self.remove_class("heat")
+        await self.query(".token-strip, .heat-legend").remove()
 
     def set_stats(self, stats: str) -> None:
         if stats != self.stats:

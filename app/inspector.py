@@ -1,0 +1,184 @@
+"""The sampler inspector's logic without Textual: heat colours, the token strip, the candidates x stages table, and
+the alignment of a replay with its original (issue 14).
+
+Everything here works on :class:`~mlxchat.core.trace.TokenTrace` (the engine's per-token record) and returns plain
+data or Rich ``Text``, so it is tested without a terminal; the widgets in ``widgets/inspector.py`` only lay it out.
+
+Colours: the heat palette is fixed colours of the xterm 256-colour cube (what a 256-colour terminal shows is the
+same colour, not an approximation), always as a background with black text, so a shaded token reads the same on a
+light and on a dark theme. Confident tokens (>= 90 %) are left unshaded: what stands out is the doubt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.style import Style
+from rich.text import Text
+
+from mlxchat.core.trace import Candidate, TokenTrace
+
+# (upper bound of the chosen token's probability, background): xterm-256 colours 203, 215, 221 and 229.
+HEAT_LEVELS: tuple[tuple[float, str], ...] = (
+    (0.10, "#ff5f5f"),
+    (0.30, "#ffaf5f"),
+    (0.60, "#ffd75f"),
+    (0.90, "#ffffaf"),
+)
+HEAT_TEXT = "#000000"  # on every shaded background (xterm-256 colour 16)
+CURSOR_STYLE = Style(reverse=True, bold=True, underline=True)
+DIVERGENCE_STYLE = Style(color="#ffffff", bgcolor="#af00d7", bold=True)  # xterm-256 128: no heat level uses it
+BAR_WIDTH = 6
+_EIGHTHS = " ▏▎▍▌▋▊▉█"
+_VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥"}
+
+
+def heat_level(prob: float) -> int:
+    """0 (confident, unshaded) .. len(HEAT_LEVELS) (least likely): the shade a token chosen with ``prob`` gets."""
+    for i, (bound, _) in enumerate(HEAT_LEVELS):
+        if prob < bound:
+            return len(HEAT_LEVELS) - i
+    return 0
+
+
+def heat_style(prob: float) -> Style:
+    """The style of a token chosen with probability ``prob`` (a plain style when it was confident)."""
+    level = heat_level(prob)
+    if level == 0:
+        return Style()
+    return Style(color=HEAT_TEXT, bgcolor=HEAT_LEVELS[len(HEAT_LEVELS) - level][1])
+
+
+def heat_legend() -> Text:
+    """One line saying what the shades mean."""
+    text = Text("probability when chosen: ")
+    low = 0.0
+    for bound, colour in HEAT_LEVELS:
+        text.append(f" {low * 100:.0f}–{bound * 100:.0f}% ", Style(color=HEAT_TEXT, bgcolor=colour))
+        low = bound
+    text.append(" ≥90% unshaded")
+    return text
+
+
+def visible(token: str) -> str:
+    """A token's text with its whitespace made visible (a table cell of " " or "\\n" would look empty)."""
+    return "".join(_VISIBLE.get(ch, ch) for ch in token) if token.strip() == "" or "\n" in token else token
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One generated token as the heat strip shows it."""
+
+    index: int
+    text: str
+    prob: float  # the probability it had in the distribution it was drawn from
+
+
+def pieces(traces: Sequence[TokenTrace]) -> list[TokenPiece]:
+    return [TokenPiece(i, t.chosen.text, t.chosen_prob) for i, t in enumerate(traces)]
+
+
+def heat_text(tokens: Sequence[TokenPiece], *, cursor: int | None = None, marked: int | None = None) -> Text:
+    """The reply as a strip of shaded tokens. Each span carries its index as the ``token`` meta (a click reports
+    it); ``cursor`` is the token under the keyboard cursor, ``marked`` the one a replay parts at."""
+    text = Text()
+    for piece in tokens:
+        style = heat_style(piece.prob)
+        if piece.index == marked:
+            style = DIVERGENCE_STYLE
+        if piece.index == cursor:
+            style += CURSOR_STYLE
+        style += Style(meta={"token": piece.index})
+        # A newline token is shown as ↵ before its line break, so it can be seen, shaded and clicked.
+        shown = piece.text.replace("\n", "↵\n") if "\n" in piece.text else piece.text
+        text.append(shown or "∅", style)
+    return text
+
+
+def bar(prob: float | None, width: int = BAR_WIDTH) -> str:
+    """A horizontal bar of ``width`` cells in eighths; blank for a candidate a stage removed."""
+    if prob is None:
+        return " " * width
+    eighths = round(max(0.0, min(1.0, prob)) * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (_EIGHTHS[part] if part else "")).ljust(width)
+
+
+def percent(prob: float | None) -> str:
+    if prob is None:
+        return "cut"
+    if 0 < prob < 0.001:
+        return "<0.1%"
+    return f"{prob * 100:.1f}%"
+
+
+def cell(prob: float | None) -> str:
+    """A probability cell: bar and percentage."""
+    return f"{bar(prob)} {percent(prob):>6}"
+
+
+@dataclass(frozen=True)
+class InspectorRow:
+    """One candidate of one step, as the inspector's table shows it."""
+
+    rank: int  # 1-based, best first by processed probability
+    token_id: int
+    token: str  # whitespace made visible
+    logit: float  # raw, before any processor
+    shift: float  # the total change the processors made to its logit
+    stages: tuple[float | None, ...]  # "processed", then each transform's probability (None once removed)
+    removed_by: str | None
+    chosen: bool
+
+    @property
+    def final(self) -> float | None:
+        """Its probability in the distribution that was sampled from."""
+        return self.stages[-1]
+
+    def cells(self) -> tuple[str, ...]:
+        """The table row: marker, rank, token, raw logit, processor shift, one cell per stage, the stage that cut it."""
+        return ("▶" if self.chosen else " ", str(self.rank), self.token, f"{self.logit:.2f}",
+                f"{self.shift:+.2f}" if self.shift else "", *(cell(p) for p in self.stages), self.removed_by or "")
+
+
+def columns(trace: TokenTrace) -> tuple[str, ...]:
+    """The table's headers; the stage columns are named as ``Sampler.describe()`` prints them, the last says it is
+    the distribution sampled from."""
+    stages = [f"{s} (final)" if i == len(trace.stages) - 1 else s for i, s in enumerate(trace.stages)]
+    return ("", "#", "token", "raw logit", "penalty", *stages, "cut by")
+
+
+def rows(trace: TokenTrace) -> list[InspectorRow]:
+    return [_row(i + 1, c, trace.stages) for i, c in enumerate(trace.candidates)]
+
+
+def _row(rank: int, c: Candidate, stages: Sequence[str]) -> InspectorRow:
+    return InspectorRow(rank, c.token_id, visible(c.text), c.logit, sum(c.shifts.values()),
+                        tuple(c.probs.get(s) for s in stages), c.removed_by, c.chosen)
+
+
+def summary(trace: TokenTrace, *, index: int, seed: int | None, profile: str | None, sampler: str | None) -> str:
+    """The line over the table: which token, entropy before and after the chain, its rank, seed, profile, chain."""
+    chosen = trace.chosen
+    parts = [f"token {index + 1}: {visible(chosen.text)!r} ({percent(trace.chosen_prob)}, rank {trace.chosen_rank + 1})",
+             f"entropy {trace.entropy_before:.2f} → {trace.entropy_after:.2f} nats",
+             f"seed {seed if seed is not None else '–'}", f"profile {profile or 'custom'}"]
+    if sampler:
+        parts.append(sampler)
+    return " · ".join(parts)
+
+
+def perplexity(traces: Sequence[TokenTrace]) -> float:
+    """exp of the mean surprise of the chosen tokens: a one-number "how sure was it" for the legend line."""
+    probs = [max(t.chosen_prob, 1e-12) for t in traces]
+    return math.exp(-sum(math.log(p) for p in probs) / len(probs)) if probs else 0.0
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first token index where two replies' ids part (the shorter one's end counts), or None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,117 @@
+"""The sampler inspector's plain logic (app/inspector.py): heat colours, the token strip, table rows, replay
+alignment. No terminal and no model: traces are built by hand in the shape core/trace.py promises."""
+
+from __future__ import annotations
+
+from rich.color import Color, ColorType
+
+from mlxchat.app import inspector
+from mlxchat.core.trace import Candidate, TokenTrace
+
+STAGES = ("processed", "TopK(3)", "TopP(0.5)", "Temperature(0.7)")
+
+
+def make_trace(chosen: int = 0, *, texts: tuple[str, ...] = (" Paris", " Lyon", " the", "\n")) -> TokenTrace:
+    """Four candidates through TopK(3) -> TopP(0.5) -> Temperature(0.7): TopK cuts the 4th, TopP the 2nd and 3rd."""
+    processed = [0.6, 0.25, 0.1, 0.05]
+    probs = [
+        {"processed": 0.6, "TopK(3)": 0.632, "TopP(0.5)": 1.0, "Temperature(0.7)": 1.0},
+        {"processed": 0.25, "TopK(3)": 0.263, "TopP(0.5)": None, "Temperature(0.7)": None},
+        {"processed": 0.1, "TopK(3)": 0.105, "TopP(0.5)": None, "Temperature(0.7)": None},
+        {"processed": 0.05, "TopK(3)": None, "TopP(0.5)": None, "Temperature(0.7)": None},
+    ]
+    removed = [None, "TopP(0.5)", "TopP(0.5)", "TopK(3)"]
+    cands = [Candidate(10 + i, texts[i], 5.0 - i, probs[i], removed[i], i == chosen,
+                       {"RepetitionPenalty(1.1)": -0.4} if i == 2 else {}) for i in range(4)]
+    assert processed[0] == cands[0].probs["processed"]
+    return TokenTrace(cands, entropy_before=1.07, entropy_after=0.0, chosen_rank=chosen, stages=STAGES)
+
+
+def test_heat_levels_shade_the_doubt_and_leave_confident_tokens_plain():
+    assert inspector.heat_level(0.99) == 0 and inspector.heat_level(0.9) == 0
+    assert inspector.heat_level(0.89) == 1 and inspector.heat_level(0.5) == 2
+    assert inspector.heat_level(0.2) == 3 and inspector.heat_level(0.01) == 4
+    assert inspector.heat_style(0.95) == inspector.heat_style(1.0)  # unshaded: the theme's own colours
+    assert inspector.heat_style(0.95).bgcolor is None
+
+
+def test_heat_colours_are_exact_in_a_256_colour_terminal_and_readable_on_light_and_dark():
+    for _, colour in inspector.HEAT_LEVELS:
+        downgraded = Color.parse(colour).downgrade(ColorType.EIGHT_BIT)
+        # The 256-colour terminal shows exactly this colour (it is a cube entry), not the nearest of many.
+        assert downgraded.get_truecolor() == Color.parse(colour).get_truecolor()
+    for prob in (0.05, 0.2, 0.5, 0.8):
+        style = inspector.heat_style(prob)
+        # Text colour is set with the background, so neither depends on the theme; and it is dark on light shades.
+        assert style.color is not None and style.bgcolor is not None
+        fg, bg = style.color.get_truecolor(), style.bgcolor.get_truecolor()
+        assert _luminance(bg) - _luminance(fg) > 0.4
+    # Shades get darker (more alarming) as the probability drops.
+    lums = [_luminance(Color.parse(c).get_truecolor()) for _, c in inspector.HEAT_LEVELS]
+    assert lums == sorted(lums)
+
+
+def _luminance(rgb) -> float:
+    r, g, b = (c / 255 for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def test_heat_text_carries_each_token_index_and_marks_the_cursor():
+    traces = [make_trace(0), make_trace(1), make_trace(0, texts=("\n", "a", "b", "c"))]
+    strip = inspector.pieces(traces)
+    assert [p.prob for p in strip] == [1.0, 0.0, 1.0]  # the final stage's probability (cut -> 0)
+    text = inspector.heat_text(strip, cursor=1)
+    assert text.plain == " Paris Lyon↵\n"
+    spans = {text.plain[s.start:s.end]: s.style for s in text.spans}
+    assert spans[" Lyon"].meta["token"] == 1 and spans[" Lyon"].reverse
+    assert spans[" Lyon"].bgcolor is not None  # shaded: it was unlikely
+    assert spans[" Paris"].meta["token"] == 0 and not spans[" Paris"].reverse
+    marked = inspector.heat_text(strip, marked=2)
+    assert {marked.plain[s.start:s.end]: s.style for s in marked.spans}["↵\n"].bgcolor.name == "#af00d7"
+
+
+def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
+    trace = make_trace(0)
+    assert inspector.columns(trace) == ("", "#", "token", "raw logit", "penalty", "processed", "TopK(3)",
+                                        "TopP(0.5)", "Temperature(0.7) (final)", "cut by")
+    rows = inspector.rows(trace)
+    assert [r.rank for r in rows] == [1, 2, 3, 4]
+    assert rows[0].chosen and rows[0].final == 1.0 and rows[0].removed_by is None
+    assert rows[1].stages == (0.25, 0.263, None, None) and rows[1].removed_by == "TopP(0.5)"
+    assert rows[3].removed_by == "TopK(3)" and rows[3].token == "↵"
+    assert rows[2].shift == -0.4
+    cells = rows[1].cells()
+    assert len(cells) == len(inspector.columns(trace))
+    assert cells[0] == " " and cells[2] == " Lyon" and cells[-1] == "TopP(0.5)"
+    assert cells[5].endswith("25.0%") and cells[7].endswith("cut")
+    assert inspector.rows(trace)[0].cells()[0] == "▶" and rows[2].cells()[4] == "-0.40"
+
+
+def test_bars_and_percentages():
+    assert inspector.bar(1.0) == "█" * inspector.BAR_WIDTH
+    assert inspector.bar(0.0) == " " * inspector.BAR_WIDTH
+    assert inspector.bar(None) == " " * inspector.BAR_WIDTH
+    assert inspector.bar(0.5, 4) == "██  "
+    assert inspector.bar(0.5, 1) == "▌" and inspector.bar(0.04, 4) == "▏   "
+    assert inspector.percent(0.0004) == "<0.1%" and inspector.percent(0.5) == "50.0%"
+    assert inspector.visible(" ") == "␣" and inspector.visible("\n\n") == "↵↵" and inspector.visible(" a") == " a"
+
+
+def test_summary_names_entropy_seed_profile_and_chain():
+    line = inspector.summary(make_trace(0), index=2, seed=7, profile="chat", sampler="TopK(3) -> sample")
+    assert line.startswith("token 3: ' Paris' (100.0%, rank 1)")
+    assert "entropy 1.07 → 0.00 nats" in line and "seed 7" in line and "profile chat" in line
+    assert line.endswith("TopK(3) -> sample")
+    assert "seed –" in inspector.summary(make_trace(0), index=0, seed=None, profile=None, sampler=None)
+
+
+def test_first_divergence():
+    assert inspector.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert inspector.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert inspector.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert inspector.first_divergence([], []) is None
+
+
+def test_perplexity():
+    assert inspector.perplexity([make_trace(0)]) == 1.0
+    assert inspector.perplexity([]) == 0.0
