@@ -24,7 +24,7 @@ from .commands import ProfileCommands
 from .config import ConfigError, Settings
 from .screens import ChatScreen, HelpScreen
 from .store import Store, StoreError
-from .widgets import ChatInput, ConversationList, MessageView
+from .widgets import ChatInput, ConversationList, MessageView, TokenInspector, TokenStrip
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
@@ -151,13 +151,18 @@ class MlxChatApp(App[None]):
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", chat.action_copy_reply)
         yield SystemCommand("Copy last code block", "Copy a code block of the chat", chat.action_copy_code)
         yield SystemCommand("Clear chat", "Delete the messages of this chat", chat.action_clear)
+        yield SystemCommand("Heat view", "Shade the last reply's tokens by probability; Enter inspects one",
+                            chat.action_heat)
+        yield SystemCommand("Replay with a change…", "Run the last reply again with one parameter changed, "
+                            "side by side", chat.action_replay)
         yield SystemCommand("Toggle light/dark", "Switch between the light and dark theme", self.action_toggle_theme)
         yield SystemCommand("Toggle sidebar", "Show or hide the conversation list", chat.action_toggle_sidebar)
         yield SystemCommand("Keys", "Show the key bindings", self.action_help)
 
 
 MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("chat", ChatScreen), ("input", ChatInput),
-                             ("message", MessageView), ("sidebar", ConversationList)]
+                             ("message", MessageView), ("sidebar", ConversationList), ("heat view", TokenStrip),
+                             ("inspector", TokenInspector)]
 
 
 def make_app(model: str | None = None, data_dir: str | Path | None = None, config_dir: str | Path | None = None,

@@ -165,7 +165,7 @@ class ChatController:
         reply = self.reply if self.state is State.LOADING else None
         if reply is not None:
             assert self.session is not None and reply.answers is not None
-            self._start(reply, lambda chat: chat.send(reply.answers.content, max_tokens=self.max_tokens))
+            self._start(reply, lambda chat: chat.send(reply.answers.content, **self._limits()))
         return old, reply
 
     def load_failed(self) -> Reply | None:
@@ -208,7 +208,7 @@ class ChatController:
             reply = self._new_reply(user)
             self.state = State.LOADING
             return reply
-        stream = self._call(lambda: self.session.send(text, max_tokens=self.max_tokens))
+        stream = self._call(lambda: self.session.send(text, **self._limits()))
         return self._started(self._new_reply(self._add(Turn("user", text))), stream)
 
     def resend(self, text: str) -> Reply:
@@ -221,7 +221,7 @@ class ChatController:
             return self.send(text)
         # A refused (unsent) message is in neither the session nor the store: send the new text, edit nothing.
         start = self.session.send if last.unsent else self.session.edit_last
-        stream = self._call(lambda: start(text, max_tokens=self.max_tokens))
+        stream = self._call(lambda: start(text, **self._limits()))
         self._truncate(last)
         return self._started(self._new_reply(self._add(Turn("user", text))), stream)
 
@@ -235,7 +235,7 @@ class ChatController:
             raise Refused("Nothing to regenerate yet")
         if user.unsent:
             raise Refused("Your last message was not sent: ctrl+t edits it")
-        stream = self._call(lambda: self.session.regenerate(max_tokens=self.max_tokens))
+        stream = self._call(lambda: self.session.regenerate(**self._limits()))
         after = self.turns[self.turns.index(user) + 1:]
         if after:
             self._truncate(after[0])
@@ -250,6 +250,10 @@ class ChatController:
             self.reply.stream.cancel()
             return "stopping"
         return ""
+
+    def _limits(self) -> dict[str, int | None]:
+        """What every reply of this chat is started with: its length cap and how many candidates to trace."""
+        return {"max_tokens": self.max_tokens, "trace": self.trace_k}
 
     def _call(self, start: Callable[[], "Stream"]) -> "Stream":
         try:
@@ -317,6 +321,7 @@ class ChatController:
         turn.content, turn.finish_reason = result.text, result.finish_reason
         turn.metrics, turn.profile = result.metrics.as_dict(), dict(result.profile)
         turn.sampler, turn.seed, turn.streaming, turn.dirty = result.sampler, result.seed, False, True
+        turn.traces = list(result.traces) or None
         current = reply is self.reply
         if not reply.kept:
             if turn in self.turns:

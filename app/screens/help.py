@@ -32,7 +32,8 @@ class HelpScreen(ModalScreen[None]):
             yield table
             yield Static(f"Remap a key in {self.config_file}, e.g.\n[keys]\nregenerate = \"ctrl+r,f9\"\n"
                          "Mouse: click a message, then c copies it and k its code blocks; click a code block "
-                         "to copy it.", classes="help-note", markup=False)
+                         "to copy it. In the heat view (F7), click a token to inspect it.", classes="help-note",
+                         markup=False)
 
     def action_close(self) -> None:
         self.dismiss(None)

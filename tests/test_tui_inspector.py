@@ -1,0 +1,102 @@
+"""The sampler inspector in the TUI (issue 14), driven with Pilot on the real embedded model and its real traces:
+the heat view (F7), the token inspector, branching from a candidate (kept after a restart), the side-by-side replay
+(F9), and snapshots of the heat view and the inspector (a seeded, sampled profile: the same tokens every run)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from pytest_textual_snapshot import SVGImageExtension
+from textual.widgets import Input
+
+from mlxchat.app.app import make_app
+from mlxchat.app.screens.replay import ReplayScreen
+from mlxchat.app.store import Store
+from mlxchat.app.widgets import MessageView, TokenInspector, TokenStrip
+from mlxchat.core import SamplingProfile, native
+
+SIZE = (120, 36)
+# Sampled, with a fixed seed: every stage of the chain shows in the inspector, and the tokens are the same each run.
+SEEDED = SamplingProfile(name="seeded", temperature=0.7, top_k=5, top_p=0.9, seed=1)
+
+
+def _notes(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+@pytest.mark.anyio
+async def test_heat_view_and_inspector_show_the_real_traces(new_app, ready, reply, wait_for):
+    app = new_app(max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        screen.set_profile(SEEDED)
+        result = await reply(pilot, "Name a colour.")
+        turn = screen.controller.turns[-1]
+        assert turn.traces is not None and len(turn.traces) == len(result.token_ids) == len(result.traces)
+        await pilot.press("f7")
+        strip = app.focused
+        assert isinstance(strip, TokenStrip)
+        assert strip.tokens[0].text == result.traces[0].chosen.text
+        assert [p.prob for p in strip.tokens] == [t.chosen_prob for t in result.traces]
+        await pilot.press("right", "enter")
+        inspector = screen.inspector
+        assert inspector.has_class("-open") and app.focused is inspector.table
+        assert inspector.index == 1 and inspector.trace is result.traces[1]
+        assert inspector.table.row_count == len(result.traces[1].candidates)
+        headers = [str(c.label) for c in inspector.table.columns.values()]
+        assert "TopK(5)" in headers and "TopP(0.9)" in headers and headers[-2].startswith("Temperature(0.7)")
+        summary = str(inspector.query_one(".inspector-summary").content)
+        assert "seed 1" in summary and "profile seeded" in summary and "entropy" in summary
+        # The inspector follows the token cursor; Esc closes it and gives the focus back to the tokens.
+        await pilot.press("escape")
+        assert not inspector.has_class("-open") and app.focused is strip
+        await pilot.press("left", "enter")
+        assert inspector.index == 0
+        await pilot.press("escape", "f7")
+        view = screen.transcript.last("assistant")
+        assert view.strip is None and app.focused is view
+        # A reply still streaming has no heat view yet: one line says so.
+        app.max_tokens = screen.controller.max_tokens = 200
+        screen.input.focus()
+        screen.input.load_text("Tell me a story about a fox.")
+        screen.input.action_submit()
+        await wait_for(pilot, lambda: screen.controller.reply is not None and screen.controller.reply.tokens > 0,
+                       what="the first tokens")
+        await pilot.press("f7")
+        assert any("still coming" in n for n in _notes(app))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.busy, what="the stop")
+
+
+@pytest.mark.anyio
+async def test_replay_with_a_change_shows_both_sides_and_where_they_part(new_app, ready, reply, wait_for):
+    app = new_app(max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        screen.set_profile(SEEDED)
+        original = await reply(pilot, "Name a colour.")
+        await pilot.press("f9")
+        replay = app.screen
+        assert isinstance(replay, ReplayScreen)
+        change = replay.query_one("#replay-change", Input)
+        change.value = "temprature=1"  # a typo: one line naming it, nothing runs
+        await pilot.press("enter")
+        assert "not a sampling parameter" in str(replay.query_one("#replay-status").content)
+        change.value = "top_k=1"  # greedy in effect: parts from the seeded draw where that one was not the top token
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: replay.results is not None, what="the replay")
+        a, b = replay.results
+        assert a.token_ids == original.token_ids  # same seed, same profile: the same reply
+        assert b.profile["top_k"] == 1 and b.seed == a.seed
+        at = replay.parts_at
+        assert at == next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        for side, result in (("a", a), ("b", b)):
+            strip = replay.query_one(f"#replay-strip-{side}", TokenStrip)
+            assert strip.marked == at
+            panel = replay.query_one(f"#replay-{side} TokenInspector", TokenInspector)
+            assert panel.has_class("-open") and panel.trace is result.traces[at or 0]
+        await pilot.press("escape")
+        assert app.screen is screen
