@@ -31,6 +31,8 @@ from .messages import ChatMessage
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
+from .trace import TokenTrace
+from .tracing import Tracer, check_trace
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +170,13 @@ def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class Request:
-    """One validated generation request: the profile, the reply's length cap and every stop string."""
+    """One validated generation request: the profile, the reply's length cap, every stop string, and how many
+    candidates to trace per token (0 = no trace; see core/tracing.py)."""
 
     profile: SamplingProfile
     max_tokens: int
     stop: list[str]
+    trace: int = 0
 
 
 class Engine:
@@ -216,9 +220,11 @@ class Engine:
         return f"{self.backend.line()} · weights {self.model.weights_path}"
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-               stop: Sequence[str] | None = None, system: str | None = None) -> Stream:
+               stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0) -> Stream:
+        """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
+        (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`."""
         messages = _messages(prompt, system)
-        request = self.request(profile, max_tokens, stop)
+        request = self.request(profile, max_tokens, stop, trace)
 
         def run(job: Job) -> None:
             self.run_request(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages),
@@ -228,8 +234,9 @@ class Engine:
 
     def generate(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                  stop: Sequence[str] | None = None, system: str | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> GenerationResult:
-        return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system).wait(progress)
+                 progress: Callable[[int, int], None] | None = None, trace: int = 0) -> GenerationResult:
+        return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system,
+                           trace=trace).wait(progress)
 
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                     system: str | None = None) -> list[Beam]:
@@ -287,9 +294,11 @@ class Engine:
     # --- the text layer (on the inference thread) ----------------------------------------------------------
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-                stop: Sequence[str] | None = None) -> Request:
+                stop: Sequence[str] | None = None, trace: int = 0) -> Request:
         """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
-        DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings."""
+        DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings; `trace` is the
+        number of candidates to trace per token (0-100, 0 = off)."""
+        check_trace(trace)
         profile = profile or SamplingProfile()
         if profile.beam_size > 1:
             raise ValueError(f"beam search (beam_size {profile.beam_size}) does not stream: call "
@@ -299,7 +308,7 @@ class Engine:
         cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
         if profile.min_tokens > cap:
             raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
-        return Request(profile, cap, [*profile.stop, *(stop or [])])
+        return Request(profile, cap, [*profile.stop, *(stop or [])], trace)
 
     def check_fits(self, prompt_tokens: int, rotating: bool = False) -> None:
         """Raise ContextLengthError if a prompt of this many tokens leaves no room for a reply."""
@@ -317,21 +326,24 @@ class Engine:
         mx.reset_peak_memory()
         clock = _Clock(job.accepted, time.perf_counter(), len(prompt), cache.reuse(prompt), cache, m.context_length)
         sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids, prompt_ids=prompt)
+        # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
+        tracer = Tracer(sampler, req.trace, lambda i: m.tokenizer.decode([i])) if req.trace else None
         room = req.max_tokens if cache.rotating else min(req.max_tokens, m.context_length - len(prompt))
         job.emit(PrefillProgress(clock.reused, clock.total))
         tokens = generate_step(
-            m.model, cache.layers, prompt[clock.reused:], sampler.step, max_tokens=room, fed=cache.tokens,
+            m.model, cache.layers, prompt[clock.reused:], tracer.step if tracer else sampler.step, max_tokens=room,
+            fed=cache.tokens,
             logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
             on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), clock.total)))
         reply = _Reply(m.tokenizer, req, clock, job)
         with self._device_practices():
-            reason = self._decode(tokens, reply, sampler, req, job)
+            reason = self._decode(tokens, reply, sampler, req, job, tracer)
         if clear_cache_after_prefill(len(prompt) - clock.reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache
         reply.flush()
         result = GenerationResult("".join(reply.text), reason, clock.metrics(), tuple(reply.ids),
                                   tuple(reply.logprobs), sampler.describe(), sampler.seed,
-                                  req.profile.model_dump(mode="json"))
+                                  req.profile.model_dump(mode="json"), tuple(reply.traces))
         job.emit(Done(result))
         return result
 
@@ -352,7 +364,7 @@ class Engine:
             yield
 
     def _decode(self, tokens: Iterator[tuple[int, mx.array]], reply: "_Reply", sampler: Sampler, req: Request,
-                job: Job) -> FinishReason:
+                job: Job, tracer: Tracer | None) -> FinishReason:
         """Read tokens until an end token, a stop string, a cancel or the token layer's own end."""
         reason: FinishReason = "length"
         for token, logprobs in tokens:
@@ -360,7 +372,7 @@ class Engine:
                 reason = "stop"
                 break
             reply.add(token, sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
-                      if req.profile.logprobs else None)
+                      if req.profile.logprobs else None, tracer.take(token) if tracer else None)
             if reply.stops.stopped:
                 reason = "stop"
                 break
@@ -374,7 +386,7 @@ class Engine:
 
 
 class _Reply:
-    """The text side of one reply: detokenised deltas with stop strings held back, token ids, logprobs."""
+    """The text side of one reply: detokenised deltas with stop strings held back, token ids, logprobs, traces."""
 
     def __init__(self, tokenizer: Any, req: Request, clock: "_Clock", job: Job) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -383,15 +395,19 @@ class _Reply:
         self.text: list[str] = []
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.traces: list[TokenTrace] = []
 
-    def add(self, token: int, logprob: tuple[float, list[tuple[int, float]]] | None) -> None:
+    def add(self, token: int, logprob: tuple[float, list[tuple[int, float]]] | None,
+            trace: TokenTrace | None) -> None:
         self.clock.tick()
         self.ids.append(token)
         token_lp = () if logprob is None else (TokenLogprob(token, logprob[0], tuple(logprob[1])),)
         self.logprobs.extend(token_lp)
+        traces = () if trace is None else (trace,)
+        self.traces.extend(traces)
         delta = self.stops.feed(self.detok.add(token))
         self.text.append(delta)
-        self.job.emit(TokenEvent(delta, (token,), self.clock.metrics(), token_lp))
+        self.job.emit(TokenEvent(delta, (token,), self.clock.metrics(), token_lp, traces))
 
     def flush(self) -> None:
         if self.stops.stopped:
@@ -497,25 +513,32 @@ class ChatSession:
         """The conversation's KV cache (None before the first turn), for size and memory readouts."""
         return self._cache
 
-    def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
+    def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
+             trace: int = 0) -> Stream:
+        """Answer `text`; `trace=K` traces each token's K candidates (see `Engine.stream`)."""
         _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
+        request = self.engine.request(self.profile, max_tokens, stop, trace)
         message = ChatMessage("user", text)
         with self._lock:
             self._messages.append(message)
-        return self._reply(max_tokens, stop, message)
+        return self._reply(request, message)
 
-    def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
+    def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
+                   trace: int = 0) -> Stream:
         """Drop the last reply and answer the last user message again."""
+        request = self.engine.request(self.profile, max_tokens, stop, trace)
         with self._lock:
             if self._messages and self._messages[-1].role == "assistant":
                 self._messages.pop()
             if not self._messages or self._messages[-1].role != "user":
                 raise ValueError("there is no user message to answer again")
-        return self._reply(max_tokens, stop)
+        return self._reply(request)
 
-    def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> Stream:
+    def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
+                  trace: int = 0) -> Stream:
         """Replace the last user message (dropping what followed it) and answer it."""
         _messages(text, None)
+        request = self.engine.request(self.profile, max_tokens, stop, trace)
         with self._lock:
             last = max((i for i, m in enumerate(self._messages) if m.role == "user"), default=None)
             if last is None:
@@ -523,7 +546,7 @@ class ChatSession:
             del self._messages[last:]
             message = ChatMessage("user", text)
             self._messages.append(message)
-        return self._reply(max_tokens, stop, message)
+        return self._reply(request, message)
 
     def clear(self) -> None:
         """Forget every message but the system prompt; the cache starts again on the next turn."""
@@ -531,10 +554,8 @@ class ChatSession:
             self._messages = [m for m in self._messages[:1] if m.role == "system"]
             self._cache = None
 
-    def _reply(self, max_tokens: int | None, stop: Sequence[str] | None,
-               sent: ChatMessage | None = None) -> Stream:
+    def _reply(self, request: Request, sent: ChatMessage | None = None) -> Stream:
         engine = self.engine
-        request = engine.request(self.profile, max_tokens, stop)
 
         def run(job: Job) -> None:
             if self._cache is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .trace import TokenTrace
+
 FinishReason = Literal["stop", "length", "cancelled"]
 
 
@@ -55,12 +57,21 @@ class PrefillProgress:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A text delta and the token ids it came from; the deltas concatenate to the final text exactly."""
+    """A text delta and the token ids it came from; the deltas concatenate to the final text exactly.
+
+    With ``trace=K`` each event's ``traces`` is aligned with its ``token_ids`` (the engine emits one event per
+    token, so there is one trace; the closing flush of held-back text has no token and no trace)."""
 
     text: str
     token_ids: tuple[int, ...]
     metrics: Metrics
     logprobs: tuple[TokenLogprob, ...] = ()
+    traces: tuple[TokenTrace, ...] = ()
+
+    @property
+    def trace(self) -> TokenTrace | None:
+        """The trace of the event's last token (None when not traced or when the event carries no token)."""
+        return self.traces[-1] if self.traces else None
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class GenerationResult:
     sampler: str = ""  # the printed chain that produced it
     seed: int | None = None
     profile: dict = field(default_factory=dict)
+    traces: tuple[TokenTrace, ...] = ()  # with trace=K: one per token id, aligned with token_ids
 
 
 @dataclass(frozen=True)

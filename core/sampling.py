@@ -377,6 +377,53 @@ IMPLEMENTATIONS: dict[str, type[ChainObject]] = {cls.name: cls for cls in (
 assert set(IMPLEMENTATIONS) == set(STEPS), "every registry entry needs its implementation"
 
 
+# --- tracing: what each stage did, for the inspector (core/tracing.py turns it into core.trace.TokenTrace) --------
+
+class StepRecord(NamedTuple):
+    """One traced step at its K candidates (lazy arrays, in no particular order; S transforms, P processors)."""
+
+    ids: mx.array  # (K,) token ids
+    raw: mx.array  # (K,) the model's logits
+    shifts: mx.array  # (P, K) how far each processor moved each logit (-inf: banned)
+    logprobs: mx.array  # (K,) log-probability after the processors
+    probs: mx.array  # (S, K) renormalised probability after each transform
+    alive: mx.array  # (1 + S, K) kept after the processors, then after each transform
+    entropy: mx.array  # (2,) nats, before the transforms and of the distribution sampled from
+    rank: mx.array  # () how many tokens the processors made more likely than the chosen one
+
+
+def _over_vocabulary(c: Candidates, vocab_size: int) -> tuple[mx.array, mx.array]:
+    """A stage's renormalised probabilities and kept-mask, scattered back over the whole vocabulary (a narrowed
+    candidate set indexes its own positions, not token ids)."""
+    probs, kept = mx.exp(log_softmax(c.logits)), c.logits > NEG_INF
+    if c.ids is None:
+        return probs, kept
+    return (mx.zeros(vocab_size).at[c.ids].add(probs),
+            mx.zeros(vocab_size).at[c.ids].add(kept.astype(mx.float32)) > 0)
+
+
+def _entropy(logprobs: mx.array) -> mx.array:
+    probs = mx.exp(logprobs)
+    return -accurate_sum(mx.where(probs > 0, probs * logprobs, 0.0))
+
+
+# Candidates are picked by one partial sort over a single float32 key: first the chosen token, then by how many stages
+# kept a token (the survivors of the last stage first), then by processed logit. The logit part is measured from the
+# maximum and clipped to LOGIT_SPAN (below it a probability is e^-150: zero in float32), and each level is LEVEL
+# apart, so the levels never mix and the logit order survives float32 rounding to ~3e-4.
+LOGIT_SPAN = 150.0
+LEVEL = 200.0
+
+
+def _trace_candidates(logits: mx.array, alive: list[mx.array], token: mx.array, k: int) -> mx.array:
+    """The ids of the k tokens worth showing: the chosen one, every token the most stages kept, then the likeliest."""
+    kept = sum(a.astype(mx.float32) for a in alive)
+    chosen = (mx.arange(logits.size) == token).astype(mx.float32) * (len(alive) + 1)
+    score = LEVEL * (kept + chosen) + mx.clip(logits - mx.max(logits), -LOGIT_SPAN, 0.0)
+    k = min(k, logits.size)
+    return mx.argpartition(-score, k - 1)[:k]
+
+
 # --- the sampler ---------------------------------------------------------------------------------------------------
 
 class Sampler:
@@ -409,6 +456,12 @@ class Sampler:
         tail = "greedy" if self.profile.greedy else "sample"
         return " → ".join([repr(s) for s in self.processors + self.transforms] + [tail])
 
+    def next_keys(self) -> tuple[mx.array, mx.array]:
+        """This step's (draw key, transform key): the request's key is split once per sampled step, so `step` and
+        `traced_step` consume randomness identically and tracing never changes the tokens of a seed."""
+        self._key, draw_key, aux_key = mx.random.split(self._key, 3)
+        return draw_key, aux_key
+
     def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """Choose the next token from the last position's logits (vocab,). Lazy: nothing is evaluated here."""
         if logits.dtype != mx.float32:
@@ -422,7 +475,7 @@ class Sampler:
         if self.profile.greedy:
             token = mx.argmax(logits)
         else:
-            self._key, draw_key, aux_key = mx.random.split(self._key, 3)
+            draw_key, aux_key = self.next_keys()
             c = Candidates(logits, None)
             for transform in self.transforms:
                 c = transform(c, aux_key)
@@ -432,6 +485,46 @@ class Sampler:
         token = token.astype(mx.int32)
         self.history.accept(token)
         return token, logprobs
+
+    def traced_step(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array, StepRecord]:
+        """`step`, also recording what every stage of the chain did to the `k` candidates worth showing.
+
+        The same ops in the same order with the same key use as `step`, so a seed gives the same tokens traced or
+        not (tests/test_trace.py checks it); a separate method so that `step` itself stays as cheap as before. The
+        extra work is a few vocabulary-wide ops per stage (each stage's probabilities scattered back over the
+        vocabulary) and one partial sort to pick the candidates. Lazy, like `step`."""
+        if logits.dtype != mx.float32:
+            logits = logits.astype(mx.float32)
+        raw, shifts = logits, []
+        for proc in self.processors:
+            moved = proc(logits, self.history)
+            shifts.append(mx.where(moved == logits, 0.0, moved - logits))  # a banned token's shift is -inf, not NaN
+            logits = moved
+        logits = mx.minimum(logits, FLOAT_MAX)
+        logprobs = log_softmax(logits)
+        probs, alive = [], [logits > NEG_INF]
+        if self.profile.greedy:
+            token = mx.argmax(logits)
+            final = logprobs
+        else:
+            draw_key, aux_key = self.next_keys()
+            c = Candidates(logits, None)
+            for transform in self.transforms:
+                c = transform(c, aux_key)
+                stage_probs, stage_alive = _over_vocabulary(c, self.vocab_size)
+                probs.append(stage_probs)
+                alive.append(stage_alive)
+            token = mx.random.categorical(c.logits, key=draw_key)
+            if c.ids is not None:
+                token = c.ids[token]
+            final = log_softmax(c.logits)
+        token = token.astype(mx.int32)
+        self.history.accept(token)
+        idx = _trace_candidates(logits, alive, token, k)
+        gather = lambda rows: mx.stack([r[idx] for r in rows]) if rows else mx.zeros((0, idx.size))  # noqa: E731
+        record = StepRecord(idx, raw[idx], gather(shifts), logprobs[idx], gather(probs), gather(alive),
+                            mx.stack([_entropy(logprobs), _entropy(final)]), mx.sum(logits > logits[token]))
+        return token, logprobs, record
 
     @staticmethod
     def top_logprobs(logprobs: mx.array, token: mx.array | int, n: int) -> tuple[float, list[tuple[int, float]]]:
@@ -448,6 +541,6 @@ class Sampler:
 
 __all__ = [
     "CANDIDATES", "Candidates", "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty",
-    "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
+    "RepetitionPenalty", "Sampler", "StepRecord", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
     "top_candidates",
 ]

@@ -8,13 +8,15 @@ This is the contract scripts, the server's extension field and the TUI's inspect
   per transform exactly as ``Sampler.describe()`` prints it (e.g. ``"TopK(5)"``), each the renormalised probability
   the next stage sees, or ``None`` once a stage removed it. The last key's column is the distribution sampled from;
 * ``removed_by`` — the key of the stage that removed the candidate, or ``None``;
-* ``shifts`` — per processor (as ``describe()`` prints it), how far it moved this candidate's logit.
+* ``shifts`` — per processor (as ``describe()`` prints it), how far it moved this candidate's logit (``-inf`` when it
+  banned the token, e.g. ``MinTokens``; ``as_dict`` writes that as ``null``, since JSON has no infinity).
 
 Greedy chains have no transforms: ``probs`` holds just ``"processed"`` and the chosen token is its argmax.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -52,7 +54,8 @@ class TokenTrace:
         """JSON-ready form (the server's streaming extension field and the store use it)."""
         return {
             "candidates": [{"token_id": c.token_id, "text": c.text, "logit": c.logit, "probs": dict(c.probs),
-                            "removed_by": c.removed_by, "chosen": c.chosen, "shifts": dict(c.shifts)}
+                            "removed_by": c.removed_by, "chosen": c.chosen,
+                            "shifts": {k: v if math.isfinite(v) else None for k, v in c.shifts.items()}}
                            for c in self.candidates],
             "entropy_before": self.entropy_before, "entropy_after": self.entropy_after,
             "chosen_rank": self.chosen_rank, "stages": list(self.stages),
@@ -61,6 +64,8 @@ class TokenTrace:
     @classmethod
     def from_dict(cls, d: dict) -> "TokenTrace":
         return cls(candidates=[Candidate(c["token_id"], c["text"], c["logit"], dict(c["probs"]), c["removed_by"],
-                                         c["chosen"], dict(c.get("shifts", {}))) for c in d["candidates"]],
+                                         c["chosen"], {k: -math.inf if v is None else v
+                                                       for k, v in c.get("shifts", {}).items()})
+                               for c in d["candidates"]],
                    entropy_before=d["entropy_before"], entropy_after=d["entropy_after"],
                    chosen_rank=d["chosen_rank"], stages=tuple(d["stages"]))

@@ -1,0 +1,85 @@
+"""The sampler inspector's recorder: a `sample` callable for the token layer that also traces each step.
+
+`Tracer.step` has the signature of `Sampler.step` (``core.generate.Sample``), so it plugs into `generate_step` and
+the batch scheduler unchanged; it runs `Sampler.traced_step` (the same draw, plus the per-stage bookkeeping) and
+queues the step's `StepRecord`. Decode is pipelined (step n+1 is queued before token n is read), so records wait in
+a FIFO and `Tracer.take(token_id)` turns the oldest into a `core.trace.TokenTrace` once its token is read. A trace
+costs nothing when not asked for: without `trace=K` the engine calls `Sampler.step` itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .sampling import Sampler, StepRecord
+from .trace import Candidate, TokenTrace
+
+# The most candidates a trace may hold: enough for any inspector table, bounded so a typo cannot ask for the
+# whole vocabulary on every token.
+MAX_TRACE = 100
+PROCESSED = "processed"
+
+
+def check_trace(k: int, what: str = "trace") -> int:
+    """`k` if it is a valid number of traced candidates (0 = off), else a ValueError naming `what` and the range."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TRACE:
+        raise ValueError(f"{what} must be an integer between 0 and {MAX_TRACE} (candidates per token; 0 = off), "
+                         f"got {k!r}")
+    return k
+
+
+class Tracer:
+    """Wraps one request's `Sampler`: `step` samples exactly as the sampler would and records the chain; `take`
+    gives the trace of each token in the order the tokens are read."""
+
+    def __init__(self, sampler: Sampler, k: int, token_text: Callable[[int], str]) -> None:
+        self.sampler = sampler
+        self.k = min(check_trace(k), sampler.vocab_size)
+        self.processors = tuple(repr(p) for p in sampler.processors)
+        self.stages = (PROCESSED, *(repr(t) for t in sampler.transforms))
+        self._token_text = token_text
+        self._texts: dict[int, str] = {}
+        self._pending: deque[StepRecord] = deque()
+
+    def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        token, logprobs, record = self.sampler.traced_step(logits, self.k)
+        mx.async_eval(*record)  # computed alongside the token, not when the host asks for it
+        self._pending.append(record)
+        return token, logprobs
+
+    def take(self, token_id: int) -> TokenTrace:
+        """The trace of the oldest step not taken yet, whose token was `token_id`."""
+        return self._build(self._pending.popleft(), token_id)
+
+    def _text(self, token_id: int) -> str:
+        if token_id not in self._texts:
+            self._texts[token_id] = self._token_text(token_id)
+        return self._texts[token_id]
+
+    def _build(self, r: StepRecord, token_id: int) -> TokenTrace:
+        ids = np.asarray(r.ids).tolist()
+        raw, logprobs = np.asarray(r.raw), np.asarray(r.logprobs)
+        shifts, probs, alive = np.asarray(r.shifts), np.asarray(r.probs), np.asarray(r.alive)
+        entropy = np.asarray(r.entropy)
+        # Best first by processed logit (log-probability orders the same), ties by id, as top_logprobs does.
+        order = sorted(range(len(ids)), key=lambda j: (-float(logprobs[j]), ids[j]))
+        candidates = [self._candidate(ids[j], float(raw[j]), float(logprobs[j]), shifts[:, j], probs[:, j],
+                                      alive[:, j], ids[j] == token_id) for j in order]
+        return TokenTrace(candidates, float(entropy[0]), float(entropy[1]), int(np.asarray(r.rank)), self.stages)
+
+    def _candidate(self, token_id: int, raw: float, logprob: float, shifts: np.ndarray, probs: np.ndarray,
+                   alive: np.ndarray, chosen: bool) -> Candidate:
+        column = [math.exp(logprob), *probs.tolist()]
+        kept = dict(zip(self.stages, (p if a else None for p, a in zip(column, alive.tolist()))))
+        # A token a processor banned (min_tokens) is removed by "processed"; its shift of -inf says which one.
+        removed = next((s for s in self.stages if kept[s] is None), None)
+        return Candidate(token_id, self._text(token_id), raw, kept, removed, chosen,
+                         dict(zip(self.processors, shifts.tolist())))
+
+
+__all__ = ["MAX_TRACE", "PROCESSED", "Tracer", "check_trace"]
