@@ -8,7 +8,7 @@ Example ``~/.config/mlxchat/config.toml``::
     max_tokens = 512
     kv_window = 2048                 # rotating KV window; leave out for a plain, growing cache
     models = ["~/models/qwen2.5-0.5b-instruct-q4.gguf"]
-    trace = 8                        # candidates recorded per token for the heat view (F7); 0 turns tracing off
+    trace = 8                        # trace every reply as it is written (costs decode speed; see the README)
 
     [keys]                           # binding id = keys (comma-separated); see the help screen (F1) for the ids
     regenerate = "ctrl+r,f9"
@@ -44,8 +44,9 @@ class Settings(BaseModel):
     max_tokens: int | None = Field(default=1024, ge=1)
     kv_window: int | None = Field(default=None, ge=16)
     sidebar: bool = True
-    # Candidates recorded per generated token, for the heat view and the token inspector (0: no tracing).
-    trace: int = Field(default=8, ge=0, le=64)
+    # Candidates recorded per token of every reply as it is written. 0 (the default): replies cost what they cost,
+    # and F7 traces a reply only when asked (by writing it again with its seed).
+    trace: int = Field(default=0, ge=0, le=100)
     models: list[str] = Field(default_factory=list)
     keys: dict[str, str] = Field(default_factory=dict)
 

@@ -571,16 +571,29 @@ class ChatController:
 
     # --- the sampler inspector ----------------------------------------------------------------------------------
 
-    def traces(self, turn: Turn | None) -> "list[TokenTrace]":
-        """The per-token traces of a reply, for the heat view and the inspector."""
+    def traces(self, turn: Turn | None) -> "list[TokenTrace] | None":
+        """The per-token traces of a reply, for the heat view and the inspector; None when it was written untraced
+        (``retrace`` records them)."""
         if turn is None or turn.role != "assistant":
             raise Refused("Pick a reply: the heat view shows a reply's tokens")
         if turn.streaming:
             raise Refused("The reply is still coming: its heat view opens once it is done")
-        if not turn.traces:
-            why = "tracing is off (trace = 0 in config.toml)" if self.trace_k == 0 else \
-                "it was written before tracing was on"
-            raise Refused(f"This reply has no per-token trace: {why}; F9 replays it traced")
+        if turn.error is not None or not turn.content:
+            raise Refused("This reply failed: it has no tokens to show")
+        return turn.traces
+
+    def retrace(self, turn: Turn) -> tuple[ReplaySource, int]:
+        """How to record the traces of a reply written untraced: write it again with the same messages, profile and
+        seed, capped at its own length (the source, and that cap)."""
+        source = self.replay_source(turn)
+        return source, int(turn.metrics.get("completion_tokens") or self.max_tokens or 1024)
+
+    def attach_traces(self, turn: Turn, result: "GenerationResult") -> "list[TokenTrace]":
+        """Keep the traces of ``retrace``'s run on ``turn`` if it wrote the same reply."""
+        if result.text != turn.content or not result.traces:
+            raise Refused("Written again with its seed, this reply came out different (another model, or a "
+                          "near tie); F9 replays it side by side", "error")
+        turn.traces = list(result.traces)
         return turn.traces
 
     def branch_place(self, turn: Turn) -> tuple[int, int] | None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from mlxchat.core.messages import ChatMessage
 
 
-REPLAY_K = 8  # candidates per token a replay records when the chat's own tracing is off
+TRACE_K = 8  # candidates per token recorded on demand (F7 on an untraced reply, a replay, a branch)
 
 
 class ReplayError(ValueError):
@@ -61,6 +61,26 @@ class ReplaySource:
     def plan(self, change: str) -> "ReplayPlan":
         return ReplayPlan.make(self.messages, self.profile, self.seed, change, self.max_tokens)
 
+    def retrace(self, engine: "Engine", trace: int, max_tokens: int) -> "GenerationResult":
+        """The reply written again as it was (same messages, profile and seed), traced: tracing does not change
+        the tokens, so this records the traces of a reply that was written untraced (blocking: call it off the
+        UI thread)."""
+        return engine.generate([m.as_prompt() for m in self.messages],
+                               profile=SamplingProfile.model_validate(seeded(self.profile, self.seed)),
+                               max_tokens=max_tokens, trace=trace)
+
+
+def seeded(profile: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    """A reply's stored profile with the seed it was drawn with (a random seed is reported: a re-run reuses it)."""
+    base = {k: v for k, v in profile.items() if k in SamplingProfile.model_fields}
+    if seed is not None:
+        base["seed"] = seed
+    try:
+        SamplingProfile.model_validate(base)
+    except ValidationError as e:
+        raise ReplayError(f"the reply's profile is no longer valid: {e.errors()[0]['msg']}") from None
+    return base
+
 
 @dataclass(frozen=True)
 class ReplayPlan:
@@ -76,13 +96,8 @@ class ReplayPlan:
     def make(cls, messages: Sequence["ChatMessage"], profile: dict[str, Any], seed: int | None, change: str,
              max_tokens: int | None) -> "ReplayPlan":
         """The reply's stored ``profile`` with the ``seed`` it ran with, and the same with ``change`` applied."""
-        base = {k: v for k, v in profile.items() if k in SamplingProfile.model_fields}
-        if seed is not None:
-            base["seed"] = seed  # a reply drawn with a random seed reports it: the replay reuses it
-        try:
-            original = SamplingProfile.model_validate(base)
-        except ValidationError as e:
-            raise ReplayError(f"the reply's profile is no longer valid: {e.errors()[0]['msg']}") from None
+        base = seeded(profile, seed)
+        original = SamplingProfile.model_validate(base)
         name, value = parse_change(change)
         if name not in SamplingProfile.model_fields:
             raise ReplayError(f"{name!r} is not a sampling parameter (e.g. temperature, top_p, top_k, min_p)")

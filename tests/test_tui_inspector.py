@@ -28,7 +28,9 @@ def _notes(app) -> list[str]:
 
 
 @pytest.mark.anyio
-async def test_heat_view_and_inspector_show_the_real_traces(new_app, ready, reply, wait_for):
+async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, ready, reply, wait_for):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.toml").write_text("trace = 6\n")  # every reply traced as it is written
     app = new_app(max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
         screen = await ready(pilot)
@@ -36,6 +38,7 @@ async def test_heat_view_and_inspector_show_the_real_traces(new_app, ready, repl
         result = await reply(pilot, "Name a colour.")
         turn = screen.controller.turns[-1]
         assert turn.traces is not None and len(turn.traces) == len(result.token_ids) == len(result.traces)
+        assert all(len(t.candidates) <= 6 for t in result.traces)
         await pilot.press("f7")
         strip = app.focused
         assert isinstance(strip, TokenStrip)
@@ -59,7 +62,7 @@ async def test_heat_view_and_inspector_show_the_real_traces(new_app, ready, repl
         view = screen.transcript.last("assistant")
         assert view.strip is None and app.focused is view
         # A reply still streaming has no heat view yet: one line says so.
-        app.max_tokens = screen.controller.max_tokens = 200
+        screen.controller.max_tokens = 200
         screen.input.focus()
         screen.input.load_text("Tell me a story about a fox.")
         screen.input.action_submit()
@@ -69,6 +72,22 @@ async def test_heat_view_and_inspector_show_the_real_traces(new_app, ready, repl
         assert any("still coming" in n for n in _notes(app))
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.busy, what="the stop")
+
+
+@pytest.mark.anyio
+async def test_an_untraced_reply_is_traced_when_asked_with_the_same_tokens(new_app, ready, reply, wait_for):
+    app = new_app(max_tokens=8)  # tracing off (the default): replies cost what they cost
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        screen.set_profile(SamplingProfile(name="random seed", temperature=0.9, top_p=0.95))
+        result = await reply(pilot, "Name a colour.")
+        turn = screen.controller.turns[-1]
+        assert turn.traces is None and result.traces == () and turn.seed is not None
+        await pilot.press("f7")  # written again with the seed it was drawn with, traced
+        await wait_for(pilot, lambda: isinstance(app.focused, TokenStrip), what="the traced reply")
+        assert len(turn.traces) == len(result.token_ids)
+        assert [t.chosen.token_id for t in turn.traces] == list(result.token_ids)
+        assert any("Tracing this reply" in n for n in _notes(app))
 
 
 @pytest.mark.anyio

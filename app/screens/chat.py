@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -22,7 +22,7 @@ from ..conversation import ChatController, Refused, Reply, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelPick, to_remember
-from ..replay import REPLAY_K
+from ..replay import TRACE_K, ReplayError, ReplaySource
 from ..widgets import (ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, TokenInspector, TokenStrip,
                        Transcript)
 from .dialogs import Confirm, TextPrompt
@@ -31,6 +31,8 @@ from .profile_picker import ProfilePicker
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine, SamplingProfile
+    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.trace import TokenTrace
 
     from ..app import MlxChatApp
 
@@ -582,12 +584,43 @@ class ChatScreen(Screen):
             return
         try:
             traces = self.controller.traces(view.turn)
+            if traces is None:
+                assert view.turn is not None
+                source, length = self.controller.retrace(view.turn)
         except Refused as e:
             self.notify(str(e), severity=e.severity)
             return
+        if traces is None:  # written untraced: write it again, traced, with its seed (only now that it is asked for)
+            self.notify("Tracing this reply: writing it again with its seed…", timeout=3)
+            self._retrace(view, source, length)
+            return
+        await self._show_heat(view, traces)
+
+    async def _show_heat(self, view: MessageView, traces: "list[TokenTrace]") -> None:
         strip = await view.show_heat(traces)
         strip.focus()
         strip.scroll_visible()
+
+    @work(thread=True, group="retrace")
+    def _retrace(self, view: MessageView, source: ReplaySource, length: int) -> None:
+        engine = self.controller.engine
+        assert engine is not None
+        try:
+            result = source.retrace(engine, self.controller.trace_k or TRACE_K, length)
+        except (ReplayError, ValueError, RuntimeError) as e:
+            self.app.call_from_thread(self.notify, f"Could not trace this reply: {e}", severity="error")
+            return
+        self.app.call_from_thread(self._retraced, view, result)
+
+    async def _retraced(self, view: MessageView, result: "GenerationResult") -> None:
+        if view.turn is None or not view.is_attached:  # the chat changed meanwhile
+            return
+        try:
+            traces = self.controller.attach_traces(view.turn, result)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        await self._show_heat(view, traces)
 
     def _show_token(self, strip: TokenStrip, index: int) -> None:
         view = strip.query_ancestor(MessageView)
@@ -665,7 +698,7 @@ class ChatScreen(Screen):
             return
         assert self.controller.engine is not None
         # A replay is always traced (it exists to compare tokens), with the chat's K when tracing is on.
-        self.app.push_screen(ReplayScreen(self.controller.engine, source, trace=self.controller.trace_k or REPLAY_K))
+        self.app.push_screen(ReplayScreen(self.controller.engine, source, trace=self.controller.trace_k or TRACE_K))
 
     # --- copy, export, layout ------------------------------------------------------------------------------------
 
