@@ -1,11 +1,14 @@
-"""The sampler inspector's plain logic (app/inspector.py): heat colours, the token strip, table rows, replay
-alignment. No terminal and no model: traces are built by hand in the shape core/trace.py promises."""
+"""The sampler inspector's plain logic (app/inspector.py, app/replay.py): heat colours, the token strip, table
+rows, replay alignment and the replay's change. No terminal and no model: traces are built by hand in the shape core/trace.py promises."""
 
 from __future__ import annotations
 
+import pytest
 from rich.color import Color, ColorType
 
 from mlxchat.app import inspector
+from mlxchat.app.replay import ReplayError, ReplaySource
+from mlxchat.core.messages import ChatMessage
 from mlxchat.core.trace import Candidate, TokenTrace
 
 STAGES = ("processed", "TopK(3)", "TopP(0.5)", "Temperature(0.7)")
@@ -115,3 +118,31 @@ def test_first_divergence():
 def test_perplexity():
     assert inspector.perplexity([make_trace(0)]) == 1.0
     assert inspector.perplexity([]) == 0.0
+
+
+# --- the replay's plan (app/replay.py) ---------------------------------------------------------------------------
+
+def _source(profile: dict | None = None, seed: int | None = 42) -> ReplaySource:
+    return ReplaySource((ChatMessage("system", "Be terse."), ChatMessage("user", "Hi")),
+                        profile if profile is not None else {"name": "chat", "temperature": 0.8, "top_p": 0.9},
+                        seed, 16)
+
+
+def test_a_replay_keeps_the_seed_and_changes_one_parameter():
+    plan = _source().plan("top_k = 5")
+    assert plan.original.seed == plan.changed.seed == 42
+    assert plan.original.top_k == 0 and plan.changed.top_k == 5 and plan.change == "top_k=5"
+    assert plan.changed.temperature == plan.original.temperature == 0.8
+    assert [m.role for m in plan.messages] == ["system", "user"] and plan.max_tokens == 16
+    assert _source({"temperature": 0.0}).suggestion() == "temperature=0.8"
+    assert _source().suggestion() == "temperature=1.3"
+
+
+def test_a_bad_change_is_one_line_naming_it():
+    for change, says in (("temperature", "name=value"), ("temprature=1", "not a sampling parameter"),
+                         ("temperature=9", "temperature must be between 0 and 2"), ("seed=3", "keeps the seed"),
+                         ("top_p=0.9", "already")):
+        with pytest.raises(ReplayError, match=says):
+            _source().plan(change)
+    with pytest.raises(ReplayError, match="no longer valid"):
+        _source({"temperature": 7}).plan("top_k=2")
