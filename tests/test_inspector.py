@@ -1,5 +1,6 @@
 """The sampler inspector's plain logic (app/inspector.py, app/replay.py): heat colours, the token strip, table
-rows, replay alignment and the replay's change. No terminal and no model: traces are built by hand in the shape core/trace.py promises."""
+rows, replay alignment and the replay's change. No terminal and no model: traces are built by hand in the shape
+core/trace.py promises."""
 
 from __future__ import annotations
 
