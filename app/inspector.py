@@ -30,7 +30,7 @@ HEAT_LEVELS: tuple[tuple[float, str], ...] = (
 HEAT_TEXT = "#000000"  # on every shaded background (xterm-256 colour 16)
 CURSOR_STYLE = Style(reverse=True, bold=True, underline=True)
 DIVERGENCE_STYLE = Style(color="#ffffff", bgcolor="#af00d7", bold=True)  # xterm-256 128: no heat level uses it
-BAR_WIDTH = 6
+BAR_WIDTH = 5
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
 _VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥"}
 
@@ -137,17 +137,23 @@ class InspectorRow:
         """Its probability in the distribution that was sampled from."""
         return self.stages[-1]
 
-    def cells(self) -> tuple[str, ...]:
-        """The table row: marker, rank, token, raw logit, processor shift, one cell per stage, the stage that cut it."""
-        return ("▶" if self.chosen else " ", str(self.rank), self.token, f"{self.logit:.2f}",
-                f"{self.shift:+.2f}" if self.shift else "", *(cell(p) for p in self.stages), self.removed_by or "")
+    def cells(self, *, shifts: bool = True) -> tuple[str, ...]:
+        """The table row: marker, rank, token, raw logit, the processors' shift (when the chain has processors), one
+        cell per stage, the stage that cut it."""
+        shift = (f"{self.shift:+.2f}" if self.shift else "",) if shifts else ()
+        return ("▶" if self.chosen else " ", str(self.rank), self.token, f"{self.logit:.2f}", *shift,
+                *(cell(p) for p in self.stages), self.removed_by or "")
+
+
+def has_shifts(trace: TokenTrace) -> bool:
+    """Whether any processor (penalty, bias) moved a candidate's logit: else the table leaves that column out."""
+    return any(c.shifts for c in trace.candidates)
 
 
 def columns(trace: TokenTrace) -> tuple[str, ...]:
-    """The table's headers; the stage columns are named as ``Sampler.describe()`` prints them, the last says it is
-    the distribution sampled from."""
-    stages = [f"{s} (final)" if i == len(trace.stages) - 1 else s for i, s in enumerate(trace.stages)]
-    return ("", "#", "token", "raw logit", "penalty", *stages, "cut by")
+    """The table's headers; the stage columns are named as ``Sampler.describe()`` prints them (the last one is the
+    distribution sampled from)."""
+    return ("", "#", "token", "logit", *(("penalty",) if has_shifts(trace) else ()), *trace.stages, "cut by")
 
 
 def rows(trace: TokenTrace) -> list[InspectorRow]:

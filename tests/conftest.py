@@ -115,6 +115,25 @@ def ready() -> Callable[..., Awaitable[Any]]:
     return _ready
 
 
+# --- snapshots (pytest-textual-snapshot) -----------------------------------------------------------------------
+
+@pytest.fixture
+def snapshot(snapshot: Any) -> Any:
+    """Keep the SVGs in tests/snapshots/<module>/ (snap_compare asks for its SVG extension; give it ours)."""
+    from pytest_textual_snapshot import SVGImageExtension
+
+    class InTestsFolder(SVGImageExtension):
+        @classmethod
+        def dirname(cls, *, test_location: Any) -> str:
+            return str(Path(test_location.filepath).parent / "snapshots" / test_location.basename)
+
+    class Redirect:
+        def use_extension(self, _extension: Any) -> Any:
+            return snapshot.use_extension(InTestsFolder)
+
+    return Redirect()
+
+
 # --- the fast tier ----------------------------------------------------------------------------------------------
 # `make test-fast` (pytest -m "not model") runs what loads no model and starts no app or server: the edit-test loop.
 # A test is in the model tier when it asks for a fixture that loads one, or when its module drives real processes,

@@ -4,6 +4,8 @@ core/trace.py promises."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from rich.color import Color, ColorType
 
@@ -76,8 +78,8 @@ def test_heat_text_carries_each_token_index_and_marks_the_cursor():
 
 def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
     trace = make_trace(0)
-    assert inspector.columns(trace) == ("", "#", "token", "raw logit", "penalty", "processed", "TopK(3)",
-                                        "TopP(0.5)", "Temperature(0.7) (final)", "cut by")
+    assert inspector.columns(trace) == ("", "#", "token", "logit", "penalty", "processed", "TopK(3)",
+                                        "TopP(0.5)", "Temperature(0.7)", "cut by")
     rows = inspector.rows(trace)
     assert [r.rank for r in rows] == [1, 2, 3, 4]
     assert rows[0].chosen and rows[0].final == 1.0 and rows[0].removed_by is None
@@ -89,6 +91,10 @@ def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
     assert cells[0] == " " and cells[2] == " Lyon" and cells[-1] == "TopP(0.5)"
     assert cells[5].endswith("25.0%") and cells[7].endswith("cut")
     assert inspector.rows(trace)[0].cells()[0] == "▶" and rows[2].cells()[4] == "-0.40"
+    # With no processor in the chain, the penalty column is left out (of the headers and of every row).
+    plain = TokenTrace([dataclasses.replace(c, shifts={}) for c in trace.candidates], 1.0, 0.0, 0, STAGES)
+    assert not inspector.has_shifts(plain) and "penalty" not in inspector.columns(plain)
+    assert len(inspector.rows(plain)[0].cells(shifts=False)) == len(inspector.columns(plain))
 
 
 def test_bars_and_percentages():

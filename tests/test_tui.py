@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from pytest_textual_snapshot import SVGImageExtension
 from textual.widgets import Button, Input, OptionList
 
 from mlxchat.app.app import make_app
@@ -497,23 +496,6 @@ async def test_corrupt_database_is_reported_and_left_alone(tmp_path, new_app):
 
 
 # --- snapshots -------------------------------------------------------------------------------------------------
-
-class _SnapshotsInTestsFolder(SVGImageExtension):
-    @classmethod
-    def dirname(cls, *, test_location) -> str:
-        return str(Path(test_location.filepath).parent / "snapshots" / test_location.basename)
-
-
-@pytest.fixture
-def snapshot(snapshot):
-    """Keep the SVGs in tests/snapshots/ (snap_compare asks for its SVG extension; give it ours)."""
-
-    class Redirect:
-        def use_extension(self, _extension):
-            return snapshot.use_extension(_SnapshotsInTestsFolder)
-
-    return Redirect()
-
 
 SNAP_DIR = Path("/tmp/mlxchat-snapshot-dirs")  # fixed paths: the help screen shows the config file's path
 

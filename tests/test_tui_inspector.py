@@ -9,13 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from pytest_textual_snapshot import SVGImageExtension
 from textual.widgets import Input
 
 from mlxchat.app.app import make_app
 from mlxchat.app.screens.replay import ReplayScreen
 from mlxchat.app.store import Store
-from mlxchat.app.widgets import MessageView, TokenInspector, TokenStrip
+from mlxchat.app.widgets import ChatInput, TokenInspector, TokenStrip
 from mlxchat.core import SamplingProfile, native
 
 SIZE = (120, 36)
@@ -119,3 +118,91 @@ async def test_replay_with_a_change_shows_both_sides_and_where_they_part(new_app
             assert panel.has_class("-open") and panel.trace is result.traces[at or 0]
         await pilot.press("escape")
         assert app.screen is screen
+
+
+# --- snapshots -------------------------------------------------------------------------------------------------
+# A stored chat whose reply the embedded model wrote with SEEDED; F7 traces it on demand (the same tokens again), so
+# the heat shades and the inspector's numbers are the model's own, and the same every run. Refresh with
+# `pytest tests/test_tui_inspector.py --snapshot-update`.
+
+SNAP_DIR = Path("/tmp/mlxchat-inspector-snapshot")
+SYSTEM = "You are a helpful assistant."
+QUESTION = "Name three colours."
+
+
+@pytest.fixture
+def stored_reply_app(engine, monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    shutil.rmtree(SNAP_DIR, ignore_errors=True)
+    result = engine.generate([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+                             profile=SEEDED, max_tokens=12)
+    clock = iter(float(1_780_000_000 + 60 * i) for i in range(100))
+    store = Store(SNAP_DIR / "data" / "conversations.db", clock=lambda: next(clock))
+    chat = store.create_conversation("Three colours", system_prompt=SYSTEM,
+                                     profile=SEEDED.model_dump(mode="json"))
+    store.add_message(chat.id, "user", QUESTION)
+    store.add_message(chat.id, "assistant", result.text, finish_reason=result.finish_reason, model=engine.name,
+                      profile=result.profile, sampler=result.sampler, seed=result.seed,
+                      metrics={"prompt_tokens": 31, "completion_tokens": result.metrics.completion_tokens,
+                               "ttft_s": 0.2, "tpot_s": 0.05, "prefill_s": 0.2, "decode_s": 0.55,
+                               "context_tokens": 43, "context_limit": 8192})
+    store.close()
+    app = make_app(data_dir=SNAP_DIR / "data", config_dir=SNAP_DIR / "config", engine=engine, max_tokens=12,
+                   scan_hf_cache=False)
+    yield app, chat.id
+    shutil.rmtree(SNAP_DIR, ignore_errors=True)
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+async def _heat(pilot, wait_for, conversation_id: int) -> None:
+    screen = pilot.app.chat_screen
+    await wait_for(pilot, lambda: bool(screen.query(ChatInput)) and screen.controller.session is not None,
+                   what="the engine")
+    await screen.open_conversation(conversation_id)
+    screen.input.cursor_blink = False
+    await pilot.press("f7")
+    await wait_for(pilot, lambda: isinstance(pilot.app.focused, TokenStrip), what="the traced reply")
+    pilot.app.clear_notifications()
+    await pilot.pause()
+
+
+# The screen shows the weight path, and the numbers are the native kernel's: taken there, skipped on the fallback.
+native_snapshot = pytest.mark.skipif(not native.available(), reason="snapshots show the native weight path and its "
+                                     "numbers; this run uses the fp32 fallback (MLXCHAT_NATIVE=0 or no extension)")
+
+
+@native_snapshot
+def test_snapshot_heat_view(snap_compare, stored_reply_app, wait_for):
+    app, conversation_id = stored_reply_app
+
+    async def run_before(pilot) -> None:
+        await _heat(pilot, wait_for, conversation_id)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+@native_snapshot
+def test_snapshot_token_inspector(snap_compare, stored_reply_app, wait_for):
+    app, conversation_id = stored_reply_app
+
+    async def run_before(pilot) -> None:
+        await _heat(pilot, wait_for, conversation_id)
+        await pilot.press("right", "right", "enter")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+@native_snapshot
+def test_snapshot_heat_view_light_theme(snap_compare, stored_reply_app, wait_for):
+    """The same shades on the light theme (fixed backgrounds with black text; tests/test_inspector.py checks they
+    are exact xterm-256 colours)."""
+    app, conversation_id = stored_reply_app
+
+    async def run_before(pilot) -> None:
+        pilot.app.theme = "textual-light"
+        await _heat(pilot, wait_for, conversation_id)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -52,7 +52,8 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_chat", "New", id="new_chat"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
         Binding("ctrl+t", "edit_last", "Edit", id="edit_last"),
-        Binding("ctrl+s", "export", "Export", id="export"),
+        # Export is in the palette and F1; its footer slot shows the heat view, so F1 Help fits at 110 columns.
+        Binding("ctrl+s", "export", "Export", id="export", show=False),
         Binding("f2", "profiles", "Profile", id="profiles"),
         Binding("f3", "models", "Model", id="models"),
         Binding("ctrl+l", "clear", "Clear chat", id="clear", show=False),

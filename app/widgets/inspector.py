@@ -131,8 +131,8 @@ class TokenInspector(Vertical):
     def compose(self) -> ComposeResult:
         yield Static("", classes="inspector-summary", markup=False)
         yield DataTable(classes="inspector-table", cursor_type="row", zebra_stripes=True)
-        hint = "↑/↓ candidates · Enter continues the reply from the candidate · Esc closes" if self.branching \
-            else "↑/↓ candidates · Esc closes"
+        hint = ("Enter: continue from this candidate · " if self.branching else "") + \
+            "Esc: close · the last stage is what it was drawn from"
         yield Static(hint, classes="inspector-hint", markup=False)
 
     @property
@@ -148,8 +148,9 @@ class TokenInspector(Vertical):
         table = self.table
         table.clear(columns=True)
         table.add_columns(*inspector.columns(trace))
+        shifts = inspector.has_shifts(trace)
         for row in inspector.rows(trace):
-            table.add_row(*row.cells(), key=str(row.token_id))
+            table.add_row(*row.cells(shifts=shifts), key=str(row.token_id))
 
     def action_close(self) -> None:
         self.post_message(self.Closed(self))

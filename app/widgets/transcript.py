@@ -36,8 +36,9 @@ class MessageView(Vertical, can_focus=True):
     BINDINGS = [
         Binding("c", "copy_message", "Copy message", id="copy_message"),
         Binding("k", "copy_code", "Copy code block", id="copy_code_block"),
-        Binding("left_square_bracket", "branch(-1)", "Previous branch", id="branch_previous"),
-        Binding("right_square_bracket", "branch(1)", "Next branch", id="branch_next"),
+        # Not in the footer: a reply with branches says so in its label ("< 1/2 >  [ ] switch").
+        Binding("left_square_bracket", "branch(-1)", "Previous branch", id="branch_previous", show=False),
+        Binding("right_square_bracket", "branch(1)", "Next branch", id="branch_next", show=False),
     ]
 
     @dataclass
