@@ -38,6 +38,8 @@ from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenE
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
+from .trace import TokenTrace
+from .tracing import Tracer, check_trace
 
 Emit = Callable[[Event | BaseException], None]
 # Prefill chunk while other sequences are decoding: ~0.4 s of a 2-core CPU (prefill ~150 tok/s), the longest
@@ -58,6 +60,7 @@ class BatchRequest:
     emit: Emit
     max_tokens: int | None = None
     stop: Sequence[str] = ()  # in addition to the profile's
+    trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -74,6 +77,10 @@ class _Sequence:
         self.req = req
         self.sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids,
                                prompt_ids=req.prompt)
+        self.tracer = Tracer(self.sampler, check_trace(req.trace), lambda i: m.tokenizer.decode([i])) \
+            if req.trace else None
+        self.sample = self.tracer.step if self.tracer else self.sampler.step  # untraced rows pay nothing for it
+        self.traces: list[TokenTrace] = []
         self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the batch
         self.reused = 0
         self.todo: list[int] = []  # prefilled before joining; the last prompt id is the first decode input
@@ -265,7 +272,7 @@ class BatchScheduler:
         logits = self.engine.model.model(self._inputs[:, None], cache=self._batch)[:, -1, :]
         tokens, logprobs = [], []
         for i, seq in enumerate(self._rows):
-            token, lp = seq.sampler.step(logits[i])
+            token, lp = seq.sample(logits[i])
             tokens.append(token)
             logprobs.append(lp if seq.req.profile.logprobs else None)
             seq.context += 1
@@ -279,6 +286,8 @@ class BatchScheduler:
         seq.read.append(token)
         if token in m.tokenizer.eos_ids:
             return self._done(seq, "stop")
+        traces = (seq.tracer.take(token),) if seq.tracer else ()
+        seq.traces.extend(traces)
         seq.last = time.perf_counter()
         seq.first = seq.first or seq.last
         seq.ids.append(token)
@@ -289,7 +298,7 @@ class BatchScheduler:
             seq.logprobs.extend(token_lp)
         delta = seq.stops.feed(seq.detok.add(token))
         seq.text.append(delta)
-        req.emit(TokenEvent(delta, (token,), seq.metrics(m.context_length), token_lp))
+        req.emit(TokenEvent(delta, (token,), seq.metrics(m.context_length), token_lp, traces))
         if seq.stops.stopped:
             return self._done(seq, "stop")
         if (req.max_tokens is not None and len(seq.ids) >= req.max_tokens) or \
@@ -331,7 +340,7 @@ class BatchScheduler:
                 req.emit(TokenEvent(tail, (), seq.metrics(m.context_length)))
         result = GenerationResult("".join(seq.text), reason, seq.metrics(m.context_length), tuple(seq.ids),
                                   tuple(seq.logprobs), seq.sampler.describe(), seq.sampler.seed,
-                                  req.profile.model_dump(mode="json"))
+                                  req.profile.model_dump(mode="json"), tuple(seq.traces))
         self._release()
         req.emit(Done(result))
         return True

@@ -27,7 +27,7 @@ from .cache import ConversationCache
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
 from .generate import generate_step
-from .messages import ChatMessage
+from .messages import ChatMessage, Fork, ReplyTree
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
@@ -166,6 +166,15 @@ def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
     if system is not None and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+@dataclass(frozen=True)
+class Forced:
+    """The start of a reply already decided (`ChatSession.branch`): its token ids, and their traces (aligned with
+    the ids, or empty)."""
+
+    ids: tuple[int, ...]
+    traces: tuple[TokenTrace, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -315,35 +324,49 @@ class Engine:
         if not rotating and prompt_tokens >= self.model.context_length:
             raise ContextLengthError(prompt_tokens, self.model.context_length, self.model.name)
 
-    def run_request(self, job: Job, cache: ConversationCache, prompt: list[int], req: Request) -> GenerationResult:
+    def run_request(self, job: Job, cache: ConversationCache, prompt: list[int], req: Request,
+                    forced: Forced | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
         and a final Done on `job`. Detokenising, stop strings and metrics are here; tokens come from
-        `core.generate.generate_step`."""
+        `core.generate.generate_step`. `forced` is the start of the reply, already decided (a branch): it is fed
+        to the model after the prompt, and the reply continues from it."""
         m = self.model
         if not prompt:
             raise ValueError("the prompt is empty: type a message first")
-        self.check_fits(len(prompt), cache.rotating)
-        mx.reset_peak_memory()
-        clock = _Clock(job.accepted, time.perf_counter(), len(prompt), cache.reuse(prompt), cache, m.context_length)
         sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids, prompt_ids=prompt)
+        head = forced.ids if forced else ()
+        ends = bool(head) and head[-1] in m.tokenizer.eos_ids  # forcing the end token ends the reply there
+        sampler.replay(head)
+        feed = [*prompt, *head]
+        self.check_fits(len(feed), cache.rotating)
+        mx.reset_peak_memory()
+        clock = _Clock(job.accepted, time.perf_counter(), len(feed), cache.reuse(feed), cache, m.context_length)
         # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
         tracer = Tracer(sampler, req.trace, lambda i: m.tokenizer.decode([i])) if req.trace else None
-        room = req.max_tokens if cache.rotating else min(req.max_tokens, m.context_length - len(prompt))
+        room = max(1, req.max_tokens - len(head))
+        room = room if cache.rotating else min(room, m.context_length - len(feed))
         job.emit(PrefillProgress(clock.reused, clock.total))
-        tokens = generate_step(
-            m.model, cache.layers, prompt[clock.reused:], tracer.step if tracer else sampler.step, max_tokens=room,
-            fed=cache.tokens,
-            logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
-            on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), clock.total)))
         reply = _Reply(m.tokenizer, req, clock, job)
-        with self._device_practices():
-            reason = self._decode(tokens, reply, sampler, req, job, tracer)
-        if clear_cache_after_prefill(len(prompt) - clock.reused):
+        if forced:
+            reply.force(head[:-1] if ends else head, forced.traces[:len(head) - ends])
+        if ends or reply.stops.stopped:
+            reason: FinishReason = "stop"
+        else:
+            tokens = generate_step(
+                m.model, cache.layers, feed[clock.reused:], tracer.step if tracer else sampler.step, max_tokens=room,
+                fed=cache.tokens, logprobs=req.profile.logprobs, prefill_step=self.prefill_step,
+                cancelled=job.cancelled.is_set,
+                on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), clock.total)))
+            with self._device_practices():
+                reason = self._decode(tokens, reply, sampler, req, job, tracer)
+        if clear_cache_after_prefill(len(feed) - clock.reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache
         reply.flush()
+        # Traces stay aligned with token_ids or are left out (a branch forced a token its trace did not hold).
+        traces = tuple(reply.traces) if len(reply.traces) == len(reply.ids) else ()
         result = GenerationResult("".join(reply.text), reason, clock.metrics(), tuple(reply.ids),
                                   tuple(reply.logprobs), sampler.describe(), sampler.seed,
-                                  req.profile.model_dump(mode="json"), tuple(reply.traces))
+                                  req.profile.model_dump(mode="json"), traces)
         job.emit(Done(result))
         return result
 
@@ -409,6 +432,16 @@ class _Reply:
         self.text.append(delta)
         self.job.emit(TokenEvent(delta, (token,), self.clock.metrics(), token_lp, traces))
 
+    def force(self, ids: Sequence[int], traces: Sequence[TokenTrace]) -> None:
+        """Start the reply with tokens already decided (a branch): one event with all of them, and no tick of the
+        clock, since nothing was generated. `traces` is aligned with `ids`, or empty."""
+        traces = tuple(traces) if len(traces) == len(ids) else ()
+        self.ids.extend(ids)
+        self.traces.extend(traces)
+        delta = self.stops.feed("".join(self.detok.add(t) for t in ids))
+        self.text.append(delta)
+        self.job.emit(TokenEvent(delta, tuple(ids), self.clock.metrics(), (), traces))
+
     def flush(self) -> None:
         if self.stops.stopped:
             return
@@ -473,7 +506,7 @@ class ChatSession:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
         self.profile = profile or SamplingProfile()
-        self._messages: list[ChatMessage] = [ChatMessage("system", system)] if system else []
+        self._tree = ReplyTree([ChatMessage("system", system)] if system else [])
         self.context_policy = context_policy
         if max_kv_size is None and context_policy == "rotate":
             max_kv_size = engine.context_length
@@ -485,27 +518,30 @@ class ChatSession:
     def messages(self) -> list[ChatMessage]:
         """A copy of the conversation, system prompt first; change it with the methods below."""
         with self._lock:
-            return list(self._messages)
+            return list(self._tree.path)
 
     @property
     def system(self) -> str | None:
         with self._lock:
-            return self._messages[0].content if self._messages and self._messages[0].role == "system" else None
+            return self._tree.path[0].content if self._tree.path and self._tree.path[0].role == "system" else None
 
-    def replace_history(self, messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
-        """Replace every message but the system prompt (e.g. a stored conversation reopened). The KV cache stays:
-        the next turn re-matches it by prefix and prefills only what differs."""
+    def replace_history(self, messages: Sequence[ChatMessage | dict[str, Any]],
+                        forks: dict[int, Fork] | None = None) -> None:
+        """Replace every message but the system prompt (e.g. a stored conversation reopened), and the alternatives
+        along them: `forks` maps a position of `messages` (0 = the first message after the system prompt) to its
+        `Fork`. The KV cache stays: the next turn re-matches it by prefix and prefills only what differs."""
         history = [ChatMessage.coerce(m) for m in messages]
         if any(m.role == "system" for m in history):
             raise ValueError("the history must not contain a system message: set it with the session's system")
         with self._lock:
-            self._messages = [m for m in self._messages[:1] if m.role == "system"] + history
+            system = [m for m in self._tree.path[:1] if m.role == "system"]
+            self._tree = ReplyTree(system + history, {p + len(system): f for p, f in (forks or {}).items()})
 
     def drop_last_user(self) -> ChatMessage | None:
         """Take back the last message if it is an unanswered user message (one the engine refused); return it."""
         with self._lock:
-            if self._messages and self._messages[-1].role == "user":
-                return self._messages.pop()
+            if self._tree.path and self._tree.path[-1].role == "user":
+                return self._tree.path.pop()
         return None
 
     @property
@@ -520,7 +556,7 @@ class ChatSession:
         request = self.engine.request(self.profile, max_tokens, stop, trace)
         message = ChatMessage("user", text)
         with self._lock:
-            self._messages.append(message)
+            self._tree.path.append(message)
         return self._reply(request, message)
 
     def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
@@ -528,9 +564,9 @@ class ChatSession:
         """Drop the last reply and answer the last user message again."""
         request = self.engine.request(self.profile, max_tokens, stop, trace)
         with self._lock:
-            if self._messages and self._messages[-1].role == "assistant":
-                self._messages.pop()
-            if not self._messages or self._messages[-1].role != "user":
+            if self._tree.path and self._tree.path[-1].role == "assistant":
+                self._tree.truncate(len(self._tree.path) - 1)
+            if not self._tree.path or self._tree.path[-1].role != "user":
                 raise ValueError("there is no user message to answer again")
         return self._reply(request)
 
@@ -540,31 +576,99 @@ class ChatSession:
         _messages(text, None)
         request = self.engine.request(self.profile, max_tokens, stop, trace)
         with self._lock:
-            last = max((i for i, m in enumerate(self._messages) if m.role == "user"), default=None)
+            last = max((i for i, m in enumerate(self._tree.path) if m.role == "user"), default=None)
             if last is None:
                 raise ValueError("there is no user message to edit")
-            del self._messages[last:]
+            self._tree.truncate(last)
             message = ChatMessage("user", text)
-            self._messages.append(message)
+            self._tree.path.append(message)
         return self._reply(request, message)
 
     def clear(self) -> None:
         """Forget every message but the system prompt; the cache starts again on the next turn."""
         with self._lock:
-            self._messages = [m for m in self._messages[:1] if m.role == "system"]
+            self._tree = ReplyTree([m for m in self._tree.path[:1] if m.role == "system"])
             self._cache = None
 
-    def _reply(self, request: Request, sent: ChatMessage | None = None) -> Stream:
+    def branch(self, reply_index: int, token_index: int, token_id: int, *, max_tokens: int | None = None,
+               stop: Sequence[str] | None = None, trace: int = 0) -> Stream:
+        """Continue a reply from one of its tokens with another token: a new alternative of that reply.
+
+        `reply_index` is the reply's index in `messages` (negative counts from the end); the new reply keeps the
+        reply's first `token_index` token ids, then `token_id` (e.g. another candidate of its trace), then
+        generates with the reply's profile and seed: the sampler's key and penalties continue as if those tokens
+        had been drawn, so forcing the token the reply had reproduces it. The KV cache is trimmed to the kept
+        tokens, not prefilled again (`metrics.cached_tokens`; a wrapped rotating window cannot be trimmed).
+
+        The stream's first TokenEvent carries the kept and forced ids at once (with their traces when the reply
+        was traced and `token_id` is one of its traced candidates there); `metrics.completion_tokens` counts what
+        was generated after them, `max_tokens` caps the whole reply. When done, the new reply is the active
+        alternative at `reply_index` (see `alternatives`, `select_branch`); the messages that followed the old
+        reply stay in its branch."""
+        with self._lock:
+            position = self._position(reply_index)
+            if not 0 <= position < len(self._tree.path) or self._tree.path[position].role != "assistant":
+                raise ValueError(f"reply_index must point at an assistant reply in messages (0.."
+                                 f"{len(self._tree.path) - 1}), got {reply_index}")
+            reply = self._tree.path[position]
+        ids = reply.token_ids
+        if not ids:
+            raise ValueError(f"reply {reply_index} has no token ids to branch from (a reply made before they were "
+                             "kept): regenerate it first")
+        if not 0 <= token_index <= len(ids):
+            raise ValueError(f"token_index must be between 0 and {len(ids)}, got {token_index}")
+        vocab = self.engine.model.vocab_size
+        if not 0 <= token_id < vocab:
+            raise ValueError(f"token_id must be between 0 and {vocab - 1}, got {token_id}")
+        profile = SamplingProfile.model_validate(reply.profile) if reply.profile else self.profile
+        if reply.seed is not None:
+            profile = profile.model_copy(update={"seed": reply.seed})
+        request = self.engine.request(profile, max_tokens, stop, trace)
+        traced = len(reply.traces) == len(ids) and token_index < len(ids)
+        chosen = reply.traces[token_index].choose(token_id) if traced else None
+        forced = Forced((*ids[:token_index], token_id), (*reply.traces[:token_index], chosen) if chosen else ())
+        return self._reply(request, branch=(position, reply, forced))
+
+    def alternatives(self, index: int) -> list[ChatMessage]:
+        """The alternatives of the message at `index` in `messages` (each its first message), oldest first; a
+        message that was never branched is its only alternative. ``< active + 1 / len >`` is what a UI shows."""
+        with self._lock:
+            return self._tree.alternatives(self._position(index))
+
+    def active_branch(self, index: int) -> int:
+        """Which of `alternatives(index)` the conversation follows now."""
+        with self._lock:
+            return self._tree.active(self._position(index))
+
+    def select_branch(self, index: int, branch: int) -> None:
+        """Follow alternative `branch` at `index`: `messages` then continues with that alternative and what followed
+        it. The KV cache is left as it is; the next turn re-matches it by prefix."""
+        with self._lock:
+            self._tree.select(self._position(index), branch)
+
+    @property
+    def forks(self) -> dict[int, Fork]:
+        """The alternatives along the conversation, by index in `messages` (for storing the whole tree)."""
+        with self._lock:
+            return dict(self._tree.forks)
+
+    def _position(self, index: int) -> int:
+        return index + len(self._tree.path) if index < 0 else index
+
+    def _reply(self, request: Request, sent: ChatMessage | None = None,
+               branch: tuple[int, ChatMessage, Forced] | None = None) -> Stream:
         engine = self.engine
 
         def run(job: Job) -> None:
             if self._cache is None:
                 self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep, self.kv)
             with self._lock:
-                rendered = [m.as_prompt() for m in self._messages]
+                if branch and (len(self._tree.path) <= branch[0] or self._tree.path[branch[0]] is not branch[1]):
+                    raise ValueError("the conversation changed before the branch started: branch again")
+                rendered = [m.as_prompt() for m in self._tree.path[:branch[0] if branch else None]]
             try:
                 prompt = self._fitted_prompt(rendered, request)
-                result = engine.run_request(job, self._cache, prompt, request)
+                result = engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
@@ -573,13 +677,17 @@ class ChatSession:
                 if not isinstance(e, ContextLengthError):
                     self._cache = None
                 with self._lock:
-                    if sent is not None and self._messages and self._messages[-1] is sent:
-                        self._messages.pop()
+                    if sent is not None and self._tree.path and self._tree.path[-1] is sent:
+                        self._tree.path.pop()
                 raise
             if result.text or result.finish_reason != "cancelled":
+                message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
+                                      result.profile, result.token_ids, result.seed, result.traces)
                 with self._lock:
-                    self._messages.append(ChatMessage("assistant", result.text, result.finish_reason,
-                                                      result.metrics.as_dict(), result.profile))
+                    if branch:
+                        self._tree.add_alternative(branch[0], message)
+                    else:
+                        self._tree.path.append(message)
 
         return engine.submit(run)
 

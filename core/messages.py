@@ -1,4 +1,4 @@
-"""One chat message, as the engine, the app and the store all see it."""
+"""One chat message, as the engine, the app and the store all see it; and a conversation as a tree of replies."""
 
 from __future__ import annotations
 
@@ -7,19 +7,25 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .events import FinishReason
+from .trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
 
 
 @dataclass
 class ChatMessage:
-    """A turn of a conversation. Replies also carry how they ended, their metrics and the profile that made them."""
+    """A turn of a conversation. Replies also carry how they ended, their metrics and the profile that made them,
+    and (from the engine) their token ids, the seed they were sampled with and, when traced, one trace per token
+    id: what `ChatSession.branch` needs to continue a reply from any of its tokens."""
 
     role: Role
     content: str
     finish_reason: FinishReason | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] = field(default_factory=dict)
+    token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    traces: tuple[TokenTrace, ...] = ()
 
     def as_prompt(self) -> dict[str, str]:
         """The message as a chat template reads it."""
@@ -27,11 +33,100 @@ class ChatMessage:
 
     @classmethod
     def coerce(cls, message: "ChatMessage | Mapping[str, Any]") -> "ChatMessage":
-        """A ChatMessage from itself or from an OpenAI-style ``{"role", "content"}`` mapping."""
+        """A ChatMessage from itself or from an OpenAI-style ``{"role", "content"}`` mapping (which may also carry
+        the other fields, e.g. ``token_ids`` and ``seed`` of a stored reply)."""
         if isinstance(message, ChatMessage):
             return message
         role, content = message.get("role"), message.get("content")
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise ValueError("each message needs a role (system, user or assistant) and a string 'content'")
+        traces = tuple(t if isinstance(t, TokenTrace) else TokenTrace.from_dict(t) for t in message.get("traces") or ())
         return cls(role, content, message.get("finish_reason"), dict(message.get("metrics") or {}),
-                   dict(message.get("profile") or {}))
+                   dict(message.get("profile") or {}), tuple(message.get("token_ids") or ()), message.get("seed"),
+                   traces)
+
+
+# --- branches -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Tail:
+    """What follows one position of the conversation in one alternative: its messages (the first one at that
+    position) and the forks further down that alternative."""
+
+    messages: list[ChatMessage]
+    forks: dict[int, Fork] = field(default_factory=dict)
+
+
+@dataclass
+class Fork:
+    """The alternatives at one position: ``tails[active]`` is None because that alternative is the live path."""
+
+    active: int
+    tails: list[Tail | None]
+
+
+class ReplyTree:
+    """A conversation as a tree of replies, held as its active path (the messages a prompt is rendered from) plus,
+    at each position that has alternatives, a `Fork` keeping the inactive alternatives with everything that
+    followed them. Switching a branch swaps a tail in and out, so the path is always a plain list."""
+
+    def __init__(self, path: list[ChatMessage] | None = None, forks: dict[int, Fork] | None = None) -> None:
+        self.path = path if path is not None else []
+        self.forks = forks if forks is not None else {}
+
+    def truncate(self, position: int) -> None:
+        """Drop the path from `position` on, with the alternatives at those positions."""
+        del self.path[position:]
+        self.forks = {p: f for p, f in self.forks.items() if p < position}
+
+    def add_alternative(self, position: int, message: ChatMessage) -> int:
+        """Make `message` a new alternative at `position` and the active one (what followed the old one stays in its
+        branch); return its index among the alternatives."""
+        self._check(position)
+        fork = self.forks.get(position) or Fork(0, [None])
+        fork.tails[fork.active] = self._take_tail(position)
+        fork.tails.append(None)
+        fork.active = len(fork.tails) - 1
+        self.forks[position] = fork
+        self.path.append(message)
+        return fork.active
+
+    def select(self, position: int, index: int) -> None:
+        """Make alternative `index` at `position` the active one (the path then continues with its messages)."""
+        count = len(self.alternatives(position))
+        if not 0 <= index < count:
+            raise ValueError(f"branch index must be between 0 and {count - 1} at position {position}, got {index}")
+        fork = self.forks.get(position)
+        if fork is None or index == fork.active:
+            return
+        fork.tails[fork.active] = self._take_tail(position)
+        tail = fork.tails[index]
+        assert tail is not None
+        fork.tails[index], fork.active = None, index
+        self.path.extend(tail.messages)
+        self.forks.update(tail.forks)
+
+    def alternatives(self, position: int) -> list[ChatMessage]:
+        """The first message of each alternative at `position`, oldest first (one when there is no fork)."""
+        self._check(position)
+        fork = self.forks.get(position)
+        if fork is None:
+            return [self.path[position]]
+        return [self.path[position] if t is None else t.messages[0] for t in fork.tails]
+
+    def active(self, position: int) -> int:
+        """Which alternative at `position` the path follows."""
+        self._check(position)
+        fork = self.forks.get(position)
+        return 0 if fork is None else fork.active
+
+    def _check(self, position: int) -> None:
+        if not 0 <= position < len(self.path):
+            raise ValueError(f"position must be between 0 and {len(self.path) - 1}, got {position}")
+
+    def _take_tail(self, position: int) -> Tail:
+        """Cut the path at `position`, returning what was cut with the forks below `position`."""
+        tail = Tail(self.path[position:], {p: f for p, f in self.forks.items() if p > position})
+        del self.path[position:]
+        self.forks = {p: f for p, f in self.forks.items() if p <= position}
+        return tail

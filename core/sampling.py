@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
@@ -461,6 +461,15 @@ class Sampler:
         `traced_step` consume randomness identically and tracing never changes the tokens of a seed."""
         self._key, draw_key, aux_key = mx.random.split(self._key, 3)
         return draw_key, aux_key
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Account for tokens chosen before this sampler ran (a branch's kept and forced tokens) as if it had drawn
+        them: the penalties count them and, when sampling, the key advances one step per token, so the tokens that
+        follow are drawn with the keys the original reply used at those positions."""
+        for token in token_ids:
+            if not self.profile.greedy:
+                self.next_keys()
+            self.history.accept(mx.array(token, mx.int32))
 
     def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """Choose the next token from the last position's logits (vocab,). Lazy: nothing is evaluated here."""

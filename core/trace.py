@@ -17,7 +17,7 @@ Greedy chains have no transforms: ``probs`` holds just ``"processed"`` and the c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,15 @@ class TokenTrace:
         """The chosen token's probability in the distribution it was drawn from (what a heat view shades by)."""
         p = self.chosen.probs[self.stages[-1]]
         return 0.0 if p is None else p
+
+    def choose(self, token_id: int) -> "TokenTrace | None":
+        """The same step with `token_id` chosen instead (a branch forces another candidate: the distribution is the
+        same, only the choice differs); None when `token_id` is not one of the candidates."""
+        ids = [c.token_id for c in self.candidates]
+        if token_id not in ids:
+            return None
+        return replace(self, candidates=[replace(c, chosen=c.token_id == token_id) for c in self.candidates],
+                       chosen_rank=ids.index(token_id))
 
     def as_dict(self) -> dict:
         """JSON-ready form (the server's streaming extension field and the store use it)."""

@@ -51,10 +51,10 @@ class _Choice:
     """One running choice: its scheduler request and the queue its events arrive on."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
-                 max_tokens: int | None) -> None:
+                 max_tokens: int | None, trace: int) -> None:
         self.events: asyncio.Queue = asyncio.Queue()
         self._loop = loop
-        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens)
+        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace)
 
     def _deliver(self, event: object) -> None:
         """Called on the inference thread: hand the event to the event loop."""
@@ -122,7 +122,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         try:
             for i in range(req.n):
                 profile = req.profile.model_copy(update={"seed": (req.seed + i) % 2**64})
-                choice = _Choice(loop, ids, profile, req.max_tokens)
+                choice = _Choice(loop, ids, profile, req.max_tokens, req.trace)
                 scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:
@@ -195,6 +195,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     def answer(req: protocol.Request, index: int, r: GenerationResult) -> dict[str, Any]:
         out: dict[str, Any] = {"index": index, "finish_reason": protocol.finish_reason(r), "logprobs": None}
+        if req.trace:
+            out["traces"] = [t.as_dict() for t in r.traces]  # one per generated token, in order
         if req.chat:
             out["message"] = {"role": "assistant", "content": r.text}
             if req.profile.logprobs:
@@ -255,7 +257,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                         final["timings"] = protocol.timings(event.result.metrics)
                         yield json.dumps(final)
                         continue
-                    if event.text or event.logprobs:
+                    if event.text or event.logprobs or event.traces:
                         yield json.dumps(delta(req, rid, i, event, offsets))
                     waiting[asyncio.ensure_future(choices[i].next())] = i
             if req.include_usage:
@@ -288,6 +290,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
             body["choices"][0]["logprobs"] = (
                 protocol.chat_logprobs(event.logprobs, token_text) if req.chat
                 else protocol.completion_logprobs(event.logprobs, token_text, offsets[index]))
+        if req.trace and event.trace:
+            body["choices"][0]["trace"] = event.trace.as_dict()  # the server emits one token per event
         offsets[index] += len(event.text)
         return body
 

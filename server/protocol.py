@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mlxchat.core import GenerationResult, SamplingProfile
 from mlxchat.core.events import Metrics, TokenLogprob
+from mlxchat.core.tracing import check_trace
 
 # Fields of OpenAI's API that are not implemented; each is refused by name unless it carries its neutral value.
 UNSUPPORTED = {
@@ -76,6 +77,7 @@ class _Types(BaseModel):
     sampler_order: list[str] | None = None
     penalty_window: int | None = None
     penalize_prompt: bool | None = None
+    trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
 
 
 class _ChatTypes(_Types):
@@ -102,6 +104,7 @@ class Request:
     stream: bool
     include_usage: bool
     seed: int  # the base seed: choice i samples with seed + i
+    trace: int = 0  # candidates per token in each choice's "trace" extension field (0 = none)
 
 
 def _type_error(e: ValidationError) -> ApiError:
@@ -201,6 +204,12 @@ def parse(body: Any, *, chat: bool, base: SamplingProfile, profiles: dict[str, S
     if not 1 <= n <= 16:
         raise ApiError(400, f"n must be between 1 and 16, got {n}", "n")
 
+    trace = 0 if req.trace is None else req.trace
+    try:
+        check_trace(trace)
+    except ValueError as e:
+        raise ApiError(400, str(e), "trace") from None
+
     prompt: str | list[int] | None = None
     messages = None
     if chat:
@@ -215,7 +224,7 @@ def parse(body: Any, *, chat: bool, base: SamplingProfile, profiles: dict[str, S
             raise ApiError(400, "prompt must not be empty", "prompt")
         prompt = p
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
-                   bool((req.stream_options or {}).get("include_usage")), seed)
+                   bool((req.stream_options or {}).get("include_usage")), seed, trace)
 
 
 # --- responses ---------------------------------------------------------------------------------------------------

@@ -350,3 +350,27 @@ def test_ctrl_c_stops_with_one_line() -> None:
     time.sleep(0.2)  # the drain thread reads the last lines
     said = "".join(proc.output)
     assert "mlxchat: stopped" in said and "Traceback" not in said
+
+
+def test_trace_extension_field_streams_and_round_trips(server: str) -> None:
+    from mlxchat.core.trace import TokenTrace
+
+    body = {"messages": _msgs("Name three colors."), "max_tokens": 6, "seed": 3, "temperature": 0.8, "top_k": 10,
+            "trace": 4}
+    plain = _chat(server, body).json()
+    traces = [TokenTrace.from_dict(t) for t in plain["choices"][0]["traces"]]
+    assert len(traces) == plain["usage"]["completion_tokens"]
+    assert traces[0].stages == ("processed", "TopK(10)", "Temperature(0.8)")
+    raw, chunks = _sse(server, "/v1/chat/completions", body)
+    streamed = [TokenTrace.from_dict(c["choices"][0]["trace"]) for c in chunks
+                if c["choices"] and "trace" in c["choices"][0]]
+    assert [t.chosen.token_id for t in streamed] == [t.chosen.token_id for t in traces]  # same seed, same tokens
+    assert all(len(t.candidates) == 4 and t.chosen.removed_by is None for t in streamed)
+    assert b"Infinity" not in raw and b"NaN" not in raw  # strict JSON
+    _, untraced = _sse(server, "/v1/chat/completions", {k: v for k, v in body.items() if k != "trace"})
+    assert not any("trace" in c["choices"][0] for c in untraced if c["choices"])
+    for bad in (-1, 101, "3"):
+        r = _chat(server, {**body, "trace": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "trace"
+        assert r.json()["error"]["message"].startswith("trace")
+    assert "between 0 and 100" in _chat(server, {**body, "trace": 101}).json()["error"]["message"]

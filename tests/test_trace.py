@@ -175,3 +175,69 @@ def test_chat_send_traces_and_plain_replies_carry_none(engine: Engine):
     with pytest.raises(ValueError, match="trace must be"):
         chat.send("x", trace=-1)
     assert chat.messages[-1].role == "assistant", "a refused request records nothing"
+
+
+# --- branching ---------------------------------------------------------------------------------------------------
+
+def test_branching_trims_the_cache_and_continues_from_the_forced_token(engine: Engine):
+    chat = engine.chat(system="Be brief.", profile=FULL)
+    first = chat.send("Name a colour and say why.", max_tokens=12, trace=3).wait()
+    prompt_tokens = first.metrics.prompt_tokens
+    at = 5
+    # Forcing the token the reply had reproduces it: the same keys and penalties continue from there.
+    same = chat.branch(-1, at, first.token_ids[at], max_tokens=12, trace=3)
+    events = list(same)
+    assert same.result.token_ids == first.token_ids and same.result.text == first.text
+    assert same.result.metrics.cached_tokens == prompt_tokens + at  # trimmed to the kept tokens, not prefilled
+    forced_event = next(e for e in events if isinstance(e, TokenEvent))
+    assert forced_event.token_ids == first.token_ids[:at + 1] and len(forced_event.traces) == at + 1
+    assert [t.chosen.token_id for t in same.result.traces] == list(first.token_ids)
+    eos = engine.model.tokenizer.eos_ids
+    other = next(c.token_id for c in first.traces[at].candidates
+                 if c.token_id != first.token_ids[at] and c.token_id not in eos)
+    branched = chat.branch(-1, at, other, max_tokens=12, trace=3).wait()
+    assert branched.token_ids[:at + 1] == (*first.token_ids[:at], other)
+    assert branched.metrics.cached_tokens == prompt_tokens + at
+    assert branched.traces[at].chosen.token_id == other and len(branched.traces) == len(branched.token_ids)
+    assert len(chat.alternatives(-1)) == 3 and chat.active_branch(-1) == 2
+    assert chat.messages[-1].content == branched.text
+    ended = chat.branch(-1, at, min(eos), max_tokens=12).wait()  # forcing the end token ends the reply there
+    assert ended.token_ids == first.token_ids[:at] and ended.finish_reason == "stop"
+    assert len(chat.alternatives(-1)) == 4
+    chat.select_branch(-1, 0)
+    assert chat.messages[-1].content == first.text
+    # A turn after switching builds on the selected branch, reusing the cache up to where it matches.
+    follow = chat.send("Why?", max_tokens=3).wait()
+    assert follow.metrics.cached_tokens > prompt_tokens
+    chat.select_branch(-3, 2)  # the first reply, now followed by a question and its answer
+    assert chat.messages[-1].content == branched.text and len(chat.messages) == 3
+
+
+def test_branch_refuses_bad_positions_with_one_clear_line(engine: Engine):
+    chat = engine.chat(profile=SamplingProfile(temperature=0))
+    chat.send("Hi", max_tokens=3).wait()
+    with pytest.raises(ValueError, match="reply_index must point at an assistant reply"):
+        chat.branch(0, 0, 1)
+    with pytest.raises(ValueError, match="token_index must be between 0 and 3"):
+        chat.branch(1, 4, 1)
+    with pytest.raises(ValueError, match="token_id must be between 0 and"):
+        chat.branch(1, 0, -1)
+    with pytest.raises(ValueError, match="branch index must be between 0 and 0"):
+        chat.select_branch(1, 1)
+
+
+def test_the_reply_tree_keeps_nested_branches_when_switching():
+    from mlxchat.core.messages import ChatMessage, ReplyTree
+
+    msg = lambda role, text: ChatMessage(role, text)  # noqa: E731
+    tree = ReplyTree([msg("user", "q"), msg("assistant", "a1")])
+    assert tree.add_alternative(1, msg("assistant", "a2")) == 1
+    tree.path += [msg("user", "q2"), msg("assistant", "b1")]
+    tree.add_alternative(3, msg("assistant", "b2"))
+    assert [m.content for m in tree.alternatives(3)] == ["b1", "b2"]
+    tree.select(1, 0)
+    assert [m.content for m in tree.path] == ["q", "a1"] and set(tree.forks) == {1}
+    tree.select(1, 1)
+    assert [m.content for m in tree.path] == ["q", "a2", "q2", "b2"] and tree.active(3) == 1
+    tree.truncate(2)
+    assert set(tree.forks) == {1} and [m.content for m in tree.alternatives(1)] == ["a1", "a2"]
