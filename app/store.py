@@ -5,14 +5,24 @@ The database is the user's history, so it is never overwritten: a file that is n
 its integrity check), an SQLite file that is not mlxchat's, or one written by a newer schema raises
 :class:`StoreError` (one line: the file, what is wrong, what to do) and the file is left exactly as it was.
 
-Schema (version 2)::
+Schema (version 3)::
 
     schema_version(version)                                  -- one row
     conversations(id, title, system_prompt, profile JSON, model, created_at, updated_at)
     messages(id, conversation_id → conversations ON DELETE CASCADE, position, role, content, created_at,
-             finish_reason, metrics JSON, profile JSON, sampler, seed, model)
+             finish_reason, metrics JSON, profile JSON, sampler, seed, model,
+             token_ids JSON, traces JSON)                    -- a reply's ids and per-token traces (v3)
     models(path, label, added_at)                            -- local model files/folders the user added (v2)
     settings(key, value)                                     -- small UI state, e.g. the theme (v2)
+    forks(conversation_id → conversations ON DELETE CASCADE, position, active, tails JSON)   -- branches (v3)
+
+**Branches** (a conversation is a tree of replies, core.messages.ReplyTree): ``messages`` holds the active path, so
+every position is unique and the code that appends, rewrites and trims by position is unchanged. A position with
+alternatives has a ``forks`` row: ``tails`` lists, per alternative, what follows that position in it (its messages
+as JSON objects, and the forks further down it); the active alternative's entry is ``null`` since it lives in
+``messages``. Switching a branch moves the active tail into JSON and the chosen one into rows, in one transaction.
+Traces are stored whole (``TokenTrace.as_dict``, compact JSON: about 0.5 kB per token at K = 5), so the heat view and
+the inspector survive a restart.
 """
 
 from __future__ import annotations
@@ -20,13 +30,16 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+from mlxchat.core.messages import ChatMessage, Fork, Tail
+from mlxchat.core.trace import TokenTrace
+
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_MS = 5000
 
 
@@ -59,6 +72,22 @@ class StoredMessage:
     sampler: str | None = None
     seed: int | None = None
     model: str | None = None
+    token_ids: tuple[int, ...] = ()
+    traces: tuple[TokenTrace, ...] = ()  # one per token id, or none
+
+    def as_chat_message(self) -> ChatMessage:
+        """The message as the engine's ChatSession holds it (what `ChatSession.branch` needs included)."""
+        return ChatMessage(self.role, self.content, self.finish_reason, dict(self.metrics or {}),  # type: ignore[arg-type]
+                           dict(self.profile or {}), self.token_ids, self.seed, self.traces)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """The alternatives at one position: the first message of each, oldest first, and which one is active. Only
+    the active one has a row (its ``id``); the others are kept in the fork's JSON and have ``id`` 0."""
+
+    active: int
+    messages: list[StoredMessage]
 
 
 # --- migrations: MIGRATIONS[n] takes a database at version n to n + 1 ------------------------------------------
@@ -109,7 +138,16 @@ def _to_v2(c: sqlite3.Connection) -> None:
     c.execute("CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2]
+def _to_v3(c: sqlite3.Connection) -> None:
+    # Added columns are NULL in the rows already there: an older reply has no ids to branch from, and no traces.
+    c.execute("ALTER TABLE messages ADD COLUMN token_ids TEXT")
+    c.execute("ALTER TABLE messages ADD COLUMN traces TEXT")
+    c.execute("CREATE TABLE forks (conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE, "
+              "position INTEGER NOT NULL, active INTEGER NOT NULL, tails TEXT NOT NULL, "
+              "PRIMARY KEY (conversation_id, position))")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -119,6 +157,38 @@ def _dumps(value: Any) -> str | None:
 
 def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def _compact(value: Any) -> str | None:
+    """Token ids and traces: large, written once, never compared, so no sorting or spaces."""
+    return None if not value else json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+_MESSAGE_COLUMNS = ("role, content, created_at, finish_reason, metrics, profile, sampler, seed, model, token_ids, "
+                    "traces")
+_FIELDS = ("finish_reason", "metrics", "profile", "sampler", "seed", "model", "token_ids", "traces")
+
+
+def _message_values(role: str, content: str, created_at: float, fields: dict[str, Any]) -> tuple:
+    """A message's column values, in _MESSAGE_COLUMNS order."""
+    seed, traces = fields.get("seed"), fields.get("traces") or ()
+    return (role, content, created_at, fields.get("finish_reason"), _dumps(fields.get("metrics")),
+            _dumps(fields.get("profile")), fields.get("sampler"), None if seed is None else str(seed),
+            fields.get("model"), _compact(list(fields.get("token_ids") or ())),
+            _compact([t.as_dict() if isinstance(t, TokenTrace) else t for t in traces]))
+
+
+def _stored(id_: int, conversation_id: int, position: int, values: tuple) -> StoredMessage:
+    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces = values
+    return StoredMessage(id_, conversation_id, position, role, content, created, finish, _loads(metrics),
+                         _loads(profile), sampler, None if seed is None else int(seed), model,
+                         tuple(_loads(ids) or ()), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()))
+
+
+def _fork_from_json(fork: dict[str, Any]) -> Fork:
+    return Fork(fork["active"], [None if t is None else Tail(
+        [_stored(0, 0, 0, tuple(m)).as_chat_message() for m in t["messages"]],
+        {int(p): _fork_from_json(f) for p, f in t["forks"].items()}) for t in fork["tails"]])
 
 
 class Store:
@@ -307,41 +377,47 @@ class Store:
 
     def add_message(self, conversation_id: int, role: str, content: str, *, finish_reason: str | None = None,
                     metrics: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
-                    sampler: str | None = None, seed: int | None = None, model: str | None = None) -> StoredMessage:
-        """Append one message (with its stats) and touch the conversation, in one transaction."""
-        now = self.clock()
+                    sampler: str | None = None, seed: int | None = None, model: str | None = None,
+                    token_ids: Sequence[int] = (), traces: Sequence[TokenTrace] = ()) -> StoredMessage:
+        """Append one message (with its stats, and for a reply its token ids and traces, which branching and the
+        heat view need) and touch the conversation, in one transaction."""
+        fields = dict(finish_reason=finish_reason, metrics=metrics, profile=profile, sampler=sampler, seed=seed,
+                      model=model, token_ids=token_ids, traces=traces)
         with self._tx() as c:
             (position,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id = ?",
                                     (conversation_id,)).fetchone()
-            try:
-                cur = c.execute(
-                    "INSERT INTO messages (conversation_id, position, role, content, created_at, finish_reason, "
-                    "metrics, profile, sampler, seed, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (conversation_id, position, role, content, now, finish_reason, _dumps(metrics), _dumps(profile),
-                     sampler, None if seed is None else str(seed), model))
-            except sqlite3.IntegrityError as e:
-                raise ValueError(f"cannot store the message: {e}") from None
-            c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
-        return StoredMessage(cur.lastrowid, conversation_id, position, role, content, now, finish_reason, metrics,
-                             profile, sampler, seed, model)
+            return self._insert(c, conversation_id, position, role, content, fields)
+
+    def _insert(self, c: sqlite3.Connection, conversation_id: int, position: int, role: str, content: str,
+                fields: dict[str, Any], created_at: float | None = None) -> StoredMessage:
+        now = self.clock()
+        values = _message_values(role, content, now if created_at is None else created_at, fields)
+        try:
+            cur = c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
+                            f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position, *values))
+        except sqlite3.IntegrityError as e:
+            raise ValueError(f"cannot store the message: {e}") from None
+        c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return _stored(cur.lastrowid, conversation_id, position, values)
 
     def update_message(self, conversation_id: int, position: int, content: str, *, finish_reason: str | None = None,
                        metrics: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
-                       sampler: str | None = None, seed: int | None = None) -> None:
+                       sampler: str | None = None, seed: int | None = None, token_ids: Sequence[int] = (),
+                       traces: Sequence[TokenTrace] = ()) -> None:
         """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final)."""
         with self._tx() as c:
             c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
-                      "seed = ? WHERE conversation_id = ? AND position = ?",
+                      "seed = ?, token_ids = ?, traces = ? WHERE conversation_id = ? AND position = ?",
                       (content, finish_reason, _dumps(metrics), _dumps(profile), sampler,
-                       None if seed is None else str(seed), conversation_id, position))
+                       None if seed is None else str(seed), _compact(list(token_ids)),
+                       _compact([t.as_dict() for t in traces]), conversation_id, position))
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
-        rows = self._c.execute(
-            "SELECT id, conversation_id, position, role, content, created_at, finish_reason, metrics, profile, "
-            "sampler, seed, model FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,))
-        return [StoredMessage(*r[:7], _loads(r[7]), _loads(r[8]), r[9], None if r[10] is None else int(r[10]), r[11])
-                for r in rows]
+        """The active path of the conversation (see `branches` for the alternatives along it)."""
+        rows = self._c.execute(f"SELECT id, conversation_id, position, {_MESSAGE_COLUMNS} FROM messages "
+                               "WHERE conversation_id = ? ORDER BY position", (conversation_id,))
+        return [_stored(r[0], r[1], r[2], r[3:]) for r in rows]
 
     def recent_user_messages(self, limit: int = 200) -> list[str]:
         """What the user sent lately, oldest first (the input's up/down history)."""
@@ -350,9 +426,94 @@ class Store:
         return [r[0] for r in reversed(rows)]
 
     def delete_messages_from(self, conversation_id: int, position: int) -> None:
-        """Drop the message at ``position`` and every later one (regenerate, edit and resend)."""
+        """Drop the message at ``position`` and every later one (regenerate, edit and resend), with the alternatives
+        at those positions."""
         with self._tx() as c:
             c.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", (conversation_id, position))
+            c.execute("DELETE FROM forks WHERE conversation_id = ? AND position >= ?", (conversation_id, position))
+
+    # --- branches ------------------------------------------------------------------------------------------------
+
+    def add_branch(self, conversation_id: int, position: int, role: str, content: str,
+                   **fields: Any) -> StoredMessage:
+        """Save a new alternative at ``position`` (e.g. `ChatSession.branch`'s reply) and make it the active one:
+        the message there and everything after it move into the fork's JSON, the new message takes ``position``.
+        ``fields`` are `add_message`'s keywords (finish_reason, metrics, profile, sampler, seed, model, token_ids,
+        traces). One transaction."""
+        if unknown := set(fields) - set(_FIELDS):
+            raise ValueError(f"unknown message fields: {', '.join(sorted(unknown))}")
+        with self._tx() as c:
+            fork = self._fork(c, conversation_id, position) or {"active": 0, "tails": [None]}
+            tail = self._cut(c, conversation_id, position)
+            if not tail["messages"]:
+                raise ValueError(f"there is no message at position {position} to branch from")
+            fork["tails"][fork["active"]] = tail
+            fork["tails"].append(None)
+            fork["active"] = len(fork["tails"]) - 1
+            self._put_fork(c, conversation_id, position, fork)
+            return self._insert(c, conversation_id, position, role, content, fields)
+
+    def branches(self, conversation_id: int, position: int) -> Branches:
+        """The alternatives at ``position`` (what a ``< 2/3 >`` switch shows); one when it was never branched."""
+        fork = self._fork(self._c, conversation_id, position)
+        live = [m for m in self.messages(conversation_id) if m.position == position]
+        if fork is None:
+            return Branches(0, live)
+        return Branches(fork["active"], [live[0] if t is None else _stored(0, conversation_id, position,
+                                                                           tuple(t["messages"][0]))
+                                         for t in fork["tails"]])
+
+    def select_branch(self, conversation_id: int, position: int, index: int) -> None:
+        """Make alternative ``index`` at ``position`` the active one: `messages` then continues with it and what
+        followed it. One transaction."""
+        with self._tx() as c:
+            fork = self._fork(c, conversation_id, position)
+            count = 1 if fork is None else len(fork["tails"])
+            if not 0 <= index < count:
+                raise ValueError(f"branch index must be between 0 and {count - 1} at position {position}, got {index}")
+            if fork is None or index == fork["active"]:
+                return
+            fork["tails"][fork["active"]] = self._cut(c, conversation_id, position)
+            chosen, fork["tails"][index], fork["active"] = fork["tails"][index], None, index
+            self._paste(c, conversation_id, position, chosen)
+            self._put_fork(c, conversation_id, position, fork)
+
+    def forks(self, conversation_id: int) -> dict[int, Fork]:
+        """Every fork along the active path, by position, as `ChatSession.replace_history(messages, forks)` takes
+        them (restoring the whole tree of a reopened conversation)."""
+        rows = self._c.execute("SELECT position, active, tails FROM forks WHERE conversation_id = ?",
+                               (conversation_id,))
+        return {p: _fork_from_json({"active": a, "tails": json.loads(t)}) for p, a, t in rows}
+
+    @staticmethod
+    def _fork(c: sqlite3.Connection, conversation_id: int, position: int) -> dict[str, Any] | None:
+        row = c.execute("SELECT active, tails FROM forks WHERE conversation_id = ? AND position = ?",
+                        (conversation_id, position)).fetchone()
+        return None if row is None else {"active": row[0], "tails": json.loads(row[1])}
+
+    @staticmethod
+    def _put_fork(c: sqlite3.Connection, conversation_id: int, position: int, fork: dict[str, Any]) -> None:
+        c.execute("INSERT OR REPLACE INTO forks (conversation_id, position, active, tails) VALUES (?, ?, ?, ?)",
+                  (conversation_id, position, fork["active"], _compact(fork["tails"])))
+
+    def _cut(self, c: sqlite3.Connection, conversation_id: int, position: int) -> dict[str, Any]:
+        """Remove the active path from ``position`` on (and the forks below it) and return it as a tail."""
+        rows = c.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND position >= ? "
+                         "ORDER BY position", (conversation_id, position)).fetchall()
+        forks = {str(p): {"active": a, "tails": json.loads(t)} for p, a, t in c.execute(
+            "SELECT position, active, tails FROM forks WHERE conversation_id = ? AND position > ?",
+            (conversation_id, position))}
+        c.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", (conversation_id, position))
+        c.execute("DELETE FROM forks WHERE conversation_id = ? AND position > ?", (conversation_id, position))
+        return {"messages": [list(r) for r in rows], "forks": forks}
+
+    def _paste(self, c: sqlite3.Connection, conversation_id: int, position: int, tail: dict[str, Any]) -> None:
+        """Write a tail back as the active path from ``position`` on."""
+        for i, values in enumerate(tail["messages"]):
+            c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
+                      f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position + i, *values))
+        for p, fork in tail["forks"].items():
+            self._put_fork(c, conversation_id, int(p), fork)
 
     def clear_messages(self, conversation_id: int) -> None:
         self.delete_messages_from(conversation_id, 0)

@@ -646,12 +646,6 @@ class ChatSession:
         with self._lock:
             self._tree.select(self._position(index), branch)
 
-    @property
-    def forks(self) -> dict[int, Fork]:
-        """The alternatives along the conversation, by index in `messages` (for storing the whole tree)."""
-        with self._lock:
-            return dict(self._tree.forks)
-
     def _position(self, index: int) -> int:
         return index + len(self._tree.path) if index < 0 else index
 

@@ -86,7 +86,7 @@ def test_migrates_step_by_step_from_version_1_keeping_data_and_a_backup(db):
               "VALUES (1, 0, 'assistant', 'kept', 1, '7')")
     c.close()
     store = Store(db)
-    assert store.version == SCHEMA_VERSION == 2
+    assert store.version == SCHEMA_VERSION == 3
     [m] = store.messages(1)
     assert m.content == "kept" and m.model == "smol" and m.seed == 7  # v2 filled the new column
     store.add_model("/models/x.gguf")  # a v2 table
@@ -98,7 +98,7 @@ def test_migrating_to_an_intermediate_version_then_on(db):
     store = Store(db, target_version=1)
     assert store.version == 1
     store.close()
-    assert Store(db).version == 2
+    assert Store(db).version == SCHEMA_VERSION
 
 
 def test_corrupt_file_is_refused_and_left_untouched(db):
@@ -145,7 +145,7 @@ def test_newer_schema_is_refused_and_left_untouched(db):
     store._c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
     before = db.read_bytes()
-    with pytest.raises(StoreError, match=r"newer mlxchat \(schema version 3"):
+    with pytest.raises(StoreError, match=rf"newer mlxchat \(schema version {SCHEMA_VERSION + 1}"):
         Store(db)
     assert db.read_bytes() == before
 
