@@ -32,8 +32,8 @@ from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import SamplingProfile
 
 from . import export
-from .replay import ReplaySource
-from .store import Conversation, Store, StoreError
+from .replay import TRACE_K, ReplaySource
+from .store import Conversation, Store, StoredMessage, StoreError
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
@@ -84,8 +84,10 @@ class Turn:
     error: str | None = None  # the reply failed mid-way: shown, not stored, not in the session
     streaming: bool = False
     dirty: bool = False  # saved, but changed since (a reply saved while it streamed)
-    traces: "list[TokenTrace] | None" = None  # per generated token, when the reply was traced
-    branches: "list[Turn] | None" = None  # every branch of this reply, itself among them, once it has two
+    token_ids: tuple[int, ...] = ()  # a reply's ids: what branching from one of its tokens needs
+    traces: "list[TokenTrace] | None" = None  # per token id, when the reply was traced
+    branches: tuple[int, int] = (0, 1)  # (which one, how many): the alternatives at this place of the chat
+    branch_at: int | None = None  # a branch not saved yet: the store position it becomes an alternative at
 
     @property
     def in_history(self) -> bool:
@@ -107,6 +109,7 @@ class Reply:
     discard: bool = False  # its conversation was cleared or deleted meanwhile: never store it
     saved_at: float | None = None
     kept: bool = True  # after it finished: False when stopped before its first token (nothing to keep)
+    replaced: "list[Turn] | None" = None  # a branch: the turns it took the place of (back if it comes to nothing)
 
 
 class ChatController:
@@ -184,8 +187,13 @@ class ChatController:
 
     def _history(self) -> list[ChatMessage]:
         waiting = self.reply.answers if self.state is State.LOADING and self.reply else None
-        return [ChatMessage(t.role, t.content, t.finish_reason, dict(t.metrics), dict(t.profile))  # type: ignore[arg-type]
-                for t in self.turns if t.in_history and t is not waiting]
+        return [self._message(t) for t in self.turns if t.in_history and t is not waiting]
+
+    @staticmethod
+    def _message(turn: Turn) -> ChatMessage:
+        """A turn as the session holds it: a reply with its ids, seed and traces, so it can be branched."""
+        return ChatMessage(turn.role, turn.content, turn.finish_reason, dict(turn.metrics),  # type: ignore[arg-type]
+                           dict(turn.profile), turn.token_ids, turn.seed, tuple(turn.traces or ()))
 
     def _new_session(self) -> None:
         """A fresh ChatSession holding the conversation; its KV cache re-matches it by prefix on the next turn."""
@@ -251,9 +259,9 @@ class ChatController:
             return "stopping"
         return ""
 
-    def _limits(self) -> dict[str, int | None]:
+    def _limits(self, *, trace: int | None = None) -> dict[str, int | None]:
         """What every reply of this chat is started with: its length cap and how many candidates to trace."""
-        return {"max_tokens": self.max_tokens, "trace": self.trace_k}
+        return {"max_tokens": self.max_tokens, "trace": self.trace_k if trace is None else trace}
 
     def _call(self, start: Callable[[], "Stream"]) -> "Stream":
         try:
@@ -307,7 +315,9 @@ class ChatController:
         if reply is self.reply:
             self.state = State.STREAMING
         now = self.clock()
-        if reply.saved_at is None or now - reply.saved_at >= CHECKPOINT_S:
+        # A branch is saved when it ends (or on quit): saving it mid-way would already move the reply it replaces
+        # into the store's fork, which a failure would then have to undo.
+        if reply.replaced is None and (reply.saved_at is None or now - reply.saved_at >= CHECKPOINT_S):
             reply.saved_at = now
             self._checkpoint(reply)
         return reply
@@ -321,11 +331,10 @@ class ChatController:
         turn.content, turn.finish_reason = result.text, result.finish_reason
         turn.metrics, turn.profile = result.metrics.as_dict(), dict(result.profile)
         turn.sampler, turn.seed, turn.streaming, turn.dirty = result.sampler, result.seed, False, True
-        turn.traces = list(result.traces) or None
+        turn.token_ids, turn.traces = tuple(result.token_ids), list(result.traces) or None
         current = reply is self.reply
         if not reply.kept:
-            if turn in self.turns:
-                self.turns.remove(turn)
+            self._drop_reply_turn(reply)
         elif current:
             self._persist()
         elif not reply.discard:
@@ -347,10 +356,19 @@ class ChatController:
             self._delete_from(reply.conversation_id, turn.position)
             turn.position = None
         if reply is self.reply:
-            if reply.tokens == 0 and reply.answers is not None:
+            if reply.replaced is not None:  # a failed branch: the reply it was to replace comes back
+                self._drop_reply_turn(reply)
+            elif reply.tokens == 0 and reply.answers is not None:
                 message += self._unsend(reply.answers)
             self.reply, self.state = None, State.IDLE
         return reply, message
+
+    def _drop_reply_turn(self, reply: Reply) -> None:
+        """Take a reply that came to nothing out of the turns; a branch gives back the turns it had replaced."""
+        if reply.turn not in self.turns:
+            return
+        i = self.turns.index(reply.turn)
+        self.turns[i:i + 1] = reply.replaced or []
 
     def _unsend(self, user: Turn) -> str:
         """Core's ChatSession already drops a refused ``send``/``edit_last`` message; a refused ``regenerate``
@@ -420,15 +438,19 @@ class ChatController:
         return turn.position is None or turn.dirty
 
     def _write_turn(self, conversation_id: int, turn: Turn) -> None:
-        if turn.position is None:
-            stored = self.store.add_message(conversation_id, turn.role, turn.content, finish_reason=turn.finish_reason,
-                                            metrics=turn.metrics or None, profile=turn.profile or None,
-                                            sampler=turn.sampler, seed=turn.seed, model=turn.model)
+        fields: dict[str, Any] = dict(finish_reason=turn.finish_reason, metrics=turn.metrics or None,
+                                      profile=turn.profile or None, sampler=turn.sampler, seed=turn.seed,
+                                      token_ids=turn.token_ids, traces=tuple(turn.traces or ()))
+        if turn.position is None and turn.branch_at is not None:
+            # A new alternative: what was at that position (and after it) moves into the store's fork.
+            stored = self.store.add_branch(conversation_id, turn.branch_at, turn.role, turn.content, model=turn.model,
+                                           **fields)
+            turn.position, turn.branch_at = stored.position, None
+        elif turn.position is None:
+            stored = self.store.add_message(conversation_id, turn.role, turn.content, model=turn.model, **fields)
             turn.position = stored.position
         else:
-            self.store.update_message(conversation_id, turn.position, turn.content, finish_reason=turn.finish_reason,
-                                      metrics=turn.metrics or None, profile=turn.profile or None,
-                                      sampler=turn.sampler, seed=turn.seed)
+            self.store.update_message(conversation_id, turn.position, turn.content, **fields)
         turn.dirty = False
 
     def _checkpoint(self, reply: Reply) -> None:
@@ -508,12 +530,25 @@ class ChatController:
                         "warning")
             profile = None
         self.record, self.last_result = record, None
-        self.turns = [Turn(m.role, m.content, m.position, m.finish_reason, m.metrics or {},  # type: ignore[arg-type]
-                           m.profile or {}, m.sampler, m.seed, m.model) for m in stored]
+        self.turns = self._turns(conversation_id, stored)
         self.profile = profile or self.default_profile()
         changes = [t.content for t in self.turns if t.role == "system"]
         self.system_prompt = changes[-1] if changes else (record.system_prompt or "")
         self._new_session()
+
+    def _turns(self, conversation_id: int, stored: "list[StoredMessage]") -> list[Turn]:
+        """Stored messages as turns, each reply with its ids and traces and its place among its alternatives."""
+        forked = set(self.store.forks(conversation_id))
+        turns = []
+        for m in stored:
+            turn = Turn(m.role, m.content, m.position, m.finish_reason, m.metrics or {},  # type: ignore[arg-type]
+                        m.profile or {}, m.sampler, m.seed, m.model, token_ids=m.token_ids,
+                        traces=list(m.traces) or None)
+            if m.position in forked:
+                branches = self.store.branches(conversation_id, m.position)
+                turn.branches = (branches.active, len(branches.messages))
+            turns.append(turn)
+        return turns
 
     def clear(self) -> None:
         """Delete the messages of this chat (the conversation and its settings stay)."""
@@ -593,14 +628,73 @@ class ChatController:
         if result.text != turn.content or not result.traces:
             raise Refused("Written again with its seed, this reply came out different (another model, or a "
                           "near tie); F9 replays it side by side", "error")
-        turn.traces = list(result.traces)
+        turn.token_ids, turn.traces = tuple(result.token_ids), list(result.traces)
+        if turn.position is not None:  # saved with them: the heat view and branching survive a restart
+            turn.dirty = True
+            self._persist()
+        if self.session is not None:
+            self.session.replace_history(self._history())  # the session can branch it now
         return turn.traces
 
     def branch_place(self, turn: Turn) -> tuple[int, int] | None:
-        """(1-based number, count) of the branch ``turn`` is among its reply's branches; None with one branch."""
-        if not turn.branches or len(turn.branches) < 2:
-            return None
-        return turn.branches.index(turn) + 1, len(turn.branches)
+        """(1-based number, count) of the alternative ``turn`` is at its place in the chat; None with one."""
+        active, count = turn.branches
+        return (active + 1, count) if count > 1 else None
+
+    def branch(self, turn: Turn, token_index: int, token_id: int) -> Reply:
+        """Continue ``turn`` (a reply) from its token ``token_index`` with ``token_id`` instead: a new alternative
+        of that reply, which takes its place (and that of what followed it) in the chat; the old one stays a branch.
+        The KV cache is trimmed to the kept tokens, not prefilled again."""
+        self._require_idle()
+        if self.session is None:
+            raise Refused("The model is still loading")
+        traces = self.traces(turn)
+        if traces is None or not turn.token_ids:
+            raise Refused("Trace this reply first (F7): a branch starts from one of its traced tokens")
+        if turn not in self.turns or turn.position is None or self.record is None:
+            raise Refused("This reply is not saved yet, so it cannot be branched", "error")
+        if traces[token_index].chosen.token_id == token_id:
+            raise Refused("That is the token it chose: pick another candidate to branch from")
+        index = self._session_index(turn)
+        stream = self._call(lambda: self.session.branch(index, token_index, token_id, **self._limits(
+            trace=self.trace_k or TRACE_K)))
+        i = self.turns.index(turn)
+        replaced = self.turns[i:]
+        active, count = turn.branches
+        new = Turn("assistant", "", model=self.engine.name if self.engine else None, streaming=True,
+                   finish_reason="cancelled", branches=(count, count + 1), branch_at=turn.position)
+        self.turns[i:] = [new]
+        answers = next((t for t in reversed(self.turns[:i]) if t.role == "user"), None)
+        self.reply = Reply(new, answers, self.record.id, replaced=replaced)
+        return self._started(self.reply, stream)
+
+    def switch_branch(self, turn: Turn, step: int) -> Turn:
+        """Show the previous (-1) or next (+1) alternative at ``turn``'s place; return the turn now shown there."""
+        self._require_idle()
+        active, count = turn.branches
+        if count < 2:
+            raise Refused("This reply has no other branch: Enter on a candidate in the inspector makes one")
+        if turn.position is None or self.record is None or turn not in self.turns:
+            raise Refused("This reply is not saved yet", "error")
+        target = (active + step) % count
+        record, position = self.record, turn.position
+        if not self._write(lambda: self.store.select_branch(record.id, position, target)):
+            raise Refused("The branch was not switched: the database cannot be written", "error")
+        i = self.turns.index(turn)
+        self.turns[i:] = self._turns(record.id, [m for m in self.store.messages(record.id) if m.position >= position])
+        if self.session is not None:
+            self.session.replace_history(self._history())  # the model goes on from the branch shown
+        return self.turns[i]
+
+    def _session_index(self, turn: Turn) -> int:
+        """Where ``turn`` is in the session's messages (system prompt first)."""
+        assert self.session is not None
+        before = sum(t.in_history for t in self.turns[:self.turns.index(turn)])
+        index = before + (1 if self.session.system else 0)
+        messages = self.session.messages
+        if index >= len(messages) or messages[index].content != turn.content:
+            raise Refused("The chat changed under this reply: reopen the chat and branch again", "error")
+        return index
 
     def replay_source(self, turn: Turn | None) -> ReplaySource:
         """What a replay of ``turn`` re-runs: the messages before it (system prompt first), its profile and seed."""

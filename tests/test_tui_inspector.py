@@ -12,6 +12,7 @@ import pytest
 from textual.widgets import Input
 
 from mlxchat.app.app import make_app
+from mlxchat.app.conversation import Refused
 from mlxchat.app.screens.replay import ReplayScreen
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, TokenInspector, TokenStrip
@@ -69,6 +70,9 @@ async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, r
                        what="the first tokens")
         await pilot.press("f7")
         assert any("still coming" in n for n in _notes(app))
+        # Branching while a reply streams: refused with one line.
+        with pytest.raises(Refused, match="still coming"):
+            screen.controller.branch(turn, 0, result.traces[0].candidates[1].token_id)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.busy, what="the stop")
 
@@ -90,6 +94,59 @@ async def test_an_untraced_reply_is_traced_when_asked_with_the_same_tokens(new_a
 
 
 @pytest.mark.anyio
+async def test_branching_from_a_candidate_keeps_both_branches_after_a_restart(new_app, ready, reply, wait_for):
+    app = new_app(max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        screen.set_profile(SEEDED)
+        first = await reply(pilot, "Name a colour.")
+        await pilot.press("f7")  # traced on demand
+        await wait_for(pilot, lambda: isinstance(app.focused, TokenStrip), what="the traced reply")
+        await pilot.press("right", "right", "enter")
+        inspector = screen.inspector
+        trace = inspector.trace
+        chosen = next(i for i, c in enumerate(trace.candidates) if c.chosen)
+        other = next(i for i, c in enumerate(trace.candidates) if not c.chosen)
+        # Enter on the token it chose: one line, nothing starts.
+        inspector.table.move_cursor(row=chosen)
+        await pilot.press("enter")
+        assert any("the token it chose" in n for n in _notes(app)) and not screen.busy
+        inspector.table.move_cursor(row=other)
+        await pilot.press("enter")
+        assert not inspector.has_class("-open") and app.focused is screen.input
+        await wait_for(pilot, lambda: not screen.busy and screen.controller.last_result is not first, what="the branch")
+        branch = screen.controller.last_result
+        kept = "".join(t.chosen.text for t in screen.controller.turns[-1].traces[:2])
+        assert branch.text.startswith(kept + trace.candidates[other].text)
+        assert branch.token_ids[:2] == first.token_ids[:2] and branch.token_ids[2] == trace.candidates[other].token_id
+        view = screen.transcript.last("assistant")
+        assert "< 2/2 >" in view.label and view.text == branch.text
+        # [ shows the first branch again, ] the new one.
+        view.focus()
+        await pilot.press("left_square_bracket")
+        view = screen.transcript.last("assistant")
+        assert "< 1/2 >" in view.label and view.text == first.text and app.focused is view
+        await pilot.press("right_square_bracket")
+        assert screen.transcript.last("assistant").text == branch.text
+        conversation_id = screen.controller.record.id
+    # A new app on the same data folder: both branches are there, and the switch works.
+    app = new_app(max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        await screen.open_conversation(conversation_id)
+        view = screen.transcript.last("assistant")
+        assert "< 2/2 >" in view.label and view.text == branch.text
+        assert [m.content for m in app.store.branches(conversation_id, view.turn.position).messages] == \
+            [first.text, branch.text]
+        view.focus()
+        await pilot.press("left_square_bracket")
+        assert screen.transcript.last("assistant").text == first.text
+        # The heat view of a stored reply needs no re-run: its traces were saved with it.
+        await pilot.press("f7")
+        assert isinstance(app.focused, TokenStrip)
+
+
+@pytest.mark.anyio
 async def test_replay_with_a_change_shows_both_sides_and_where_they_part(new_app, ready, reply, wait_for):
     app = new_app(max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
@@ -105,7 +162,7 @@ async def test_replay_with_a_change_shows_both_sides_and_where_they_part(new_app
         assert "not a sampling parameter" in str(replay.query_one("#replay-status").content)
         change.value = "top_k=1"  # greedy in effect: parts from the seeded draw where that one was not the top token
         await pilot.press("enter")
-        await wait_for(pilot, lambda: replay.results is not None, what="the replay")
+        await wait_for(pilot, lambda: replay.shown, what="the replay")
         a, b = replay.results
         assert a.token_ids == original.token_ids  # same seed, same profile: the same reply
         assert b.profile["top_k"] == 1 and b.seed == a.seed

@@ -32,6 +32,7 @@ class ReplayScreen(ModalScreen[None]):
         self.engine, self.source, self.trace = engine, source, trace
         self.results: tuple["GenerationResult", "GenerationResult"] | None = None
         self.parts_at: int | None = None
+        self.shown = False  # both sides laid out
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog replay"):
@@ -70,7 +71,7 @@ class ReplayScreen(ModalScreen[None]):
         self.app.call_from_thread(self._show, plan, results)
 
     async def _show(self, plan: ReplayPlan, results: tuple["GenerationResult", "GenerationResult"]) -> None:
-        self.results, self.parts_at = results, parting(*results)
+        self.results, self.parts_at, self.shown = results, parting(*results), False
         at = self.parts_at
         self._status("the same text on both sides" if at is None else
                      f"they part at token {at + 1} (marked); ←/→ move on both sides, Tab switches side")
@@ -85,6 +86,7 @@ class ReplayScreen(ModalScreen[None]):
             if traces:
                 self._inspect(side, min(at if at is not None else 0, len(traces) - 1))
         self.query_one("#replay-strip-a", TokenStrip).focus()
+        self.shown = True
 
     def _inspect(self, side: str, index: int) -> None:
         assert self.results is not None
@@ -101,10 +103,10 @@ class ReplayScreen(ModalScreen[None]):
     def _moved(self, event: TokenStrip.Moved) -> None:
         # Both sides follow one cursor: the same token index is compared.
         for side in ("a", "b"):
-            self._inspect(side, event.index)
-            strip = self.query_one(f"#replay-strip-{side}", TokenStrip)
-            if strip is not event.strip and event.index < len(strip.tokens):
-                strip.cursor = event.index
+            for strip in self.query(f"#replay-strip-{side}").results(TokenStrip):  # none while a run is laid out
+                self._inspect(side, event.index)
+                if strip is not event.strip and event.index < len(strip.tokens):
+                    strip.cursor = event.index
 
     @on(TokenStrip.Inspect)
     def _token(self, event: TokenStrip.Inspect) -> None:
