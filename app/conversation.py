@@ -660,7 +660,7 @@ class ChatController:
             trace=self.trace_k or TRACE_K)))
         i = self.turns.index(turn)
         replaced = self.turns[i:]
-        active, count = turn.branches
+        count = turn.branches[1]
         new = Turn("assistant", "", model=self.engine.name if self.engine else None, streaming=True,
                    finish_reason="cancelled", branches=(count, count + 1), branch_at=turn.position)
         self.turns[i:] = [new]

@@ -58,6 +58,11 @@ async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, r
         assert not inspector.has_class("-open") and app.focused is strip
         await pilot.press("left", "enter")
         assert inspector.index == 0
+        # A click on a token inspects it (each span carries its index).
+        await pilot.press("escape")
+        width = len(strip.tokens[0].text) + len(strip.tokens[1].text)
+        assert await pilot.click(TokenStrip, offset=(width, 0))  # the first cell of the third token
+        assert inspector.has_class("-open") and inspector.index == 2
         await pilot.press("escape", "f7")
         view = screen.transcript.last("assistant")
         assert view.strip is None and app.focused is view
