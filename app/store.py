@@ -77,8 +77,8 @@ class StoredMessage:
 
     def as_chat_message(self) -> ChatMessage:
         """The message as the engine's ChatSession holds it (what `ChatSession.branch` needs included)."""
-        return ChatMessage(self.role, self.content, self.finish_reason, dict(self.metrics or {}),  # type: ignore[arg-type]
-                           dict(self.profile or {}), self.token_ids, self.seed, self.traces)
+        return ChatMessage(self.role, self.content, self.finish_reason,  # type: ignore[arg-type]
+                           dict(self.metrics or {}), dict(self.profile or {}), self.token_ids, self.seed, self.traces)
 
 
 @dataclass(frozen=True)

@@ -531,7 +531,8 @@ class Sampler:
         rows = lambda xs: mx.stack(xs) if xs else mx.zeros((0, ids.size))  # noqa: E731
         record = StepRecord(ids, raw[ids], rows([s[ids] for s in shifts]), logprobs[ids], rows([p for p, _ in at]),
                             rows([logits[ids] > NEG_INF, *(a for _, a in at)]),
-                            mx.stack([_entropy(logprobs), _entropy(log_softmax(final.logits) if stages else logprobs)]), mx.sum(logits > logits[token]))
+                            mx.stack([_entropy(logprobs), _entropy(log_softmax(final.logits) if stages else logprobs)]),
+                            mx.sum(logits > logits[token]))
         return token, logprobs, record
 
     @staticmethod
