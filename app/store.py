@@ -77,8 +77,8 @@ class StoredMessage:
 
     def as_chat_message(self) -> ChatMessage:
         """The message as the engine's ChatSession holds it (what `ChatSession.branch` needs included)."""
-        return ChatMessage(self.role, self.content, self.finish_reason, dict(self.metrics or {}),  # type: ignore[arg-type]
-                           dict(self.profile or {}), self.token_ids, self.seed, self.traces)
+        return ChatMessage(self.role, self.content, self.finish_reason,  # type: ignore[arg-type]
+                           dict(self.metrics or {}), dict(self.profile or {}), self.token_ids, self.seed, self.traces)
 
 
 @dataclass(frozen=True)
@@ -456,7 +456,9 @@ class Store:
     def branches(self, conversation_id: int, position: int) -> Branches:
         """The alternatives at ``position`` (what a ``< 2/3 >`` switch shows); one when it was never branched."""
         fork = self._fork(self._c, conversation_id, position)
-        live = [m for m in self.messages(conversation_id) if m.position == position]
+        live = [_stored(r[0], conversation_id, position, r[1:]) for r in self._c.execute(
+            f"SELECT id, {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND position = ?",
+            (conversation_id, position))]
         if fork is None:
             return Branches(0, live)
         return Branches(fork["active"], [live[0] if t is None else _stored(0, conversation_id, position,

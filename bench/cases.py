@@ -13,7 +13,7 @@ from typing import Any
 
 from . import prompts
 from .stats import flatness, median
-from .systems import GREEDY, EngineRunner, from_metrics
+from .systems import FULL, GREEDY, EngineRunner, from_metrics
 
 
 def _greedy(max_tokens: int) -> Any:
@@ -351,3 +351,58 @@ def weight_formats(engine: Any, repeats: int = 5, formats: tuple[str, ...] = ("f
 
 __all__ = ["EngineRunner", "GREEDY", "chat_case", "gguf_bytes_per_token", "memory_bandwidth", "roofline",
            "rotating_case", "tui_case", "weight_formats"]
+
+
+# --- sampler traces (issue 14) -----------------------------------------------------------------------------------
+
+TRACE_K = 10  # candidates per token: an inspector's table
+STEP_ROUNDS = 100  # sampler steps timed per variant on the same logits
+
+
+def trace_case(engine: Any, messages: list[dict[str, str]], max_tokens: int, repeats: int,
+               k: int = TRACE_K) -> dict[str, Any]:
+    """What ``trace=k`` costs with the full chain: TPOT untraced and traced (interleaved repeats, medians), and the
+    sampler step alone on the model's real logits (``Sampler.step`` against ``Tracer.step`` + ``take``, each
+    evaluated to a token id), which the model's own step-to-step noise on a busy machine would otherwise hide."""
+    profile = EngineRunner(engine).profile(FULL, max_tokens)
+    tpot: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(repeats):
+        for traced in ((False, True) if rep % 2 == 0 else (True, False)):
+            r = engine.generate(messages, profile=profile, max_tokens=max_tokens, trace=k if traced else 0)
+            tpot[traced].append(r.metrics.tpot_s)
+    off, on = median(tpot[False]), median(tpot[True])
+    step = engine.run(lambda: _sampler_steps(engine, messages, profile, k))
+    return {"k": k, "max_tokens": max_tokens, "repeats": repeats, "untraced_tpot_s": off, "traced_tpot_s": on,
+            "per_token_s": on - off, "overhead_pct": (on / off - 1) * 100 if off else None, **step}
+
+
+def _sampler_steps(engine: Any, messages: list[dict[str, str]], profile: Any, k: int) -> dict[str, Any]:
+    """On the inference thread: mean seconds per sampler step, plain and traced, on one real row of logits."""
+    import mlx.core as mx
+
+    from mlxchat.core.sampling import Sampler
+    from mlxchat.core.tracing import Tracer
+
+    m = engine.model
+    logits = m.model(mx.array(m.tokenizer.encode_chat(messages))[None])[0, -1]
+    mx.eval(logits)
+
+    def timed(traced: bool) -> float:
+        sampler = Sampler(profile, vocab_size=logits.size, eos_ids=m.tokenizer.eos_ids)
+        tracer = Tracer(sampler, k, lambda i: m.tokenizer.decode([i]))
+
+        def one() -> None:
+            if traced:
+                tracer.take(tracer.step(logits)[0].item())
+            else:
+                sampler.step(logits)[0].item()
+
+        for _ in range(5):  # warm-up: first calls build kernels
+            one()
+        t0 = time.perf_counter()
+        for _ in range(STEP_ROUNDS):
+            one()
+        return (time.perf_counter() - t0) / STEP_ROUNDS
+
+    plain, traced = timed(False), timed(True)
+    return {"step_s": plain, "traced_step_s": traced, "step_rounds": STEP_ROUNDS}

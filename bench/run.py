@@ -28,7 +28,7 @@ from . import server as S
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
-SECTIONS = ("matrix", "chat", "tui", "rotating", "roofline", "formats", "native", "kv", "server")
+SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server")
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,13 @@ def summary_text(results: dict[str, Any]) -> str:
         out.append("Full sampler chain vs greedy (TPOT): " + ", ".join(
             f"{o['system']} @{o['prompt_tokens']}: {o['overhead_pct']:+.1f}%" for o in over
             if o["overhead_pct"] is not None))
+    tr = results.get("trace")
+    if tr:
+        out.append(f"Sampler trace (trace={tr['k']}, full chain, {tr['max_tokens']} tokens): TPOT "
+                   f"{tr['untraced_tpot_s'] * 1000:.1f} ms untraced, {tr['traced_tpot_s'] * 1000:.1f} ms traced "
+                   f"({tr['per_token_s'] * 1000:+.2f} ms/token, {tr['overhead_pct']:+.1f}%); the sampler step alone "
+                   f"{tr['step_s'] * 1000:.2f} -> {tr['traced_step_s'] * 1000:.2f} ms. Untraced requests run "
+                   "Sampler.step unchanged: the full-chain row above is the trace-off cost")
     chat = results.get("chat")
     if chat:
         ttfts = " ".join(f"{t['ttft_s'] * 1000:.0f}" for t in chat["turns"])
@@ -241,7 +248,11 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     ratios = stats.compute_ratios(cases)
     overhead = [o for s in stats.systems_in(cases) for o in stats.chain_overhead(cases, s)]
 
-    chat = rotating = tui = roof = formats = None
+    chat = rotating = tui = roof = formats = trace = None
+    if "trace" not in cfg.skip:
+        log("sampler trace: full chain untraced vs trace=10")
+        msgs = prompt_sets[min(prompt_sets)][0]
+        trace = _guard(errors, "trace", C.trace_case, engine, msgs, cfg.max_tokens, cfg.repeats)
     if "chat" not in cfg.skip:
         log(f"chat: {cfg.chat_turns} turns")
         chat = _guard(errors, "chat", C.chat_case, engine, cfg.chat_turns, cfg.chat_reply_tokens)
@@ -318,7 +329,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
             "tui_repeats": cfg.tui_repeats, "tui_tokens": cfg.tui_tokens,
             "skip": sorted(cfg.skip),
         },
-        "cases": cases, "ratios": ratios, "chain_overhead": overhead, "chat": chat, "rotating": rotating,
+        "cases": cases, "ratios": ratios, "chain_overhead": overhead, "trace": trace, "chat": chat,
+        "rotating": rotating,
         "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
         "backend": backend,
         "errors": errors,

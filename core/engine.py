@@ -597,8 +597,10 @@ class ChatSession:
         `reply_index` is the reply's index in `messages` (negative counts from the end); the new reply keeps the
         reply's first `token_index` token ids, then `token_id` (e.g. another candidate of its trace), then
         generates with the reply's profile and seed: the sampler's key and penalties continue as if those tokens
-        had been drawn, so forcing the token the reply had reproduces it. The KV cache is trimmed to the kept
-        tokens, not prefilled again (`metrics.cached_tokens`; a wrapped rotating window cannot be trimmed).
+        had been drawn, so forcing the token the reply had reproduces it (while the cache still holds the reply;
+        a prefill computes logits on another path than decode, so after a restart a close draw may differ). The
+        KV cache is trimmed to the kept tokens, not prefilled again (`metrics.cached_tokens`; a wrapped rotating
+        window cannot be trimmed).
 
         The stream's first TokenEvent carries the kept and forced ids at once (with their traces when the reply
         was traced and `token_id` is one of its traced candidates there); `metrics.completion_tokens` counts what

@@ -380,26 +380,33 @@ assert set(IMPLEMENTATIONS) == set(STEPS), "every registry entry needs its imple
 # --- tracing: what each stage did, for the inspector (core/tracing.py turns it into core.trace.TokenTrace) --------
 
 class StepRecord(NamedTuple):
-    """One traced step at its K candidates (lazy arrays, in no particular order; S transforms, P processors)."""
+    """One traced step, at M candidate token ids (lazy arrays; S transforms, P processors). The ids may repeat and
+    number more than K: `core.tracing.Tracer` picks the K to show on the host, where it is cheap."""
 
-    ids: mx.array  # (K,) token ids
-    raw: mx.array  # (K,) the model's logits
-    shifts: mx.array  # (P, K) how far each processor moved each logit (-inf: banned)
-    logprobs: mx.array  # (K,) log-probability after the processors
-    probs: mx.array  # (S, K) renormalised probability after each transform
-    alive: mx.array  # (1 + S, K) kept after the processors, then after each transform
+    ids: mx.array  # (M,) token ids: the chosen one, the K likeliest, the K likeliest the last stage kept
+    raw: mx.array  # (M,) the model's logits
+    shifts: mx.array  # (P, M) how far each processor moved each logit (-inf: banned)
+    logprobs: mx.array  # (M,) log-probability after the processors
+    probs: mx.array  # (S, M) renormalised probability after each transform
+    alive: mx.array  # (1 + S, M) kept after the processors, then after each transform
     entropy: mx.array  # (2,) nats, before the transforms and of the distribution sampled from
     rank: mx.array  # () how many tokens the processors made more likely than the chosen one
 
 
-def _over_vocabulary(c: Candidates, vocab_size: int) -> tuple[mx.array, mx.array]:
-    """A stage's renormalised probabilities and kept-mask, scattered back over the whole vocabulary (a narrowed
-    candidate set indexes its own positions, not token ids)."""
-    probs, kept = mx.exp(log_softmax(c.logits)), c.logits > NEG_INF
+def _normaliser(logits: mx.array) -> mx.array:
+    """log Σ exp(logits), as `log_softmax` computes it."""
+    top = mx.max(logits)
+    return top + mx.log(accurate_sum(mx.exp(logits - top)))
+
+
+def _stage_at(c: Candidates, ids: mx.array) -> tuple[mx.array, mx.array]:
+    """A stage's renormalised probability and kept flag at token `ids`. A narrowed set is matched id by id (M x its
+    size, small), so no stage is scattered back over the vocabulary."""
     if c.ids is None:
-        return probs, kept
-    return (mx.zeros(vocab_size).at[c.ids].add(probs),
-            mx.zeros(vocab_size).at[c.ids].add(kept.astype(mx.float32)) > 0)
+        x = c.logits[ids]
+    else:
+        x = mx.max(mx.where(c.ids[None, :] == ids[:, None], c.logits[None, :], NEG_INF), axis=1)
+    return mx.exp(x - _normaliser(c.logits)), x > NEG_INF
 
 
 def _entropy(logprobs: mx.array) -> mx.array:
@@ -407,21 +414,12 @@ def _entropy(logprobs: mx.array) -> mx.array:
     return -accurate_sum(mx.where(probs > 0, probs * logprobs, 0.0))
 
 
-# Candidates are picked by one partial sort over a single float32 key: first the chosen token, then by how many stages
-# kept a token (the survivors of the last stage first), then by processed logit. The logit part is measured from the
-# maximum and clipped to LOGIT_SPAN (below it a probability is e^-150: zero in float32), and each level is LEVEL
-# apart, so the levels never mix and the logit order survives float32 rounding to ~3e-4.
-LOGIT_SPAN = 150.0
-LEVEL = 200.0
-
-
-def _trace_candidates(logits: mx.array, alive: list[mx.array], token: mx.array, k: int) -> mx.array:
-    """The ids of the k tokens worth showing: the chosen one, every token the most stages kept, then the likeliest."""
-    kept = sum(a.astype(mx.float32) for a in alive)
-    chosen = (mx.arange(logits.size) == token).astype(mx.float32) * (len(alive) + 1)
-    score = LEVEL * (kept + chosen) + mx.clip(logits - mx.max(logits), -LOGIT_SPAN, 0.0)
-    k = min(k, logits.size)
-    return mx.argpartition(-score, k - 1)[:k]
+def _likeliest(c: Candidates, k: int) -> mx.array:
+    """The token ids of (up to) the k likeliest candidates of `c` (transforms keep the order, so by processed logit)."""
+    idx = _top_index(c.logits, k)
+    if idx is None:
+        return mx.arange(c.logits.size) if c.ids is None else c.ids
+    return idx if c.ids is None else c.ids[idx]
 
 
 # --- the sampler ---------------------------------------------------------------------------------------------------
@@ -500,8 +498,9 @@ class Sampler:
 
         The same ops in the same order with the same key use as `step`, so a seed gives the same tokens traced or
         not (tests/test_trace.py checks it); a separate method so that `step` itself stays as cheap as before. The
-        extra work is a few vocabulary-wide ops per stage (each stage's probabilities scattered back over the
-        vocabulary) and one partial sort to pick the candidates. Lazy, like `step`."""
+        extra work is one partial sort of the vocabulary (the likeliest tokens), the entropy before the chain, and
+        per stage a normaliser (over the vocabulary only for a stage that has not narrowed it). Lazy, like
+        `step`."""
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
         raw, shifts = logits, []
@@ -511,28 +510,29 @@ class Sampler:
             logits = moved
         logits = mx.minimum(logits, FLOAT_MAX)
         logprobs = log_softmax(logits)
-        probs, alive = [], [logits > NEG_INF]
+        processed = Candidates(logits, None)
+        stages: list[Candidates] = []
         if self.profile.greedy:
             token = mx.argmax(logits)
-            final = logprobs
         else:
             draw_key, aux_key = self.next_keys()
-            c = Candidates(logits, None)
+            c = processed
             for transform in self.transforms:
                 c = transform(c, aux_key)
-                stage_probs, stage_alive = _over_vocabulary(c, self.vocab_size)
-                probs.append(stage_probs)
-                alive.append(stage_alive)
+                stages.append(c)
             token = mx.random.categorical(c.logits, key=draw_key)
             if c.ids is not None:
                 token = c.ids[token]
-            final = log_softmax(c.logits)
         token = token.astype(mx.int32)
         self.history.accept(token)
-        idx = _trace_candidates(logits, alive, token, k)
-        gather = lambda rows: mx.stack([r[idx] for r in rows]) if rows else mx.zeros((0, idx.size))  # noqa: E731
-        record = StepRecord(idx, raw[idx], gather(shifts), logprobs[idx], gather(probs), gather(alive),
-                            mx.stack([_entropy(logprobs), _entropy(final)]), mx.sum(logits > logits[token]))
+        final = stages[-1] if stages else processed
+        ids = mx.concatenate([token[None], _likeliest(processed, k), *([_likeliest(final, k)] if stages else [])])
+        at = [_stage_at(stage, ids) for stage in stages]
+        rows = lambda xs: mx.stack(xs) if xs else mx.zeros((0, ids.size))  # noqa: E731
+        record = StepRecord(ids, raw[ids], rows([s[ids] for s in shifts]), logprobs[ids], rows([p for p, _ in at]),
+                            rows([logits[ids] > NEG_INF, *(a for _, a in at)]),
+                            mx.stack([_entropy(logprobs), _entropy(log_softmax(final.logits) if stages else logprobs)]),
+                            mx.sum(logits > logits[token]))
         return token, logprobs, record
 
     @staticmethod

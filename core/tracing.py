@@ -66,10 +66,15 @@ class Tracer:
         raw, logprobs = np.asarray(r.raw), np.asarray(r.logprobs)
         shifts, probs, alive = np.asarray(r.shifts), np.asarray(r.probs), np.asarray(r.alive)
         entropy = np.asarray(r.entropy)
-        # Best first by processed logit (log-probability orders the same), ties by id, as top_logprobs does.
-        order = sorted(range(len(ids)), key=lambda j: (-float(logprobs[j]), ids[j]))
+        kept = alive.sum(axis=0)
+        # Which K to show: the chosen token, then those the most stages kept (the last stage's survivors first),
+        # then the likeliest; shown best first by processed logit (log-probability orders the same), ties by id.
+        first: dict[int, int] = {}
+        for j in sorted(range(len(ids)), key=lambda j: (ids[j] != token_id, -kept[j], -logprobs[j], ids[j])):
+            first.setdefault(ids[j], j)
+        shown = sorted(list(first.values())[:self.k], key=lambda j: (-float(logprobs[j]), ids[j]))
         candidates = [self._candidate(ids[j], float(raw[j]), float(logprobs[j]), shifts[:, j], probs[:, j],
-                                      alive[:, j], ids[j] == token_id) for j in order]
+                                      alive[:, j], ids[j] == token_id) for j in shown]
         return TokenTrace(candidates, float(entropy[0]), float(entropy[1]), int(np.asarray(r.rank)), self.stages)
 
     def _candidate(self, token_id: int, raw: float, logprob: float, shifts: np.ndarray, probs: np.ndarray,

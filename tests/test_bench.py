@@ -263,6 +263,8 @@ def test_tiny_run_end_to_end(engine, tmp_path):
     assert {"mlxchat", "mlx-lm"} <= systems
     assert all(s["completion_tokens"] == 3 for c in saved["cases"] for s in c["samples"])
     assert stats.find_ratio(saved["ratios"], 32, "greedy", "mlx-lm") is not None
+    tr = saved["trace"]
+    assert tr["k"] == 10 and tr["untraced_tpot_s"] > 0 and tr["traced_step_s"] > tr["step_s"] > 0
     assert saved["chat"]["turns_run"] == 2 and len(saved["chat"]["turns"]) == 2
     assert saved["chat"]["turns"][1]["cached_tokens"] > 0  # the second turn reused the cache
     rot = saved["rotating"]

@@ -241,3 +241,28 @@ def test_the_reply_tree_keeps_nested_branches_when_switching():
     assert [m.content for m in tree.path] == ["q", "a2", "q2", "b2"] and tree.active(3) == 1
     tree.truncate(2)
     assert set(tree.forks) == {1} and [m.content for m in tree.alternatives(1)] == ["a1", "a2"]
+
+
+def test_a_stored_reply_can_still_be_branched_after_a_restart(engine: Engine, tmp_path):
+    from mlxchat.app.store import Store
+
+    chat = engine.chat(profile=FULL)
+    reply = chat.send("Say something short.", max_tokens=8, trace=3).wait()
+    store = Store(tmp_path / "c.db")
+    cid = store.create_conversation("t").id
+    store.add_message(cid, "user", "Say something short.")
+    store.add_message(cid, "assistant", reply.text, finish_reason=reply.finish_reason, profile=reply.profile,
+                      seed=reply.seed, token_ids=reply.token_ids, traces=reply.traces)
+    store.close()
+    store = Store(tmp_path / "c.db")
+    again = engine.chat(profile=SamplingProfile())  # a new session: the reply's own profile and seed are used
+    again.replace_history([m.as_chat_message() for m in store.messages(cid)], store.forks(cid))
+    assert again.messages[-1].traces == reply.traces
+    # Not token for token the old reply: a fresh session prefills the kept ids in one pass, and prefill computes
+    # (quantized) logits on another path than decode, so a close draw may go the other way.
+    same = again.branch(-1, 4, reply.token_ids[4], max_tokens=8).wait()
+    assert same.token_ids[:5] == reply.token_ids[:5] and same.seed == reply.seed
+    stored = store.add_branch(cid, 1, "assistant", same.text, token_ids=same.token_ids, seed=same.seed)
+    assert stored.position == 1 and store.branches(cid, 1).active == 1
+    again.replace_history([m.as_chat_message() for m in store.messages(cid)], store.forks(cid))
+    assert len(again.alternatives(-1)) == 2 and again.active_branch(-1) == 1
