@@ -123,7 +123,7 @@ def cell(prob: float | None) -> str:
 class InspectorRow:
     """One candidate of one step, as the inspector's table shows it."""
 
-    rank: int  # 1-based, best first by processed probability
+    rank: int  # 1-based, by processed probability (the chosen one may rank past the K listed)
     token_id: int
     token: str  # whitespace made visible
     logit: float  # raw, before any processor
@@ -157,7 +157,9 @@ def columns(trace: TokenTrace) -> tuple[str, ...]:
 
 
 def rows(trace: TokenTrace) -> list[InspectorRow]:
-    return [_row(i + 1, c, trace.stages) for i, c in enumerate(trace.candidates)]
+    # A chosen token outside the top K is listed last; its rank is its own, not its place in the list.
+    return [_row(trace.chosen_rank + 1 if c.chosen else i + 1, c, trace.stages)
+            for i, c in enumerate(trace.candidates)]
 
 
 def _row(rank: int, c: Candidate, stages: Sequence[str]) -> InspectorRow:

@@ -91,6 +91,10 @@ def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
     assert cells[0] == " " and cells[2] == " Lyon" and cells[-1] == "TopP(0.5)"
     assert cells[5].endswith("25.0%") and cells[7].endswith("cut")
     assert inspector.rows(trace)[0].cells()[0] == "▶" and rows[2].cells()[4] == "-0.40"
+    # A chosen token ranked past the K listed comes last, with its own rank.
+    late = TokenTrace([dataclasses.replace(trace.candidates[0], chosen=False), *trace.candidates[1:3],
+                       dataclasses.replace(trace.candidates[3], chosen=True)], 1.0, 0.5, 10, STAGES)
+    assert [r.rank for r in inspector.rows(late)] == [1, 2, 3, 11]
     # With no processor in the chain, the penalty column is left out (of the headers and of every row).
     plain = TokenTrace([dataclasses.replace(c, shifts={}) for c in trace.candidates], 1.0, 0.0, 0, STAGES)
     assert not inspector.has_shifts(plain) and "penalty" not in inspector.columns(plain)
