@@ -538,15 +538,14 @@ class ChatController:
 
     def _turns(self, conversation_id: int, stored: "list[StoredMessage]") -> list[Turn]:
         """Stored messages as turns, each reply with its ids and traces and its place among its alternatives."""
-        forked = set(self.store.forks(conversation_id))
+        forks = self.store.forks(conversation_id)
         turns = []
         for m in stored:
             turn = Turn(m.role, m.content, m.position, m.finish_reason, m.metrics or {},  # type: ignore[arg-type]
                         m.profile or {}, m.sampler, m.seed, m.model, token_ids=m.token_ids,
                         traces=list(m.traces) or None)
-            if m.position in forked:
-                branches = self.store.branches(conversation_id, m.position)
-                turn.branches = (branches.active, len(branches.messages))
+            if (fork := forks.get(m.position)) is not None:
+                turn.branches = (fork.active, len(fork.tails))
             turns.append(turn)
         return turns
 
@@ -606,6 +605,12 @@ class ChatController:
 
     # --- the sampler inspector ----------------------------------------------------------------------------------
 
+    @property
+    def inspect_k(self) -> int:
+        """Candidates per token when a trace is asked for (F7 on an untraced reply, a branch, a replay): the chat's
+        own K when it traces every reply, else TRACE_K."""
+        return self.trace_k or TRACE_K
+
     def traces(self, turn: Turn | None) -> "list[TokenTrace] | None":
         """The per-token traces of a reply, for the heat view and the inspector; None when it was written untraced
         (``retrace`` records them)."""
@@ -656,8 +661,8 @@ class ChatController:
         if traces[token_index].chosen.token_id == token_id:
             raise Refused("That is the token it chose: pick another candidate to branch from")
         index = self._session_index(turn)
-        stream = self._call(lambda: self.session.branch(index, token_index, token_id, **self._limits(
-            trace=self.trace_k or TRACE_K)))
+        stream = self._call(lambda: self.session.branch(index, token_index, token_id,
+                                                        **self._limits(trace=self.inspect_k)))
         i = self.turns.index(turn)
         replaced = self.turns[i:]
         count = turn.branches[1]

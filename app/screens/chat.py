@@ -22,7 +22,7 @@ from ..conversation import ChatController, Refused, Reply, Turn, keeps
 from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelPick, to_remember
-from ..replay import TRACE_K, ReplayError, ReplaySource
+from ..replay import ReplaySource
 from ..widgets import (ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, TokenInspector, TokenStrip,
                        Transcript)
 from .dialogs import Confirm, TextPrompt
@@ -76,6 +76,7 @@ class ChatScreen(Screen):
         self.editing = False
         self._ui_cpu_mark: float | None = None
         self._inspected: TokenStrip | None = None  # the heat strip whose token the inspector shows
+        self._tracing: MessageView | None = None  # the reply being traced on demand (F7), while it is
 
     # --- layout --------------------------------------------------------------------------------------------------
 
@@ -570,6 +571,8 @@ class ChatScreen(Screen):
             node = node.parent
         if isinstance(node, MessageView) and node.role == "assistant":
             return node
+        if self._inspected is not None and self._inspected.is_attached:  # the focus is in the inspector
+            return self._inspected.query_ancestor(MessageView)
         return self.transcript.last("assistant")
 
     async def action_heat(self) -> None:
@@ -592,6 +595,10 @@ class ChatScreen(Screen):
             self.notify(str(e), severity=e.severity)
             return
         if traces is None:  # written untraced: write it again, traced, with its seed (only now that it is asked for)
+            if self._tracing is view:
+                self.notify("Still tracing this reply…", timeout=3)
+                return
+            self._tracing = view
             self.notify("Tracing this reply: writing it again with its seed…", timeout=3)
             self._retrace(view, source, length)
             return
@@ -607,13 +614,17 @@ class ChatScreen(Screen):
         engine = self.controller.engine
         assert engine is not None
         try:
-            result = source.retrace(engine, self.controller.trace_k or TRACE_K, length)
-        except (ReplayError, ValueError, RuntimeError) as e:
-            self.app.call_from_thread(self.notify, f"Could not trace this reply: {e}", severity="error")
+            result = source.retrace(engine, self.controller.inspect_k, length)
+        except Exception as e:  # noqa: BLE001 - an engine error (or a profile no longer valid): one line, chat goes on
+            self.app.call_from_thread(self._retraced, view, None, str(e) or type(e).__name__)
             return
         self.app.call_from_thread(self._retraced, view, result)
 
-    async def _retraced(self, view: MessageView, result: "GenerationResult") -> None:
+    async def _retraced(self, view: MessageView, result: "GenerationResult | None", error: str = "") -> None:
+        self._tracing = None
+        if result is None:
+            self.notify(f"Could not trace this reply: {error}", severity="error")
+            return
         if view.turn is None or not view.is_attached:  # the chat changed meanwhile
             return
         try:
@@ -698,8 +709,7 @@ class ChatScreen(Screen):
             self.notify(str(e), severity=e.severity)
             return
         assert self.controller.engine is not None
-        # A replay is always traced (it exists to compare tokens), with the chat's K when tracing is on.
-        self.app.push_screen(ReplayScreen(self.controller.engine, source, trace=self.controller.trace_k or TRACE_K))
+        self.app.push_screen(ReplayScreen(self.controller.engine, source, trace=self.controller.inspect_k))
 
     # --- copy, export, layout ------------------------------------------------------------------------------------
 
