@@ -369,6 +369,8 @@ class ChatController:
             return
         i = self.turns.index(reply.turn)
         self.turns[i:i + 1] = reply.replaced or []
+        if reply.replaced and self.session is not None:  # the session follows the turns shown again
+            self.session.replace_history(self._history())
 
     def _unsend(self, user: Turn) -> str:
         """Core's ChatSession already drops a refused ``send``/``edit_last`` message; a refused ``regenerate``

@@ -270,3 +270,51 @@ def test_clearing_deletes_the_messages_and_a_reply_in_flight_is_never_stored(mak
     drive(c, reply)
     assert c.turns == [] and store.messages(c.record.id) == []
     assert [m.role for m in c.session.messages] == ["system"]
+
+
+# --- branches (issue 14) -----------------------------------------------------------------------------------------
+
+def _traced(make):
+    """A controller that traces every reply, with one answered message."""
+    c = make()
+    c.trace_k = 4
+    drive(c, c.send("Name a colour."))
+    return c
+
+
+def test_a_branch_replaces_the_reply_and_both_stay_in_the_store(make, store):
+    c = _traced(make)
+    first = c.turns[-1]
+    assert first.traces is not None and len(first.traces) == len(first.token_ids)
+    other = next(x for x in first.traces[1].candidates if not x.chosen)
+    with pytest.raises(Refused, match="the token it chose"):
+        c.branch(first, 1, first.traces[1].chosen.token_id)
+    reply = c.branch(first, 1, other.token_id)
+    assert c.turns[-1] is reply.turn and first not in c.turns and reply.turn.branches == (1, 2)
+    with pytest.raises(Refused, match="Esc stops it"):
+        c.branch(first, 0, other.token_id)
+    drive(c, reply)
+    new = c.turns[-1]
+    assert new.token_ids[:2] == (first.token_ids[0], other.token_id) and new.content != first.content
+    assert c.branch_place(new) == (2, 2) and c.branch_place(c.turns[0]) is None
+    assert [m.content for m in store.branches(c.record.id, new.position).messages] == [first.content, new.content]
+    # The session goes on from the branch shown; [ switches back, in the store and the session.
+    shown = c.switch_branch(new, -1)
+    assert shown.content == first.content and c.branch_place(shown) == (1, 2)
+    assert c.session.messages[-1].content == first.content
+    assert roles(store, c)[-1] == ("assistant", first.content)
+
+
+def test_a_branch_that_fails_gives_the_reply_back(make, store):
+    c = _traced(make)
+    first = c.turns[-1]
+    other = next(x for x in first.traces[0].candidates if not x.chosen)
+    reply = c.branch(first, 0, other.token_id)
+    reply.stream.cancel()
+    list(reply.stream)  # drained here; the controller is told it failed, as the bridge posts an engine error
+    _, message = c.on_failed(reply.stream, RuntimeError("the engine failed"))
+    assert message == "the engine failed" and not c.busy
+    assert c.turns[-1] is first and c.branch_place(first) is None
+    assert c.session.messages[-1].content == first.content  # the next turn follows the reply shown
+    assert roles(store, c)[-1] == ("assistant", first.content)  # nothing was saved for the branch
+    assert store.branches(c.record.id, first.position).active == 0
