@@ -13,7 +13,7 @@ from textual.widgets import Input
 
 from mlxchat.app.app import make_app
 from mlxchat.app.conversation import Refused
-from mlxchat.app.screens.replay import ReplayScreen
+from mlxchat.app.screens import ReplayScreen
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, TokenInspector, TokenStrip
 from mlxchat.core import SamplingProfile, native

@@ -28,6 +28,7 @@ from ..widgets import (ChatInput, ConversationList, MessageView, Notice, Sidebar
 from .dialogs import Confirm, TextPrompt
 from .model_picker import ModelPicker
 from .profile_picker import ProfilePicker
+from .replay import ReplayScreen
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine, SamplingProfile
@@ -700,8 +701,6 @@ class ChatScreen(Screen):
 
     def action_replay(self) -> None:
         """F9: answer the reply's messages again with one parameter changed (same seed), side by side."""
-        from .replay import ReplayScreen
-
         view = self._target_reply()
         try:
             source = self.controller.replay_source(view.turn if view else None)
