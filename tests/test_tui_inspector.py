@@ -30,7 +30,8 @@ def _notes(app) -> list[str]:
 @pytest.mark.anyio
 async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, ready, reply, wait_for):
     (tmp_path / "config").mkdir()
-    (tmp_path / "config" / "config.toml").write_text("trace = 6\n")  # every reply traced as it is written
+    # Every reply traced as it is written; the heat view's key remapped like any other (by its binding id).
+    (tmp_path / "config" / "config.toml").write_text('trace = 6\n[keys]\nheat_view = "f7,ctrl+o"\n')
     app = new_app(max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
         screen = await ready(pilot)
@@ -63,7 +64,7 @@ async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, r
         width = len(strip.tokens[0].text) + len(strip.tokens[1].text)
         assert await pilot.click(TokenStrip, offset=(width, 0))  # the first cell of the third token
         assert inspector.has_class("-open") and inspector.index == 2
-        await pilot.press("escape", "f7")
+        await pilot.press("escape", "ctrl+o")
         view = screen.transcript.last("assistant")
         assert view.strip is None and app.focused is view
         # A reply still streaming has no heat view yet: one line says so.
