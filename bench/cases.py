@@ -356,7 +356,8 @@ __all__ = ["EngineRunner", "GREEDY", "chat_case", "gguf_bytes_per_token", "memor
 # --- sampler traces (issue 14) -----------------------------------------------------------------------------------
 
 TRACE_K = 10  # candidates per token: an inspector's table
-STEP_ROUNDS = 100  # sampler steps timed per variant on the same logits
+STEP_ROUNDS = 7  # interleaved rounds of sampler steps per variant, on the same logits (median of the rounds)
+STEPS_PER_ROUND = 20
 
 
 def trace_case(engine: Any, messages: list[dict[str, str]], max_tokens: int, repeats: int,
@@ -377,7 +378,7 @@ def trace_case(engine: Any, messages: list[dict[str, str]], max_tokens: int, rep
 
 
 def _sampler_steps(engine: Any, messages: list[dict[str, str]], profile: Any, k: int) -> dict[str, Any]:
-    """On the inference thread: mean seconds per sampler step, plain and traced, on one real row of logits."""
+    """On the inference thread: seconds per sampler step, plain and traced, on one real row of logits."""
     import mlx.core as mx
 
     from mlxchat.core.sampling import Sampler
@@ -387,22 +388,19 @@ def _sampler_steps(engine: Any, messages: list[dict[str, str]], profile: Any, k:
     logits = m.model(mx.array(m.tokenizer.encode_chat(messages))[None])[0, -1]
     mx.eval(logits)
 
-    def timed(traced: bool) -> float:
-        sampler = Sampler(profile, vocab_size=logits.size, eos_ids=m.tokenizer.eos_ids)
-        tracer = Tracer(sampler, k, lambda i: m.tokenizer.decode([i]))
-
-        def one() -> None:
-            if traced:
-                tracer.take(tracer.step(logits)[0].item())
-            else:
-                sampler.step(logits)[0].item()
-
-        for _ in range(5):  # warm-up: first calls build kernels
-            one()
-        t0 = time.perf_counter()
-        for _ in range(STEP_ROUNDS):
-            one()
-        return (time.perf_counter() - t0) / STEP_ROUNDS
-
-    plain, traced = timed(False), timed(True)
-    return {"step_s": plain, "traced_step_s": traced, "step_rounds": STEP_ROUNDS}
+    plain = Sampler(profile, vocab_size=logits.size, eos_ids=m.tokenizer.eos_ids)
+    tracer = Tracer(Sampler(profile, vocab_size=logits.size, eos_ids=m.tokenizer.eos_ids), k,
+                    lambda i: m.tokenizer.decode([i]))
+    steps = {False: lambda: plain.step(logits)[0].item(),
+             True: lambda: tracer.take(tracer.step(logits)[0].item())}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rnd in range(STEP_ROUNDS + 1):  # interleaved rounds, the first a warm-up; the median is robust to load
+        for traced in ((False, True) if rnd % 2 == 0 else (True, False)):
+            t0 = time.perf_counter()
+            for _ in range(STEPS_PER_ROUND):
+                steps[traced]()
+            if rnd:
+                times[traced].append((time.perf_counter() - t0) / STEPS_PER_ROUND)
+    plain_s, traced_s = median(times[False]), median(times[True])
+    return {"step_s": plain_s, "traced_step_s": traced_s, "step_rounds": STEP_ROUNDS,
+            "steps_per_round": STEPS_PER_ROUND}

@@ -435,6 +435,8 @@ class _Reply:
     def force(self, ids: Sequence[int], traces: Sequence[TokenTrace]) -> None:
         """Start the reply with tokens already decided (a branch): one event with all of them, and no tick of the
         clock, since nothing was generated. `traces` is aligned with `ids`, or empty."""
+        if not ids:  # the branch forced the end token first: an empty reply, nothing to stream
+            return
         traces = tuple(traces) if len(traces) == len(ids) else ()
         self.ids.extend(ids)
         self.traces.extend(traces)
