@@ -318,3 +318,17 @@ def test_a_branch_that_fails_gives_the_reply_back(make, store):
     assert c.session.messages[-1].content == first.content  # the next turn follows the reply shown
     assert roles(store, c)[-1] == ("assistant", first.content)  # nothing was saved for the branch
     assert store.branches(c.record.id, first.position).active == 0
+
+
+def test_branching_an_earlier_reply_keeps_what_followed_it_in_the_old_branch(make, store):
+    c = _traced(make)
+    first = c.turns[-1]
+    drive(c, c.send("And another one?"))
+    later = [t.content for t in c.turns]
+    other = next(x for x in first.traces[0].candidates if not x.chosen)
+    drive(c, c.branch(first, 0, other.token_id))
+    assert [t.role for t in c.turns] == ["user", "assistant"] and c.branch_place(c.turns[-1]) == (2, 2)
+    assert c.session.messages[-1].content == c.turns[-1].content
+    shown = c.switch_branch(c.turns[-1], 1)  # wraps round to the first branch, with the exchange that followed
+    assert shown.content == first.content and [t.content for t in c.turns] == later
+    assert [m.content for m in store.messages(c.record.id)] == later
