@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the full-screen chat (the default)")
     chat.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     chat.add_argument("--max-tokens", type=int, help="cap each reply at N tokens")
+    _split_arguments(chat)
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
     gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
@@ -62,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
                                                    "--context-policy rotate; default with rotate: the context)")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
+    _split_arguments(gen)
+
+    worker = sub.add_parser("worker", help="run one rank of a model split across machines (see --hosts)")
+    worker.add_argument("--hosts", required=True, metavar="FILE", help="the hosts file rank 0 uses (MLX's ring "
+                                                                       "format: a JSON list of [\"host:port\"])")
+    worker.add_argument("--rank", required=True, type=int, help="this machine's rank in FILE (1 to N-1)")
+    worker.add_argument("--control-port", type=int, help="rank 0's control port, if it was given one")
 
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
     pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
@@ -72,6 +80,17 @@ def _parser() -> argparse.ArgumentParser:
 
     _tool_commands(sub)
     return p
+
+
+def _split_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--hosts` on chat and generate (serve adds its own): this process is rank 0 of a split model."""
+    parser.add_argument("--hosts", metavar="FILE", help="split the model across the machines of FILE (MLX's ring "
+                                                        "hosts file); this process is rank 0, the others run "
+                                                        "`mlxchat worker --hosts FILE --rank R`")
+    parser.add_argument("--control-port", type=int, help="with --hosts: the port rank 0 listens on for workers "
+                                                         "(default: one above FILE's highest port on rank 0's host)")
+    parser.add_argument("--connect-timeout", type=float, default=30.0,
+                        help="with --hosts: seconds to wait for the workers (default: 30)")
 
 
 def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -198,10 +217,60 @@ def _import_core() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _load(spec: str | None) -> Any:  # noqa: ANN401 - core.Engine, imported late with MLX
-    from mlxchat.core import Engine
+def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # noqa: ANN401 - core.Engine
+    """The model on this machine, or split across the hosts file's machines with this process as rank 0."""
+    if args is None or getattr(args, "hosts", None) is None:
+        from mlxchat.core import Engine
 
-    return Engine.load(spec)
+        return Engine.load(spec)
+    from mlxchat.core.distributed.leader import SplitEngine
+
+    return SplitEngine.start(args.hosts, spec, connect_timeout_s=args.connect_timeout,
+                             control_port=args.control_port,
+                             progress=lambda line: print(f"mlxchat: {line}", file=sys.stderr, flush=True))
+
+
+def _check_split(args: argparse.Namespace) -> None:
+    """Bad --hosts, --control-port or --connect-timeout: one line before anything loads."""
+    if getattr(args, "hosts", None) is None:
+        return
+    from mlxchat.core.distributed import read_hosts
+
+    read_hosts(args.hosts)
+    if args.control_port is not None and not 0 < args.control_port < 65536:
+        raise ValueError(f"--control-port must be between 1 and 65535, got {args.control_port}")
+    if getattr(args, "connect_timeout", 1) <= 0:
+        raise ValueError(f"--connect-timeout must be greater than 0, got {args.connect_timeout}")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from mlxchat.core.distributed import read_hosts
+
+    hosts = read_hosts(args.hosts)
+    hosts.check_rank(args.rank)
+    _check_split(args)
+    _import_core()
+    from mlxchat.core.distributed.worker import run
+
+    return run(hosts, args.rank, args.control_port)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from mlxchat.app.app import run_tui
+
+    if getattr(args, "hosts", None) is None:
+        run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
+        return 0
+    _check_split(args)
+    _import_core()
+    engine = _without_sigint(lambda: _load(args.model, args))
+    try:
+        run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
+    finally:
+        engine.close()
+    if not engine.usable:
+        _leave_now(0)  # its inference thread may be blocked on the lost peer for good: exiting normally would abort
+    return 0
 
 
 def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
@@ -218,9 +287,10 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         if args.kv_window < 16:
             raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
         args.context_policy = "rotate"
+    _check_split(args)
     _import_core()
     profile = _profile(args)
-    engine = _without_sigint(lambda: _load(args.model))
+    engine = _without_sigint(lambda: _load(args.model, args))
     from mlxchat.core.events import TokenEvent
 
     stream = _start(engine, prompt, profile, args)
@@ -334,19 +404,21 @@ def _with_interrupts(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous)
 
 
+def _lost_a_peer(error: BaseException) -> bool:
+    leader = sys.modules.get("mlxchat.core.distributed.leader")
+    return leader is not None and isinstance(error, leader.PeerLostError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _with_interrupts(args)
-        if args.command in ("pull", "models", "rm"):
-            return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
+        if args.command in ("pull", "models", "rm", "worker"):
+            return {"pull": _pull, "models": _models, "rm": _rm, "worker": _worker}[args.command](args)
         if (run := getattr(args, "command_runner", None)) is not None:  # a tool's subcommand (_tool_commands)
             return run(args)
-        from mlxchat.app.app import run_tui
-
-        run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
-        return 0
+        return _chat(args)
     except Exception as e:  # noqa: BLE001 - bad input gets one line, never a traceback
         from pydantic import ValidationError
 
@@ -359,6 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             raise
         print(f"mlxchat: error: {msg}", file=sys.stderr)
+        if _lost_a_peer(e):
+            _leave_now(2)  # the inference thread may be blocked on the lost peer for good: exiting normally aborts
         return 2
 
 

@@ -61,6 +61,11 @@ class Job:
     def emit(self, event: Event) -> None:
         self.events.put(event)
 
+    def fail(self, error: BaseException) -> None:
+        """End the job's stream with `error`, from any thread: a split model's job whose thread is blocked on a
+        lost peer (core/distributed) still reaches its caller."""
+        self.events.put(_Failure(error))
+
 
 class InferenceThread:
     """Runs jobs one at a time, in order, on a single daemon thread."""
@@ -210,6 +215,11 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.model.context_length
+
+    @property
+    def usable(self) -> bool:
+        """Whether requests can run; a split model whose peer failed (core/distributed) cannot."""
+        return True
 
     def describe(self) -> str:
         """Where this engine computes and with which weights: one line for --stats, the TUI and the bench."""
