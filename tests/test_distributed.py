@@ -143,3 +143,18 @@ def test_a_closed_peer_is_lost_at_once_and_messages_arrive_in_order() -> None:
     assert lost.wait(2)
     assert got == [{"op": "x", "n": 1}, {"op": "x", "n": 2}]  # pings are not passed on
     link.close()
+
+
+def test_bench_split_summary() -> None:
+    from mlxchat.bench.split import summary_lines
+
+    memory = {"weight_bytes": 62 << 20, "active_bytes": 70 << 20, "peak_bytes": 81 << 20}
+    section = {"max_tokens": 32, "repeats": 1, "greedy_tokens_equal": True, "overhead_ms_per_token": 3.0,
+               "largest_rank_weights_vs_one": 0.66,
+               "one_process": {"decode_tokens_per_s": 20.0, "tpot_ms": 50.0, "ttft_s": 0.5, "peak_bytes": 118 << 20,
+                               "weight_bytes": 94 << 20},
+               "split": {"decode_tokens_per_s": 18.9, "tpot_ms": 53.0, "ttft_s": 0.9, "peak_bytes": 81 << 20,
+                         "split": [15, 15], "ranks": {"0": memory, "1": memory}}}
+    text = "\n".join(summary_lines(section))
+    assert "layers [15, 15]" in text and "+3.0 ms/token" in text and "rank 1 62 MiB weights / 81 MiB peak" in text
+    assert summary_lines(None) == []
