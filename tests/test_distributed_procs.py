@@ -136,3 +136,26 @@ def test_rank0_without_workers_is_a_clear_error_after_the_connect_timeout(hosts:
     assert "no worker came for rank 1 (127.0.0.1:" in event["error"] and "mlxchat worker" in event["error"]
     assert 2 <= event["after_s"] < 10
 
+
+
+def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc], engine: Engine) -> None:
+    import httpx
+
+    worker(hosts, procs)
+    port = free_ports(1)[0]
+    server = Proc([sys.executable, "-m", "mlxchat.app.cli", "serve", "--hosts", str(hosts), "--port", str(port)])
+    procs.append(server)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline and server.p.poll() is None, "the server did not start"
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0}
+    for _ in range(2):  # the second resends the same conversation: its prefix comes from the kept cache
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
+    expected = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=N)
+    assert answer["choices"][0]["message"]["content"] == expected.text
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
