@@ -91,6 +91,9 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "(default: one above FILE's highest port on rank 0's host)")
     parser.add_argument("--connect-timeout", type=float, default=30.0,
                         help="with --hosts: seconds to wait for the workers (default: 30)")
+    parser.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
+                        help="with --hosts: pipeline (layer ranges, the default) or tensor (every layer's heads over "
+                             "the ranks; needs heads divisible by the number of ranks)")
 
 
 def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -226,7 +229,7 @@ def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # n
     from mlxchat.core.distributed.leader import SplitEngine
 
     return SplitEngine.start(args.hosts, spec, connect_timeout_s=args.connect_timeout,
-                             control_port=args.control_port,
+                             control_port=args.control_port, parallel=args.parallel,
                              progress=lambda line: print(f"mlxchat: {line}", file=sys.stderr, flush=True))
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from mlxchat.core.distributed.hosts import write_loopback_hosts
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
@@ -48,21 +49,9 @@ def _rank0(hosts: str, model: str | None, max_tokens: int, repeats: int) -> None
     engine = SplitEngine.start(hosts, model)
     figures = _figures(engine, max_tokens, repeats)
     figures["ranks"] = {int(r): m for r, m in engine.worker_memory().items()}
-    figures["split"] = engine.stage.split
+    figures["split"] = list(engine.plan.split)
     print(json.dumps(figures), flush=True)
     engine.close()
-
-
-def _hosts_file(folder: Path) -> Path:
-    socks = [socket.socket() for _ in range(3)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    path = folder / "hosts.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{ports[1]}"]]))
-    return path
 
 
 def split_case(engine: Any, model: str | None, max_tokens: int, repeats: int, timeout_s: float = 600
@@ -71,7 +60,8 @@ def split_case(engine: Any, model: str | None, max_tokens: int, repeats: int, ti
     processes vs `engine` in this one."""
     one = _figures(engine, max_tokens, repeats)
     with tempfile.TemporaryDirectory() as folder:
-        hosts = _hosts_file(Path(folder))
+        hosts = Path(folder) / "hosts.json"
+        write_loopback_hosts(hosts, 2)
         worker = subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "worker", "--hosts", str(hosts),
                                    "--rank", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
@@ -108,7 +98,8 @@ def summary_lines(section: dict[str, Any] | None) -> list[str]:
     one, split = section["one_process"], section["split"]
     ranks = ", ".join(f"rank {r} {m['weight_bytes'] / 2**20:.0f} MiB weights / {m['peak_bytes'] / 2**20:.0f} MiB peak"
                       for r, m in sorted(section["split"]["ranks"].items(), key=lambda kv: int(kv[0])))
-    return [f"Split over 2 processes (ring on loopback, layers {split['split']}), {section['max_tokens']} greedy tokens:",
+    return [f"Split over 2 processes (ring on loopback, layers {split['split']}), {section['max_tokens']} greedy "
+            "tokens:",
             f"  one process: {one['decode_tokens_per_s']:.1f} tok/s (TPOT {one['tpot_ms']:.0f} ms), "
             f"{one['weight_bytes'] / 2**20:.0f} MiB weights, {one['peak_bytes'] / 2**20:.0f} MiB peak",
             f"  split:       {split['decode_tokens_per_s']:.1f} tok/s (TPOT {split['tpot_ms']:.0f} ms, "

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control-port", type=int, help="with --hosts: the port rank 0 listens on for workers")
     parser.add_argument("--connect-timeout", type=float, default=30.0,
                         help="with --hosts: seconds to wait for the workers (default: 30)")
+    parser.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
+                        help="with --hosts: pipeline (layer ranges, the default) or tensor (heads over the ranks)")
 
 
 def _profiles() -> dict:
@@ -138,7 +140,7 @@ def _split_engine(args: argparse.Namespace):  # noqa: ANN202 - core's SplitEngin
     from mlxchat.core.distributed.leader import SplitEngine
 
     return SplitEngine.start(args.hosts, args.model, connect_timeout_s=args.connect_timeout,
-                             control_port=args.control_port,
+                             control_port=args.control_port, parallel=args.parallel,
                              progress=lambda line: print(f"mlxchat: {line}", file=sys.stderr, flush=True))
 
 

@@ -2,6 +2,7 @@
 as its process, and a fault test breaks it). It prints one JSON object per line on stdout; the test reads them.
 
     python tests/split_driver.py HOSTS replies N     greedy and seeded replies, a two-turn chat, per-rank memory
+    python tests/split_driver.py HOSTS greedy N      one greedy reply (SPLIT_PARALLEL=tensor: heads over the ranks)
     python tests/split_driver.py HOSTS fault N       a reply the test breaks (it kills or stops the worker once
                                                      "streaming" is printed), then the chat goes on on one machine
 """
@@ -36,6 +37,11 @@ def replies(engine: SplitEngine, n: int) -> None:
         chat=[list(first.token_ids), list(second.token_ids)], cached=second.metrics.cached_tokens,
         history=[m.content for m in chat.messages], memory=engine.worker_memory(),
         decode_tps=greedy.metrics.decode_tokens_per_s)
+
+
+def greedy(engine: SplitEngine, n: int) -> None:
+    reply = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=n)
+    say(event="greedy", greedy=list(reply.token_ids), memory=engine.memory)
 
 
 def fault(engine: SplitEngine, n: int) -> None:
@@ -74,12 +80,13 @@ def main() -> None:
     timeout = float(os.environ.get("SPLIT_CONNECT_TIMEOUT", "30"))
     started = time.perf_counter()
     try:
-        engine = SplitEngine.start(hosts, connect_timeout_s=timeout)
+        engine = SplitEngine.start(hosts, connect_timeout_s=timeout,
+                                   parallel=os.environ.get("SPLIT_PARALLEL", "pipeline"))
     except Exception as e:  # noqa: BLE001 - the test checks the message
         say(event="start_failed", error=f"{type(e).__name__}: {e}", after_s=time.perf_counter() - started)
         os._exit(0)
     say(event="loaded", memory=engine.memory)
-    (replies if mode == "replies" else fault)(engine, n)
+    {"replies": replies, "greedy": greedy, "fault": fault}[mode](engine, n)
     if engine.usable:
         engine.close()
     os._exit(0)  # a failed group's inference thread may be blocked for good

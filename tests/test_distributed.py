@@ -18,7 +18,7 @@ from mlxchat.core import gguf
 from mlxchat.core.distributed import HostsError, read_hosts
 from mlxchat.core.distributed.channel import Link
 from mlxchat.core.distributed.common import layer_weights
-from mlxchat.core.distributed.stage import Stage, split_layers
+from mlxchat.core.distributed.stage import Stage, check_tensor_parallel, split_layers
 from mlxchat.core.gguf_tensors import read_tensors
 from mlxchat.core.loader import embedded_model_path
 
@@ -81,6 +81,12 @@ def test_layers_split_by_free_memory() -> None:
         split_layers(2, [1, 1, 1])
     assert layer_weights([100, 105]) == [1.0, 1.0]  # near-equal machines split evenly (two ranks of one machine)
     assert layer_weights([100, 300]) == [100.0, 300.0]
+
+
+def test_tensor_parallel_needs_heads_divisible_by_the_ranks() -> None:
+    check_tensor_parallel(9, 3, 3)
+    with pytest.raises(ValueError, match="divide by the 2 ranks, but the model has 9 query and 3 key/value heads"):
+        check_tensor_parallel(9, 3, 2)
 
 
 def test_a_stage_reads_only_its_weights() -> None:

@@ -9,6 +9,8 @@ heartbeats) listens on rank 0's host, one port above the highest port the file l
 from __future__ import annotations
 
 import json
+import random
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,3 +82,28 @@ def _check_address(address: object, rank: int, bad: Callable[[str], HostsError])
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
         raise bad(f'rank {rank} has {json.dumps(address)}, not "host:port" with a port from 1 to 65535')
+
+
+def write_loopback_hosts(path: str | Path, ranks: int, spare: int = 0) -> Hosts:
+    """A hosts file for `ranks` processes on this machine, on consecutive free ports: the ranks' ring ports, rank 0's
+    control port just above them, then `spare` more (for a server, say), so none of them collide."""
+    ports = _free_block(ranks + 1 + spare)
+    path = Path(path)
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:ranks]]))
+    return read_hosts(path)
+
+
+def _free_block(n: int) -> list[int]:
+    while True:
+        base = random.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()

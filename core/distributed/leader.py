@@ -36,9 +36,10 @@ from .. import loader
 from ..engine import DEFAULT_PREFILL_STEP, Engine, InferenceThread, Job, Stream
 from ..errors import GenerationError, MlxChatError
 from .channel import DEFAULT_TIMEOUT_S, Link, Message, listen, read_one, send_one
-from .common import PROTOCOL, cache_spec, free_memory, join_ring, layer_weights, memory_report
+from .common import (PARALLEL_MODES, PROTOCOL, Plan, cache_spec, free_memory, join_ring, layer_weights,
+                     memory_report, model_shape)
 from .hosts import Hosts, read_hosts
-from .stage import Stage, split_layers
+from .stage import check_tensor_parallel, split_layers, tensor_logits
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
@@ -123,8 +124,8 @@ class Group:
 class SplitModel:
     """Rank 0's model as the engine sees it: each forward pass first tells the workers what to run."""
 
-    def __init__(self, model: Any, group: Group) -> None:  # noqa: ANN401 - a stage model (core/distributed/stage.py)
-        self.model, self.group = model, group
+    def __init__(self, model: Any, group: Group, plan: Plan) -> None:  # noqa: ANN401 - an mlx-lm model
+        self.model, self.group, self.plan = model, group, plan
         self._keys: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._next = itertools.count()
 
@@ -144,6 +145,8 @@ class SplitModel:
         ids = inputs.tolist()  # the step's input: the token just sampled, so this waits for it
         self.group.broadcast({"op": "fwd", "c": self._key(cache), "o": cache[0].offset, "ids": ids,
                               "spec": cache_spec(cache)})
+        if self.plan.parallel == "tensor":
+            return tensor_logits(self.model, inputs, cache)
         return self.model(inputs, cache=cache)
 
     def _key(self, cache: list) -> int:
@@ -166,9 +169,9 @@ class SplitEngine(Engine):
     """An Engine whose model is split across the ranks of a hosts file; see the module docstring."""
 
     def __init__(self, model: loader.LoadedModel, worker: InferenceThread, prefill_step: int, group: Group,
-                 stage: Stage, memory: dict[int, dict[str, int]]) -> None:
+                 plan: Plan, memory: dict[int, dict[str, int]]) -> None:
         super().__init__(model, worker, prefill_step)
-        self.group, self.stage, self.memory = group, stage, memory
+        self.group, self.plan, self.memory = group, plan, memory
         self._current: Job | None = None
         group.on_failure.append(self._failed)
 
@@ -176,36 +179,41 @@ class SplitEngine(Engine):
     def start(cls, hosts: str | Path | Hosts, model: str | Path | None = None, *,
               weights: loader.WeightPolicy | None = None, prefill_step: int = DEFAULT_PREFILL_STEP,
               connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, control_port: int | None = None,
-              peer_timeout_s: float = DEFAULT_TIMEOUT_S, progress: Callable[[str], None] = lambda _: None
-              ) -> "SplitEngine":
+              peer_timeout_s: float = DEFAULT_TIMEOUT_S, parallel: str = "pipeline",
+              progress: Callable[[str], None] = lambda _: None) -> "SplitEngine":
         """Form the group and load rank 0's part. Raises SplitStartError naming the rank that did not come or
-        could not load, after at most `connect_timeout_s` for the workers to connect and the ring to form."""
+        could not load, after at most `connect_timeout_s` for the workers to connect and the ring to form.
+        `parallel` is "pipeline" (layer ranges, the default) or "tensor" (mlx-lm's `shard()`)."""
         hosts = hosts if isinstance(hosts, Hosts) else read_hosts(hosts)
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"--parallel must be {' or '.join(PARALLEL_MODES)}, got {parallel!r}")
+        shape = model_shape(model)
+        if parallel == "tensor":
+            check_tensor_parallel(shape["heads"], shape["kv_heads"], hosts.size)
         group = Group(hosts, peer_timeout_s)
         try:
             hellos = _gather(hosts, group, control_port, connect_timeout_s, progress)
-            split = split_layers(_num_layers(model), layer_weights([free_memory(), *(h["free_memory"] for h in hellos)]))
-            policy = loader.resolve_policy(weights)
-            group.broadcast({"op": "plan", "model": None if model is None else str(model), "weights": policy,
-                             "split": split})
-            stage = Stage(0, tuple(split))
-            progress(f"joining the ring ({hosts.size} ranks) and loading {stage.describe()}")
+            free = [free_memory(), *(h["free_memory"] for h in hellos)]
+            plan = Plan(None if model is None else str(model), loader.resolve_policy(weights), parallel,
+                        tuple(split_layers(shape["layers"], layer_weights(free))))
+            group.broadcast(plan.message())
+            progress(f"joining the ring ({hosts.size} ranks) and loading {plan.describe(0)}")
             thread = InferenceThread()
-            _bounded(thread, lambda: join_ring(hosts.path, 0), connect_timeout_s, group,
-                     f"the ring did not connect within {connect_timeout_s:.0f} s: check that the ports of "
-                     f"{hosts.path} are open between the hosts")
-            loaded = _bounded(thread, lambda: loader.load(model, weights, stage=stage), None, group, "")
+            ring = _bounded(thread, lambda: join_ring(hosts.path, 0), connect_timeout_s, group,
+                            f"the ring did not connect within {connect_timeout_s:.0f} s: check that the ports of "
+                            f"{hosts.path} are open between the hosts")
+            loaded = _bounded(thread, lambda: plan.load(0, ring), None, group, "")
             ready = group.answers("ready")
         except PeerLostError as e:
             group.close()
-            raise SplitStartError(str(e).split(". The split model")[0]) from None
+            raise SplitStartError(f"rank {e.rank} ({e.address}) failed: {e.why}") from None
         except BaseException:
             group.close()
             raise
-        memory = {0: memory_report(loaded.weight_bytes), **{r: m["memory"] for r, m in ready.items()}}
-        split_loaded = dataclasses.replace(loaded, model=SplitModel(loaded.model, group))
+        memory = {0: memory_report(loaded.model), **{r: m["memory"] for r, m in ready.items()}}
+        split_loaded = dataclasses.replace(loaded, model=SplitModel(loaded.model, group, plan))
         atexit.register(group.close)  # a script that never closes the engine still lets its workers go
-        return cls(split_loaded, thread, prefill_step, group, stage, memory)
+        return cls(split_loaded, thread, prefill_step, group, plan, memory)
 
     # --- the Engine surface, made safe after a failure ---------------------------------------------------------
 
@@ -214,7 +222,7 @@ class SplitEngine(Engine):
         return self.group.failed is None
 
     def describe(self) -> str:
-        return f"{super().describe()} · split over {self.stage.size} ranks ({self.stage.describe()})"
+        return f"{super().describe()} · split over {self.group.hosts.size} ranks ({self.plan.describe(0)})"
 
     def submit(self, fn: Callable[[Job], Any]) -> Stream:
         if self.group.failed is not None:
@@ -244,7 +252,7 @@ class SplitEngine(Engine):
         """Each rank's weights, active and peak memory now (rank 0's measured here, the workers' asked for)."""
         self.group.broadcast({"op": "stats"})
         answers = self.group.answers("stats")
-        return {0: memory_report(self.model.weight_bytes), **{r: a["memory"] for r, a in answers.items()}}
+        return {0: memory_report(self.model.model), **{r: a["memory"] for r, a in answers.items()}}
 
     def close(self) -> None:
         self.group.close()
@@ -262,23 +270,6 @@ class SplitEngine(Engine):
         while self.group.failed is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.group.failed
-
-
-def _num_layers(model: str | Path | None) -> int:
-    """The model's layer count, from its header or config, without loading it."""
-    import json
-
-    from .. import gguf
-
-    path = loader.embedded_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        config = json.loads((path / "config.json").read_text())
-        return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
-    if not path.exists():
-        path = loader.download(str(model))
-        return _num_layers(path)
-    header = gguf.read_header(path)
-    return int(header.metadata[f"{header.architecture}.block_count"])
 
 
 def _gather(hosts: Hosts, group: Group, control_port: int | None, timeout_s: float,

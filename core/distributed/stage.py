@@ -181,3 +181,28 @@ class PipelineQwen2(_StageMixin, qwen2.Model):
 
 # mlx-lm's model_type (after its own remapping: mistral -> llama) -> the stage class.
 STAGE_CLASSES: dict[str, type[nn.Module]] = {"llama": PipelineLlama, "mistral": PipelineLlama, "qwen2": PipelineQwen2}
+
+
+# --- tensor parallel (an option): every rank runs every layer on its slice of the heads --------------------------
+
+def check_tensor_parallel(heads: int, kv_heads: int, size: int) -> None:
+    """mlx-lm's `shard()` splits the attention heads evenly and does not check that it can (issue 16: 9 heads over
+    2 ranks failed inside MLX): refuse in one line first."""
+    if heads % size or kv_heads % size:
+        raise ValueError(f"--parallel tensor needs the attention heads to divide by the {size} ranks, but the model "
+                         f"has {heads} query and {kv_heads} key/value heads; use the default --parallel pipeline")
+
+
+def tensor_forward(model: nn.Module, inputs: mx.array, cache: list) -> mx.array:
+    """The sharded model's hidden state, tied into the last layer's cache: every rank then runs the same
+    collectives whether it evaluates the logits (rank 0, decoding) or only the cache (a prefill, or a worker)."""
+    h = model.model(inputs, cache)
+    keys = cache[-1].keys
+    cache[-1].keys = tuple(mx.depends(list(keys), h)) if isinstance(keys, tuple) else mx.depends(keys, h)
+    return h
+
+
+def tensor_logits(model: nn.Module, inputs: mx.array, cache: list) -> mx.array:
+    """Rank 0's forward pass of a sharded model (mlx-lm's `Model.__call__`, with the tie above)."""
+    h = tensor_forward(model, inputs, cache)
+    return model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)

@@ -17,12 +17,11 @@ import queue
 import signal
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 from .channel import DEFAULT_TIMEOUT_S, Link, Message, connect, read_one, send_one
 from .hosts import Hosts
-from .common import PROTOCOL, align, free_memory, join_ring, make_caches, memory_report
+from .common import PROTOCOL, Plan, align, free_memory, join_ring, make_caches, memory_report
 
 
 def _say(line: str) -> None:
@@ -41,6 +40,7 @@ class Worker:
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.link: Link | None = None
         self.loaded: Any = None  # core.loader.LoadedModel
+        self.plan: Plan | None = None
         self.caches: dict[int, list] = {}
 
     def connect(self, address: tuple[str, int], timeout_s: float) -> None:
@@ -79,25 +79,24 @@ class Worker:
                 elif op == "drop":
                     self.caches.pop(int(message["c"]), None)
                 elif op == "stats":
-                    self._send({"op": "stats", "memory": memory_report(self.loaded.weight_bytes)})
+                    self._send({"op": "stats", "memory": memory_report(self.loaded.model)})
             except Exception as e:  # noqa: BLE001 - reported to rank 0, which names this rank; then this rank ends
-                self._send({"op": "error", "why": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
-                _leave(1, f"failed: {type(e).__name__}: {e}")
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                self._send({"op": "error", "why": f"{type(e).__name__}: {first}"})
+                _leave(1, f"failed: {type(e).__name__}: {first}")
 
     def _send(self, message: Message) -> None:
         assert self.link is not None
         self.link.send(message)
 
-    def _plan(self, plan: Message) -> None:
-        from ..loader import load
-        from .stage import Stage
-
-        join_ring(self.hosts.path, self.rank)
-        stage = Stage(self.rank, tuple(int(n) for n in plan["split"]))
-        self.loaded = load(plan.get("model"), plan.get("weights"), stage=stage)
-        _say(f"{stage.describe()} loaded ({self.loaded.weight_bytes / 2**20:.0f} MiB of weights, "
+    def _plan(self, message: Message) -> None:
+        self.plan = plan = Plan.of(message)
+        group = join_ring(self.hosts.path, self.rank)
+        self.loaded = plan.load(self.rank, group)
+        memory = memory_report(self.loaded.model)
+        _say(f"{plan.describe(self.rank)} loaded ({memory['weight_bytes'] / 2**20:.0f} MiB of weights, "
              f"{self.loaded.weights_path})")
-        self._send({"op": "ready", "memory": memory_report(self.loaded.weight_bytes), "stage": stage.describe()})
+        self._send({"op": "ready", "memory": memory})
 
     def _forward(self, message: Message) -> None:
         import mlx.core as mx
@@ -109,7 +108,7 @@ class Worker:
             if offset != 0:
                 raise RuntimeError(f"cache {key} cannot be brought to offset {offset}: out of step with rank 0")
             layers = self.caches[key] = make_caches(message["spec"], model)
-        out = model.forward_stage(mx.array(message["ids"]), layers)
+        out = self.plan.forward(model, mx.array(message["ids"]), layers)  # type: ignore[union-attr]
         mx.eval(out, [c.state for c in layers])
 
 
