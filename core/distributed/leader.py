@@ -222,7 +222,9 @@ class SplitEngine(Engine):
         return self.group.failed is None
 
     def describe(self) -> str:
-        return f"{super().describe()} · split over {self.group.hosts.size} ranks ({self.plan.describe(0)})"
+        weights = " + ".join(f"{self.memory[r]['weight_bytes'] / 2**20:.0f}" for r in sorted(self.memory))
+        return (f"{super().describe()} · split over {self.group.hosts.size} ranks ({self.plan.describe(0)}; "
+                f"weights per rank {weights} MiB)")
 
     def submit(self, fn: Callable[[Job], Any]) -> Stream:
         if self.group.failed is not None:
