@@ -408,8 +408,9 @@ def _with_interrupts(args: argparse.Namespace) -> int:
 
 
 def _lost_a_peer(error: BaseException) -> bool:
+    """A split model's failure (core/distributed/leader.py's SplitError)."""
     leader = sys.modules.get("mlxchat.core.distributed.leader")
-    return leader is not None and isinstance(error, leader.PeerLostError)
+    return leader is not None and isinstance(error, leader.SplitError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

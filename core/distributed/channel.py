@@ -18,6 +18,9 @@ from typing import Any
 
 HEARTBEAT_S = 0.5
 DEFAULT_TIMEOUT_S = 3.0
+# While the ranks load, a long tensor conversion may hold the GIL (numpy on a 400 MB tensor: ~1 s here) and delay the
+# heartbeat thread: the timeout is looser then. A peer that dies while loading still closes its connection at once.
+LOAD_TIMEOUT_S = 60.0
 _MAX_LINE = 64 << 20  # a request's ids as JSON; anything longer is not from mlxchat
 
 Message = dict[str, Any]

@@ -34,8 +34,8 @@ import mlx.core as mx
 
 from .. import loader
 from ..engine import DEFAULT_PREFILL_STEP, Engine, InferenceThread, Job, Stream
-from ..errors import GenerationError, MlxChatError
-from .channel import DEFAULT_TIMEOUT_S, Link, Message, listen, read_one, send_one
+from ..errors import MlxChatError
+from .channel import DEFAULT_TIMEOUT_S, LOAD_TIMEOUT_S, Link, Message, listen, read_one, send_one
 from .common import (PARALLEL_MODES, PROTOCOL, Plan, cache_spec, free_memory, join_ring, layer_weights,
                      memory_report, model_shape)
 from .hosts import Hosts, read_hosts
@@ -44,7 +44,12 @@ from .stage import check_tensor_parallel, split_layers, tensor_logits
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
 
-class PeerLostError(GenerationError):
+class SplitError(MlxChatError):
+    """A split model's failure. The inference thread may be blocked in a ring collective for good, so a process
+    that gets one should leave with `os._exit` (the CLI does), not through the interpreter's shutdown."""
+
+
+class PeerLostError(SplitError):
     """A rank of a split model failed; the model cannot run until it is loaded again."""
 
     def __init__(self, rank: int, address: str, why: str) -> None:
@@ -53,7 +58,7 @@ class PeerLostError(GenerationError):
                          "machine, or restart the workers and rank 0")
 
 
-class SplitStartError(MlxChatError):
+class SplitStartError(SplitError):
     """The group could not be formed: a worker did not come, or could not load its part."""
 
 
@@ -88,6 +93,11 @@ class Group:
             self.failed = PeerLostError(rank, self.hosts.address(rank), why)
         for callback in list(self.on_failure):
             callback(self.failed)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """How long each link waits for a heartbeat (looser while the ranks load, see channel.LOAD_TIMEOUT_S)."""
+        for link in self.links.values():
+            link.timeout_s = timeout_s
 
     def check(self) -> None:
         if self.failed is not None:
@@ -194,8 +204,9 @@ class SplitEngine(Engine):
         try:
             hellos = _gather(hosts, group, control_port, connect_timeout_s, progress)
             free = [free_memory(), *(h["free_memory"] for h in hellos)]
-            plan = Plan(None if model is None else str(model), loader.resolve_policy(weights), parallel,
+            plan = Plan(_shared_spec(model), loader.resolve_policy(weights), parallel,
                         tuple(split_layers(shape["layers"], layer_weights(free))))
+            group.set_timeout(LOAD_TIMEOUT_S)
             group.broadcast(plan.message())
             progress(f"joining the ring ({hosts.size} ranks) and loading {plan.describe(0)}")
             thread = InferenceThread()
@@ -204,6 +215,7 @@ class SplitEngine(Engine):
                             f"{hosts.path} are open between the hosts")
             loaded = _bounded(thread, lambda: plan.load(0, ring), None, group, "")
             ready = group.answers("ready")
+            group.set_timeout(peer_timeout_s)
         except PeerLostError as e:
             group.close()
             raise SplitStartError(f"rank {e.rank} ({e.address}) failed: {e.why}") from None
@@ -272,6 +284,15 @@ class SplitEngine(Engine):
         while self.group.failed is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.group.failed
+
+
+def _shared_spec(model: str | Path | None) -> str | None:
+    """The model as the workers should find it: a local path made absolute (the same path on every machine, not
+    relative to where each process started), a repo id as it is."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else str(model)
 
 
 def _gather(hosts: Hosts, group: Group, control_port: int | None, timeout_s: float,

@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import Any
 
-from .channel import DEFAULT_TIMEOUT_S, Link, Message, connect, read_one, send_one
+from .channel import DEFAULT_TIMEOUT_S, LOAD_TIMEOUT_S, Link, Message, connect, read_one, send_one
 from .hosts import Hosts
 from .common import PROTOCOL, Plan, align, free_memory, join_ring, make_caches, memory_report
 
@@ -41,6 +41,7 @@ class Worker:
         self.link: Link | None = None
         self.loaded: Any = None  # core.loader.LoadedModel
         self.plan: Plan | None = None
+        self.steady_timeout: float | None = None  # the heartbeat timeout once rank 0 has loaded too
         self.caches: dict[int, list] = {}
 
     def connect(self, address: tuple[str, int], timeout_s: float) -> None:
@@ -71,6 +72,9 @@ class Worker:
         while True:
             message = self.inbox.get()
             op = message.get("op")
+            if op != "plan" and self.steady_timeout is not None:  # rank 0 sends nothing else until it has loaded
+                assert self.link is not None
+                self.link.timeout_s, self.steady_timeout = self.steady_timeout, None
             try:
                 if op == "plan":
                     self._plan(message)
@@ -90,6 +94,8 @@ class Worker:
         self.link.send(message)
 
     def _plan(self, message: Message) -> None:
+        assert self.link is not None
+        self.steady_timeout, self.link.timeout_s = self.link.timeout_s, LOAD_TIMEOUT_S
         self.plan = plan = Plan.of(message)
         group = join_ring(self.hosts.path, self.rank)
         self.loaded = plan.load(self.rank, group)
