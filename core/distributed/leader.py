@@ -262,6 +262,10 @@ class SplitEngine(Engine):
         self.group.check()
         return super().run(fn)
 
+    def beam_search(self, *args: Any, **kw: Any) -> Any:  # noqa: ANN401 - Engine.beam_search's
+        raise ValueError("beam search is not available on a model split across machines (it reorders its cache "
+                         "rows, which the workers do not mirror); sample with beam_size 1")
+
     def worker_memory(self) -> dict[int, dict[str, int]]:
         """Each rank's weights, active and peak memory now (rank 0's measured here, the workers' asked for)."""
         self.group.broadcast({"op": "stats"})

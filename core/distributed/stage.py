@@ -24,7 +24,8 @@ from mlx_lm.models.pipeline import PipelineMixin
 
 @dataclass(frozen=True)
 class _Group:
-    """What `PipelineMixin.pipeline` reads of a group: its rank and size (the ring group, or a plan's numbers)."""
+    """A stand-in for the ring group: `PipelineMixin.pipeline` reads only its rank and size, and a stage is cut
+    from the plan's numbers (tests cut stages without joining a ring)."""
 
     r: int
     n: int
