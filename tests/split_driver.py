@@ -2,7 +2,8 @@
 as its process, and a fault test breaks it). It prints one JSON object per line on stdout; the test reads them.
 
     python tests/split_driver.py HOSTS replies N     greedy and seeded replies, a two-turn chat, per-rank memory
-    python tests/split_driver.py HOSTS greedy N      one greedy reply (SPLIT_PARALLEL=tensor: heads over the ranks)
+    python tests/split_driver.py HOSTS greedy N      one greedy reply (SPLIT_PARALLEL=tensor: heads over the ranks;
+                                                     SPLIT_MODEL=PATH: that model instead of the embedded one)
     python tests/split_driver.py HOSTS fault N       a reply the test breaks (it kills or stops the worker once
                                                      "streaming" is printed), then the chat goes on on one machine
 """
@@ -80,7 +81,7 @@ def main() -> None:
     timeout = float(os.environ.get("SPLIT_CONNECT_TIMEOUT", "30"))
     started = time.perf_counter()
     try:
-        engine = SplitEngine.start(hosts, connect_timeout_s=timeout,
+        engine = SplitEngine.start(hosts, os.environ.get("SPLIT_MODEL"), connect_timeout_s=timeout,
                                    parallel=os.environ.get("SPLIT_PARALLEL", "pipeline"))
     except Exception as e:  # noqa: BLE001 - the test checks the message
         say(event="start_failed", error=f"{type(e).__name__}: {e}", after_s=time.perf_counter() - started)

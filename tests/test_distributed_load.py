@@ -36,9 +36,11 @@ def _names(loaded: loader.LoadedModel) -> set[str]:
     return {k for k, _ in tree_flatten(loaded.model.parameters())}
 
 
-@pytest.mark.parametrize("kind", ["gguf", "folder"])
+@pytest.mark.parametrize("kind", ["llama-gguf", "qwen2-gguf", "llama-folder"])
 def test_each_stage_holds_only_its_part(tmp_path: Path, kind: str) -> None:
-    spec = tiny_llama_gguf(tmp_path / "tiny.gguf") if kind == "gguf" else hf_cache_with_tiny_model(tmp_path)
+    arch, form = kind.split("-")
+    spec = tiny_llama_gguf(tmp_path / "tiny.gguf", architecture=arch) if form == "gguf" else \
+        hf_cache_with_tiny_model(tmp_path)
     first = loader.load(spec, stage=Stage(1, (1, 1)))  # layer 0 and the embeddings
     last = loader.load(spec, stage=Stage(0, (1, 1)))  # layer 1, the norm and the (tied) head
     whole = loader.load(spec)

@@ -119,6 +119,28 @@ def test_tensor_parallel_over_three_ranks_equals_one_process(tmp_path: Path, pro
     assert all(m["weight_bytes"] < 0.7 * whole for m in got["memory"].values())  # each rank holds a third of the heads
 
 
+def test_a_split_qwen2_equals_one_process(hosts: Path, tmp_path: Path, procs: list[Proc]) -> None:
+    from tests.model_files import tiny_llama_gguf
+
+    model = tiny_llama_gguf(tmp_path / "qwen2.gguf", architecture="qwen2")
+    worker(hosts, procs)
+    events = rank0(hosts, "greedy", procs, env={"SPLIT_MODEL": str(model)}).events()
+    assert next(events)["event"] == "loaded"
+    got = next(events)
+    with Engine.load(model) as one:
+        assert got["greedy"] == list(one.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=N).token_ids)
+
+
+def test_a_worker_leaves_cleanly_when_rank0_dies(hosts: Path, procs: list[Proc]) -> None:
+    w = worker(hosts, procs)
+    r0 = rank0(hosts, "fault", procs, n=400)
+    events = r0.events()
+    assert next(events)["event"] == "loaded" and next(events)["event"] == "streaming"
+    r0.p.kill()
+    w.p.wait(10)
+    assert w.p.returncode == 0 and "rank 0 went away" in w.p.stderr.read()  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_a_lost_worker_is_one_clear_error_within_seconds(hosts: Path, procs: list[Proc], sig: int) -> None:
     w = worker(hosts, procs)

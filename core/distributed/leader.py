@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from .. import loader
 from ..engine import DEFAULT_PREFILL_STEP, Engine, InferenceThread, Job, Stream
@@ -144,7 +145,7 @@ class SplitModel:
         return self.model.layers
 
     def make_cache(self) -> list:
-        return self.model.make_cache()
+        return make_prompt_cache(self.model)  # the model's own mix (sliding layers), else one KVCache per layer
 
     def parameters(self) -> dict:
         return self.model.parameters()
