@@ -234,7 +234,7 @@ def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # n
 
 
 def _check_split(args: argparse.Namespace) -> None:
-    """Bad --hosts, --control-port or --connect-timeout: one line before anything loads."""
+    """Bad --hosts, --control-port or --connect-timeout: one line before the model loads (after _import_core)."""
     if getattr(args, "hosts", None) is None:
         return
     from mlxchat.core.distributed import read_hosts
@@ -247,13 +247,13 @@ def _check_split(args: argparse.Namespace) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    _import_core()
     from mlxchat.core.distributed import read_hosts
+    from mlxchat.core.distributed.worker import run
 
     hosts = read_hosts(args.hosts)
     hosts.check_rank(args.rank)
     _check_split(args)
-    _import_core()
-    from mlxchat.core.distributed.worker import run
 
     return run(hosts, args.rank, args.control_port)
 
@@ -264,8 +264,8 @@ def _chat(args: argparse.Namespace) -> int:
     if getattr(args, "hosts", None) is None:
         run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
         return 0
-    _check_split(args)
     _import_core()
+    _check_split(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     try:
         run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
@@ -290,8 +290,8 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         if args.kv_window < 16:
             raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
         args.context_policy = "rotate"
-    _check_split(args)
     _import_core()
+    _check_split(args)
     profile = _profile(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     from mlxchat.core.events import TokenEvent
