@@ -143,6 +143,10 @@ class Stream:
     def cancel(self) -> None:
         self._job.cancelled.set()
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` from any thread, e.g. when its job can no longer run (see Job.fail)."""
+        self._job.fail(error)
+
     def wait(self, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         for event in self:
             if progress and isinstance(event, PrefillProgress):

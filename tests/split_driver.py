@@ -48,6 +48,7 @@ def greedy(engine: SplitEngine, n: int) -> None:
 def fault(engine: SplitEngine, n: int) -> None:
     chat = engine.chat(profile=SamplingProfile(temperature=0))
     stream = chat.send(STORY, max_tokens=n)
+    queued = engine.stream("Hi", max_tokens=2)  # waits behind the reply for the inference thread
     try:
         for event in stream:
             if isinstance(event, TokenEvent) and event.token_ids:
@@ -56,7 +57,7 @@ def fault(engine: SplitEngine, n: int) -> None:
         say(event="finished")
         return
     except PeerLostError as e:
-        say(event="failed", error=str(e), usable=engine.usable)
+        say(event="failed", error=str(e), usable=engine.usable, queued=_outcome(queued))
     # The session stays usable: the same conversation goes on with the model on this machine.
     local = Engine.load()
     again = local.chat(profile=SamplingProfile(temperature=0))
@@ -64,6 +65,15 @@ def fault(engine: SplitEngine, n: int) -> None:
     again.drop_last_user()
     reply = again.send("Hello again", max_tokens=4).wait()
     say(event="reloaded", tokens=len(reply.token_ids), later_request=_later(engine))
+
+
+def _outcome(stream: object) -> str:
+    """What a request queued behind the failed one got (it must not wait forever on a blocked thread)."""
+    try:
+        stream.wait()  # type: ignore[attr-defined]
+    except PeerLostError:
+        return "failed"
+    return "answered"
 
 
 def _later(engine: SplitEngine) -> str:

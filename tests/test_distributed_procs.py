@@ -156,6 +156,7 @@ def test_a_lost_worker_is_one_clear_error_within_seconds(hosts: Path, procs: lis
     assert event["event"] == "failed", event
     assert time.monotonic() - signalled < 10
     assert "rank 1 (127.0.0.1:" in event["error"] and not event["usable"]
+    assert event["queued"] == "failed"  # a request queued behind the reply ends too
     reloaded = next(events)
     assert reloaded["event"] == "reloaded" and reloaded["tokens"] > 0  # the chat goes on, on one machine
     assert "rank 1" in reloaded["later_request"] and float(reloaded["later_request"].split("s ")[0]) < 1

@@ -183,7 +183,9 @@ class SplitEngine(Engine):
                  plan: Plan, memory: dict[int, dict[str, int]]) -> None:
         super().__init__(model, worker, prefill_step)
         self.group, self.plan, self.memory = group, plan, memory
-        self._current: Job | None = None
+        # Every stream a caller may still wait on: after a failure the inference thread may never run (or finish)
+        # their jobs, so they are ended from the link's thread.
+        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         group.on_failure.append(self._failed)
 
     @classmethod
@@ -246,18 +248,17 @@ class SplitEngine(Engine):
             return Stream(job)
 
         def tracked(job: Job) -> None:
-            self._current = job
             try:
                 fn(job)
-            except Exception:
+            except RuntimeError:
                 # A dead peer also breaks the ring (MLX raises "connection lost"): say which rank, not that.
                 if self._settle() is not None:
                     raise self.group.failed from None
                 raise
-            finally:
-                self._current = None
 
-        return super().submit(tracked)
+        stream = super().submit(tracked)
+        self._streams.add(stream)
+        return stream
 
     def run(self, fn: Callable[[], Any]) -> Any:
         self.group.check()
@@ -279,9 +280,8 @@ class SplitEngine(Engine):
             super().close()  # a failed group's inference thread may never return: it is left parked
 
     def _failed(self, error: PeerLostError) -> None:
-        job = self._current
-        if job is not None:
-            job.fail(error)
+        for stream in list(self._streams):
+            stream.fail(error)  # a stream that already ended has read its Done and reads no further
 
     def _settle(self, wait_s: float = 1.0) -> PeerLostError | None:
         """The group's failure, waiting briefly for the link to report it (the ring may notice a death first)."""
