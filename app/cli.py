@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .formatting import fmt_bytes
+from .split import add_split_arguments, add_worker_command, check_split, lost_a_peer, run_worker, start_split
 
 COMMANDS_GROUP = "mlxchat.commands"
 
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the full-screen chat (the default)")
     chat.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     chat.add_argument("--max-tokens", type=int, help="cap each reply at N tokens")
-    _split_arguments(chat)
+    add_split_arguments(chat)
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
     gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
@@ -63,13 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                                    "--context-policy rotate; default with rotate: the context)")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
-    _split_arguments(gen)
-
-    worker = sub.add_parser("worker", help="run one rank of a model split across machines (see --hosts)")
-    worker.add_argument("--hosts", required=True, metavar="FILE", help="the hosts file rank 0 uses (MLX's ring "
-                                                                       "format: a JSON list of [\"host:port\"])")
-    worker.add_argument("--rank", required=True, type=int, help="this machine's rank in FILE (1 to N-1)")
-    worker.add_argument("--control-port", type=int, help="rank 0's control port, if it was given one")
+    add_split_arguments(gen)
+    add_worker_command(sub)
 
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
     pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
@@ -80,20 +76,6 @@ def _parser() -> argparse.ArgumentParser:
 
     _tool_commands(sub)
     return p
-
-
-def _split_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--hosts` on chat and generate (serve adds its own): this process is rank 0 of a split model."""
-    parser.add_argument("--hosts", metavar="FILE", help="split the model across the machines of FILE (MLX's ring "
-                                                        "hosts file); this process is rank 0, the others run "
-                                                        "`mlxchat worker --hosts FILE --rank R`")
-    parser.add_argument("--control-port", type=int, help="with --hosts: the port rank 0 listens on for workers "
-                                                         "(default: one above FILE's highest port on rank 0's host)")
-    parser.add_argument("--connect-timeout", type=float, default=30.0,
-                        help="with --hosts: seconds to wait for the workers (default: 30)")
-    parser.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
-                        help="with --hosts: pipeline (layer ranges, the default) or tensor (every layer's heads over "
-                             "the ranks; needs heads divisible by the number of ranks)")
 
 
 def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -222,40 +204,16 @@ def _import_core() -> None:
 
 def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # noqa: ANN401 - core.Engine
     """The model on this machine, or split across the hosts file's machines with this process as rank 0."""
-    if args is None or getattr(args, "hosts", None) is None:
-        from mlxchat.core import Engine
+    if args is not None and getattr(args, "hosts", None) is not None:
+        return start_split(spec, args)
+    from mlxchat.core import Engine
 
-        return Engine.load(spec)
-    from mlxchat.core.distributed.leader import SplitEngine
-
-    return SplitEngine.start(args.hosts, spec, connect_timeout_s=args.connect_timeout,
-                             control_port=args.control_port, parallel=args.parallel,
-                             progress=lambda line: print(f"mlxchat: {line}", file=sys.stderr, flush=True))
-
-
-def _check_split(args: argparse.Namespace) -> None:
-    """Bad --hosts, --control-port or --connect-timeout: one line before the model loads (after _import_core)."""
-    if getattr(args, "hosts", None) is None:
-        return
-    from mlxchat.core.distributed import read_hosts
-
-    read_hosts(args.hosts)
-    if args.control_port is not None and not 0 < args.control_port < 65536:
-        raise ValueError(f"--control-port must be between 1 and 65535, got {args.control_port}")
-    if getattr(args, "connect_timeout", 1) <= 0:
-        raise ValueError(f"--connect-timeout must be greater than 0, got {args.connect_timeout}")
+    return Engine.load(spec)
 
 
 def _worker(args: argparse.Namespace) -> int:
     _import_core()
-    from mlxchat.core.distributed import read_hosts
-    from mlxchat.core.distributed.worker import run
-
-    hosts = read_hosts(args.hosts)
-    hosts.check_rank(args.rank)
-    _check_split(args)
-
-    return run(hosts, args.rank, args.control_port)
+    return run_worker(args)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -265,7 +223,7 @@ def _chat(args: argparse.Namespace) -> int:
         run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
         return 0
     _import_core()
-    _check_split(args)
+    check_split(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     try:
         run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
@@ -291,7 +249,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
         args.context_policy = "rotate"
     _import_core()
-    _check_split(args)
+    check_split(args)
     profile = _profile(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     from mlxchat.core.events import TokenEvent
@@ -407,12 +365,6 @@ def _with_interrupts(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous)
 
 
-def _lost_a_peer(error: BaseException) -> bool:
-    """A split model's failure (core/distributed/leader.py's SplitError)."""
-    leader = sys.modules.get("mlxchat.core.distributed.leader")
-    return leader is not None and isinstance(error, leader.SplitError)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -435,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             raise
         print(f"mlxchat: error: {msg}", file=sys.stderr)
-        if _lost_a_peer(e):
+        if lost_a_peer(e):
             _leave_now(2)  # the inference thread may be blocked on the lost peer for good: exiting normally aborts
         return 2
 

@@ -9,6 +9,8 @@ import os
 import socket
 import sys
 
+from mlxchat.app.split import add_split_arguments, check_split, start_split
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -37,15 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-mb", type=float, default=512.0,
                         help="memory for reused prompt prefixes, least recently used dropped first "
                              "(default: 512 MiB; 0 disables)")
-    parser.add_argument("--hosts", metavar="FILE", help="split the model across the machines of FILE (MLX's ring "
-                                                        "hosts file); this process is rank 0, the others run "
-                                                        "`mlxchat worker --hosts FILE --rank R`; requests are "
-                                                        "then served one at a time")
-    parser.add_argument("--control-port", type=int, help="with --hosts: the port rank 0 listens on for workers")
-    parser.add_argument("--connect-timeout", type=float, default=30.0,
-                        help="with --hosts: seconds to wait for the workers (default: 30)")
-    parser.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
-                        help="with --hosts: pipeline (layer ranges, the default) or tensor (heads over the ranks)")
+    add_split_arguments(parser)  # --hosts: a split model, served one request at a time
 
 
 def _profiles() -> dict:
@@ -75,12 +69,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
-    if args.hosts is not None:
-        from mlxchat.core.distributed import read_hosts
-
-        read_hosts(args.hosts)
-        if args.connect_timeout <= 0:
-            raise ValueError(f"--connect-timeout must be greater than 0, got {args.connect_timeout}")
+    check_split(args)
 
 
 def _is_loopback(host: str) -> bool:
@@ -114,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from .app import ServerConfig, create_app
 
     try:
-        engine = Engine.load(args.model) if args.hosts is None else _split_engine(args)
+        engine = Engine.load(args.model) if args.hosts is None else start_split(args.model, args)
     except KeyboardInterrupt:
         return 130
     try:
@@ -135,14 +124,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
-
-def _split_engine(args: argparse.Namespace):  # noqa: ANN202 - core's SplitEngine, imported late with MLX
-    from mlxchat.core.distributed.leader import SplitEngine
-
-    return SplitEngine.start(args.hosts, args.model, connect_timeout_s=args.connect_timeout,
-                             control_port=args.control_port, parallel=args.parallel,
-                             progress=lambda line: print(f"mlxchat: {line}", file=sys.stderr, flush=True))
-
 
 def _split_scheduler(engine, args: argparse.Namespace):  # noqa: ANN001, ANN202 - core types, imported late
     """A split model serves one request at a time (core/distributed/serving.py says why)."""
