@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .formatting import fmt_bytes
+from .split import add_split_arguments, add_worker_command, check_split, lost_a_peer, run_worker, start_split
 
 COMMANDS_GROUP = "mlxchat.commands"
 
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the full-screen chat (the default)")
     chat.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     chat.add_argument("--max-tokens", type=int, help="cap each reply at N tokens")
+    add_split_arguments(chat)
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
     gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
@@ -62,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                                    "--context-policy rotate; default with rotate: the context)")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
+    add_split_arguments(gen)
+    add_worker_command(sub)
 
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
     pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
@@ -198,10 +202,36 @@ def _import_core() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _load(spec: str | None) -> Any:  # noqa: ANN401 - core.Engine, imported late with MLX
+def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # noqa: ANN401 - core.Engine
+    """The model on this machine, or split across the hosts file's machines with this process as rank 0."""
+    if args is not None and getattr(args, "hosts", None) is not None:
+        return start_split(spec, args)
     from mlxchat.core import Engine
 
     return Engine.load(spec)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    _import_core()
+    return run_worker(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from mlxchat.app.app import run_tui
+
+    if getattr(args, "hosts", None) is None:
+        run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
+        return 0
+    _import_core()
+    check_split(args)
+    engine = _without_sigint(lambda: _load(args.model, args))
+    try:
+        run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
+    finally:
+        engine.close()
+    if not engine.usable:
+        _leave_now(0)  # its inference thread may be blocked on the lost peer for good: exiting normally would abort
+    return 0
 
 
 def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
@@ -219,8 +249,9 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
         args.context_policy = "rotate"
     _import_core()
+    check_split(args)
     profile = _profile(args)
-    engine = _without_sigint(lambda: _load(args.model))
+    engine = _without_sigint(lambda: _load(args.model, args))
     from mlxchat.core.events import TokenEvent
 
     stream = _start(engine, prompt, profile, args)
@@ -339,14 +370,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _with_interrupts(args)
-        if args.command in ("pull", "models", "rm"):
-            return {"pull": _pull, "models": _models, "rm": _rm}[args.command](args)
+        if args.command in ("pull", "models", "rm", "worker"):
+            return {"pull": _pull, "models": _models, "rm": _rm, "worker": _worker}[args.command](args)
         if (run := getattr(args, "command_runner", None)) is not None:  # a tool's subcommand (_tool_commands)
             return run(args)
-        from mlxchat.app.app import run_tui
-
-        run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
-        return 0
+        return _chat(args)
     except Exception as e:  # noqa: BLE001 - bad input gets one line, never a traceback
         from pydantic import ValidationError
 
@@ -359,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             raise
         print(f"mlxchat: error: {msg}", file=sys.stderr)
+        if lost_a_peer(e):
+            _leave_now(2)  # the inference thread may be blocked on the lost peer for good: exiting normally aborts
         return 2
 
 

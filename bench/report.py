@@ -43,6 +43,11 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
                  "synthetic": {"parameters", "layers", "gguf_bytes", "tokens", "native": RUN, "fp32": RUN},
                  "targets": [TARGET]} or null (not run: bench/native.py; RUN = {"active_bytes", "load_s",
                  "weights_path", "decode_tokens_per_s"}),
+      "split": {"max_tokens", "repeats", "greedy_tokens_equal", "overhead_ms_per_token", "largest_rank_weights_vs_one",
+                "one_process": {"decode_tokens_per_s", "tpot_ms", "ttft_s", "peak_bytes", "weight_bytes"},
+                "split": {"decode_tokens_per_s", "tpot_ms", "ttft_s", "peak_bytes", "split": [LAYERS PER RANK],
+                          "ranks": {RANK: {"weight_bytes", "active_bytes", "peak_bytes"}}}} or null
+               (bench/split.py: 2 processes over the ring on loopback),
       "targets": [{"name", "value", "threshold", "unit", "passed": true | false | null, "detail"}],
       "errors": {"<section>": "what failed"}
     }

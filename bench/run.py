@@ -25,10 +25,11 @@ from . import cases as C
 from . import kv as KV
 from . import native as N
 from . import server as S
+from . import split as SP
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
-SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server")
+SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server", "split")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Config:
     kv_decode: int = 128
     server_clients: tuple[int, ...] = (1, 2, 4, 8)  # the server section (bench/server.py): clients per run
     server_turns: int = 10
+    split_tokens: int = 64  # the split section (bench/split.py): greedy tokens per reply, and replies
+    split_repeats: int = 2
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
@@ -66,7 +69,8 @@ FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, r
 QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=3, full_chain_lengths=(32,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True,
-                   kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5)
+                   kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
+                   split_repeats=1)
 
 
 def log(msg: str) -> None:
@@ -198,6 +202,7 @@ def summary_text(results: dict[str, Any]) -> str:
     out.extend(N.summary_lines(results.get("native")))
     out.extend(KV.summary_lines(results.get("kv")))
     out.extend(S.summary_lines(results.get("server")))
+    out.extend(SP.summary_lines(results.get("split")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
@@ -296,6 +301,10 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
                         cfg.server_turns)
         if server is not None:
             server["targets"] = S.server_targets(server)
+    split = None
+    if "split" not in cfg.skip:
+        log("split: the model over 2 processes (ring on loopback) vs one process")
+        split = _guard(errors, "split", SP.split_case, engine, model, cfg.split_tokens, cfg.split_repeats)
     backend = {**engine.backend.as_dict(), "line": engine.describe()}
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
@@ -332,7 +341,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         "cases": cases, "ratios": ratios, "chain_overhead": overhead, "trace": trace, "chat": chat,
         "rotating": rotating,
         "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
-        "backend": backend,
+        "split": split, "backend": backend,
         "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)

@@ -63,6 +63,11 @@ class Job:
     def emit(self, event: Event) -> None:
         self.events.put(event)
 
+    def fail(self, error: BaseException) -> None:
+        """End the job's stream with `error`, from any thread: a split model's job whose thread is blocked on a
+        lost peer (core/distributed) still reaches its caller."""
+        self.events.put(_Failure(error))
+
 
 class InferenceThread:
     """Runs jobs one at a time, in order, on a single daemon thread."""
@@ -139,6 +144,10 @@ class Stream:
 
     def cancel(self) -> None:
         self._job.cancelled.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` from any thread, e.g. when its job can no longer run (see Job.fail)."""
+        self._job.fail(error)
 
     def wait(self, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         for event in self:
@@ -223,6 +232,11 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.model.context_length
+
+    @property
+    def usable(self) -> bool:
+        """Whether requests can run; a split model whose peer failed (core/distributed) cannot."""
+        return True
 
     def describe(self) -> str:
         """Where this engine computes and with which weights: one line for --stats, the TUI and the bench."""

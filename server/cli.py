@@ -9,6 +9,8 @@ import os
 import socket
 import sys
 
+from mlxchat.app.split import add_split_arguments, check_split, start_split
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -37,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-mb", type=float, default=512.0,
                         help="memory for reused prompt prefixes, least recently used dropped first "
                              "(default: 512 MiB; 0 disables)")
+    add_split_arguments(parser)  # --hosts: a split model, served one request at a time
 
 
 def _profiles() -> dict:
@@ -66,6 +69,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
+    check_split(args)
 
 
 def _is_loopback(host: str) -> bool:
@@ -99,12 +103,13 @@ def run(args: argparse.Namespace) -> int:
     from .app import ServerConfig, create_app
 
     try:
-        engine = Engine.load(args.model)
+        engine = Engine.load(args.model) if args.hosts is None else start_split(args.model, args)
     except KeyboardInterrupt:
         return 130
     try:
         scheduler = BatchScheduler(engine, max_batch=args.max_concurrent, max_queue=args.max_queue,
-                                   prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+                                   prefix_cache_bytes=int(args.prefix_cache_mb * 2**20)) \
+            if args.hosts is None else _split_scheduler(engine, args)
         config = ServerConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                               cors_origins=tuple(args.cors), profile=profiles.get(args.profile), profiles=profiles)
         server = uvicorn.Server(uvicorn.Config(create_app(engine, scheduler, config), log_level="warning",
@@ -119,5 +124,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+def _split_scheduler(engine, args: argparse.Namespace):  # noqa: ANN001, ANN202 - core types, imported late
+    """A split model serves one request at a time (core/distributed/serving.py says why)."""
+    from mlxchat.core.distributed.serving import SequentialScheduler
+
+    return SequentialScheduler(engine, max_queue=args.max_queue)
+
 
 __all__ = ["add_arguments", "run"]

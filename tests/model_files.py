@@ -64,6 +64,9 @@ def tiny_llama_gguf(path: Path, *, dtype: mx.Dtype = mx.float16, architecture: s
               b + "ffn_gate.weight": rnd(FFN, HIDDEN), b + "ffn_up.weight": rnd(FFN, HIDDEN),
               b + "ffn_down.weight": rnd(HIDDEN, FFN), b + "attn_norm.weight": mx.ones((HIDDEN,), dtype=mx.float32),
               b + "ffn_norm.weight": mx.ones((HIDDEN,), dtype=mx.float32)}
+        if architecture == "qwen2":  # qwen2's q, k and v projections have biases
+            w |= {b + "attn_q.bias": rnd(HIDDEN), b + "attn_k.bias": rnd(KV_HEADS * head_dim),
+                  b + "attn_v.bias": rnd(KV_HEADS * head_dim)}
     mx.save_gguf(str(path), w, _mx_metadata(meta))
     return path
 

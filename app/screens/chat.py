@@ -375,6 +375,10 @@ class ChatScreen(Screen):
             if reply.answers is not None and reply.answers.unsent:
                 await self._sync_unsent(reply.answers)
             self.stats.show_state("error", "✗ error", message)
+        engine = self.controller.engine
+        if engine is not None and not engine.usable:
+            self.notify("Press F3 and pick the model to load it on this machine; the conversation is kept.",
+                        title="The split model stopped", severity="error", timeout=30)
         self.notify(message, title="The reply failed", severity="error", timeout=10)
 
     async def _sync_unsent(self, turn: Turn) -> None:
@@ -538,7 +542,10 @@ class ChatScreen(Screen):
         store = self.app.store
 
         def done(pick: ModelPick | None) -> None:
-            if pick is None or pick.already_loaded:  # the model in use: nothing to reload, the chat's cache stays
+            engine = self.controller.engine
+            # The model in use: nothing to reload, the chat's cache stays; unless it was split across machines and
+            # lost one (core/distributed), when picking it again loads it on this machine.
+            if pick is None or (pick.already_loaded and (engine is None or engine.usable)):
                 return
             if self.busy:  # the reply would land in a session the new model does not have
                 self.notify(f"{BUSY}, then pick the model again", severity="warning")
