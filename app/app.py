@@ -10,6 +10,7 @@ the engine bridge (``engine_worker.py``) and command palette providers (``comman
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,16 +19,26 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from mlxchat.core.locations import Locations
+from mlxchat.core.messages import ContextPolicy
 from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
+from .conversation import Refused
 from .screens import ChatScreen, HelpScreen
 from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
+
+
+# The palette's "Context policy: ..." commands: what each does once a chat no longer fits the model's context.
+CONTEXT_POLICY_HELP: dict[ContextPolicy, str] = {
+    "truncate": "A chat longer than the context drops its oldest turns (the system prompt stays)",
+    "rotate": "A chat longer than the context runs through a rotating KV window (kv_window; default the context)",
+    "error": "A chat longer than the context is refused, to be shortened by hand",
+}
 
 
 class MlxChatApp(App[None]):
@@ -138,6 +149,15 @@ class MlxChatApp(App[None]):
         s = self.settings
         self.theme = s.light_theme if self.theme == s.dark_theme or self.current_theme.dark else s.dark_theme
 
+    def set_context_policy(self, policy: ContextPolicy) -> None:
+        """The palette's Context policy commands: for this session's chats (config.toml's context_policy keeps it)."""
+        try:
+            self.chat_screen.controller.set_context_policy(policy)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        self.notify(f"context_policy = {policy} for this session (set it in config.toml to keep it)")
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         chat = self.chat_screen
@@ -151,6 +171,8 @@ class MlxChatApp(App[None]):
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", chat.action_copy_reply)
         yield SystemCommand("Copy last code block", "Copy a code block of the chat", chat.action_copy_code)
         yield SystemCommand("Clear chat", "Delete the messages of this chat", chat.action_clear)
+        for policy, help_text in CONTEXT_POLICY_HELP.items():
+            yield SystemCommand(f"Context policy: {policy}", help_text, partial(self.set_context_policy, policy))
         yield SystemCommand("Toggle light/dark", "Switch between the light and dark theme", self.action_toggle_theme)
         yield SystemCommand("Toggle sidebar", "Show or hide the conversation list", chat.action_toggle_sidebar)
         yield SystemCommand("Keys", "Show the key bindings", self.action_help)

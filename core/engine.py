@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import mlx.core as mx
 
@@ -27,7 +27,7 @@ from .cache import ConversationCache
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
 from .generate import generate_step
-from .messages import ChatMessage
+from .messages import ChatMessage, ContextPolicy
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
@@ -35,7 +35,6 @@ from .streaming import IncrementalDetokenizer, StopStringFilter
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str] | ChatMessage]
-ContextPolicy = Literal["truncate", "rotate", "error"]
 CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
 DEFAULT_PREFILL_STEP = 512
 # The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from .events import FinishReason
 
 Role = Literal["system", "user", "assistant"]
+# What a conversation does once it no longer fits the model's context (see core.engine.ChatSession).
+ContextPolicy = Literal["truncate", "rotate", "error"]
 
 
 @dataclass

@@ -105,7 +105,8 @@ class ChatScreen(Screen):
         app = self.app
         self._controller = ChatController(
             app.store, default_profile=app.default_profile, default_system=app.settings.system_prompt,
-            max_tokens=app.max_tokens, kv_window=app.settings.kv_window, exports=app.locations.exports,
+            max_tokens=app.max_tokens, kv_window=app.settings.kv_window,
+            context_policy=app.settings.context_policy, exports=app.locations.exports,
             notify=lambda message, severity: self.notify(message, severity=severity,
                                                          timeout=10 if severity == "error" else 5))
         self.worker = EngineWorker(self)
