@@ -9,6 +9,9 @@ the engine bridge (``engine_worker.py``) and command palette providers (``comman
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -32,6 +35,8 @@ from .widgets import ChatInput, ConversationList, MessageView
 if TYPE_CHECKING:
     from mlxchat.core import Engine
 
+
+INTERRUPTED = 130  # the exit status after SIGINT, as shells report it (128 + 2)
 
 # The palette's "Context policy: ..." commands: what each does once a chat no longer fits the model's context.
 CONTEXT_POLICY_HELP: dict[ContextPolicy, str] = {
@@ -103,8 +108,15 @@ class MlxChatApp(App[None]):
         self.set_keymap({k: v for k, v in self.settings.keys.items() if k in known})
         for problem in self.problems:
             self.notify(problem, severity="error", timeout=15)
+        # `kill -INT` (the terminal's ctrl+c is a key here, not a signal) quits as ctrl+q does, saving a reply in
+        # flight, with the shell's exit status for an interrupt; Python's default raised KeyboardInterrupt wherever
+        # the main thread happened to be, or nowhere useful while Textual waited.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.exit, None, INTERRUPTED)
 
     def on_unmount(self) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         self.chat_screen.shut_down()  # saves a reply in flight: before the store closes
         self.store.close()
 
@@ -196,6 +208,9 @@ def make_app(model: str | None = None, data_dir: str | Path | None = None, confi
                       system_prompt=system_prompt)
 
 
-def run_tui(model: str | None = None, **kw: Any) -> None:
-    """Open the full-screen chat (``mlxchat`` with no arguments, ``mlxchat chat --model X``)."""
-    make_app(model=model, **kw).run()
+def run_tui(model: str | None = None, **kw: Any) -> int:
+    """Open the full-screen chat (``mlxchat`` with no arguments, ``mlxchat chat --model X``); returns the exit
+    status (130 after SIGINT)."""
+    app = make_app(model=model, **kw)
+    app.run()
+    return app.return_code or 0

@@ -335,6 +335,19 @@ def _with_interrupts(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        return _main(argv)
+    # Until a command handles SIGINT its own way (generate stops the reply, the TUI quits as ctrl+q does, serve
+    # shuts down), a SIGINT while Python imports MLX, Textual or a tool, or while a model loads, leaves at once with
+    # 130: there is nothing to keep yet, and a KeyboardInterrupt there printed a traceback or aborted the process.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: _leave_now(130))
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
@@ -345,8 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args)
         from mlxchat.app.app import run_tui
 
-        run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
-        return 0
+        return run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
     except Exception as e:  # noqa: BLE001 - bad input gets one line, never a traceback
         from pydantic import ValidationError
 

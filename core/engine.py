@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,6 +72,9 @@ class InferenceThread:
         self._thread.start()
 
     def _run(self) -> None:
+        # Ctrl-C is the main thread's to handle (its handler cancels the job): delivered here, it interrupted MLX
+        # mid-call, which hung or crashed the process.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         while (job := self._jobs.get()) is not None:
             try:
                 job.fn(job)

@@ -122,7 +122,8 @@ def ready() -> Callable[..., Awaitable[Any]]:
 MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_app", "with_session_engine",
                   "server", "tight", "client", "sweep", "wheel", "bad_files"}
 MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
-                 "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability"}
+                 "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability",
+                 "test_interrupts"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
