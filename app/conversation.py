@@ -361,7 +361,8 @@ class ChatController:
         if self.context_policy == "error":
             return (f": shorten it, or set context_policy to truncate (drop the oldest turns) or rotate (a rotating "
                     f"window of kv_window tokens) {where}")
-        return f": shorten the message, or set context_policy to rotate (a rotating window of kv_window tokens) {where}"
+        return (f": shorten the message, or set context_policy to rotate (a rotating window of kv_window tokens) "
+                f"{where}")
 
     def _unsend(self, user: Turn) -> str:
         """Core's ChatSession already drops a refused ``send``/``edit_last`` message; a refused ``regenerate``
