@@ -15,7 +15,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from .backend import KVOptions, kv_options
-from .native_linear import dense_weights
 
 
 class ConversationCache:
@@ -97,16 +96,14 @@ def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int,
     the cache, and stopping before the next chunk once `cancelled()` is true.
 
     Chunks are sized to about `budget_s` of work each, measured on the chunk before. The logits of these positions
-    are never evaluated: only the cache state is, so no output-head work is done. Quantized layers are dequantized
-    once for the whole prefill, not once per chunk (`dense_weights`), so small chunks cost little speed.
+    are never evaluated: only the cache state is, so no output-head work is done.
     """
     start, size = 0, min(step, FIRST_CHUNK)
-    with dense_weights():
-        while start < len(ids) and not cancelled():
-            chunk = ids[start:start + size]
-            began = time.perf_counter()
-            prefill_chunk(model, layers, chunk)
-            elapsed = time.perf_counter() - began
-            start += len(chunk)
-            yield chunk
-            size = max(MIN_CHUNK, min(step, int(len(chunk) * budget_s / max(elapsed, 1e-6))))
+    while start < len(ids) and not cancelled():
+        chunk = ids[start:start + size]
+        began = time.perf_counter()
+        prefill_chunk(model, layers, chunk)
+        elapsed = time.perf_counter() - began
+        start += len(chunk)
+        yield chunk
+        size = max(MIN_CHUNK, min(step, int(len(chunk) * budget_s / max(elapsed, 1e-6))))

@@ -6,9 +6,6 @@ these; the weights stay the same arrays (the GGUF's bytes, as mx.load maps them)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -19,53 +16,6 @@ from . import native
 # Measured by `mlxchat bench` (the native section's prefill crossover): equal at 16 rows here, BLAS 1.6x faster at 32.
 DEQUANTIZE_ROWS = 16
 
-# A long prompt is prefilled in small chunks so that a cancel lands quickly (core.cache.prefill); dequantizing every
-# layer again for each chunk made that ~11-30% slower than 512-token chunks. During one prefill the dequantized
-# weights are kept instead, up to this many bytes in all (the embedded model's layers need ~430 MB; a larger
-# model keeps its first layers' and dequantizes the rest per chunk, as before).
-DENSE_CACHE_BYTES = 1 << 30
-
-
-class _DenseCache:
-    """The fp32 weights of the layers dequantized during one prefill, by layer."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.room = max_bytes
-        self.weights: dict[int, tuple[nn.Module, mx.array]] = {}  # id(layer) -> (layer, its weight); the layer is
-        # held so its id cannot be reused by another layer meanwhile
-
-    def dense(self, layer: nn.Module, make: Callable[[], mx.array]) -> mx.array:
-        if (kept := self.weights.get(id(layer))) is not None:
-            return kept[1]
-        w = make()  # lazy: evaluated by the first chunk's forward, then kept with its data
-        if w.nbytes <= self.room:
-            self.room -= w.nbytes
-            self.weights[id(layer)] = (layer, w)
-        return w
-
-
-_dense_cache: _DenseCache | None = None  # only the inference thread runs the model, so one active cache suffices
-
-
-@contextmanager
-def dense_weights(max_bytes: int = DENSE_CACHE_BYTES) -> Iterator[None]:
-    """Within this block, each native layer dequantized for a prompt chunk keeps its fp32 weight (up to `max_bytes`
-    in all), so the next chunks reuse it; the weights are freed when the block ends."""
-    global _dense_cache
-    outer, _dense_cache = _dense_cache, _dense_cache or _DenseCache(max_bytes)
-    try:
-        yield
-    finally:
-        _dense_cache = outer
-
-
-def _dequantized(layer: nn.Module) -> mx.array:
-    def make() -> mx.array:
-        return native.dequantize(layer["weight"], layer["scales"], layer["biases"], group_size=layer.group_size,
-                                 bits=layer.bits)
-
-    return make() if _dense_cache is None else _dense_cache.dense(layer, make)
-
 
 def supports(module: nn.Module) -> bool:
     """Whether the native kernel handles this layer's quantization."""
@@ -75,10 +25,10 @@ def supports(module: nn.Module) -> bool:
 
 
 def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     if x.size // x.shape[-1] > DEQUANTIZE_ROWS:
-        return x @ _dequantized(layer).T
-    return native.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], group_size=layer.group_size,
-                                   bits=layer.bits)
+        return x @ native.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits).T
+    return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits)
 
 
 # Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's

@@ -223,29 +223,3 @@ def test_gguf_quantizations_load_exactly(tmp_path, kind: str):
     np.testing.assert_array_equal(ours, _ggml_dequantize(kind, raw, rows, cols))
     if native.available():
         np.testing.assert_array_equal(np.array(native.dequantize(w, s, b, group_size=32, bits=bits)), ours)
-
-
-@needs_native
-def test_a_chunked_prefill_dequantizes_each_layer_once(engine: Engine, monkeypatch: pytest.MonkeyPatch):
-    """Issue 12 item 12: small prefill chunks (so Esc lands quickly) dequantized every layer again per chunk, ~11-30%
-    slower than 512-token chunks. One prefill keeps the dequantized weights; the keys come out the same."""
-    from mlxchat.core.cache import ConversationCache, prefill
-
-    model = engine.model.model
-    ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:200]
-    layers = sum(isinstance(m, (NativeQuantizedLinear, NativeQuantizedEmbedding)) for _, m in model.named_modules())
-    calls = []
-    dequantize = native.dequantize
-    monkeypatch.setattr(native, "dequantize", lambda *a, **k: calls.append(1) or dequantize(*a, **k))
-
-    def keys(step: int) -> tuple[int, mx.array]:
-        cache = ConversationCache(model)
-        chunks = len(list(prefill(model, cache.layers, ids, step, budget_s=1e6)))
-        k = cache.layers[3].state[0][..., :len(ids), :]
-        mx.eval(k)
-        return chunks, k
-
-    chunks, small = engine.run(lambda: keys(40))
-    assert chunks == 5 and len(calls) == layers  # not 5 x layers
-    _, whole = engine.run(lambda: keys(512))
-    assert mx.allclose(small, whole, rtol=1e-4, atol=1e-4).item()
