@@ -9,7 +9,11 @@ the engine bridge (``engine_worker.py``) and command palette providers (``comman
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,16 +22,28 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from mlxchat.core.locations import Locations
+from mlxchat.core.messages import ContextPolicy
 from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
+from .conversation import Refused
 from .screens import ChatScreen, HelpScreen
 from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView, TokenInspector, TokenStrip
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
+
+
+INTERRUPTED = 130  # the exit status after SIGINT, as shells report it (128 + 2)
+
+# The palette's "Context policy: ..." commands: what each does once a chat no longer fits the model's context.
+CONTEXT_POLICY_HELP: dict[ContextPolicy, str] = {
+    "truncate": "A chat longer than the context drops its oldest turns (the system prompt stays)",
+    "rotate": "A chat longer than the context runs through a rotating KV window (kv_window; default the context)",
+    "error": "A chat longer than the context is refused, to be shortened by hand",
+}
 
 
 class MlxChatApp(App[None]):
@@ -92,8 +108,15 @@ class MlxChatApp(App[None]):
         self.set_keymap({k: v for k, v in self.settings.keys.items() if k in known})
         for problem in self.problems:
             self.notify(problem, severity="error", timeout=15)
+        # `kill -INT` (the terminal's ctrl+c is a key here, not a signal) quits as ctrl+q does, saving a reply in
+        # flight, with the shell's exit status for an interrupt; Python's default raised KeyboardInterrupt wherever
+        # the main thread happened to be, or nowhere useful while Textual waited.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.exit, None, INTERRUPTED)
 
     def on_unmount(self) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         self.chat_screen.shut_down()  # saves a reply in flight: before the store closes
         self.store.close()
 
@@ -138,6 +161,15 @@ class MlxChatApp(App[None]):
         s = self.settings
         self.theme = s.light_theme if self.theme == s.dark_theme or self.current_theme.dark else s.dark_theme
 
+    def set_context_policy(self, policy: ContextPolicy) -> None:
+        """The palette's Context policy commands: for this session's chats (config.toml's context_policy keeps it)."""
+        try:
+            self.chat_screen.controller.set_context_policy(policy)
+        except Refused as e:
+            self.notify(str(e), severity=e.severity)
+            return
+        self.notify(f"context_policy = {policy} for this session (set it in config.toml to keep it)")
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         chat = self.chat_screen
@@ -155,6 +187,8 @@ class MlxChatApp(App[None]):
                             chat.action_heat)
         yield SystemCommand("Replay with a change…", "Run the last reply again with one parameter changed, "
                             "side by side", chat.action_replay)
+        for policy, help_text in CONTEXT_POLICY_HELP.items():
+            yield SystemCommand(f"Context policy: {policy}", help_text, partial(self.set_context_policy, policy))
         yield SystemCommand("Toggle light/dark", "Switch between the light and dark theme", self.action_toggle_theme)
         yield SystemCommand("Toggle sidebar", "Show or hide the conversation list", chat.action_toggle_sidebar)
         yield SystemCommand("Keys", "Show the key bindings", self.action_help)
@@ -179,6 +213,9 @@ def make_app(model: str | None = None, data_dir: str | Path | None = None, confi
                       system_prompt=system_prompt)
 
 
-def run_tui(model: str | None = None, **kw: Any) -> None:
-    """Open the full-screen chat (``mlxchat`` with no arguments, ``mlxchat chat --model X``)."""
-    make_app(model=model, **kw).run()
+def run_tui(model: str | None = None, **kw: Any) -> int:
+    """Open the full-screen chat (``mlxchat`` with no arguments, ``mlxchat chat --model X``); returns the exit
+    status (130 after SIGINT)."""
+    app = make_app(model=model, **kw)
+    app.run()
+    return app.return_code or 0

@@ -220,18 +220,17 @@ def _chat(args: argparse.Namespace) -> int:
     from mlxchat.app.app import run_tui
 
     if getattr(args, "hosts", None) is None:
-        run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
-        return 0
+        return run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
     _import_core()
     check_split(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     try:
-        run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
+        code = run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
     finally:
         engine.close()
     if not engine.usable:
-        _leave_now(0)  # its inference thread may be blocked on the lost peer for good: exiting normally would abort
-    return 0
+        _leave_now(code)  # its inference thread may be blocked on the lost peer for good: exiting normally would abort
+    return code
 
 
 def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
@@ -366,6 +365,19 @@ def _with_interrupts(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        return _main(argv)
+    # Until a command handles SIGINT its own way (generate stops the reply, the TUI quits as ctrl+q does, serve
+    # shuts down), a SIGINT while Python imports MLX, Textual or a tool, or while a model loads, leaves at once with
+    # 130: there is nothing to keep yet, and a KeyboardInterrupt there printed a traceback or aborted the process.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: _leave_now(130))
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":

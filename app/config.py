@@ -6,7 +6,9 @@ Example ``~/.config/mlxchat/config.toml``::
     profile = "precise"              # a preset or a saved user profile
     system_prompt = "You are terse."
     max_tokens = 512
-    kv_window = 2048                 # rotating KV window; leave out for a plain, growing cache
+    context_policy = "truncate"      # a chat longer than the context: "truncate" (drop the oldest turns, keep the
+                                     # system prompt), "rotate" (a rotating KV window) or "error" (refuse the turn)
+    kv_window = 2048                 # the rotating window's size (with context_policy = "rotate"; default: the context)
     models = ["~/models/qwen2.5-0.5b-instruct-q4.gguf"]
     trace = 8                        # trace every reply as it is written (costs decode speed; see the README)
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mlxchat.core.messages import ContextPolicy
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -42,6 +46,7 @@ class Settings(BaseModel):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     model: str | None = None
     max_tokens: int | None = Field(default=1024, ge=1)
+    context_policy: ContextPolicy = "truncate"
     kv_window: int | None = Field(default=None, ge=16)
     sidebar: bool = True
     # Candidates recorded per token of every reply as it is written. 0 (the default): replies cost what they cost,
@@ -57,6 +62,16 @@ class Settings(BaseModel):
             if not isinstance(keys, str) or not keys.strip():
                 raise ValueError(f"keys.{binding_id} must be a non-empty string such as \"ctrl+r\"")
         return v
+
+    @model_validator(mode="after")
+    def _window_rotates(self) -> "Settings":
+        # A kv_window alone has always meant a rotating window; with another policy it would be ignored silently.
+        if self.kv_window is not None:
+            if "context_policy" not in self.model_fields_set:
+                self.context_policy = "rotate"
+            elif self.context_policy != "rotate":
+                raise ValueError(f'kv_window goes with context_policy = "rotate", not "{self.context_policy}"')
+        return self
 
     @classmethod
     def load(cls, path: Path) -> "Settings":
@@ -76,4 +91,5 @@ class Settings(BaseModel):
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "config"
             more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-            raise ConfigError(f"{path}: {where}: {first['msg']}{more}; using the defaults") from None
+            msg = first["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{path}: {where}: {msg}{more}; using the defaults") from None

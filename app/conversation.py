@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.errors import ContextLengthError
+from mlxchat.core.messages import ChatMessage, ContextPolicy
 from mlxchat.core.profile import SamplingProfile
 
 from . import export
@@ -116,12 +117,13 @@ class ChatController:
     """The conversation the chat screen shows. Use it from one thread (the UI's)."""
 
     def __init__(self, store: Store, *, default_profile: Callable[[], SamplingProfile], default_system: str,
-                 max_tokens: int | None = None, kv_window: int | None = None, exports: Path | None = None,
+                 max_tokens: int | None = None, kv_window: int | None = None,
+                 context_policy: ContextPolicy = "truncate", exports: Path | None = None,
                  notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0) -> None:
         self.store = store
         self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
         self.default_profile, self.default_system = default_profile, default_system
-        self.max_tokens, self.kv_window = max_tokens, kv_window
+        self.max_tokens, self.kv_window, self.context_policy = max_tokens, kv_window, context_policy
         self.exports = exports or Path("exports")
         self.notify: Notify = notify or (lambda message, severity: None)
         self.clock = clock
@@ -201,8 +203,15 @@ class ChatController:
             self.session = None
             return
         self.session = self.engine.chat(system=self.system_prompt or None, profile=self.profile,
-                                        max_kv_size=self.kv_window)
+                                        max_kv_size=self.kv_window if self.context_policy == "rotate" else None,
+                                        context_policy=self.context_policy)
         self.session.replace_history(self._history())
+
+    def set_context_policy(self, policy: ContextPolicy) -> None:
+        """What a chat longer than the context does from its next turn on (config.toml's ``context_policy``)."""
+        self._require_idle()
+        self.context_policy = policy
+        self._new_session()
 
     # --- sending -------------------------------------------------------------------------------------------------
 
@@ -350,6 +359,8 @@ class ChatController:
         if reply is None:
             return None, ""
         message = str(error) or type(error).__name__
+        if isinstance(error, ContextLengthError):
+            message += self._context_advice()
         turn = reply.turn
         turn.streaming, turn.error = False, message
         if turn.position is not None and not reply.discard:  # a partial save: the session does not have it
@@ -371,6 +382,17 @@ class ChatController:
         self.turns[i:i + 1] = reply.replaced or []
         if reply.replaced and self.session is not None:  # the session follows the turns shown again
             self.session.replace_history(self._history())
+
+    def _context_advice(self) -> str:
+        """What to change here (the TUI's setting, not a CLI flag) when a turn does not fit the context."""
+        where = "(palette: Context policy, or context_policy in config.toml)"
+        if self.context_policy == "rotate":  # a window never refuses a conversation; only a model call can
+            return ""
+        if self.context_policy == "error":
+            return (f": shorten it, or set context_policy to truncate (drop the oldest turns) or rotate (a rotating "
+                    f"window of kv_window tokens) {where}")
+        return (f": shorten the message, or set context_policy to rotate (a rotating window of kv_window tokens) "
+                f"{where}")
 
     def _unsend(self, user: Turn) -> str:
         """Core's ChatSession already drops a refused ``send``/``edit_last`` message; a refused ``regenerate``

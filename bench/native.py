@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import gc
-import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from mlxchat.core.gguf import GGML_TYPES
+from mlxchat.core.gguf_writer import TYPE_IDS, write_gguf
+
 from . import prompts
 from .stats import median
 from .systems import GREEDY, EngineRunner, MlxLmRunner
@@ -28,59 +30,9 @@ from .systems import GREEDY, EngineRunner, MlxLmRunner
 DECODE_VS_MLX_LM_FP32 = 3.0
 MEMORY_VS_GGUF = 1.3
 
-# --- a minimal GGUF writer (v3): enough for llama files with F32 and Q4_0/Q4_1/Q8_0 tensors ------------------------
-
-GGML = {"F32": (0, 1, 4), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34)}  # id, block, bytes
-_ALIGN = 32
-
-
-def _gguf_string(s: str) -> bytes:
-    b = s.encode()
-    return struct.pack("<Q", len(b)) + b
-
-
-def _gguf_value(v: Any) -> tuple[int, bytes]:
-    if isinstance(v, bool):
-        return 7, struct.pack("<?", v)
-    if isinstance(v, int):
-        return (4, struct.pack("<I", v)) if 0 <= v < 2**32 else (11, struct.pack("<q", v))
-    if isinstance(v, float):
-        return 6, struct.pack("<f", v)
-    if isinstance(v, str):
-        return 8, _gguf_string(v)
-    if isinstance(v, list):
-        kind = 8 if v and isinstance(v[0], str) else 6 if v and isinstance(v[0], float) else 5
-        if kind == 8:
-            body = b"".join(_gguf_string(x) for x in v)
-        else:
-            body = np.asarray(v, dtype="<f4" if kind == 6 else "<i4").tobytes()
-        return 9, struct.pack("<IQ", kind, len(v)) + body
-    raise TypeError(f"no GGUF type for {type(v).__name__}")
-
-
-def write_gguf(path: Path, metadata: dict[str, Any], tensors: list[tuple[str, str, tuple[int, int] | tuple[int], bytes]]
-               ) -> Path:
-    """Tensors as (name, GGML type name, MLX-order shape (rows, cols) or (n,), raw bytes in that type's layout)."""
-    with open(path, "wb") as f:
-        f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)))
-        for k, v in metadata.items():
-            kind, body = _gguf_value(v)
-            f.write(_gguf_string(k) + struct.pack("<I", kind) + body)
-        offset = 0
-        for name, kind, shape, data in tensors:
-            f.write(_gguf_string(name) + struct.pack("<I", len(shape)))
-            f.write(struct.pack(f"<{len(shape)}Q", *reversed(shape)))  # GGUF lists the innermost dimension first
-            f.write(struct.pack("<IQ", GGML[kind][0], offset))
-            offset += -(-len(data) // _ALIGN) * _ALIGN
-        f.write(b"\0" * (-f.tell() % _ALIGN))
-        for _, _, _, data in tensors:
-            f.write(data + b"\0" * (-len(data) % _ALIGN))
-    return path
-
-
 def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01) -> bytes:
     """Random quantized blocks: random integer codes, fp16 scale ``scale`` (and min -8*scale for Q4_1)."""
-    _, block, nbytes = GGML[kind]
+    _, block, nbytes = GGML_TYPES[TYPE_IDS[kind]]
     n = rows * cols // block
     out = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
     out[:, 0:2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)

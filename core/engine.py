@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import mlx.core as mx
 
@@ -27,7 +28,7 @@ from .cache import ConversationCache
 from .errors import ContextLengthError, GenerationError, MlxChatError
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
 from .generate import generate_step
-from .messages import ChatMessage, Fork, ReplyTree
+from .messages import ChatMessage, ContextPolicy, Fork, ReplyTree
 from .profile import SamplingProfile
 from .sampling import Sampler
 from .streaming import IncrementalDetokenizer, StopStringFilter
@@ -37,7 +38,6 @@ from .tracing import Tracer, check_trace
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str] | ChatMessage]
-ContextPolicy = Literal["truncate", "rotate", "error"]
 CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
 DEFAULT_PREFILL_STEP = 512
 # The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
@@ -79,6 +79,9 @@ class InferenceThread:
         self._thread.start()
 
     def _run(self) -> None:
+        # Ctrl-C is the main thread's to handle (its handler cancels the job): delivered here, it interrupted MLX
+        # mid-call, which hung or crashed the process.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         while (job := self._jobs.get()) is not None:
             try:
                 job.fn(job)

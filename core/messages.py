@@ -10,6 +10,8 @@ from .events import FinishReason
 from .trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
+# What a conversation does once it no longer fits the model's context (see core.engine.ChatSession).
+ContextPolicy = Literal["truncate", "rotate", "error"]
 
 
 @dataclass

@@ -5,9 +5,9 @@ The property: for any bytes, `read_header` returns a header whose tensors all li
 `ModelLoadError` (one line, naming the file). Never another exception, never a hang, never an allocation
 beyond a small multiple of the file's size (a length field claiming 2**60 must not allocate).
 
-Mutations are structure-aware: the seed files are written here field by field, so a mutation can aim at a
-length, a count, a type tag, a dimension or an offset, besides bit flips, truncations, insertions and splices.
-tests/test_fuzz.py reuses the writer and the mutators for a bounded in-suite run (hypothesis drives them there).
+Mutations are structure-aware: the seed files are written field by field (core/gguf_writer.py), so a mutation can
+aim at a length, a count, a type tag, a dimension or an offset, besides bit flips, truncations, insertions and splices.
+tests/test_fuzz.py reuses the seeds and the mutators for a bounded in-suite run (hypothesis drives them there).
 
     .venv/bin/python scripts/fuzz_gguf.py --iterations 5000 --seed 1
     .venv/bin/python scripts/fuzz_gguf.py --iterations 20 --load   # also load passing files with the real loader
@@ -28,87 +28,15 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from dataclasses import dataclass
 from pathlib import Path
+
+# The writer (it remembers where every field is, for the mutators) is core's, shared with the tests and the bench.
+from mlxchat.core.gguf_writer import (ARRAY, BOOL, F32, F64, I8, I16, I32, I64, STRING, U8, U16, U32, U64, Field,
+                                      build_gguf)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-# --- a GGUF writer that remembers where every field is ----------------------------------------------------------
-
-# value type ids (gguf.h) and their struct formats
-U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
-FORMATS = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f", BOOL: "<?", U64: "<Q",
-           I64: "<q", F64: "<d"}
-
-
-@dataclass(frozen=True)
-class Field:
-    """A field of the file: where it starts, its width in bytes and what it is ("len", "count", "vtype", ...)."""
-
-    offset: int
-    width: int
-    kind: str
-
-
-class Writer:
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.fields: list[Field] = []
-
-    def put(self, fmt: str, value, kind: str) -> None:
-        self.fields.append(Field(len(self.buf), struct.calcsize(fmt), kind))
-        self.buf += struct.pack(fmt, value)
-
-    def string(self, s: str | bytes, kind: str = "len") -> None:
-        raw = s.encode() if isinstance(s, str) else s
-        self.put("<Q", len(raw), kind)
-        self.buf += raw
-
-    def value(self, vtype: int, value, kind: str = "scalar") -> None:
-        if vtype in FORMATS:
-            self.put(FORMATS[vtype], value, kind)
-        elif vtype == STRING:
-            self.string(value)
-        else:
-            etype, items = value
-            self.put("<I", etype, "etype")
-            self.put("<Q", len(items), "count")
-            for item in items:
-                self.value(etype, item)
-
-
-def build_gguf(metadata: list[tuple[str, int, object]], tensors: list[tuple[str, tuple[int, ...], int, bytes]],
-               *, alignment: int = 32, version: int = 3) -> tuple[bytes, list[Field]]:
-    """A GGUF file: metadata as (key, vtype, value) (arrays: value = (etype, items)); tensors as
-    (name, dims fastest-first, ggml type, data). Returns the bytes and the fields' positions."""
-    w = Writer()
-    w.buf += b"GGUF"
-    w.put("<I", version, "version")
-    w.put("<Q", len(tensors), "n_tensors")
-    w.put("<Q", len(metadata), "n_kv")
-    for key, vtype, value in metadata:
-        w.string(key, "key_len")
-        w.put("<I", vtype, "vtype")
-        w.value(vtype, value, "alignment" if key == "general.alignment" else "scalar")
-    offset = 0
-    blobs = []
-    for name, dims, ttype, data in tensors:
-        w.string(name, "name_len")
-        w.put("<I", len(dims), "n_dims")
-        for d in dims:
-            w.put("<Q", d, "dim")
-        w.put("<I", ttype, "ttype")
-        w.put("<Q", offset, "toffset")
-        pad = -len(data) % alignment
-        blobs.append(data + b"\0" * pad)
-        offset += len(data) + pad
-    w.buf += b"\0" * (-len(w.buf) % alignment)
-    w.fields.append(Field(len(w.buf), 0, "data_start"))
-    for blob in blobs:
-        w.buf += blob
-    return bytes(w.buf), w.fields
 
 
 def seed_file(loadable: bool = False) -> tuple[bytes, list[Field]]:

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -102,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import ServerConfig, create_app
 
-    try:
-        engine = Engine.load(args.model) if args.hosts is None else start_split(args.model, args)
-    except KeyboardInterrupt:
-        return 130
+    # A SIGINT meanwhile leaves at once (mlxchat.app.cli.main's handler).
+    engine = Engine.load(args.model) if args.hosts is None else start_split(args.model, args)
+    # From here uvicorn handles SIGINT: it shuts down gracefully, then raises the signal again, for the except below.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         scheduler = BatchScheduler(engine, max_batch=args.max_concurrent, max_queue=args.max_queue,
                                    prefix_cache_bytes=int(args.prefix_cache_mb * 2**20)) \

@@ -1,23 +1,19 @@
 """Bad model files for the reliability tests (engine and CLI): each is written by the test into its own folder,
 named, with what the one-line error must say. A helper module, not a test module, so several test files share it.
 
-The fuzz script's GGUF writer (scripts/fuzz_gguf.py, which is not a package) builds the malformed headers.
+core's GGUF writer (core/gguf_writer.py, also the fuzzer's) builds the malformed headers.
 """
 
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 
 from mlxchat.core import gguf
-
-ROOT = Path(__file__).resolve().parent.parent
+from mlxchat.core.gguf_writer import build_gguf
 
 
 def _gguf(meta: list, tensors: list | None = None) -> bytes:
-    from scripts_fuzz import build_gguf  # noqa: PLC0415 - see below
-
     return build_gguf(meta, tensors if tensors is not None else [("output_norm.weight", (4,), 0, bytes(16))])[0]
 
 
@@ -91,20 +87,6 @@ def bad_model_files(folder: Path, tiny: Path) -> dict[str, tuple[Path, str]]:
     out["folder without weights"] = (no_weights, "no *.safetensors")
     out["missing file"] = (folder / "absent.gguf", "no such file")
     return out
-
-
-# scripts/ is not a package: load the fuzz script's GGUF writer once, under a private name.
-def _load_fuzz_module() -> None:
-    import importlib.util
-
-    if "scripts_fuzz" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("scripts_fuzz", ROOT / "scripts" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["scripts_fuzz"] = module
-        spec.loader.exec_module(module)
-
-
-_load_fuzz_module()
 
 
 BAD_NAMES = ["cut in the fixed header", "cut in the first metadata key", "cut in the vocabulary",

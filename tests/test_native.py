@@ -205,7 +205,7 @@ def _ggml_dequantize(kind: str, raw: bytes, rows: int, cols: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_quantizations_load_exactly(tmp_path, kind: str):
-    from mlxchat.bench.native import write_gguf
+    from mlxchat.core.gguf_writer import write_gguf
 
     rng = np.random.default_rng(7)
     rows, cols = 24, 128
