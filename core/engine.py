@@ -100,8 +100,9 @@ class InferenceThread:
         self._jobs.put(job)
         return job
 
-    def run(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the inference thread and return its value (or raise its exception) here."""
+    def run(self, fn: Callable[[], Any], wait: Callable[[threading.Event], None] = threading.Event.wait) -> Any:
+        """Run `fn` on the inference thread and return its value (or raise its exception) here. `wait(finished)`
+        returns once `finished` is set; a caller that must give up on a blocked thread raises from it instead."""
         finished = threading.Event()
         box: dict[str, Any] = {}
 
@@ -114,7 +115,7 @@ class InferenceThread:
                 finished.set()
 
         self.submit(job)
-        finished.wait()
+        wait(finished)
         if "error" in box:
             raise box["error"]
         return box["value"]

@@ -16,6 +16,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,18 @@ from mlxchat.core import Engine
 CRASH = (b"Traceback", b"Fatal Python error", b"terminate called", b"Segmentation fault")
 
 
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    """Every process a test starts; a failed assertion must not leave a model decoding for hours in the background
+    (one did, taking a core from the rest of the suite)."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_the_inference_thread_leaves_sigint_to_the_main_thread(engine: Engine) -> None:
     # Delivered to the inference thread, SIGINT interrupted MLX mid-call (hangs, aborts, segfaults).
     assert engine.run(lambda: signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
@@ -34,7 +47,7 @@ def test_the_inference_thread_leaves_sigint_to_the_main_thread(engine: Engine) -
 class Tui:
     """`mlxchat chat` on a pseudo-terminal of 120x40, with throwaway data and config folders."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, processes: list[subprocess.Popen]) -> None:
         self.data = tmp / "data"
         (tmp / "config").mkdir(parents=True)
         (tmp / "config" / "config.toml").write_text('profile = "precise"\n')
@@ -44,6 +57,7 @@ class Tui:
                "TERM": "xterm-256color", "PYTHONFAULTHANDLER": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "chat", "--max-tokens", "400"],
                                      stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+        processes.append(self.proc)
         os.close(slave)
         self.master, self.output = master, bytearray()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -77,17 +91,18 @@ class Tui:
             return db.execute("select content, finish_reason from messages where role = 'assistant'").fetchall()
 
 
-def test_the_tui_quits_on_sigint_while_starting_loading_or_streaming(tmp_path: Path) -> None:
+def test_the_tui_quits_on_sigint_while_starting_loading_or_streaming(tmp_path: Path,
+                                                                     processes: list[subprocess.Popen]) -> None:
     # Side by side (a busy two-core machine): three signalled while Python, MLX and Textual start and the model
     # loads, then two while a reply streams, which must be kept, marked cancelled.
-    early = [Tui(tmp_path / f"early{i}") for i in range(3)]
+    early = [Tui(tmp_path / f"early{i}", processes) for i in range(3)]
     for tui, delay in zip(early, (1.0, 2.0, 3.0)):
         time.sleep(delay)
         tui.proc.send_signal(signal.SIGINT)
     for tui in early:
         assert tui.finish() == 130 and not any(c in tui.output for c in CRASH), bytes(tui.output)[-3000:]
     for i in range(2):
-        tui = Tui(tmp_path / f"streaming{i}")
+        tui = Tui(tmp_path / f"streaming{i}", processes)
         tui.wait_for(b"Type a message")  # the input is up; a message sent while the model loads waits for it
         os.write(tui.master, b"Tell me a long story about a dragon.\r")
         deadline = time.monotonic() + 120
@@ -101,11 +116,13 @@ def test_the_tui_quits_on_sigint_while_starting_loading_or_streaming(tmp_path: P
         assert text and reason == "cancelled"
 
 
-def test_serve_stops_on_sigint_while_loading_or_streaming(tmp_path: Path) -> None:
+def test_serve_stops_on_sigint_while_loading_or_streaming(tmp_path: Path, processes: list[subprocess.Popen]) -> None:
     def start() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "serve", "--port", "0"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONFAULTHANDLER": "1", "XDG_CONFIG_HOME": str(tmp_path)})
+        processes.append(subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "serve", "--port", "0"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "PYTHONFAULTHANDLER": "1",
+                                               "XDG_CONFIG_HOME": str(tmp_path)}))
+        return processes[-1]
 
     for delay in (1.0, 3.0):  # importing, then loading
         proc = start()

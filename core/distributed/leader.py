@@ -359,23 +359,12 @@ def _welcome(hosts: Hosts, group: Group, sock: socket.socket, hellos: dict[int, 
 def _bounded(thread: InferenceThread, fn: Callable[[], Any], timeout_s: float | None, group: Group,
              why: str) -> Any:
     """Run `fn` on the inference thread, giving up (the thread abandoned) after `timeout_s` or a peer's failure."""
-    done = threading.Event()
-    box: dict[str, Any] = {}
-
-    def job(_: Job) -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-        finally:
-            done.set()
-
-    thread.submit(job)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not done.wait(0.1):
-        group.check()
-        if deadline is not None and time.monotonic() > deadline:
-            raise SplitStartError(why)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+
+    def wait(done: threading.Event) -> None:
+        while not done.wait(0.1):
+            group.check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise SplitStartError(why)
+
+    return thread.run(fn, wait)
