@@ -90,18 +90,23 @@ def resent_conversation_ttft(url: str, model: str, turns: int, reply_tokens: int
     return ttfts
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            raise RuntimeError(f"the server exited with {proc.returncode}: {_last_line(log)}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
+    raise RuntimeError(f"the server did not come up in {timeout:.0f} s: {_last_line(log)}")
+
+
+def _last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(nothing on stderr)"
 
 
 def _free_port() -> int:
@@ -113,16 +118,25 @@ def _free_port() -> int:
 def load_model_info(model_spec: str | None, folder: Path | None) -> list[int]:
     """The model's end-of-turn ids; with `folder`, also save the engine's loaded model there (the same weights) as
     an MLX folder for mlx_lm.server."""
+    import mlx.nn as nn
     from mlx_lm.utils import save_config, save_model
 
     from mlxchat.core import Engine
 
-    engine = Engine.load(model_spec)
+    # MLX's own quantized layers (the GGUF's scales and biases, as the native kernel reads them), which mlx-lm
+    # rebuilds from the config's per-layer "quantization" (8-bit embeddings, 4-bit layers).
+    engine = Engine.load(model_spec, weights="quantized" if folder is not None else None)
     try:
         m = engine.model
         if folder is not None:
             save_model(folder, m.model)
-            save_config({**vars(m.model.args), "model_type": m.model.model_type}, folder / "config.json")
+            quantization = {path: {"group_size": mod.group_size, "bits": mod.bits}
+                            for path, mod in m.model.named_modules()
+                            if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+            config = {**vars(m.model.args), "model_type": m.model.model_type}
+            if quantization:
+                config["quantization"] = {"group_size": 32, "bits": 4, **quantization}
+            save_config(config, folder / "config.json")
             m.tokenizer.hf.save_pretrained(folder)
         return sorted(m.tokenizer.eos_ids)
     finally:
@@ -149,10 +163,11 @@ def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str 
         for system, command, env in systems:
             port = int(command[command.index("--port") + 1])
             url = f"http://127.0.0.1:{port}"
-            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    env={**os.environ, **env})
+            log = Path(tmp) / f"{system}.log"  # what a server that never comes up said, for the error
+            with log.open("wb") as out:
+                proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out, env={**os.environ, **env})
             try:
-                _wait_ready(url, proc)
+                _wait_ready(url, proc, log)
                 # mlx_lm.server's /v1/models lists the Hugging Face cache (and fails without one): it serves its
                 # --model as "default_model".
                 model = "default_model" if system == "mlx_lm.server" else \
