@@ -474,10 +474,23 @@ class Sampler:
 
     def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """Choose the next token from the last position's logits (vocab,). Lazy: nothing is evaluated here."""
+        token, logprobs, _ = self._chain(logits)
+        return token, logprobs
+
+    def _chain(self, logits: mx.array, outputs: list[mx.array] | None = None,
+               stages: list[Candidates] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """The chain itself, for `step` and `traced_step` alike (so both draw the same token for a seed): the token,
+        the log-probabilities and the processed logits the transforms saw. Given
+        lists, it also keeps the logits before and after each processor (`outputs`) and each transform's candidates
+        (`stages`): references to arrays the chain builds anyway, no extra ops."""
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
+        if outputs is not None:
+            outputs.append(logits)
         for proc in self.processors:
             logits = proc(logits, self.history)
+            if outputs is not None:
+                outputs.append(logits)
         # A penalty can push a logit past float32's maximum (e.g. repetition_penalty < 1); +inf would make every
         # normaliser NaN. The largest finite value keeps it the most likely token.
         logits = mx.minimum(logits, FLOAT_MAX)
@@ -489,43 +502,26 @@ class Sampler:
             c = Candidates(logits, None)
             for transform in self.transforms:
                 c = transform(c, aux_key)
+                if stages is not None:
+                    stages.append(c)
             token = mx.random.categorical(c.logits, key=draw_key)
             if c.ids is not None:
                 token = c.ids[token]
         token = token.astype(mx.int32)
         self.history.accept(token)
-        return token, logprobs
+        return token, logprobs, logits
 
     def traced_step(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array, StepRecord]:
         """`step`, also recording what every stage of the chain did to the `k` candidates worth showing.
 
-        The same ops in the same order with the same key use as `step`, so a seed gives the same tokens traced or
-        not (tests/test_trace.py checks it); a separate method so that `step` itself stays as cheap as before. The
-        extra work is one partial sort of the vocabulary (the likeliest tokens), the entropy before the chain, and
-        per stage a normaliser (over the vocabulary only for a stage that has not narrowed it). Lazy, like
-        `step`."""
-        if logits.dtype != mx.float32:
-            logits = logits.astype(mx.float32)
-        outputs = [logits]  # before and after each processor
-        for proc in self.processors:
-            outputs.append(proc(outputs[-1], self.history))
-        logits = mx.minimum(outputs[-1], FLOAT_MAX)
-        logprobs = log_softmax(logits)
-        processed = Candidates(logits, None)
+        The chain is `step`'s own (`_chain`), so a seed gives the same tokens traced or not (tests/test_trace.py
+        checks it). The extra work is one partial sort of the vocabulary (the likeliest tokens), the entropy before
+        the chain, and per stage a normaliser (over the vocabulary only for a stage that has not narrowed it). Lazy,
+        like `step`."""
+        outputs: list[mx.array] = []  # before and after each processor
         stages: list[Candidates] = []
-        if self.profile.greedy:
-            token = mx.argmax(logits)
-        else:
-            draw_key, aux_key = self.next_keys()
-            c = processed
-            for transform in self.transforms:
-                c = transform(c, aux_key)
-                stages.append(c)
-            token = mx.random.categorical(c.logits, key=draw_key)
-            if c.ids is not None:
-                token = c.ids[token]
-        token = token.astype(mx.int32)
-        self.history.accept(token)
+        token, logprobs, logits = self._chain(logits, outputs, stages)
+        processed = Candidates(logits, None)
         final = stages[-1] if stages else processed
         ids = mx.concatenate([token[None], _likeliest(processed, k), *([_likeliest(final, k)] if stages else [])])
         at = [_stage_at(stage, ids) for stage in stages]
