@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, gguf_tensors, native, native_linear
+from . import gguf, gguf_tensors, native, native_blocks, native_linear
 from .errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
@@ -329,6 +329,8 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     if not is_quantized and mx.default_device() == mx.cpu:
         # fp16 has no fast CPU GEMM path; fp32 does (through the preloaded BLAS).
         model.set_dtype(mx.float32)
+    if policy == "native":
+        native_blocks.use_native_blocks(model)  # attention's softmax and the MLP's SwiGLU on the native kernels
     model.eval()
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -1,4 +1,5 @@
-"""mlxchat's native quantized matmul for MLX's CPU backend (a C++ MLX extension, built by setup.py).
+"""mlxchat's native quantized matmul, softmax and SwiGLU for MLX's CPU backend (a C++ MLX extension, built by
+setup.py).
 
 MLX's own CPU ``quantized_matmul`` dequantizes to fp32 first (~1 GB/s here), so without this the loader has to keep
 fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/8-bit format directly, in exact fp32 math, as
@@ -66,6 +67,18 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
     """The fp32 weight ``[N, K]`` (scale * q + bias in fp32), for long prompts where one BLAS GEMM is faster."""
     return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits)
+
+
+def softmax(x: mx.array, *, scale: float = 1.0, causal: bool = False) -> mx.array:
+    """``softmax(scale * x)`` along the last axis of float32 ``x [..., L, S]``, with a vectorised exp (MLX's CPU exp
+    is scalar on x86). ``causal``: query ``i`` of the ``L`` sees keys ``0 .. S - L + i`` (MLX's "causal" mask, aligned
+    to the last keys); the masked entries are 0."""
+    return _module().softmax(x, scale=scale, causal=causal)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` for float32 arrays of one shape (the gated MLP of llama-style models)."""
+    return _module().swiglu(gate, up)
 
 
 def set_threads(n: int) -> None:

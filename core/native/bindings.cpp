@@ -3,17 +3,21 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "activations.h"
 #include "qmm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "mlxchat's native quantized matmul for MLX's CPU backend";
+  m.doc() = "mlxchat's native quantized matmul, softmax and SwiGLU for MLX's CPU backend";
   m.def("quantized_matmul", &mlxchat::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format).");
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "The fp32 weight [N, K] of an affine-quantized one.");
+  m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,
+        "softmax(scale * x) along the last axis, float32; causal: MLX's lower-right mask over the last two axes.");
+  m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);
   m.def("set_threads", &mlxchat::set_threads, "n"_a);

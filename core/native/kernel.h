@@ -34,4 +34,12 @@ struct DequantArgs {
 void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1);
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 
+// out = softmax(scale * x) over rows of length S (out may be x). With `causal`, row r is query r % L of L queries
+// whose keys are the last L of S (MLX's lower-right causal mask): it sees its first S - L + r % L + 1 entries, and the
+// rest are 0.
+void softmax_rows_avx2(const float* x, float* out, size_t rows, int S, int L, float scale, bool causal);
+
+// out = silu(gate) * up = gate * up / (1 + exp(-gate)), elementwise (out may be gate or up).
+void swiglu_avx2(const float* gate, const float* up, float* out, size_t n);
+
 }  // namespace mlxchat

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "graph.h"
 #include "kernel.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -92,17 +93,6 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
                                 std::to_string(scales.shape(1)) + ") do not match w for group_size " +
                                 std::to_string(group_size) + " and bits " + std::to_string(bits));
   }
-}
-
-// The kernels read weights as dense rows. Loaded weights already are (no extra graph node); a lazy input gets a
-// contiguous() node, which costs nothing when its result is already dense.
-mx::array dense(const mx::array& a, const mx::Stream& s) {
-  if (a.is_available() && a.flags().row_contiguous) return a;
-  return mx::contiguous(a, false, s);
-}
-
-mx::Stream cpu_stream() {
-  return mx::default_stream(mx::Device(mx::Device::cpu));
 }
 
 // ---- x preparation -------------------------------------------------------------------------------------------

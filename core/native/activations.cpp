@@ -1,0 +1,138 @@
+#include "activations.h"
+
+#include <stdexcept>
+#include <vector>
+
+#include "graph.h"
+#include "kernel.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "qmm.h"
+
+namespace mlxchat {
+
+namespace {
+
+// x's elements in row-major order: x itself when it is dense, else a copy gathered through its strides.
+const float* rows_of(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  copy.resize(x.size());
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  const int nd = x.ndim();
+  std::vector<int> idx(nd, 0);
+  const float* p = x.data<float>();
+  for (size_t i = 0; i < x.size(); ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += int64_t(idx[d]) * strides[d];
+    copy[i] = p[off];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return copy.data();
+}
+
+// The output takes over a dense input's buffer when nothing else holds it (scores and gate are temporaries).
+void allocate_output(const mx::array& in, mx::array& out) {
+  if (in.flags().row_contiguous && in.is_donatable() && in.nbytes() == out.nbytes()) {
+    out.copy_shared_buffer(in);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+}
+
+void check_float32(const mx::array& a, const char* name) {
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(name) + " must be float32");
+}
+
+class NativeSoftmax : public mx::UnaryPrimitive {
+ public:
+  NativeSoftmax(mx::Stream stream, float scale, bool causal)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    allocate_output(x, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), out = mx::array::unsafe_weak_copy(out), scale = scale_,
+                      causal = causal_]() mutable {
+      std::vector<float> copy;
+      const float* in = rows_of(x, copy);
+      const int S = x.shape(-1), L = x.ndim() >= 2 ? x.shape(-2) : 1;
+      softmax_rows_avx2(in, out.data<float>(), x.size() / S, S, L, scale, causal);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native softmax runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatSoftmax"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeSoftmax&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+class NativeSwiglu : public mx::UnaryPrimitive {
+ public:
+  explicit NativeSwiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& gate = inputs[0];
+    const auto& up = inputs[1];
+    allocate_output(gate, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(gate);
+    encoder.set_input_array(up);
+    encoder.set_output_array(out);
+    encoder.dispatch([gate = mx::array::unsafe_weak_copy(gate), up = mx::array::unsafe_weak_copy(up),
+                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+      std::vector<float> gate_copy, up_copy;
+      swiglu_avx2(rows_of(gate, gate_copy), rows_of(up, up_copy), out.data<float>(), out.size());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native swiglu runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatSwiglu"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+}  // namespace
+
+mx::array softmax(const mx::array& x, float scale, bool causal) {
+  check_float32(x, "x");
+  if (x.ndim() < 1 || x.shape(-1) < 1) throw std::invalid_argument("x must have a non-empty last axis");
+  if (causal && x.ndim() >= 2 && x.shape(-2) > x.shape(-1)) {
+    throw std::invalid_argument("a causal softmax needs at least as many keys (last axis) as queries (second-last)");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<NativeSoftmax>(cpu_stream(), scale, causal), {x});
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& up) {
+  check_float32(gate, "gate");
+  check_float32(up, "up");
+  if (gate.shape() != up.shape()) throw std::invalid_argument("gate and up must have the same shape");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<NativeSwiglu>(cpu_stream()), {gate, up});
+}
+
+}  // namespace mlxchat
