@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,35 +76,62 @@ class ConversationCache:
         return sum(c.nbytes for c in self.layers if not c.empty())
 
 
-# Work per prefill chunk: cancellation (Esc, Ctrl-C) lands between chunks, so a chunk must stay short however long
-# the context already is (attention grows with it) and however busy the machine. Each chunk is sized from the
-# previous chunk's measured speed; the first is at most FIRST_CHUNK tokens, since nothing is measured yet.
-PREFILL_BUDGET_S = 0.5
-FIRST_CHUNK = 128
-MIN_CHUNK = 16
+# Cancellation (Esc, Ctrl-C) lands between the layers of a prefill chunk: each layer's part of the cache is evaluated on
+# its own, and a cancelled chunk leaves the cache as it was before it. So chunks can stay long, which prefill needs
+# (a matmul over 32 rows runs several times slower per row than over 512 here), while a cancel waits for one layer
+# of one chunk at most: about 50-100 ms on the embedded model at 512 ids. A model whose layer takes longer than
+# LAYER_BUDGET_S gets shorter chunks, sized from the chunk before, never below MIN_CHUNK (where the quantized layers
+# switch from one batched GEMM to per-row kernels; core/native_linear.py).
+LAYER_BUDGET_S = 0.25
+MIN_CHUNK = 32
 
 
-def prefill_chunk(model: nn.Module, layers: list, ids: Sequence[int]) -> None:
-    """Run `ids` through the model into `layers` as one forward pass; only the cache state is evaluated."""
+def _detached(state: Any) -> Any:
+    """A cache state whose arrays are new handles on the same data: MLX's `a[i] = x` updates the array object in
+    place, so the cache's own handles would follow the chunk's writes."""
+    if isinstance(state, (tuple, list)):
+        return type(state)(_detached(x) for x in state)
+    return mx.array(state) if isinstance(state, mx.array) else state
+
+
+def prefill_chunk(model: nn.Module, layers: list, ids: Sequence[int],
+                  cancelled: Callable[[], bool] = lambda: False) -> bool:
+    """Run `ids` through the model into `layers` as one forward pass; only the cache state is evaluated, a layer at
+    a time. Returns False, with `layers` as they were before, when `cancelled()` turns true between two layers.
+
+    A model with `interruptible = False` (one split across machines, whose other ranks wait in the same collective
+    operations) is evaluated whole: its passes cannot stop halfway."""
+    before = [_detached(c.state) for c in layers]
     model(mx.array(ids)[None], cache=layers)
-    mx.eval([c.state for c in layers])
+    if not getattr(model, "interruptible", True):
+        mx.eval([c.state for c in layers])
+        return True
+    for i, c in enumerate(layers):
+        mx.eval(c.state)
+        if i + 1 < len(layers) and cancelled():
+            for layer, state in zip(layers, before):
+                layer.state = state
+            return False
+    return True
 
 
 def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int,
             cancelled: Callable[[], bool] = lambda: False,
-            budget_s: float = PREFILL_BUDGET_S) -> Iterator[Sequence[int]]:
+            layer_budget_s: float = LAYER_BUDGET_S) -> Iterator[Sequence[int]]:
     """Run `ids` through the model into `layers` in chunks of at most `step` ids, yielding each chunk once it is in
-    the cache, and stopping before the next chunk once `cancelled()` is true.
+    the cache, and stopping (mid-chunk, the cache as before that chunk) once `cancelled()` is true.
 
-    Chunks are sized to about `budget_s` of work each, measured on the chunk before. The logits of these positions
-    are never evaluated: only the cache state is, so no output-head work is done.
+    A chunk is shortened when the chunk before took over `layer_budget_s` per layer (per pass on a model that
+    cannot stop between layers). The logits of these positions are never evaluated, so no output-head work is done.
     """
-    start, size = 0, min(step, FIRST_CHUNK)
+    stops = max(1, len(layers)) if getattr(model, "interruptible", True) else 1
+    start, size = 0, step
     while start < len(ids) and not cancelled():
         chunk = ids[start:start + size]
         began = time.perf_counter()
-        prefill_chunk(model, layers, chunk)
-        elapsed = time.perf_counter() - began
+        if not prefill_chunk(model, layers, chunk, cancelled):
+            return
+        elapsed = (time.perf_counter() - began) / stops
         start += len(chunk)
         yield chunk
-        size = max(MIN_CHUNK, min(step, int(len(chunk) * budget_s / max(elapsed, 1e-6))))
+        size = min(step, max(MIN_CHUNK, int(len(chunk) * layer_budget_s / max(elapsed, 1e-6))))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxchat.core import ContextLengthError, Engine, SamplingProfile
@@ -190,18 +191,78 @@ def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(eng
 
 
 def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
-    """Issue #12 item 12: a cancel lands between chunks, so each chunk is sized to ~250 ms of measured work."""
-    from mlxchat.core.cache import FIRST_CHUNK, MIN_CHUNK, ConversationCache, prefill
+    """Issue #12 item 12: chunks stay at the step while a layer of one takes under the budget, and shrink (not below
+    MIN_CHUNK) when it takes longer."""
+    from mlxchat.core.cache import MIN_CHUNK, ConversationCache, prefill
 
     ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300]
 
     def sizes(budget_s: float) -> list[int]:
         cache = ConversationCache(engine.model.model)
-        out = [len(c) for c in prefill(engine.model.model, cache.layers, ids, 512, budget_s=budget_s)]
+        out = [len(c) for c in prefill(engine.model.model, cache.layers, ids, 128, layer_budget_s=budget_s)]
         assert cache.layers[0].offset == len(ids)  # every id reached the cache whatever the chunking
         return out
 
     tight = engine.run(lambda: sizes(1e-6))
-    assert tight[0] == FIRST_CHUNK and set(tight[1:-1]) == {MIN_CHUNK}
-    roomy = engine.run(lambda: sizes(1e6))
-    assert roomy == [FIRST_CHUNK, len(ids) - FIRST_CHUNK]  # grows back to the step (512) when chunks are quick
+    assert tight[0] == 128 and set(tight[1:-1]) == {MIN_CHUNK}
+    assert engine.run(lambda: sizes(1e6)) == [128, 128, 44]
+
+
+def test_a_cancel_lands_between_layers_and_leaves_the_cache_as_before_the_chunk(engine: Engine):
+    """Issue #12 item 12: a cancel waits for one layer of a chunk, not the whole chunk, and the cache keeps exactly
+    the chunks before it: prefilling on from there gives the cache a fresh prefill gives."""
+    from mlxchat.core.cache import ConversationCache, prefill
+
+    model = engine.model.model
+    ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:200]
+    checks, layers = 0, len(model.layers)
+    # Asked before each chunk and after each of its layers but the last: the second chunk's sixth layer is check
+    # 1 + (layers - 1) + 1 + 6.
+    cancel_at = layers + 7
+
+    def cancel_in_the_second_chunk() -> bool:
+        nonlocal checks
+        checks += 1
+        return checks >= cancel_at
+
+    def run() -> tuple[list[int], int, list[int], np.ndarray, np.ndarray]:
+        cache = ConversationCache(model)
+        first = [len(c) for c in prefill(model, cache.layers, ids, 128, cancel_in_the_second_chunk)]
+        offsets = [c.offset for c in cache.layers]
+        evaluated = checks
+        rest = [len(c) for c in prefill(model, cache.layers, ids[128:], 128)]
+        fresh = ConversationCache(model)
+        list(prefill(model, fresh.layers, ids, 128))
+        return (first, evaluated, offsets + rest, np.array(cache.layers[-1].state[0][..., :200, :]),
+                np.array(fresh.layers[-1].state[0][..., :200, :]))
+
+    first, evaluated, offsets_then_rest, resumed, fresh = engine.run(run)
+    assert first == [128] and evaluated == cancel_at  # stopped inside the second chunk, not after all its layers
+    assert offsets_then_rest == [128] * len(model.layers) + [72]
+    np.testing.assert_array_equal(resumed, fresh)
+
+
+def test_a_model_that_cannot_stop_between_layers_finishes_its_chunk(engine: Engine):
+    """A model split across machines (tensor parallel) says `interruptible = False`: its ranks must run each pass to
+    the end, so a cancel waits for the chunk."""
+    from mlxchat.core.cache import ConversationCache, prefill
+
+    class WholePasses:
+        interruptible = False
+
+        def __init__(self, model):
+            self.model, self.layers = model, model.layers
+
+        def __call__(self, inputs, cache=None):
+            return self.model(inputs, cache=cache)
+
+    whole = WholePasses(engine.model.model)
+    ids = list(range(100, 300))
+    answers = iter([False, True])  # go, then cancel at once
+
+    def run() -> tuple[list[int], int]:
+        cache = ConversationCache(engine.model.model)
+        done = [len(c) for c in prefill(whole, cache.layers, ids, 128, lambda: next(answers, True))]
+        return done, cache.layers[-1].offset
+
+    assert engine.run(run) == ([128], 128)

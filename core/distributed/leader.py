@@ -144,6 +144,13 @@ class SplitModel:
     def layers(self) -> list:
         return self.model.layers
 
+    @property
+    def interruptible(self) -> bool:
+        """Whether a prefill may stop between layers (core/cache.py). Pipeline: yes, once rank 0's first layer has
+        received the workers' output (they are done with the pass; they trim to rank 0's offset at the next one).
+        Tensor: no, the workers wait in every layer's all-sum for rank 0's part."""
+        return self.plan.parallel != "tensor"
+
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)  # the model's own mix (sliding layers), else one KVCache per layer
 
