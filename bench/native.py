@@ -242,8 +242,9 @@ def synthetic_case(layers: int, tokens: int) -> dict[str, Any]:
     return out
 
 
-def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int) -> dict[str, Any]:
-    """The whole section. ``engine`` is the bench's engine; the native and fp32 models are loaded here."""
+def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32: Any = None) -> dict[str, Any]:
+    """The whole section. ``engine`` is the bench's engine; the native model is loaded here (its memory is measured),
+    and the fp32 one too unless ``fp32`` (an engine on the same file with weights=dequantize) is given."""
     from mlxchat.core import Engine, native
 
     if not native.available():
@@ -251,7 +252,9 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int) -> d
     source = engine.model.source
     gguf_bytes = Path(source).stat().st_size if Path(source).is_file() else None
     own, active = _active_after_load(lambda: Engine.load(source, weights="native"))
-    fp32 = Engine.load(source, weights="dequantize")
+    own_fp32 = fp32 is None
+    if own_fp32:
+        fp32 = Engine.load(source, weights="dequantize")
     try:
         out: dict[str, Any] = {"available": True, "weights_path": own.model.weights_path,
                                "active_bytes_after_load": active, "gguf_bytes": gguf_bytes,
@@ -263,7 +266,8 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int) -> d
                                            3 if quick else 5)
     finally:
         own.close()
-        fp32.close()
+        if own_fp32:
+            fp32.close()
     out["synthetic"] = synthetic_case(4 if quick else 16, 8 if quick else 16)
     return out
 

@@ -230,7 +230,15 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     tok = m.tokenizer
     log(f"loaded {m.name}: {m.weight_bytes / 1e6:.0f} MB of weights ({'quantized' if m.quantized else 'float'}), "
         f"BLAS {blas.loaded or 'reference'}; weights: {m.weights_path}")
-    runners: list[Any] = [EngineRunner(engine), MlxLmRunner(engine)]
+    # mlx-lm's peer runs its best format on this backend (issue 6: "mlx-lm stream_generate on identical fp32
+    # weights"): on the CPU that is fp32, since MLX's own quantized matmul dequantizes on every call (the formats
+    # section measures it), so when the engine runs the native kernel mlx-lm gets the same GGUF dequantized to fp32.
+    # Elsewhere (fp32 or float models, Metal) it runs on the engine's very model object.
+    wanted = "matrix" not in cfg.skip or (cfg.native and "native" not in cfg.skip)
+    peer = Engine.load(m.source, weights="dequantize") if wanted and m.weights_path.startswith("native") else engine
+    peer_weights = "the same GGUF as fp32 (weights=dequantize)" if peer is not engine else "the engine's model object"
+    log(f"mlx-lm: on {peer_weights}")
+    runners: list[Any] = [EngineRunner(engine), MlxLmRunner(peer)]
     skipped: dict[str, str] = {}
     llama = None
     if "matrix" not in cfg.skip:
@@ -287,7 +295,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     if cfg.native and "native" not in cfg.skip:
         log("native kernel: decode vs fp32 and mlx-lm, GEMVs, prefill crossover, memory, synthetic llama")
         native = _guard(errors, "native", N.native_case, engine, quick=cfg.quick, max_tokens=cfg.max_tokens,
-                        repeats=cfg.repeats)
+                        repeats=cfg.repeats, fp32=peer if peer is not engine else None)
         if native is not None:
             native["targets"] = N.native_targets(native)
     kv = None
@@ -308,6 +316,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     backend = {**engine.backend.as_dict(), "line": engine.describe()}
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
+    if peer is not engine:
+        peer.close()
     if owned:
         engine.close()
 
@@ -328,7 +338,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
             "systems": [r.name for r in runners], "skipped": skipped,
             "eos": "end-of-turn ids banned until max_tokens (mlxchat: min_tokens; mlx-lm and llama.cpp: a logits "
                    "processor setting them to -inf), so every system generates exactly max_tokens",
-            "mlx_lm": "stream_generate on the engine's model object, on its inference thread, defaults otherwise "
+            "mlx_lm": f"stream_generate on {peer_weights}, on its inference thread, defaults otherwise "
                       "(prefill_step_size 2048, 20-token penalty windows)",
             "llama_cpp": f"{cfg.llama_threads} threads, n_batch 512, KV cache reset before each run",
             "prompt_source": "CPython's pydoc_data.topics, sorted by topic", "prompt_digest": prompts.corpus_digest(),

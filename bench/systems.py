@@ -2,8 +2,8 @@
 
 * ``EngineRunner``: mlxchat's public surface, ``engine.generate(messages, ...)``; its own metrics (TTFT counts from
   the request being accepted, so it includes rendering and tokenizing the chat, a few ms at 2048 tokens).
-* ``MlxLmRunner``: mlx-lm's ``stream_generate`` on the engine's very model object (the same weights in memory),
-  on the engine's inference thread (MLX streams are per thread), fed the same prompt token ids, with mlx-lm's own
+* ``MlxLmRunner``: mlx-lm's ``stream_generate`` on an engine's model object, on that engine's inference thread (MLX
+  streams are per thread), fed the same prompt token ids, with mlx-lm's own
   defaults otherwise (``prefill_step_size`` 2048, its 20-token penalty window). The detokenizer is chosen the way
   ``mlx_lm.tokenizer_utils.load`` chooses it from tokenizer.json's decoder. Timed on that thread: TTFT is from the
   call to the first token, TPOT the mean gap between later tokens (the engine's definitions, docs/architecture.md §8).
