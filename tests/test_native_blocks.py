@@ -78,6 +78,23 @@ def test_attention_matches_mlx_fast_sdpa(heads: int, kv_heads: int, L: int, S: i
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("L", [1, 2, 8])
+def test_whole_attention_reads_a_kv_cache_slice_in_place(L: int):
+    """The decode-step op on keys/values that are the first S positions of a larger cache buffer (rows contiguous
+    along D, strided along S and heads), grouped heads, batch 2, a head size that is not a multiple of 16."""
+    keys = mx.random.split(mx.random.key(L), 3)
+    buffer_k = mx.random.normal((2, 3, 256, 72), key=keys[0])
+    buffer_v = mx.random.normal((2, 3, 256, 72), key=keys[1])
+    q = mx.random.normal((2, 9, L, 72), key=keys[2])
+    k, v = buffer_k[..., :100, :], buffer_v[..., :100, :]
+    for causal in (False, True):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.11, mask="causal" if causal else None)
+        got = native.attention(q, k, v, scale=0.11, causal=causal)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="multiple of k's heads"):
+        native.attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 3, 5, 8)), mx.zeros((1, 3, 5, 8)), scale=1.0)
+
+
 def _tiny_llama() -> llama.Model:
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)

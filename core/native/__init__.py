@@ -1,4 +1,4 @@
-"""mlxchat's native quantized matmul, softmax and SwiGLU for MLX's CPU backend (a C++ MLX extension, built by
+"""mlxchat's native quantized matmul and attention/MLP ops for MLX's CPU backend (a C++ MLX extension, built by
 setup.py).
 
 MLX's own CPU ``quantized_matmul`` dequantizes to fp32 first (~1 GB/s here), so without this the loader has to keep
@@ -74,6 +74,13 @@ def softmax(x: mx.array, *, scale: float = 1.0, causal: bool = False) -> mx.arra
     is scalar on x86). ``causal``: query ``i`` of the ``L`` sees keys ``0 .. S - L + i`` (MLX's "causal" mask, aligned
     to the last keys); the masked entries are 0."""
     return _module().softmax(x, scale=scale, causal=causal)
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool = False) -> mx.array:
+    """Scaled dot-product attention of float32 ``q [B, H, L, D]`` over ``k, v [B, H_kv, S, D]`` (grouped heads when
+    H > H_kv) as one op: for the few queries of a decode step, where MLX's own is a dozen graph nodes and batched
+    BLAS calls per layer. ``causal``: query ``i`` sees keys ``0 .. S - L + i``. k and v may be a KV cache's slices."""
+    return _module().attention(q, k, v, scale=scale, causal=causal)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

@@ -3,20 +3,22 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include "activations.h"
+#include "blocks.h"
 #include "qmm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "mlxchat's native quantized matmul, softmax and SwiGLU for MLX's CPU backend";
+  m.doc() = "mlxchat's native quantized matmul and attention/MLP ops for MLX's CPU backend";
   m.def("quantized_matmul", &mlxchat::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format).");
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "The fp32 weight [N, K] of an affine-quantized one.");
   m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,
         "softmax(scale * x) along the last axis, float32; causal: MLX's lower-right mask over the last two axes.");
+  m.def("attention", &mlxchat::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
+        "Attention of a few float32 queries [B, H, L, D] over k, v [B, H_kv, S, D], in one op.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);

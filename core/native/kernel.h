@@ -39,6 +39,23 @@ void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 // rest are 0.
 void softmax_rows_avx2(const float* x, float* out, size_t rows, int S, int L, float scale, bool causal);
 
+// Attention of a few queries, whole: out[b, h, i] = softmax(scale * q[b, h, i] . k[b, g, :]) @ v[b, g, :] for query
+// head h of key/value head g = h / (H / KVH). Rows of D floats are contiguous; the strides (in floats) place them.
+// With `causal`, query i sees keys 0 .. S - L + i.
+struct AttentionArgs {
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t q_stride[3];  // b, h, i
+  int64_t k_stride[3];  // b, g, j
+  int64_t v_stride[3];
+  float* out;  // [B, H, L, D], dense
+  int B, H, KVH, L, S, D;
+  float scale;
+  bool causal;
+};
+void attention_avx2(const AttentionArgs& a);
+
 // out = silu(gate) * up = gate * up / (1 + exp(-gate)), elementwise (out may be gate or up).
 void swiglu_avx2(const float* gate, const float* up, float* out, size_t n);
 

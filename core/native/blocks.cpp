@@ -1,4 +1,4 @@
-#include "activations.h"
+#include "blocks.h"
 
 #include <stdexcept>
 #include <vector>
@@ -117,7 +117,79 @@ class NativeSwiglu : public mx::UnaryPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
+class NativeAttention : public mx::UnaryPrimitive {
+ public:
+  NativeAttention(mx::Stream stream, float scale, bool causal)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]), k = mx::array::unsafe_weak_copy(inputs[1]),
+                      v = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
+                      scale = scale_, causal = causal_]() mutable {
+      std::vector<float> q_copy, k_copy, v_copy;
+      AttentionArgs a{};
+      a.q = rows_along_d(q, q_copy, a.q_stride);
+      a.k = rows_along_d(k, k_copy, a.k_stride);
+      a.v = rows_along_d(v, v_copy, a.v_stride);
+      a.out = out.data<float>();
+      a.B = q.shape(0), a.H = q.shape(1), a.KVH = k.shape(1), a.L = q.shape(2), a.S = k.shape(2), a.D = q.shape(3);
+      a.scale = scale, a.causal = causal;
+      attention_avx2(a);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's native attention runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeAttention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  // A 4-D array's data with rows contiguous along the last axis, and the strides (in floats) of its first three axes:
+  // the array itself when its last stride is 1, else a dense copy.
+  static const float* rows_along_d(const mx::array& x, std::vector<float>& copy, int64_t* stride) {
+    if (x.strides()[3] == 1) {
+      for (int d = 0; d < 3; ++d) stride[d] = x.strides()[d];
+      return x.data<float>();
+    }
+    const float* dense_rows = rows_of(x, copy);
+    stride[2] = x.shape(3), stride[1] = stride[2] * x.shape(2), stride[0] = stride[1] * x.shape(1);
+    return dense_rows;
+  }
+
+  float scale_;
+  bool causal_;
+};
+
 }  // namespace
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+  check_float32(q, "q");
+  check_float32(k, "k");
+  check_float32(v, "v");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) throw std::invalid_argument("q, k and v must be 4-D");
+  if (k.shape() != v.shape() || q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3)) {
+    throw std::invalid_argument("k and v must have one shape [B, H_kv, S, D] matching q's B and D");
+  }
+  if (k.shape(1) < 1 || q.shape(1) % k.shape(1)) {
+    throw std::invalid_argument("q's heads must be a multiple of k's heads");
+  }
+  if (causal && q.shape(2) > k.shape(2)) {
+    throw std::invalid_argument("causal attention needs at least as many keys as queries");
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<NativeAttention>(cpu_stream(), scale, causal), {q, k, v});
+}
 
 mx::array softmax(const mx::array& x, float scale, bool causal) {
   check_float32(x, "x");
