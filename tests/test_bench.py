@@ -252,10 +252,10 @@ def test_runners_generate_exactly_max_tokens(engine):
 
 def test_tiny_run_end_to_end(engine, tmp_path):
     cfg = Config(quick=True, prompt_lengths=(32,), max_tokens=3, repeats=1, full_chain_lengths=(32,), chat_turns=2,
-                 chat_reply_tokens=2, rotating_context=300, rotating_decode=4, rotating_window=64, tui_repeats=1,
+                 chat_reply_tokens=2, rotating_context=160, rotating_decode=4, rotating_window=64, tui_repeats=1,
                  tui_tokens=3, format_repeats=1, bandwidth_bytes=1 << 24,
                  skip=frozenset({"tui", "formats", "server", "split"}),
-                 kv_context=300, kv_decode=4)
+                 kv_context=128, kv_decode=4)  # contexts past the 64-token window and the KV groups, no longer
     results = run(cfg, out_dir=tmp_path, engine=engine)
     saved = json.loads((tmp_path / "latest.json").read_text())
     report.validate(saved)
@@ -269,8 +269,8 @@ def test_tiny_run_end_to_end(engine, tmp_path):
     assert saved["chat"]["turns_run"] == 2 and len(saved["chat"]["turns"]) == 2
     assert saved["chat"]["turns"][1]["cached_tokens"] > 0  # the second turn reused the cache
     rot = saved["rotating"]
-    assert rot["context_tokens"] == 300 and rot["completion_tokens"] == 4
-    assert rot["samples"][-1]["context_tokens"] == 300
+    assert rot["context_tokens"] == 160 and rot["completion_tokens"] == 4
+    assert rot["samples"][-1]["context_tokens"] == 160
     assert saved["roofline"]["ceiling_tokens_per_s"] > 0
     kv = {v["kv_bits"]: v for v in saved["kv"]["variants"]}
     assert set(kv) == {None, 8, 4} and kv[8]["kv_bytes"] < kv[None]["kv_bytes"] and kv[None]["equal_greedy_tokens"] == 4

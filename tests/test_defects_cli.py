@@ -41,6 +41,7 @@ def test_ctrl_c_while_loading_or_streaming_exits_130_without_a_traceback(tmp_pat
     # (Not earlier: in the first ~0.3 s Python itself is starting, before any of mlxchat's code runs.)
     loading = [start(tmp_path) for _ in range(3)]
     streaming = [start(tmp_path) for _ in range(3)]
+    twice = start(tmp_path)  # for a second Ctrl-C while the first is still landing (below), side by side too
     for proc, delay in zip(loading, (1.5, 1.5, 2.0)):
         time.sleep(delay)
         if proc.poll() is None:
@@ -50,6 +51,10 @@ def test_ctrl_c_while_loading_or_streaming_exits_130_without_a_traceback(tmp_pat
         firsts.append(proc.stdout.read(1))  # the reply has started
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
+    # A second Ctrl-C while the first is still landing leaves at once, with the same exit code.
+    twice.stdout.read(1)
+    twice.send_signal(signal.SIGINT)
+    twice.send_signal(signal.SIGINT)
     for proc, first in [*((p, b"") for p in loading), *zip(streaming, firsts)]:
         out, err = finish(proc)
         text = (first + out).decode()
@@ -57,13 +62,8 @@ def test_ctrl_c_while_loading_or_streaming_exits_130_without_a_traceback(tmp_pat
         assert b"Traceback" not in err and b"Fatal Python error" not in err and b"terminate" not in err, err.decode()
         if first:
             assert len(text.strip()) >= 1 and text.endswith("\n")  # the partial reply, ended by a newline
-    # A second Ctrl-C while the first is still landing leaves at once, with the same exit code.
-    proc = start(tmp_path)
-    proc.stdout.read(1)
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGINT)
-    _, err = finish(proc)
-    assert proc.returncode == 130 and b"Traceback" not in err
+    _, err = finish(twice)
+    assert twice.returncode == 130 and b"Traceback" not in err
 
 
 def test_an_empty_stop_string_is_one_line_naming_the_flag(capsys, monkeypatch) -> None:

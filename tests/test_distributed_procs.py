@@ -107,13 +107,15 @@ def test_split_replies_equal_one_process(hosts: Path, procs: list[Proc], engine:
 def test_tensor_parallel_over_three_ranks_equals_one_process(tmp_path: Path, procs: list[Proc],
                                                             engine: Engine) -> None:
     """SmolLM2's 9 query and 3 key/value heads divide by 3 ranks (not by 2: refused in one line, see
-    tests/test_distributed.py). Three processes on two cores are slow: three tokens."""
+    tests/test_distributed.py). Three processes on two cores are slow (each forward pass all-reduces twice a layer,
+    ~2.5 s a token here): two tokens, the prefill's and one decode step's on the sharded heads and caches."""
     hosts = hosts_file(tmp_path, 3)
     worker(hosts, procs, 1), worker(hosts, procs, 2)
-    events = rank0(hosts, "greedy", procs, n=3, env={"SPLIT_PARALLEL": "tensor"}).events()
+    events = rank0(hosts, "greedy", procs, n=2, env={"SPLIT_PARALLEL": "tensor"}).events()
     assert next(events)["event"] == "loaded"
     got = next(events)
-    expected = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=3)
+    expected = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=2)
+    assert len(expected.token_ids) == 2
     assert got["greedy"] == list(expected.token_ids)
     whole = engine.model.weight_bytes
     assert all(m["weight_bytes"] < 0.7 * whole for m in got["memory"].values())  # each rank holds a third of the heads

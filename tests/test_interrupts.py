@@ -93,18 +93,20 @@ class Tui:
 
 def test_the_tui_quits_on_sigint_while_starting_loading_or_streaming(tmp_path: Path,
                                                                      processes: list[subprocess.Popen]) -> None:
-    # Side by side (a busy two-core machine): three signalled while Python, MLX and Textual start and the model
-    # loads, then two while a reply streams, which must be kept, marked cancelled.
+    # All five side by side (a busy two-core machine; one after another they took twice as long): three signalled
+    # while Python, MLX and Textual start and the model loads, and two while a reply streams, which must be kept,
+    # marked cancelled.
     early = [Tui(tmp_path / f"early{i}", processes) for i in range(3)]
+    streaming = [Tui(tmp_path / f"streaming{i}", processes) for i in range(2)]
     for tui, delay in zip(early, (1.0, 2.0, 3.0)):
         time.sleep(delay)
         tui.proc.send_signal(signal.SIGINT)
-    for tui in early:
-        assert tui.finish() == 130 and not any(c in tui.output for c in CRASH), bytes(tui.output)[-3000:]
-    for i in range(2):
-        tui = Tui(tmp_path / f"streaming{i}", processes)
+    for tui in streaming:
         tui.wait_for(b"Type a message")  # the input is up; a message sent while the model loads waits for it
         os.write(tui.master, b"Tell me a long story about a dragon.\r")
+    for tui in early:
+        assert tui.finish() == 130 and not any(c in tui.output for c in CRASH), bytes(tui.output)[-3000:]
+    for i, tui in enumerate(streaming):
         deadline = time.monotonic() + 120
         while not (tui.data / "conversations.db").exists() or not tui.replies():  # saved about every second
             assert time.monotonic() < deadline, "no reply was saved while it streamed"
@@ -124,13 +126,17 @@ def test_serve_stops_on_sigint_while_loading_or_streaming(tmp_path: Path, proces
                                                "XDG_CONFIG_HOME": str(tmp_path)}))
         return processes[-1]
 
-    for delay in (1.0, 3.0):  # importing, then loading
-        proc = start()
-        time.sleep(delay)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and not any(c in out for c in CRASH), out.decode()[-3000:]
+    # Side by side: one signalled 1 s after its start (importing), one 3 s after (loading), and a third started
+    # once the first is signalled, for a reply that streams.
+    importing, loading = start(), start()
+    time.sleep(1.0)
+    importing.send_signal(signal.SIGINT)
     proc = start()
+    time.sleep(2.0)
+    loading.send_signal(signal.SIGINT)
+    for early in (importing, loading):
+        out, _ = early.communicate(timeout=60)
+        assert early.returncode == 130 and not any(c in out for c in CRASH), out.decode()[-3000:]
     assert proc.stdout is not None
     url = next(m.group(1) for line in proc.stdout if (m := re.search(rb"on (http://[\d.:]+)/v1", line))).decode()
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={

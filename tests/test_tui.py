@@ -24,6 +24,9 @@ from mlxchat.core import SamplingProfile, native
 from mlxchat.core.profile import ProfileStore
 
 MAX_TOKENS = 12
+# Pilot types a message a key at a time and waits for the app to go idle after each (~0.1 s a key on two cores):
+# the messages are short.
+LONG_REPLY = "Tell me a long story"  # asks for a reply that streams on long enough to be stopped
 SIZE = (110, 32)
 
 
@@ -74,7 +77,7 @@ async def test_escape_stops_the_reply(engine, new_app, wait_for, send, reply):
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
-        await send(pilot, "Tell me a long story about a dragon")
+        await send(pilot, LONG_REPLY)
         await wait_for(pilot, lambda: screen.stats.metrics is not None and screen.stats.metrics.completion_tokens >= 2,
                        what="the first tokens")
         await pilot.press("escape")
@@ -209,11 +212,12 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
 
 @pytest.mark.anyio
 async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new_app, wait_for, reply):
+    FIRST = "Capital of France?"
     app = new_app(max_tokens=6, profile="factual")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
-        first = await reply(pilot, "What is the capital of France?")
+        first = await reply(pilot, FIRST)
         conversation_id = screen.controller.record.id
 
     app = new_app(max_tokens=4)  # the same data folder
@@ -228,13 +232,13 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new
         await wait_for(pilot, lambda: screen.controller.record is not None, what="the conversation to open")
         assert screen.controller.record.id == conversation_id
         views = screen.transcript.messages
-        assert [(v.role, v.text) for v in views] == [("user", "What is the capital of France?"),
+        assert [(v.role, v.text) for v in views] == [("user", FIRST),
                                                     ("assistant", first.text)]
         assert "to first token" in views[1].stats  # the stored stats line
         assert screen.controller.profile.name == "factual" and screen.controller.session.profile.name == "factual"
-        assert [m.content for m in screen.controller.session.messages[1:]] == ["What is the capital of France?",
+        assert [m.content for m in screen.controller.session.messages[1:]] == [FIRST,
                                                                                first.text]
-        assert screen.input.sent[-1] == "What is the capital of France?"  # history from the store
+        assert screen.input.sent[-1] == FIRST  # history from the store
         # The restored conversation goes on, on the same session.
         screen.input.focus()
         second = await reply(pilot, "And of Italy?")
@@ -249,7 +253,7 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new
         await pilot.press("enter")
         await wait_for(pilot, lambda: default.exists(), what="the export")
         text = default.read_text()
-        assert text.startswith("# What is the capital of France?")
+        assert text.startswith("# " + FIRST)
         assert "## You\n\nAnd of Italy?" in text and second.text.strip() in text and "to first token" in text
         assert any(str(default) in n.message for n in app._notifications)
         # ...or to a chosen path.
@@ -359,7 +363,7 @@ async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
-        await send(pilot, "Tell me a long story about a dragon")
+        await send(pilot, LONG_REPLY)
         await wait_for(pilot, lambda: screen.controller.reply is not None and screen.controller.reply.tokens >= 3,
                        what="the first tokens")
         conversation = screen.controller.record.id
