@@ -255,3 +255,4 @@ async def test_ctrl_c_in_the_input_copies_a_selection_and_otherwise_only_says_ho
         box.select_all()
         await pilot.press("ctrl+c")
         assert app.clipboard == "hello" and box.text == "hello"
+

@@ -324,11 +324,13 @@ class ChatScreen(Screen):
         if reply is None:
             return
         view = self._reply_view(reply)
-        if view is not None:
-            await view.write(event.text)
-            view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
-        if reply is self.controller.reply and event.metrics is not None:
-            self.stats.show_metrics(event.metrics, label="▶ decoding")
+        # No screen update in the middle of a batch: its text, the reply's stats and the stats line change together.
+        with self.app.batch_update():
+            if view is not None:
+                await view.write(event.text)
+                view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
+            if reply is self.controller.reply and event.metrics is not None:
+                self.stats.show_metrics(event.metrics, label="▶ decoding")
         self._pace_batches()
 
     def _pace_batches(self) -> None:

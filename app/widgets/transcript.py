@@ -12,7 +12,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Markdown, Static
-from textual.widgets.markdown import MarkdownFence, MarkdownStream
+from textual.widgets.markdown import MarkdownFence
 
 from .. import inspector
 from .inspector import TokenStrip
@@ -57,8 +57,7 @@ class MessageView(Vertical, can_focus=True):
         self.stats = stats
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
-        self._stream: MarkdownStream | None = None  # made at the first write: a reply stopped before its first
-        self._streaming = False                       # token never starts a MarkdownStream task
+        self._streaming = False
         self._chunks: list[str] = []
         self._code_index = 0
 
@@ -82,19 +81,20 @@ class MessageView(Vertical, can_focus=True):
         self.add_class("streaming")
 
     async def write(self, text: str) -> None:
+        """Append a batch of the reply. Markdown.append re-parses only from the last top-level block on; it is
+        awaited here, inside the caller's ``App.batch_update``, rather than handed to a MarkdownStream task (another
+        task and queue per reply, and a screen update that could land between the text and the stats line). The
+        bridge thread already coalesces what arrives while the UI is busy, which was MarkdownStream's job."""
         if not self._streaming:
             self.start_stream()
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
+        if not text:
+            return
         self._chunks.append(text)
         self.text = "".join(self._chunks)
-        await self._stream.write(text)
+        await self.query_one(".body", Markdown).append(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
         """End the stream and parse the final text once, in full."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
         self._streaming = False
         self.remove_class("streaming")
         self.text = text
@@ -107,13 +107,6 @@ class MessageView(Vertical, can_focus=True):
         await self.finish(partial, "")
         self.add_class("failed")
         self.set_stats(f"error: {error}")
-
-    async def on_unmount(self) -> None:
-        # Removed mid-stream (new chat, clear, another conversation): end the stream's task, which would otherwise
-        # wait forever, holding this widget.
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.stop()
 
     def set_label(self, label: str) -> None:
         self.label = label
