@@ -12,6 +12,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Markdown, Static
+from textual.content import Content
+from textual.visual import visualize
+from textual.widgets._markdown import MarkdownParagraph  # not re-exported by textual.widgets.markdown
 from textual.widgets.markdown import MarkdownFence
 
 from .. import inspector
@@ -27,6 +30,46 @@ _PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would oth
 
 def _parser() -> MarkdownIt:
     return _PARSER
+
+
+class ReplyParagraph(MarkdownParagraph):
+    """A Markdown paragraph that asks for a layout only when its new text changes its height.
+
+    While a reply streams, each batch extends the last paragraph; Textual's ``Static.update`` always asks for a
+    layout, and a layout reflows the whole screen (every widget). Most batches add words
+    to the paragraph's last line, so the paragraph measures its new text at its current width and repaints in place
+    when the height is the same (``update(layout=False)``, which Textual offers for exactly this case)."""
+
+    _measured: tuple[int, int] | None = None  # (width, height) of the text last set, as measured here
+
+    def set_content(self, content: Content) -> None:
+        layout = self._height_changes(content)
+        self._content = content
+        self.update(content, layout=layout)
+
+    def _height_changes(self, content: Content) -> bool:
+        width, height = self.size
+        if not (self.is_mounted and width and height):
+            self._measured = None
+            return True  # not laid out yet: nothing to compare with
+        try:
+            # Both heights measured the way Textual measures this widget's content (its visual, its styles, the
+            # width of its content area), so they can be compared.
+            old = self._measured
+            if old is None or old[0] != width:
+                old = (width, self.visual.get_height(self.styles, width))
+            new = visualize(self, content).get_height(self.styles, width)
+        except Exception:  # noqa: BLE001 - it cannot be measured: take the safe path
+            self._measured = None
+            return True
+        self._measured = (width, new)
+        return new != old[1] or old[1] != height
+
+
+class ReplyMarkdown(Markdown):
+    """The reply's Markdown: Textual's, with paragraphs that repaint without a layout when they keep their height."""
+
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
 
 
 class MessageView(Vertical, can_focus=True):
@@ -64,7 +107,7 @@ class MessageView(Vertical, can_focus=True):
     def compose(self) -> ComposeResult:
         yield Static(self.label, classes="role", markup=False)
         if self.role == "assistant":
-            yield Markdown(self.text, classes="body", open_links=False, parser_factory=_parser)
+            yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
             yield Static(self.text, classes="body", markup=False)
         yield Static(self.stats, classes="stats", markup=False)
