@@ -314,3 +314,32 @@ async def test_a_streamed_paragraph_repaints_in_place_until_it_wraps_and_shows_w
         await append("\n\n- a list\n- of two\n\nA new paragraph with `code` and **bold**.")
         assert _blocks(reply) == _blocks(plain) and len(reply.children) == 3
 
+
+@pytest.mark.anyio
+async def test_a_reply_that_grows_needs_one_layout_not_two():
+    """Textual lays the screen out again after a widget's size changes; the reply's widgets do not need it."""
+    from mlxchat.app.widgets.transcript import MessageView
+
+    class ReplyApp(App):
+        def compose(self) -> ComposeResult:
+            yield MessageView("assistant", "")
+
+    app = ReplyApp()
+    async with app.run_test(size=(60, 30)) as pilot:
+        view = app.query_one(MessageView)
+        await view.write("One line.")
+        await pilot.pause()
+        layouts = 0
+        refresh_layout = app.screen._refresh_layout
+
+        def count(*a, **kw):
+            nonlocal layouts
+            layouts += 1
+            return refresh_layout(*a, **kw)
+
+        app.screen._refresh_layout = count  # type: ignore[method-assign]
+        await view.write(" Then enough words to need a second line and a third one too, in sixty columns.")
+        await pilot.pause()
+        await pilot.pause()
+        assert layouts == 1 and view.text.startswith("One line. Then")
+        assert view.query_one(".body").children[0].size.height >= 2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from markdown_it import MarkdownIt
 from textual import events, on
@@ -32,11 +32,23 @@ def _parser() -> MarkdownIt:
     return _PARSER
 
 
-class ReplyParagraph(MarkdownParagraph):
+class _OneLayout:
+    """For widgets that never scroll (a reply, its Markdown and their blocks): a new size needs no second layout.
+
+    After a layout, Textual sets each resized widget's ``virtual_size``, a reactive that asks for another layout of
+    the whole screen; that second pass matters to widgets that scroll their content. These only grow with their
+    text, and the layout that resized them already placed everything, so each line a streaming reply wraps onto
+    costs one layout instead of two."""
+
+    def _size_updated(self, size: Any, virtual_size: Any, container_size: Any, layout: bool = True) -> bool:
+        return super()._size_updated(size, virtual_size, container_size, layout=False)  # type: ignore[misc]
+
+
+class ReplyParagraph(_OneLayout, MarkdownParagraph):
     """A Markdown paragraph that asks for a layout only when its new text changes its height.
 
     While a reply streams, each batch extends the last paragraph; Textual's ``Static.update`` always asks for a
-    layout, and a layout reflows the whole screen (every widget). Most batches add words
+    layout, and a layout reflows the whole screen (every widget, twice when a size changes). Most batches add words
     to the paragraph's last line, so the paragraph measures its new text at its current width and repaints in place
     when the height is the same (``update(layout=False)``, which Textual offers for exactly this case)."""
 
@@ -66,13 +78,13 @@ class ReplyParagraph(MarkdownParagraph):
         return new != old[1] or old[1] != height
 
 
-class ReplyMarkdown(Markdown):
+class ReplyMarkdown(_OneLayout, Markdown):
     """The reply's Markdown: Textual's, with paragraphs that repaint without a layout when they keep their height."""
 
     BLOCKS = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
 
 
-class MessageView(Vertical, can_focus=True):
+class MessageView(_OneLayout, Vertical, can_focus=True):
     """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
     ``< 1/2 >`` and [ / ] switch between them."""
 
