@@ -19,7 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from ..conversation import ChatController, Refused, Reply, Turn, keeps
-from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
+from ..engine_worker import EngineWorker, next_batch_s
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelPick, to_remember
 from ..replay import ReplaySource
@@ -337,9 +337,7 @@ class ChatScreen(Screen):
         """Set the batch length from the UI thread's CPU time per batch (which includes drawing the last one)."""
         now = time.thread_time()
         if self._ui_cpu_mark is not None and self.worker is not None:
-            needed = (now - self._ui_cpu_mark) / UI_CPU_BUDGET
-            smoothed = 0.7 * self.worker.batch_s + 0.3 * needed
-            self.worker.batch_s = min(MAX_BATCH_S, max(BATCH_S, smoothed))
+            self.worker.batch_s = next_batch_s(self.worker.batch_s, now - self._ui_cpu_mark, UI_CPU_BUDGET)
         self._ui_cpu_mark = now
 
     @on(EngineWorker.Finished)
