@@ -48,7 +48,7 @@ class ReplyParagraph(_OneLayout, MarkdownParagraph):
     """A Markdown paragraph that asks for a layout only when its new text changes its height.
 
     While a reply streams, each batch extends the last paragraph; Textual's ``Static.update`` always asks for a
-    layout, and a layout reflows the whole screen (every widget, twice when a size changes). Most batches add words
+    layout, and a layout reflows the whole screen (every widget on it). Most batches add words
     to the paragraph's last line, so the paragraph measures its new text at its current width and repaints in place
     when the height is the same (``update(layout=False)``, which Textual offers for exactly this case)."""
 
