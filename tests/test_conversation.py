@@ -332,3 +332,18 @@ def test_branching_an_earlier_reply_keeps_what_followed_it_in_the_old_branch(mak
     shown = c.switch_branch(c.turns[-1], 1)  # wraps round to the first branch, with the exchange that followed
     assert shown.content == first.content and [t.content for t in c.turns] == later
     assert [m.content for m in store.messages(c.record.id)] == later
+
+
+# --- the bridge's batch pacing (plain logic; the screen feeds it the UI thread's CPU time per batch) --------------
+
+def test_batches_grow_at_once_when_drawing_is_over_budget_and_shrink_gradually():
+    from mlxchat.app.engine_worker import BATCH_S, MAX_BATCH_S, next_batch_s
+
+    # 10 ms of drawing a batch at a 4% budget needs 0.25 s batches: from 40 ms it gets there in one step.
+    assert next_batch_s(BATCH_S, 0.010, 0.04) == pytest.approx(0.25)
+    # Cheaper batches bring it down a step at a time, never below the shortest batch.
+    shorter = next_batch_s(0.25, 0.002, 0.04)
+    assert 0.05 < shorter < 0.25 and shorter == pytest.approx(0.7 * 0.25 + 0.3 * 0.05)
+    assert next_batch_s(BATCH_S, 0.0, 0.04) == BATCH_S
+    # Never longer than the longest batch, however slow the drawing.
+    assert next_batch_s(0.1, 1.0, 0.04) == MAX_BATCH_S

@@ -255,3 +255,91 @@ async def test_ctrl_c_in_the_input_copies_a_selection_and_otherwise_only_says_ho
         box.select_all()
         await pilot.press("ctrl+c")
         assert app.clipboard == "hello" and box.text == "hello"
+
+
+# --- the streaming reply's Markdown --------------------------------------------------------------------------------
+
+class TwoMarkdownApp(App):
+    """The reply's Markdown next to Textual's own, the same width: what a streamed reply shows must not differ."""
+
+    CSS = "Horizontal > * { width: 1fr; height: auto; }"
+
+    def compose(self) -> ComposeResult:
+        from textual.containers import Horizontal
+        from textual.widgets import Markdown
+
+        from mlxchat.app.widgets.transcript import ReplyMarkdown
+
+        with Horizontal():
+            yield ReplyMarkdown("", id="reply")
+            yield Markdown("", id="plain")
+
+
+def _blocks(markdown) -> list[tuple[str, int, str]]:
+    """Each block's Textual class, height and text."""
+    return [(next(c.__name__ for c in type(b).__mro__ if c.__module__.startswith("textual.")), b.size.height,
+             rendered(b)) for b in markdown.children]
+
+
+@pytest.mark.anyio
+async def test_a_streamed_paragraph_repaints_in_place_until_it_wraps_and_shows_what_textual_shows():
+    from mlxchat.app.widgets.transcript import ReplyMarkdown, ReplyParagraph
+
+    app = TwoMarkdownApp()
+    async with app.run_test(size=(80, 30)) as pilot:
+        reply, plain = app.query_one("#reply", ReplyMarkdown), app.query_one("#plain")
+
+        async def append(text: str) -> None:
+            await reply.append(text)
+            await plain.append(text)
+            await pilot.pause()
+
+        await append("Hello")
+        paragraph = reply.query_one(ReplyParagraph)
+        layouts: list[bool] = []
+        refresh = paragraph.refresh
+
+        def spy(*regions, layout: bool = False, **kw):
+            layouts.append(layout)
+            return refresh(*regions, layout=layout, **kw)
+
+        paragraph.refresh = spy  # type: ignore[method-assign]
+        await append(" world")  # the same line: a repaint, no layout
+        assert layouts and not any(layouts)
+        assert _blocks(reply) == _blocks(plain) and "Hello world" in rendered(paragraph)
+        layouts.clear()
+        await append(" and then enough further words to wrap onto a second line here")  # taller: a layout
+        assert any(layouts) and paragraph.size.height >= 2
+        assert _blocks(reply) == _blocks(plain)
+        await append("\n\n- a list\n- of two\n\nA new paragraph with `code` and **bold**.")
+        assert _blocks(reply) == _blocks(plain) and len(reply.children) == 3
+
+
+@pytest.mark.anyio
+async def test_a_reply_that_grows_needs_one_layout_not_two():
+    """Textual lays the screen out again after a widget's size changes; the reply's widgets do not need it."""
+    from mlxchat.app.widgets.transcript import MessageView
+
+    class ReplyApp(App):
+        def compose(self) -> ComposeResult:
+            yield MessageView("assistant", "")
+
+    app = ReplyApp()
+    async with app.run_test(size=(60, 30)) as pilot:
+        view = app.query_one(MessageView)
+        await view.write("One line.")
+        await pilot.pause()
+        layouts = 0
+        refresh_layout = app.screen._refresh_layout
+
+        def count(*a, **kw):
+            nonlocal layouts
+            layouts += 1
+            return refresh_layout(*a, **kw)
+
+        app.screen._refresh_layout = count  # type: ignore[method-assign]
+        await view.write(" Then enough words to need a second line and a third one too, in sixty columns.")
+        await pilot.pause()
+        await pilot.pause()
+        assert layouts == 1 and view.text.startswith("One line. Then")
+        assert view.query_one(".body").children[0].size.height >= 2

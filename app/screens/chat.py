@@ -19,7 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from ..conversation import ChatController, Refused, Reply, Turn, keeps
-from ..engine_worker import BATCH_S, MAX_BATCH_S, EngineWorker
+from ..engine_worker import EngineWorker, next_batch_s
 from ..formatting import DONE, profile_summary, stats_line
 from ..models import ModelPick, to_remember
 from ..replay import ReplaySource
@@ -324,20 +324,20 @@ class ChatScreen(Screen):
         if reply is None:
             return
         view = self._reply_view(reply)
-        if view is not None:
-            await view.write(event.text)
-            view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
-        if reply is self.controller.reply and event.metrics is not None:
-            self.stats.show_metrics(event.metrics, label="▶ decoding")
+        # No screen update in the middle of a batch: its text, the reply's stats and the stats line change together.
+        with self.app.batch_update():
+            if view is not None:
+                await view.write(event.text)
+                view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
+            if reply is self.controller.reply and event.metrics is not None:
+                self.stats.show_metrics(event.metrics, label="▶ decoding")
         self._pace_batches()
 
     def _pace_batches(self) -> None:
         """Set the batch length from the UI thread's CPU time per batch (which includes drawing the last one)."""
         now = time.thread_time()
         if self._ui_cpu_mark is not None and self.worker is not None:
-            needed = (now - self._ui_cpu_mark) / UI_CPU_BUDGET
-            smoothed = 0.7 * self.worker.batch_s + 0.3 * needed
-            self.worker.batch_s = min(MAX_BATCH_S, max(BATCH_S, smoothed))
+            self.worker.batch_s = next_batch_s(self.worker.batch_s, now - self._ui_cpu_mark, UI_CPU_BUDGET)
         self._ui_cpu_mark = now
 
     @on(EngineWorker.Finished)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from markdown_it import MarkdownIt
 from textual import events, on
@@ -12,7 +12,10 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Markdown, Static
-from textual.widgets.markdown import MarkdownFence, MarkdownStream
+from textual.content import Content
+from textual.visual import visualize
+from textual.widgets._markdown import MarkdownParagraph  # not re-exported by textual.widgets.markdown
+from textual.widgets.markdown import MarkdownFence
 
 from .. import inspector
 from .inspector import TokenStrip
@@ -29,7 +32,59 @@ def _parser() -> MarkdownIt:
     return _PARSER
 
 
-class MessageView(Vertical, can_focus=True):
+class _OneLayout:
+    """For widgets that never scroll (a reply, its Markdown and their blocks): a new size needs no second layout.
+
+    After a layout, Textual sets each resized widget's ``virtual_size``, a reactive that asks for another layout of
+    the whole screen; that second pass matters to widgets that scroll their content. These only grow with their
+    text, and the layout that resized them already placed everything, so each line a streaming reply wraps onto
+    costs one layout instead of two."""
+
+    def _size_updated(self, size: Any, virtual_size: Any, container_size: Any, layout: bool = True) -> bool:
+        return super()._size_updated(size, virtual_size, container_size, layout=False)  # type: ignore[misc]
+
+
+class ReplyParagraph(_OneLayout, MarkdownParagraph):
+    """A Markdown paragraph that asks for a layout only when its new text changes its height.
+
+    While a reply streams, each batch extends the last paragraph; Textual's ``Static.update`` always asks for a
+    layout, and a layout reflows the whole screen (every widget on it). Most batches add words
+    to the paragraph's last line, so the paragraph measures its new text at its current width and repaints in place
+    when the height is the same (``update(layout=False)``, which Textual offers for exactly this case)."""
+
+    _measured: tuple[int, int] | None = None  # (width, height) of the text last set, as measured here
+
+    def set_content(self, content: Content) -> None:
+        layout = self._height_changes(content)
+        self._content = content
+        self.update(content, layout=layout)
+
+    def _height_changes(self, content: Content) -> bool:
+        width, height = self.size
+        if not (self.is_mounted and width and height):
+            self._measured = None
+            return True  # not laid out yet: nothing to compare with
+        try:
+            # Both heights measured the way Textual measures this widget's content (its visual, its styles, the
+            # width of its content area), so they can be compared.
+            old = self._measured
+            if old is None or old[0] != width:
+                old = (width, self.visual.get_height(self.styles, width))
+            new = visualize(self, content).get_height(self.styles, width)
+        except Exception:  # noqa: BLE001 - it cannot be measured: take the safe path
+            self._measured = None
+            return True
+        self._measured = (width, new)
+        return new != old[1] or old[1] != height
+
+
+class ReplyMarkdown(_OneLayout, Markdown):
+    """The reply's Markdown: Textual's, with paragraphs that repaint without a layout when they keep their height."""
+
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
+
+
+class MessageView(_OneLayout, Vertical, can_focus=True):
     """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
     ``< 1/2 >`` and [ / ] switch between them."""
 
@@ -57,15 +112,14 @@ class MessageView(Vertical, can_focus=True):
         self.stats = stats
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
-        self._stream: MarkdownStream | None = None  # made at the first write: a reply stopped before its first
-        self._streaming = False                       # token never starts a MarkdownStream task
+        self._streaming = False
         self._chunks: list[str] = []
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
         yield Static(self.label, classes="role", markup=False)
         if self.role == "assistant":
-            yield Markdown(self.text, classes="body", open_links=False, parser_factory=_parser)
+            yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
             yield Static(self.text, classes="body", markup=False)
         yield Static(self.stats, classes="stats", markup=False)
@@ -82,19 +136,20 @@ class MessageView(Vertical, can_focus=True):
         self.add_class("streaming")
 
     async def write(self, text: str) -> None:
+        """Append a batch of the reply. Markdown.append re-parses only from the last top-level block on; it is
+        awaited here, inside the caller's ``App.batch_update``, rather than handed to a MarkdownStream task (another
+        task and queue per reply, and a screen update that could land between the text and the stats line). The
+        bridge thread already coalesces what arrives while the UI is busy, which was MarkdownStream's job."""
         if not self._streaming:
             self.start_stream()
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
+        if not text:
+            return
         self._chunks.append(text)
         self.text = "".join(self._chunks)
-        await self._stream.write(text)
+        await self.query_one(".body", Markdown).append(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
         """End the stream and parse the final text once, in full."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
         self._streaming = False
         self.remove_class("streaming")
         self.text = text
@@ -107,13 +162,6 @@ class MessageView(Vertical, can_focus=True):
         await self.finish(partial, "")
         self.add_class("failed")
         self.set_stats(f"error: {error}")
-
-    async def on_unmount(self) -> None:
-        # Removed mid-stream (new chat, clear, another conversation): end the stream's task, which would otherwise
-        # wait forever, holding this widget.
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.stop()
 
     def set_label(self, label: str) -> None:
         self.label = label
