@@ -346,7 +346,8 @@ def test_stopping_50_times_in_prefill_and_50_in_decode_through_the_worker_keeps_
             result = inbox.next(EngineWorker.Finished).result
             m = result.metrics
             assert result.finish_reason == "cancelled" and result.text == "" and m.completion_tokens == 0
-            assert m.cached_tokens < m.context_tokens < m.prompt_tokens  # stopped inside the prefill
+            # Stopped inside the prefill: a cancel lands between layers, so often inside the first chunk (nothing kept)
+            assert m.cached_tokens <= m.context_tokens < m.prompt_tokens
             memory.append(mx.get_active_memory())
         for _ in range(CYCLES):
             stream = chat.regenerate(max_tokens=200)
