@@ -72,8 +72,14 @@ def embedded_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
 
 
+def requested_policy(policy: WeightPolicy | None = None) -> WeightPolicy:
+    """What was asked for: `policy`, else MLXCHAT_WEIGHTS, else "auto". Each machine of a split model resolves this
+    itself: whether the native kernel runs is a fact of that machine."""
+    return policy or os.environ.get("MLXCHAT_WEIGHTS", "auto")  # type: ignore[return-value]
+
+
 def resolve_policy(policy: WeightPolicy | None = None) -> ResolvedPolicy:
-    policy = policy or os.environ.get("MLXCHAT_WEIGHTS", "auto")  # type: ignore[assignment]
+    policy = requested_policy(policy)
     if policy not in ("auto", "native", "quantized", "dequantize"):
         raise ValueError(f"weights must be auto, native, quantized or dequantize, got {policy!r}")
     if policy == "native" and not native.available():

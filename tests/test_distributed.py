@@ -148,3 +148,20 @@ def test_bench_split_summary() -> None:
     text = "\n".join(summary_lines(section))
     assert "layers [15, 15]" in text and "+3.0 ms/token" in text and "rank 1 62 MiB weights / 81 MiB peak" in text
     assert summary_lines(None) == []
+
+
+def test_the_plan_carries_the_policy_asked_for_and_each_rank_resolves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the native kernel runs is a fact of each machine: a rank 0 without it resolves "auto" to "fallback",
+    which no machine can load by name (it failed every worker under MLXCHAT_NATIVE=0). The plan sends what was asked
+    for, and a worker loads it on its own terms."""
+    from mlxchat.core import loader
+    from mlxchat.core.distributed.common import Plan
+
+    monkeypatch.setenv("MLXCHAT_NATIVE", "0")
+    monkeypatch.delenv("MLXCHAT_WEIGHTS", raising=False)
+    assert loader.resolve_policy(None) == "fallback"
+    plan = Plan.of(json.loads(json.dumps(Plan(None, loader.requested_policy(None), "pipeline", (15, 15)).message())))
+    assert plan.weights == "auto"
+    assert loader.resolve_policy(plan.weights) == "fallback"  # the worker's own decision, no ValueError
+    monkeypatch.setenv("MLXCHAT_WEIGHTS", "dequantize")
+    assert loader.requested_policy(None) == "dequantize" and loader.requested_policy("native") == "native"

@@ -214,7 +214,8 @@ class SplitEngine(Engine):
         try:
             hellos = _gather(hosts, group, control_port, connect_timeout_s, progress)
             free = [free_memory(), *(h["free_memory"] for h in hellos)]
-            plan = Plan(_shared_spec(model), loader.resolve_policy(weights), parallel,
+            loader.resolve_policy(weights)  # a policy this machine cannot run is refused here, before any worker loads
+            plan = Plan(_shared_spec(model), loader.requested_policy(weights), parallel,
                         tuple(split_layers(shape["layers"], layer_weights(free))))
             group.set_timeout(LOAD_TIMEOUT_S)
             group.broadcast(plan.message())
