@@ -14,24 +14,11 @@ namespace mlxchat {
 
 namespace {
 
-// x's elements in row-major order: x itself when it is dense, else a copy gathered through its strides.
+// x's float32 elements in row-major order: x itself when it is dense, else a copy gathered through its strides.
 const float* rows_of(const mx::array& x, std::vector<float>& copy) {
   if (x.flags().row_contiguous) return x.data<float>();
   copy.resize(x.size());
-  const auto& shape = x.shape();
-  const auto& strides = x.strides();
-  const int nd = x.ndim();
-  std::vector<int> idx(nd, 0);
-  const float* p = x.data<float>();
-  for (size_t i = 0; i < x.size(); ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += int64_t(idx[d]) * strides[d];
-    copy[i] = p[off];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
-  }
+  gather_x<float>(x, copy);
   return copy.data();
 }
 
@@ -49,10 +36,22 @@ void check_float32(const mx::array& a, const char* name) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(name) + " must be float32");
 }
 
-class NativeSoftmax : public mx::UnaryPrimitive {
+// What the three ops share: they run on the CPU only, and their output has the first input's shape.
+class BlockOp : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+class NativeSoftmax : public BlockOp {
  public:
   NativeSoftmax(mx::Stream stream, float scale, bool causal)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+      : BlockOp(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -69,10 +68,6 @@ class NativeSoftmax : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's native softmax runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatSoftmax"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -80,16 +75,14 @@ class NativeSoftmax : public mx::UnaryPrimitive {
     return scale_ == o.scale_ && causal_ == o.causal_;
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
-
  private:
   float scale_;
   bool causal_;
 };
 
-class NativeSwiglu : public mx::UnaryPrimitive {
+class NativeSwiglu : public BlockOp {
  public:
-  explicit NativeSwiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit NativeSwiglu(mx::Stream stream) : BlockOp(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& gate = inputs[0];
@@ -106,21 +99,15 @@ class NativeSwiglu : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's native swiglu runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatSwiglu"; }
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
-class NativeAttention : public mx::UnaryPrimitive {
+class NativeAttention : public BlockOp {
  public:
   NativeAttention(mx::Stream stream, float scale, bool causal)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+      : BlockOp(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -142,18 +129,12 @@ class NativeAttention : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's native attention runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatAttention"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const NativeAttention&>(other);
     return scale_ == o.scale_ && causal_ == o.causal_;
   }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
   // A 4-D array's data with rows contiguous along the last axis, and the strides (in floats) of its first three axes:

@@ -127,6 +127,27 @@ void softmax_row(const float* x, float* out, int S, int valid, float scale) {
   for (j = std::max(valid, 0); j < S; ++j) out[j] = 0.0f;
 }
 
+float dot(const float* a, const float* b, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 16 <= n; d += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+  }
+  for (; d + 8 <= n; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+  float sum = hsum(_mm256_add_ps(acc0, acc1));
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// y += w * x over n floats.
+void axpy(float w, const float* x, float* y, int n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int d = 0;
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (; d < n; ++d) y[d] += w * x[d];
+}
+
 constexpr int kAhead = 8;
 
 // MT rows of x (m0 .. m0+MT-1) against weight rows [n0, n1): each weight block is expanded once and used MT times.
@@ -267,31 +288,6 @@ void softmax_rows_avx2(const float* x, float* out, size_t rows, int S, int L, fl
   }
 }
 
-namespace {
-
-float dot(const float* a, const float* b, int n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int d = 0;
-  for (; d + 16 <= n; d += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
-  }
-  for (; d + 8 <= n; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-  float sum = hsum(_mm256_add_ps(acc0, acc1));
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
-// y += w * x over n floats.
-void axpy(float w, const float* x, float* y, int n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int d = 0;
-  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
-  for (; d < n; ++d) y[d] += w * x[d];
-}
-
-}  // namespace
-
 void attention_avx2(const AttentionArgs& a) {
   const int rep = a.H / a.KVH, R = rep * a.L;  // the query rows that share one key/value head
   thread_local std::vector<float> scores;
@@ -301,6 +297,7 @@ void attention_avx2(const AttentionArgs& a) {
       const float* kb = a.k + b * a.k_stride[0] + g * a.k_stride[1];
       const float* vb = a.v + b * a.v_stride[0] + g * a.v_stride[1];
       auto query = [&](int r) { return a.q + b * a.q_stride[0] + (g * rep + r / a.L) * a.q_stride[1] + (r % a.L) * a.q_stride[2]; };
+      auto output = [&](int r) { return a.out + ((size_t(b) * a.H + g * rep + r / a.L) * a.L + r % a.L) * a.D; };
       auto visible = [&](int r) { return a.causal ? a.S - a.L + r % a.L + 1 : a.S; };
       // Keys outermost, so each key row is read once for all the rows of its group.
       for (int j = 0; j < a.S; ++j) {
@@ -312,15 +309,12 @@ void attention_avx2(const AttentionArgs& a) {
       for (int r = 0; r < R; ++r) {
         float* p = scores.data() + size_t(r) * a.S;
         softmax_row(p, p, a.S, visible(r), a.scale);
-        float* o = a.out + ((size_t(b) * a.H + g * rep + r / a.L) * a.L + r % a.L) * a.D;
-        std::fill(o, o + a.D, 0.0f);
+        std::fill(output(r), output(r) + a.D, 0.0f);
       }
       for (int j = 0; j < a.S; ++j) {
         const float* vr = vb + j * a.v_stride[2];
         for (int r = 0; r < R; ++r) {
-          if (j >= visible(r)) continue;
-          float* o = a.out + ((size_t(b) * a.H + g * rep + r / a.L) * a.L + r % a.L) * a.D;
-          axpy(scores[size_t(r) * a.S + j], vr, o, a.D);
+          if (j < visible(r)) axpy(scores[size_t(r) * a.S + j], vr, output(r), a.D);
         }
       }
     }

@@ -97,27 +97,6 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
 
 // ---- x preparation -------------------------------------------------------------------------------------------
 
-// x [..., K] with any strides as dense fp32 rows [M, K] (M = the product of the leading dimensions).
-template <typename T>
-void gather_x(const mx::array& x, std::vector<float>& out) {
-  const int nd = x.ndim(), K = x.shape(-1);
-  const size_t M = x.size() / K;
-  const auto& shape = x.shape();
-  const auto& strides = x.strides();
-  const int64_t sk = strides[nd - 1];
-  const T* p = x.data<T>();
-  std::vector<int> idx(nd > 1 ? nd - 1 : 0, 0);
-  for (size_t m = 0; m < M; ++m) {
-    int64_t base = 0;
-    for (int d = 0; d + 1 < nd; ++d) base += int64_t(idx[d]) * strides[d];
-    for (int k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(p[base + k * sk]);
-    for (int d = nd - 2; d >= 0; --d) {  // next row index, last leading dimension fastest
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
-  }
-}
-
 // x as dense fp32 rows, reordered per block of 32 for 4 bits (evens then odds, as the nibbles come out), and the
 // per-group sums of x for the bias term.
 void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>& xq, std::vector<float>& xsum) {
