@@ -86,6 +86,12 @@ LAYER_BUDGET_S = 0.25
 MIN_CHUNK = 32
 
 
+def _interruptible(model: nn.Module) -> bool:
+    """Whether a forward pass may stop between layers: not for a model split across machines in tensor parallel,
+    whose other ranks wait in the same collective operations (`SplitModel.interruptible`)."""
+    return getattr(model, "interruptible", True)
+
+
 def _detached(state: Any) -> Any:
     """A cache state whose arrays are new handles on the same data: MLX's `a[i] = x` updates the array object in
     place, so the cache's own handles would follow the chunk's writes."""
@@ -98,14 +104,13 @@ def prefill_chunk(model: nn.Module, layers: list, ids: Sequence[int],
                   cancelled: Callable[[], bool] = lambda: False) -> bool:
     """Run `ids` through the model into `layers` as one forward pass; only the cache state is evaluated, a layer at
     a time. Returns False, with `layers` as they were before, when `cancelled()` turns true between two layers.
-
-    A model with `interruptible = False` (one split across machines, whose other ranks wait in the same collective
-    operations) is evaluated whole: its passes cannot stop halfway."""
-    before = [_detached(c.state) for c in layers]
-    model(mx.array(ids)[None], cache=layers)
-    if not getattr(model, "interruptible", True):
+    A model that cannot stop between layers (`_interruptible`) is evaluated whole."""
+    if not _interruptible(model):
+        model(mx.array(ids)[None], cache=layers)
         mx.eval([c.state for c in layers])
         return True
+    before = [_detached(c.state) for c in layers]
+    model(mx.array(ids)[None], cache=layers)
     for i, c in enumerate(layers):
         mx.eval(c.state)
         if i + 1 < len(layers) and cancelled():
@@ -124,7 +129,7 @@ def prefill(model: nn.Module, layers: list, ids: Sequence[int], step: int,
     A chunk is shortened when the chunk before took over `layer_budget_s` per layer (per pass on a model that
     cannot stop between layers). The logits of these positions are never evaluated, so no output-head work is done.
     """
-    stops = max(1, len(layers)) if getattr(model, "interruptible", True) else 1
+    stops = max(1, len(layers)) if _interruptible(model) else 1
     start, size = 0, step
     while start < len(ids) and not cancelled():
         chunk = ids[start:start + size]
