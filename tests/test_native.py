@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 from mlxchat.core import Engine, SamplingProfile, loader, native
 from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
+from tests.markers import needs_native
 
-needs_native = pytest.mark.skipif(not native.available(),
-                                  reason=f"native extension unavailable: {native.unavailable_reason()}")
 EPS = float(np.finfo(np.float32).eps)
 
 

@@ -12,9 +12,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxchat.core import Engine, loader, native
 from mlxchat.core.native_blocks import NativeAttention, NativeMLP, attention, use_native_blocks
+from tests.markers import needs_native
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason=f"native extension unavailable: {native.unavailable_reason()}")
+pytestmark = needs_native
 
 
 def _reference_softmax(x: np.ndarray, scale: float, causal: bool) -> np.ndarray:

@@ -20,8 +20,9 @@ from mlxchat.app.app import make_app
 from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, Notice
-from mlxchat.core import SamplingProfile, native
+from mlxchat.core import SamplingProfile
 from mlxchat.core.profile import ProfileStore
+from tests.markers import needs_native
 
 MAX_TOKENS = 12
 # Pilot types a message a key at a time and waits for the app to go idle after each (~0.1 s a key on two cores):
@@ -539,12 +540,9 @@ async def _settle(pilot, wait_for) -> None:
     await pilot.pause()
 
 
-# The screens show the weight path (native kernel or fp32 fallback): the snapshots were taken on the native one.
-native_snapshot = pytest.mark.skipif(not native.available(), reason="snapshots show the native weight path; "
-                              "this run uses the fp32 fallback (MLXCHAT_NATIVE=0 or no extension)")
-
-
-@native_snapshot
+# The screens show the weight path (native kernel or fp32 fallback): the snapshots were taken on the native one,
+# so they are skipped on the fallback.
+@needs_native
 def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
     app, conversation_id = snap_app
 
@@ -558,7 +556,7 @@ def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@native_snapshot
+@needs_native
 def test_snapshot_profile_picker(snap_compare, snap_app, wait_for):
     app, _ = snap_app
 
@@ -570,7 +568,7 @@ def test_snapshot_profile_picker(snap_compare, snap_app, wait_for):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@native_snapshot
+@needs_native
 def test_snapshot_help_screen(snap_compare, snap_app, wait_for):
     app, _ = snap_app
 

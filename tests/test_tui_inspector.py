@@ -16,7 +16,8 @@ from mlxchat.app.conversation import Refused
 from mlxchat.app.screens import ReplayScreen
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, TokenInspector, TokenStrip
-from mlxchat.core import SamplingProfile, native
+from mlxchat.core import SamplingProfile
+from tests.markers import needs_native
 
 SIZE = (120, 36)
 # Sampled, with a fixed seed: every stage of the chain shows in the inspector, and the tokens are the same each run.
@@ -232,11 +233,7 @@ async def _heat(pilot, wait_for, conversation_id: int) -> None:
 
 
 # The screen shows the weight path, and the numbers are the native kernel's: taken there, skipped on the fallback.
-native_snapshot = pytest.mark.skipif(not native.available(), reason="snapshots show the native weight path and its "
-                                     "numbers; this run uses the fp32 fallback (MLXCHAT_NATIVE=0 or no extension)")
-
-
-@native_snapshot
+@needs_native
 def test_snapshot_heat_view(snap_compare, stored_reply_app, wait_for):
     app, conversation_id = stored_reply_app
 
@@ -246,7 +243,7 @@ def test_snapshot_heat_view(snap_compare, stored_reply_app, wait_for):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@native_snapshot
+@needs_native
 def test_snapshot_token_inspector(snap_compare, stored_reply_app, wait_for):
     app, conversation_id = stored_reply_app
 
@@ -258,7 +255,7 @@ def test_snapshot_token_inspector(snap_compare, stored_reply_app, wait_for):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@native_snapshot
+@needs_native
 def test_snapshot_heat_view_light_theme(snap_compare, stored_reply_app, wait_for):
     """The same shades on the light theme (fixed backgrounds with black text; tests/test_inspector.py checks they
     are exact xterm-256 colours)."""
