@@ -32,9 +32,16 @@ blocked (``accurate_sum``): MLX's sequential float32 sum moved the cut by ~1e-4 
 ``MinP`` and ``XTC`` are thresholds and need no order.
 The draw is over the final candidate set, so after a top-k it costs nothing measurable.
 
-**Randomness** comes from ``mx.random.key(seed)``, split once per step; the global MLX random state is never
-touched. With ``seed=None`` a fresh seed is drawn once per request and kept in ``Sampler.seed`` for reporting:
-the same seed, prompt and profile give the same tokens.
+**Randomness** is a Gumbel-max draw whose noise is a function of (seed, position, token id) alone: the token is
+``argmax(logit[i] + g(seed, position, i))`` over the final candidates, where ``g`` is Gumbel noise made by hashing
+the token id with two words derived from the seed and the reply's position (``StepKeys``). The global MLX random
+state is never touched. Because the noise belongs to the token id, not to its place in a candidate array, the draw
+depends only on the final distribution: the same seed and the same final distribution at a step give the same token
+whatever order the chain narrowed the candidates in, whether a no-op stage ran, and on which path the request came
+(a chat's turn N, a fresh request, a batch row, the server, a traced run). Last-bit differences in the logits
+between paths (a cached prefix vs a fresh prefill, a GEMM in a batch vs a GEMV alone) move the draw only where two
+candidates' noisy scores tie to within that difference. With ``seed=None`` a fresh seed is drawn once per request
+and kept in ``Sampler.seed`` for reporting.
 
 ``Sampler.step`` is lazy: it builds MLX ops (including the penalty bookkeeping) and never waits on them, so the
 engine can pipeline steps with ``mx.async_eval``. The logprobs it returns cost one exp over the vocabulary (~1 ms on
@@ -121,6 +128,52 @@ def accurate_cumsum(x: mx.array) -> mx.array:
     return (blocks + offsets[:, None]).reshape(-1)[:n]
 
 
+# --- randomness: noise that belongs to (seed, position, token id) -------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+_FMIX1 = mx.array(0x85EBCA6B, mx.uint32)
+_FMIX2 = mx.array(0xC2B2AE35, mx.uint32)
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a 64-bit word that looks random for each input (host side, per step)."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def step_words(seed: int, position: int, stream: int) -> mx.array:
+    """Two uint32 words that key the noise of one (seed, position, stream): stream 0 is the draw, 1 the transforms'
+    own randomness (XTC). Made on the host from Python ints, so no key is threaded from step to step."""
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (2 * position + stream))
+    return mx.array([z & 0xFFFFFFFF, z >> 32], mx.uint32)
+
+
+def _fmix32(h: mx.array) -> mx.array:
+    """MurmurHash3's finaliser: a bijection on uint32 in which every input bit flips about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * _FMIX1
+    h = h ^ (h >> 13)
+    h = h * _FMIX2
+    return h ^ (h >> 16)
+
+
+def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
+    """A uniform number in (0, 1) for each uint32 id, fixed by `words`: 2^23 levels strictly inside the interval (so
+    the logs of a Gumbel draw stay finite), each exact in float32 (so every backend gives the same bits)."""
+    h = _fmix32(_fmix32(ids ^ words[0]) ^ words[1])
+    return ((h >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def gumbel_argmax(c: "Candidates", words: mx.array, vocab_ids: mx.array) -> mx.array:
+    """The Gumbel-max draw from softmax(c.logits): argmax(logit + Gumbel noise), the noise of each candidate taken
+    from its token id, so the result does not depend on the candidates' order or on which stage narrowed them."""
+    ids = vocab_ids if c.ids is None else c.ids.astype(mx.uint32)
+    best = mx.argmax(c.logits - mx.log(-mx.log(uniform_at(ids, words))))
+    return best if c.ids is None else c.ids[best]
+
+
 def log_softmax(logits: mx.array) -> mx.array:
     """Log-probabilities: shifted by the maximum first (near float32's maximum, ``x - logsumexp(x)`` loses the
     normaliser or gives NaN), normalised with `accurate_sum`."""
@@ -154,7 +207,7 @@ class ChainObject:
         return STEPS[self.name].label(*self.args)
 
 
-# --- transforms: (candidates, key) -> candidates ------------------------------------------------------------------
+# --- transforms: (candidates, the step's transform words) -> candidates -------------------------------------------
 
 class TopK(ChainObject):
     name = "top_k"
@@ -221,6 +274,9 @@ class TypicalP(ChainObject):
 
 
 
+_XTC_ID = mx.array([0], mx.uint32)  # XTC's one coin per step, from the transform words
+
+
 class XTC(ChainObject):
     """Exclude Top Choices (text-generation-webui / llama.cpp): with probability ``probability``, drop every token
     whose probability is at least ``threshold`` except the least likely of them."""
@@ -239,7 +295,7 @@ class XTC(ChainObject):
         above = (log_softmax(c.logits) >= self._log_t) & (c.logits > NEG_INF)
         least = mx.min(mx.where(above, c.logits, math.inf))
         # Fewer than two tokens above the threshold: nothing is strictly more likely than the least, nothing drops.
-        drop = above & (c.logits > least) & (mx.random.uniform(key=key) < self.probability)
+        drop = above & (c.logits > least) & (uniform_at(_XTC_ID, key)[0] < self.probability)
         return Candidates(mx.where(drop, NEG_INF, c.logits), c.ids)
 
 
@@ -442,7 +498,7 @@ class Sampler:
         self.profile = profile
         self.vocab_size = vocab_size
         self.seed: int = profile.seed if profile.seed is not None else secrets.randbits(64)
-        self._key = mx.random.key(self.seed)
+        self._vocab_ids = mx.arange(vocab_size, dtype=mx.uint32)
 
         p = profile
         build = lambda name: IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)  # noqa: E731
@@ -457,19 +513,18 @@ class Sampler:
         tail = "greedy" if self.profile.greedy else "sample"
         return " → ".join([repr(s) for s in self.processors + self.transforms] + [tail])
 
-    def next_keys(self) -> tuple[mx.array, mx.array]:
-        """This step's (draw key, transform key): the request's key is split once per sampled step, so `step` and
-        `traced_step` consume randomness identically and tracing never changes the tokens of a seed."""
-        self._key, draw_key, aux_key = mx.random.split(self._key, 3)
-        return draw_key, aux_key
+    def step_keys(self) -> tuple[mx.array, mx.array]:
+        """The next step's (draw words, transform words), from the seed and the reply's position (the tokens accepted
+        so far) only: a step's noise does not depend on how the steps before it were drawn, so `step` and
+        `traced_step`, a solo request and a batch row, a chat's turn and a fresh request draw alike."""
+        position = self.history.generated
+        return step_words(self.seed, position, 0), step_words(self.seed, position, 1)
 
     def replay(self, token_ids: Sequence[int]) -> None:
         """Account for tokens chosen before this sampler ran (a branch's kept and forced tokens) as if it had drawn
-        them: the penalties count them and, when sampling, the key advances one step per token, so the tokens that
-        follow are drawn with the keys the original reply used at those positions."""
+        them: the penalties count them and, when sampling, the position advances one step per token, so the tokens that
+        follow are drawn with the noise the original reply used at those positions."""
         for token in token_ids:
-            if not self.profile.greedy:
-                self.next_keys()
             self.history.accept(mx.array(token, mx.int32))
 
     def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -498,15 +553,13 @@ class Sampler:
         if self.profile.greedy:
             token = mx.argmax(logits)
         else:
-            draw_key, aux_key = self.next_keys()
+            draw_words, aux_words = self.step_keys()
             c = Candidates(logits, None)
             for transform in self.transforms:
-                c = transform(c, aux_key)
+                c = transform(c, aux_words)
                 if stages is not None:
                     stages.append(c)
-            token = mx.random.categorical(c.logits, key=draw_key)
-            if c.ids is not None:
-                token = c.ids[token]
+            token = gumbel_argmax(c, draw_words, self._vocab_ids)
         token = token.astype(mx.int32)
         self.history.accept(token)
         return token, logprobs, logits

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from mlxchat.core.profile import SamplingProfile
 from mlxchat.core.sampling import (
     CANDIDATES, XTC, Candidates, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
-    Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP,
+    Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP, gumbel_argmax, step_words, uniform_at,
 )
 
 KEY = mx.random.key(0)
@@ -316,6 +316,67 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ() -> None:
     assert isinstance(unseeded.seed, int)
     again = tokens_of(profile.model_copy(update={"seed": unseeded.seed}), x, 10)
     assert [unseeded.step(mx.array(x))[0].item() for _ in range(10)] == again
+
+
+def ref_uniform(token_id: int, words: list[int]) -> float:
+    """`uniform_at` in plain Python integers: MurmurHash3's finaliser twice, the top 23 bits, centred."""
+    def fmix(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+    return ((fmix(fmix(token_id ^ words[0]) ^ words[1]) >> 9) + 0.5) / (1 << 23)
+
+
+def test_the_noise_is_the_same_integer_hash_on_every_backend() -> None:
+    words = step_words(2**64 - 5, 17, 0)
+    ids = [0, 1, 2, 49151, 2**31 + 7, 2**32 - 1]
+    got = uniform_at(mx.array(ids, mx.uint32), words).tolist()
+    assert got == [ref_uniform(i, words.tolist()) for i in ids]
+    assert step_words(1, 0, 0).tolist() != step_words(1, 1, 0).tolist() != step_words(2, 0, 0).tolist()
+    assert step_words(1, 0, 0).tolist() != step_words(1, 0, 1).tolist()
+
+
+def test_the_draw_does_not_depend_on_the_candidates_order() -> None:
+    x = mx.array(random_logits(5000, 21, scale=1.0))
+    perm = mx.array(np.random.default_rng(0).permutation(5000).astype(np.uint32))
+    vocab = mx.arange(5000, dtype=mx.uint32)
+    for position in range(50):
+        words = step_words(7, position, 0)
+        whole = gumbel_argmax(Candidates(x, None), words, vocab).item()
+        assert gumbel_argmax(Candidates(x[perm], perm), words, vocab).item() == whole
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_stage_that_cuts_nothing_the_rest_keeps_does_not_change_the_draw(seed: int) -> None:
+    """The issue's case: top_k 1000 cuts nothing top_p 0.9 keeps, so the final distribution and the tokens match."""
+    x = random_logits(49152, seed, scale=6.0)
+    top = ref_top_k(x, 1000)
+    assert (ref_top_p(np.where(top, x, -np.inf), 0.9) == ref_top_p(x, 0.9)).all()  # the same final distribution
+    plain = SamplingProfile(temperature=0.8, top_p=0.9, seed=seed)
+    assert tokens_of(plain.model_copy(update={"top_k": 1000}), x, 40) == tokens_of(plain, x, 40)
+    assert tokens_of(plain.model_copy(update={"top_k": 1000, "sampler_order": ["top_p", "top_k", "temperature"]}),
+                     x, 40) == tokens_of(plain, x, 40)
+
+
+def test_last_bit_logit_noise_moves_the_draw_only_at_near_ties() -> None:
+    """A cached prefix and a fresh prefill, or a GEMM and a GEMV, differ in the last bits of the logits: the draw
+    follows the distribution, not those bits."""
+    x = random_logits(49152, 5, scale=3.0)
+    nudged = x * (1 + np.random.default_rng(1).uniform(-2e-7, 2e-7, x.size)).astype(np.float32)
+    profile = SamplingProfile(temperature=1.0, top_p=0.95, seed=11)
+    a, b = tokens_of(profile, x, 200), tokens_of(profile, nudged, 200)
+    assert sum(i != j for i, j in zip(a, b)) <= 1
+
+
+def test_replayed_tokens_keep_the_positions_of_the_draw() -> None:
+    x = random_logits(300, 2)
+    profile = SamplingProfile(temperature=1.0, seed=4)
+    whole = tokens_of(profile, x, 12)
+    resumed = Sampler(profile, vocab_size=300, eos_ids=set())
+    resumed.replay(whole[:5])
+    assert [resumed.step(mx.array(x))[0].item() for _ in range(7)] == whole[5:]
 
 
 def test_global_random_state_is_untouched() -> None:
