@@ -4,8 +4,13 @@ reply). Test modules get them as fixtures; none imports another test module."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,36 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def greedy() -> SamplingProfile:
     return SamplingProfile(temperature=0)
+
+
+# --- a real server ----------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def serve() -> Iterator[Callable[..., str]]:
+    """``serve(*flags)``: ``mlxchat serve`` in a subprocess on a free 127.0.0.1 port; returns its base URL (without
+    ``/v1``). Every server started is stopped at the end of the test."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*flags: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "MLXCHAT_API_KEY"}
+        proc = subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                                 *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        procs.append(proc)
+        printed: list[str] = []
+        for line in proc.stdout:
+            printed.append(line)
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
+                threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep it drained
+                return m.group(1)
+        raise RuntimeError(f"the server did not start: {''.join(printed)}")
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # --- the TUI ---------------------------------------------------------------------------------------------------
@@ -139,7 +174,7 @@ def snapshot(snapshot: Any) -> Any:
 # A test is in the model tier when it asks for a fixture that loads one, or when its module drives real processes,
 # servers or apps throughout.
 MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_app", "with_session_engine",
-                  "server", "tight", "client", "sweep", "wheel", "bad_files"}
+                  "server", "tight", "client", "sweep", "wheel", "bad_files", "serve"}
 MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
                  "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability",
                  "test_distributed_load", "test_distributed_procs", "test_interrupts"}
