@@ -4,7 +4,7 @@ Each step works on the float32 logits of the last position::
 
     logits ─▶ processors ─▶ logprobs (log-softmax, reported)
                   │
-                  └─▶ transforms, in order ─▶ draw (categorical, per-request key) ─▶ token
+                  └─▶ transforms, in order ─▶ draw (Gumbel-max, keyed by seed, position, id) ─▶ token
 
 **Processors** always run first, in this fixed order: ``RepetitionPenalty`` (CTRL/HF: a positive logit ÷ r, a
 negative one × r, once per distinct token in the window) → ``FrequencyPenalty`` (logit −= f × count) →
