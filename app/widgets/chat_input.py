@@ -50,6 +50,13 @@ class ChatInput(TextArea):
         self._history_index: int | None = None  # None: editing a new message
         self._draft = ""
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # TextArea binds F6 to "select line"; here F6 belongs to the chat screen (the lab). Declining the action
+        # lets the key go on to the screen's binding. (F7, TextArea's "select all", is a priority binding there.)
+        if action == "select_line":
+            return False
+        return super().check_action(action, parameters)
+
     def _action_for(self, key: str) -> str | None:
         keymap = getattr(self.app, "_keymap", {}) or {}
         for binding in self.BINDINGS:
