@@ -90,6 +90,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         view: "MessageView"
         step: int
 
+    _parts: list[str]  # the text, in the pieces it came in since it was last read
+
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
                  turn: "Turn | None" = None) -> None:
         super().__init__(classes=f"message {role}")
@@ -100,7 +102,6 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
         self._streaming = False
-        self._chunks: list[str] = []
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
@@ -115,10 +116,22 @@ class MessageView(OneLayout, Vertical, can_focus=True):
     def streaming(self) -> bool:
         return self._streaming
 
+    @property
+    def text(self) -> str:
+        """The message's text. A streaming reply's batches are joined when it is read (to copy it, or at the end),
+        not once per batch: joining all of them for each one cost O(reply) per batch, O(reply²) per reply."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @text.setter
+    def text(self, text: str) -> None:
+        self._parts = [text]
+
     # --- streaming -----------------------------------------------------------------------------------------------
 
     def start_stream(self) -> None:
-        self._chunks = []
+        """Batches now append to the text this view shows (a reply shown again mid-stream keeps what came)."""
         self._streaming = True
         self.add_class("streaming")
 
@@ -131,8 +144,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             self.start_stream()
         if not text:
             return
-        self._chunks.append(text)
-        self.text = "".join(self._chunks)
+        self._parts.append(text)
         await self.query_one(".body", Markdown).append(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
