@@ -25,6 +25,7 @@ from mlxchat.core.locations import Locations
 from mlxchat.core.messages import ContextPolicy
 from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
+from . import textual_compat
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
 from .conversation import Refused
@@ -142,7 +143,7 @@ class MlxChatApp(App[None]):
 
     def binding_rows(self, *, remapped: bool = True) -> list[tuple[str, str, str, str]]:
         """(keys, description, where, id) for every binding with an id, with the keymap applied."""
-        keymap: dict[str, str] = dict(getattr(self, "_keymap", {}) or {}) if remapped else {}
+        keymap = textual_compat.keymap(self) if remapped else {}
         rows = []
         seen = set()
         for where, cls in self.BINDING_SCOPES:

@@ -1,5 +1,9 @@
 """The command line of a model split across machines (core/distributed): the flags `chat`, `generate` and `serve`
-share, their checks, starting rank 0, and `mlxchat worker`. Cheap to import: MLX loads only when a model does."""
+share, their checks, starting rank 0, and `mlxchat worker`. Cheap to import: MLX loads only when a model does.
+
+A public module of the app: the one a tool may import (`mlxchat serve` adds the same flags). It lives here, not in
+core, because importing anything of `mlxchat.core` loads MLX, which the CLI's parser must not. The import contracts
+in pyproject.toml allow exactly `mlxchat.server.cli -> mlxchat.app.split` (docs/architecture.md §1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The lab screen in a Pilot: a real run on the embedded model with live progress, the metrics table, browsing,
-and blind A/B votes stored with the run."""
+and blind A/B votes stored with the run; and F6 opening it in the app through its entry point."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from textual.app import App
 from textual.widgets import DataTable, Input, ProgressBar, Select, Static
 
-from mlxchat.app.screens.lab import LabScreen
+from mlxchat.lab.screen import LabScreen
 from mlxchat.lab.store import LabStore
 
 
@@ -56,3 +56,19 @@ async def test_lab_screen_runs_browses_and_votes(engine, tmp_path):
         votes = store.votes(run.id)
         assert [v["choice"] for v in votes] == ["left", "skip"]
         assert "win rate" in str(screen.query_one("#status", Static).render())
+
+
+@pytest.mark.anyio
+async def test_f6_opens_the_lab_through_its_entry_point(tmp_path, new_app, ready):
+    app = new_app()
+    async with app.run_test(size=(160, 45)) as pilot:
+        chat = await ready(pilot)
+        assert app.focused is chat.input  # F6 from the input too (where TextArea binds it to "select line")
+        await pilot.press("f6")
+        await pilot.pause()
+        assert isinstance(app.screen, LabScreen)
+        assert app.screen.engine is chat.controller.engine
+        assert app.screen.session.store.path == tmp_path / "data" / "lab.db"  # the app's data folder
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is chat

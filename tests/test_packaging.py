@@ -37,6 +37,10 @@ def test_the_wheel_holds_one_mlxchat_package_with_its_data(wheel: Path) -> None:
     for preset in ("chat", "completion", "creative", "factual", "precise"):
         assert f"mlxchat/templates/presets/{preset}.toml" in names
     assert "mlxchat/app/app.tcss" in names
+    # The tools plug into the app through entry points: the lab's F6 screen as well as its subcommand.
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    groups = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[mlxchat.screens]\nlab = mlxchat.lab.screen:open_lab" in groups
 
 
 def test_an_installed_wheel_runs_a_preset_from_another_folder(wheel: Path, tmp_path: Path) -> None:

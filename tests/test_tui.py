@@ -19,7 +19,7 @@ from textual.widgets import Button, Input, OptionList
 from mlxchat.app.app import make_app
 from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
-from mlxchat.app.widgets import ChatInput, ConversationList, Notice
+from mlxchat.app.widgets import ChatInput, ConversationList, MessageView, Notice
 from mlxchat.core import SamplingProfile
 from mlxchat.core.profile import ProfileStore
 from tests.markers import needs_native
@@ -34,8 +34,17 @@ SIZE = (110, 32)
 # --- chat ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_send_streams_a_reply_with_live_readouts_and_stores_it(engine, new_app, wait_for, send, reply):
+async def test_send_streams_a_reply_with_live_readouts_and_stores_it(engine, new_app, wait_for, send, reply,
+                                                                     monkeypatch):
     app = new_app(max_tokens=MAX_TOKENS)
+    written: list[str] = []  # every batch the transcript was given, in order (the real write runs)
+    write = MessageView.write
+
+    async def recorded(view: MessageView, text: str) -> None:
+        written.append(text)
+        await write(view, text)
+
+    monkeypatch.setattr(MessageView, "write", recorded)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
@@ -48,8 +57,8 @@ async def test_send_streams_a_reply_with_live_readouts_and_stores_it(engine, new
         result = screen.controller.last_result
         assert result is not None and result.finish_reason in ("stop", "length")
         # It streamed: text arrived in several batches, and nothing was dropped.
-        assert len(reply_view._chunks) >= 2 and screen.worker.batches_posted >= 2
-        assert "".join(reply_view._chunks) == result.text == reply_view.text
+        assert len([batch for batch in written if batch]) >= 2 and screen.worker.batches_posted >= 2
+        assert "".join(written) == result.text == reply_view.text
         assert reply_view.query_one(".body").source == result.text  # the final re-parse
         # Readouts: non-zero TTFT and TPOT, shown in the stats bar and under the message.
         m = screen.stats.metrics

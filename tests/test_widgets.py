@@ -7,7 +7,7 @@ import pytest
 from pathlib import Path
 
 from textual.app import App, ComposeResult
-from textual.widgets import Input
+from textual.widgets import Input, Markdown
 
 from mlxchat.app.formatting import fmt_bytes, live_readouts, stats_line
 from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
@@ -343,3 +343,23 @@ async def test_a_reply_that_grows_needs_one_layout_not_two():
         await pilot.pause()
         assert layouts == 1 and view.text.startswith("One line. Then")
         assert view.query_one(".body").children[0].size.height >= 2
+
+
+@pytest.mark.anyio
+async def test_a_reply_shown_again_mid_stream_keeps_what_came_and_appends_the_rest():
+    """The chat screen rebuilds a streaming reply's view from its text so far, then streams on into it."""
+    from mlxchat.app.widgets.transcript import MessageView
+
+    class ReplyApp(App):
+        def compose(self) -> ComposeResult:
+            yield MessageView("assistant", "Hello")
+
+    app = ReplyApp()
+    async with app.run_test(size=(60, 20)):
+        view = app.query_one(MessageView)
+        view.start_stream()
+        for batch in (",", " world", "!"):
+            await view.write(batch)
+        assert view.text == "Hello, world!" == view.query_one(".body", Markdown).source
+        await view.write(" Again.")
+        assert view.text == "Hello, world! Again."

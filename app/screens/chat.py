@@ -559,16 +559,20 @@ class ChatScreen(Screen):
             done)
 
     def action_lab(self) -> None:
-        """F6: the sampling lab (prompt sets, sweeps, side-by-side outputs, blind A/B) on the loaded model."""
-        from mlxchat.lab.store import LabStore
-
-        from .lab import LabScreen
+        """F6: the sampling lab (prompt sets, sweeps, side-by-side outputs, blind A/B) on the loaded model. The lab
+        adds its screen through the ``mlxchat.screens`` entry point, so the app does not import it."""
+        from ..tool_screens import ToolScreenUnavailable, open_tool_screen
 
         engine = self.controller.engine
         if engine is None:
             self.notify("the lab needs a loaded model: wait for it, or pick one with F3", severity="warning")
             return
-        self.app.push_screen(LabScreen(engine, LabStore(self.app.locations.data / "lab.db")))
+        try:
+            screen = open_tool_screen("lab", engine, self.app.locations.data)
+        except ToolScreenUnavailable as e:
+            self.notify(str(e), severity="error")
+            return
+        self.app.push_screen(screen)
 
     # --- the sampler inspector: heat view, token inspector, branches, replay --------------------------------------
 

@@ -7,13 +7,15 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
+from .. import textual_compat
+
 
 class ChatInput(TextArea):
     """A multi-line input. Enter sends; ctrl+j (any terminal: it is a plain LF byte) or shift+enter (terminals
     with the Kitty keyboard protocol) insert a newline. Not alt+enter: Textual reads ESC CR as a plain enter on
     xterm-like terminals. Up on the first line / down on the last line walk the history of sent messages."""
 
-    # These keys are handled in _on_key, in order with the typed characters: a priority binding would run before
+    # These keys are handled in on_key, in order with the typed characters: a priority binding would run before
     # the characters of the same terminal read reach the widget (text typed and Enter pressed at once would be
     # sent incomplete). The bindings still name them for the footer, the help screen and remapping.
     BINDINGS = [
@@ -50,8 +52,15 @@ class ChatInput(TextArea):
         self._history_index: int | None = None  # None: editing a new message
         self._draft = ""
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # TextArea binds F6 to "select line"; here F6 belongs to the chat screen (the lab). Declining the action
+        # lets the key go on to the screen's binding. (F7, TextArea's "select all", is a priority binding there.)
+        if action == "select_line":
+            return False
+        return super().check_action(action, parameters)
+
     def _action_for(self, key: str) -> str | None:
-        keymap = getattr(self.app, "_keymap", {}) or {}
+        keymap = textual_compat.keymap(self.app)
         for binding in self.BINDINGS:
             assert isinstance(binding, Binding)
             if binding.id in self._KEYED:
@@ -60,13 +69,13 @@ class ChatInput(TextArea):
                     return self._KEYED[binding.id]
         return None
 
-    async def _on_key(self, event: events.Key) -> None:
+    def on_key(self, event: events.Key) -> None:
         action = self._action_for(event.key)
         if action is not None and self.check_action(action, ()):
             event.stop()
-            event.prevent_default()  # TextArea's own handler (next in the MRO) must not also insert a newline
+            event.prevent_default()  # TextArea's own key handler (a base class's) must not also insert a newline
             getattr(self, f"action_{action}")()
-        # Otherwise the dispatcher goes on to TextArea._on_key (next in the MRO), which inserts the character.
+        # Otherwise Textual goes on to the base classes' key handlers: TextArea's inserts the character.
 
     # --- history -------------------------------------------------------------------------------------------------
 

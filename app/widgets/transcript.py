@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
 from textual import events, on
@@ -12,12 +12,11 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Markdown, Static
-from textual.content import Content
-from textual.visual import visualize
-from textual.widgets._markdown import MarkdownParagraph  # not re-exported by textual.widgets.markdown
+from textual.visual import VisualType, visualize
 from textual.widgets.markdown import MarkdownFence
 
 from .. import inspector
+from ..textual_compat import MarkdownParagraph, OneLayout
 from .inspector import TokenStrip
 
 if TYPE_CHECKING:
@@ -32,19 +31,7 @@ def _parser() -> MarkdownIt:
     return _PARSER
 
 
-class _OneLayout:
-    """For widgets that never scroll (a reply, its Markdown and their blocks): a new size needs no second layout.
-
-    After a layout, Textual sets each resized widget's ``virtual_size``, a reactive that asks for another layout of
-    the whole screen; that second pass matters to widgets that scroll their content. These only grow with their
-    text, and the layout that resized them already placed everything, so each line a streaming reply wraps onto
-    costs one layout instead of two."""
-
-    def _size_updated(self, size: Any, virtual_size: Any, container_size: Any, layout: bool = True) -> bool:
-        return super()._size_updated(size, virtual_size, container_size, layout=False)  # type: ignore[misc]
-
-
-class ReplyParagraph(_OneLayout, MarkdownParagraph):
+class ReplyParagraph(OneLayout, MarkdownParagraph):
     """A Markdown paragraph that asks for a layout only when its new text changes its height.
 
     While a reply streams, each batch extends the last paragraph; Textual's ``Static.update`` always asks for a
@@ -54,12 +41,12 @@ class ReplyParagraph(_OneLayout, MarkdownParagraph):
 
     _measured: tuple[int, int] | None = None  # (width, height) of the text last set, as measured here
 
-    def set_content(self, content: Content) -> None:
-        layout = self._height_changes(content)
-        self._content = content
-        self.update(content, layout=layout)
+    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
+        # Each batch's text arrives here through MarkdownBlock.set_content.
+        height_changes = self._height_changes(content)  # measured always: the next batch compares with it
+        super().update(content, layout=layout and height_changes)
 
-    def _height_changes(self, content: Content) -> bool:
+    def _height_changes(self, content: VisualType) -> bool:
         width, height = self.size
         if not (self.is_mounted and width and height):
             self._measured = None
@@ -78,13 +65,13 @@ class ReplyParagraph(_OneLayout, MarkdownParagraph):
         return new != old[1] or old[1] != height
 
 
-class ReplyMarkdown(_OneLayout, Markdown):
+class ReplyMarkdown(OneLayout, Markdown):
     """The reply's Markdown: Textual's, with paragraphs that repaint without a layout when they keep their height."""
 
     BLOCKS = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
 
 
-class MessageView(_OneLayout, Vertical, can_focus=True):
+class MessageView(OneLayout, Vertical, can_focus=True):
     """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
     ``< 1/2 >`` and [ / ] switch between them."""
 
@@ -103,6 +90,8 @@ class MessageView(_OneLayout, Vertical, can_focus=True):
         view: "MessageView"
         step: int
 
+    _parts: list[str]  # the text, in the pieces it came in since it was last read
+
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
                  turn: "Turn | None" = None) -> None:
         super().__init__(classes=f"message {role}")
@@ -113,7 +102,6 @@ class MessageView(_OneLayout, Vertical, can_focus=True):
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
         self._streaming = False
-        self._chunks: list[str] = []
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
@@ -128,10 +116,22 @@ class MessageView(_OneLayout, Vertical, can_focus=True):
     def streaming(self) -> bool:
         return self._streaming
 
+    @property
+    def text(self) -> str:
+        """The message's text. A streaming reply's batches are joined when it is read (to copy it, or at the end),
+        not once per batch: joining all of them for each one cost O(reply) per batch, O(reply²) per reply."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @text.setter
+    def text(self, text: str) -> None:
+        self._parts = [text]
+
     # --- streaming -----------------------------------------------------------------------------------------------
 
     def start_stream(self) -> None:
-        self._chunks = []
+        """Batches now append to the text this view shows (a reply shown again mid-stream keeps what came)."""
         self._streaming = True
         self.add_class("streaming")
 
@@ -144,8 +144,7 @@ class MessageView(_OneLayout, Vertical, can_focus=True):
             self.start_stream()
         if not text:
             return
-        self._chunks.append(text)
-        self.text = "".join(self._chunks)
+        self._parts.append(text)
         await self.query_one(".body", Markdown).append(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:

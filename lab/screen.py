@@ -1,9 +1,13 @@
 """The lab screen: pick a prompt set and two profiles (or a sweep), run with live progress, browse the outputs side
 by side per prompt under the metrics table, and vote blind between two settings. The logic is
-``mlxchat.lab.session.LabSession``; this screen only shows it."""
+``mlxchat.lab.session.LabSession``; this screen only shows it.
+
+The TUI opens it with F6 through the entry point ``lab`` of the group ``mlxchat.screens`` (``open_lab`` below; see
+app/tool_screens.py), so the app never imports the lab."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textual import on, work
@@ -15,14 +19,20 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, ProgressBar, Select, Static
 
 from mlxchat.core import SamplingProfile
-from mlxchat.lab import prompts as P
-from mlxchat.lab.session import LabSession
-from mlxchat.lab.store import LabStore
+
+from . import prompts as P
+from .session import LabSession
+from .store import LabStore
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
 
 COLUMNS = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
+
+
+def open_lab(engine: "Engine", data_dir: Path) -> "LabScreen":
+    """The entry point ``mlxchat.screens`` ``lab``: the lab on the app's engine, its runs in ``data_dir``/lab.db."""
+    return LabScreen(engine, LabStore(data_dir / "lab.db"))
 
 
 class LabScreen(Screen):
