@@ -171,7 +171,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     async def completions(request: HttpRequest, chat: bool) -> Response:
         started = time.perf_counter()
-        req = protocol.parse(await read_json(request), chat=chat, base=base, profiles=profiles)
+        req = protocol.parse(await read_json(request), chat=chat, served=name, base=base, profiles=profiles)
         ids = encode(req)
         choices = start(req, ids)
         rid = protocol.new_id(chat)
@@ -302,17 +302,15 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return await completions(request, chat=False)
 
     def model_card() -> dict[str, Any]:
-        m = engine.model
+        # The id is the name requests use; where the weights lie on this machine is no client's business.
         return {"id": name, "object": "model", "created": 0, "owned_by": "mlxchat",
-                "context_length": m.context_length, "source": m.source}
+                "context_length": engine.context_length}
 
     async def models(request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def model(request: HttpRequest) -> Response:
-        wanted = request.path_params["model_id"]
-        if wanted != name:
-            raise ApiError(404, f"no model {wanted!r}; this server serves {name!r}", "model", kind="not_found_error")
+        protocol.check_model(request.path_params["model_id"], name)
         return JSONResponse(model_card())
 
     async def health(request: HttpRequest) -> Response:

@@ -187,7 +187,7 @@ def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc],
             break
         except httpx.HTTPError:
             time.sleep(0.3)
-    body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0}
     for _ in range(2):  # the second resends the same conversation: its prefix comes from the kept cache
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
     expected = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=N)
