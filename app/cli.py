@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
     pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
-    sub.add_parser("models", help="list the models in the Hugging Face cache: size, last used, loadable")
+    sub.add_parser("models", help="list the models mlxchat can load here (the embedded one, local files you added, the "
+                                   "Hugging Face cache): size, last used, loadable")
     rm = sub.add_parser("rm", help="delete a model from the Hugging Face cache")
     rm.add_argument("repo_id", help="ORG/NAME, as `mlxchat models` lists it")
     rm.add_argument("--yes", "-y", action="store_true", help="delete without asking (for scripts)")
@@ -288,17 +289,28 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from mlxchat.core import hub
+    from mlxchat.core.locations import Locations
 
-    rows = [(m.repo_id, fmt_bytes(m.size_bytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)),
-             "yes" if m.loadable else "no") for m in hub.cached_models()]
-    if not rows:
-        print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
-        return 0
+    from .models import local_models, saved_models
+
+    saved, problems = saved_models(Locations.resolve())
+    for problem in problems:
+        print(f"mlxchat: note: {problem}", file=sys.stderr)
+    rows = [(m.name, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no")
+            for m in local_models(saved)]
+    cached = hub.cached_models()
+    rows += [(m.repo_id, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no") for m in cached]
     rows.insert(0, ("MODEL", "SIZE", "LAST USED", "LOADABLE"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths)), r[3]]))
+    if not cached:
+        print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
     return 0
+
+
+def _when(seconds: float | None) -> str:
+    return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
 
 
 def _rm(args: argparse.Namespace) -> int:
