@@ -257,7 +257,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                         final["timings"] = protocol.timings(event.result.metrics)
                         yield json.dumps(final)
                         continue
-                    if event.text or event.logprobs or event.traces:
+                    # A split model's scheduler passes on prefill progress too: nothing to stream for it.
+                    if isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
                         yield json.dumps(delta(req, rid, i, event, offsets))
                     waiting[asyncio.ensure_future(choices[i].next())] = i
             if req.include_usage:

@@ -193,3 +193,8 @@ def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc],
     expected = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=N)
     assert answer["choices"][0]["message"]["content"] == expected.text
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # Streamed too (the split scheduler's prefill progress has no chunk of its own).
+    raw = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    chunks = [json.loads(line[6:]) for line in raw.text.split("\n\n") if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == expected.text
+
