@@ -211,8 +211,9 @@ def make_app(model: str | None = None, data_dir: str | Path | None = None, confi
 
     model: what ``Engine.load`` takes (None: the config's model, else the embedded one); data_dir / config_dir:
     override the XDG folders; max_tokens: per reply (None: the config's); profile / system_prompt / settings:
-    override the config's values (new chats' defaults); sampling: sampler settings over new chats' profile; engine: an already loaded Engine (tests share one), which the app does not
-    close; scan_hf_cache: let the model picker look in the Hugging Face cache."""
+    override the config's values (new chats' defaults); sampling: sampler settings over new chats' profile;
+    engine: an already loaded Engine (tests share one), which the app does not close; scan_hf_cache: let the model
+    picker look in the Hugging Face cache."""
     return MlxChatApp(locations=Locations.resolve(data_dir, config_dir), model=model, engine=engine,
                       max_tokens=max_tokens, scan_hf_cache=scan_hf_cache, profile=profile,
                       system_prompt=system_prompt, settings=settings, sampling=sampling)

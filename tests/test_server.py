@@ -164,7 +164,8 @@ def test_text_completion_stream_with_openai_client(client: openai.OpenAI) -> Non
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
     msgs = _msgs("Count from one to ten, in digits.")
-    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, **GREEDY).choices[0].message.content
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, **GREEDY)
+    full = full.choices[0].message.content
     stop = full.strip()[3:5]
     assert stop
     cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stop=[stop], **GREEDY).choices[0]
