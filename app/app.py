@@ -59,7 +59,8 @@ class MlxChatApp(App[None]):
 
     def __init__(self, *, locations: Locations, model: str | None = None, engine: "Engine | None" = None,
                  max_tokens: int | None = None, scan_hf_cache: bool = True, profile: str | None = None,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, settings: dict[str, Any] | None = None,
+                 sampling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.locations = locations
         self.problems: list[str] = []
@@ -69,8 +70,10 @@ class MlxChatApp(App[None]):
             self.settings = Settings()
             self.problems.append(str(e))
         overrides = {k: v for k, v in (("profile", profile), ("system_prompt", system_prompt)) if v is not None}
+        overrides.update(settings or {})
         if overrides:
             self.settings = self.settings.model_copy(update=overrides)
+        self.sampling = sampling or {}  # the command line's sampler flags, over each new chat's profile
         self.model_spec = model if model is not None else self.settings.model
         self.preloaded_engine = engine
         self.max_tokens = max_tokens if max_tokens is not None else self.settings.max_tokens
@@ -132,10 +135,11 @@ class MlxChatApp(App[None]):
         """The config's profile: a preset or a saved user profile (the chat preset if it cannot be found)."""
         name = self.settings.profile
         try:
-            return self.profiles.resolve(name)
+            profile = self.profiles.resolve(name)
         except ProfileError as e:
             self.notify(f"profile {name!r}: {e}; using the chat preset", severity="warning")
-            return SamplingProfile.preset("chat")
+            profile = SamplingProfile.preset("chat")
+        return profile.model_copy(update=self.sampling)
 
     # --- help, theme, palette ------------------------------------------------------------------------------------
 
@@ -202,16 +206,18 @@ MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("chat", ChatScreen), ("input"
 
 def make_app(model: str | None = None, data_dir: str | Path | None = None, config_dir: str | Path | None = None,
              max_tokens: int | None = None, *, engine: "Engine | None" = None, scan_hf_cache: bool = True,
-             profile: str | None = None, system_prompt: str | None = None) -> MlxChatApp:
+             profile: str | None = None, system_prompt: str | None = None, settings: dict[str, Any] | None = None,
+             sampling: dict[str, Any] | None = None) -> MlxChatApp:
     """Build the app.
 
     model: what ``Engine.load`` takes (None: the config's model, else the embedded one); data_dir / config_dir:
-    override the XDG folders; max_tokens: per reply (None: the config's); profile / system_prompt: override the
-    config's defaults for new chats; engine: an already loaded Engine (tests share one), which the app does not
-    close; scan_hf_cache: let the model picker look in the Hugging Face cache."""
+    override the XDG folders; max_tokens: per reply (None: the config's); profile / system_prompt / settings:
+    override the config's values (new chats' defaults); sampling: sampler settings over new chats' profile;
+    engine: an already loaded Engine (tests share one), which the app does not close; scan_hf_cache: let the model
+    picker look in the Hugging Face cache."""
     return MlxChatApp(locations=Locations.resolve(data_dir, config_dir), model=model, engine=engine,
                       max_tokens=max_tokens, scan_hf_cache=scan_hf_cache, profile=profile,
-                      system_prompt=system_prompt)
+                      system_prompt=system_prompt, settings=settings, sampling=sampling)
 
 
 def run_tui(model: str | None = None, **kw: Any) -> int:

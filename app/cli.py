@@ -36,32 +36,19 @@ CONTEXT_POLICIES = ("error", "truncate", "rotate")
 TRUNCATE_REPLY_ROOM = 512
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mlxchat", description="Chat with a local LLM on MLX.")
     sub = p.add_subparsers(dest="command")
 
     chat = sub.add_parser("chat", help="open the full-screen chat (the default)")
-    chat.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
-    chat.add_argument("--max-tokens", type=int, help="cap each reply at N tokens")
+    _reply_flags(chat, policy_default="config.toml's context_policy, truncate")
+    chat.add_argument("--new", action="store_true", help="start with a new chat even if config.toml says "
+                                                         "reopen_last = true")
     add_split_arguments(chat)
 
     gen = sub.add_parser("generate", help="answer one prompt, streaming to stdout")
     gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
-    gen.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
-    gen.add_argument("--max-tokens", type=int, help="stop after N tokens (default: end of turn or context)")
-    gen.add_argument("--temperature", type=float, help="0 = greedy (default: the profile's)")
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--min-p", type=float)
-    gen.add_argument("--seed", type=int, help="same seed, same text")
-    gen.add_argument("--profile", help="a preset (precise, factual, chat, creative, completion) or a saved profile")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--system", help="system prompt")
-    gen.add_argument("--context-policy", choices=CONTEXT_POLICIES, default="error",
-                     help="a prompt longer than the context: error (the default), truncate (keep the system prompt "
-                          "and the prompt's end), rotate (a rotating KV window, see --kv-window)")
-    gen.add_argument("--kv-window", type=int, help="tokens kept in a rotating KV cache (implies "
-                                                   "--context-policy rotate; default with rotate: the context)")
+    _reply_flags(gen, policy_default="error")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
     add_split_arguments(gen)
@@ -69,13 +56,55 @@ def _parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
     pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
-    sub.add_parser("models", help="list the models in the Hugging Face cache: size, last used, loadable")
+    sub.add_parser("models", help="list the models mlxchat can load here (the embedded one, local files you added, the "
+                                   "Hugging Face cache): size, last used, loadable")
     rm = sub.add_parser("rm", help="delete a model from the Hugging Face cache")
     rm.add_argument("repo_id", help="ORG/NAME, as `mlxchat models` lists it")
     rm.add_argument("--yes", "-y", action="store_true", help="delete without asking (for scripts)")
 
     _tool_commands(sub)
     return p
+
+
+def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
+    """The flags `chat` and `generate` share (mlx_lm.chat's and mlx_lm.generate's): the model, the sampler, the
+    system prompt and what a conversation longer than the context does. One definition, so they cannot drift."""
+    p.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--max-tokens", type=int, help="stop a reply after N tokens (default: end of turn or context)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: the profile's)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int, help="same seed, same text")
+    p.add_argument("--profile", help="a preset (precise, factual, chat, creative, completion) or a saved profile")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--context-policy", choices=CONTEXT_POLICIES,
+                   help=f"a conversation longer than the context: error (refuse it), truncate (keep the system prompt "
+                        f"and the end), rotate (a rotating KV window, see --kv-window); default: {policy_default}")
+    p.add_argument("--kv-window", "--max-kv-size", dest="kv_window", type=int,
+                   help="tokens kept in a rotating KV cache (implies --context-policy rotate; default with rotate: "
+                        "the context)")
+
+
+def _check_reply_flags(args: argparse.Namespace) -> None:
+    """What argparse cannot check in `_reply_flags`, before any model loads; --kv-window alone means rotate."""
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
+    if "" in args.stop:
+        raise ValueError("--stop needs a non-empty string (an empty one would match everywhere)")
+    if args.kv_window is not None:
+        if args.context_policy not in (None, "rotate"):
+            raise ValueError(f"--kv-window goes with --context-policy rotate, not {args.context_policy}")
+        if args.kv_window < 16:
+            raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
+        args.context_policy = "rotate"
+
+
+def _sampler_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampler flags given, by their profile names: they override the profile's settings."""
+    return {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+                              ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
 
 
 def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -126,9 +155,7 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
     # A saved profile that is corrupt is an error here (the file is named and left as it is): a script that asked
     # for a profile by name must not silently get other settings.
     base = SamplingProfile() if args.profile is None else ProfileStore().resolve(args.profile)
-    overrides = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
-                                   ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
-    return SamplingProfile.model_validate({**base.model_dump(), **overrides})
+    return SamplingProfile.model_validate({**base.model_dump(), **_sampler_flags(args)})
 
 
 def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
@@ -219,13 +246,14 @@ def _worker(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from mlxchat.app.app import run_tui
 
+    options = chat_options(args)
     if getattr(args, "hosts", None) is None:
-        return run_tui(getattr(args, "model", None), max_tokens=getattr(args, "max_tokens", None))
+        return run_tui(args.model, **options)
     _import_core()
     check_split(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     try:
-        code = run_tui(args.model, max_tokens=args.max_tokens, engine=engine)
+        code = run_tui(args.model, engine=engine, **options)
     finally:
         engine.close()
     if not engine.usable:
@@ -233,20 +261,31 @@ def _chat(args: argparse.Namespace) -> int:
     return code
 
 
+def chat_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`mlxchat chat`'s flags as `make_app`'s arguments: they set up the new chat over config.toml's settings (a
+    new chat: with any of them, or --new, the last chat is not reopened). Bad values fail here, in one line."""
+    from mlxchat.core import SamplingProfile
+    from mlxchat.core.profile import ProfileStore
+
+    _check_reply_flags(args)
+    sampling = _sampler_flags(args) | ({"stop": args.stop} if args.stop else {})
+    SamplingProfile.model_validate(sampling)  # each flag's range, before the app opens
+    if args.profile is not None:
+        ProfileStore().resolve(args.profile)  # an unknown name is an error, as in generate
+    settings = {k: v for k, v in (("context_policy", args.context_policy), ("kv_window", args.kv_window))
+                if v is not None}
+    if args.new or sampling or args.profile or args.system is not None:
+        settings["reopen_last"] = False
+    return {"max_tokens": args.max_tokens, "profile": args.profile, "system_prompt": args.system,
+            "sampling": sampling, "settings": settings}
+
+
 def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():  # checked again by the engine; here it saves loading the model for nothing
         raise ValueError("the prompt is empty: type a message first")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
-    if "" in args.stop:
-        raise ValueError("--stop needs a non-empty string (an empty one would match everywhere)")
-    if args.kv_window is not None:
-        if args.context_policy == "truncate":
-            raise ValueError("--kv-window goes with --context-policy rotate, not truncate")
-        if args.kv_window < 16:
-            raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
-        args.context_policy = "rotate"
+    _check_reply_flags(args)
+    args.context_policy = args.context_policy or "error"
     _import_core()
     check_split(args)
     profile = _profile(args)
@@ -288,17 +327,28 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from mlxchat.core import hub
+    from mlxchat.core.locations import Locations
 
-    rows = [(m.repo_id, fmt_bytes(m.size_bytes), time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)),
-             "yes" if m.loadable else "no") for m in hub.cached_models()]
-    if not rows:
-        print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
-        return 0
+    from .models import local_models, saved_models
+
+    saved, problems = saved_models(Locations.resolve())
+    for problem in problems:
+        print(f"mlxchat: note: {problem}", file=sys.stderr)
+    rows = [(m.name, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no")
+            for m in local_models(saved)]
+    cached = hub.cached_models()
+    rows += [(m.repo_id, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no") for m in cached]
     rows.insert(0, ("MODEL", "SIZE", "LAST USED", "LOADABLE"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths)), r[3]]))
+    if not cached:
+        print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
     return 0
+
+
+def _when(seconds: float | None) -> str:
+    return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -378,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.command is None:  # plain `mlxchat`: the chat, with its flags' defaults
+        args = build_parser().parse_args(["chat"])
     try:
         if args.command == "generate":
             return _with_interrupts(args)

@@ -11,6 +11,7 @@ Example ``~/.config/mlxchat/config.toml``::
     kv_window = 2048                 # the rotating window's size (with context_policy = "rotate"; default: the context)
     models = ["~/models/qwen2.5-0.5b-instruct-q4.gguf"]
     trace = 8                        # trace every reply as it is written (costs decode speed; see the README)
+    reopen_last = true               # start where you left off: the last chat, not a new one (`mlxchat chat --new`)
 
     [keys]                           # binding id = keys (comma-separated); see the help screen (F1) for the ids
     regenerate = "ctrl+r,f9"
@@ -53,6 +54,7 @@ class Settings(BaseModel):
     # and F7 traces a reply only when asked (by writing it again with its seed).
     trace: int = Field(default=0, ge=0, le=100)
     models: list[str] = Field(default_factory=list)
+    reopen_last: bool = False
     keys: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("keys")

@@ -1,10 +1,13 @@
-"""Which models the model picker offers: the embedded one, local GGUF files / MLX folders the user added, and the
-models already in the Hugging Face cache (found offline, loaded from their snapshot folder)."""
+"""Which models the model picker (and `mlxchat models`) offers: the embedded one, local GGUF files / MLX folders
+the user added, and the models already in the Hugging Face cache (found offline, loaded from their snapshot
+folder)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from mlxchat.core.locations import Locations
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,63 @@ def hf_cache_choices(cache_dir: str | Path | None = None) -> list[ModelChoice]:
         return []
     return [ModelChoice(str(m.snapshot), m.repo_id, "hf-cache", f"{fmt_bytes(m.size_bytes)} · {m.revision[:8]}")
             for m in models if m.loadable]
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A model on this machine outside the Hugging Face cache, as `mlxchat models` lists it."""
+
+    name: str  # what --model takes (a path), or the embedded model's label
+    size_bytes: int
+    last_used: float | None  # the newest access time of its files
+    loadable: bool
+
+
+def saved_models(locations: Locations) -> tuple[list[tuple[str, str]], list[str]]:
+    """F3's local models as (path, label), those the app remembered and config.toml's `models`, and a line for each
+    place that could not be read. The database is read only if it exists: a listing must not create it."""
+    from .config import ConfigError, Settings
+    from .store import Store, StoreError
+
+    saved: list[tuple[str, str]] = []
+    problems: list[str] = []
+    if locations.database.exists():
+        try:
+            store = Store(locations.database)
+        except StoreError as e:
+            problems.append(str(e))
+        else:
+            try:
+                saved += store.models()
+            finally:
+                store.close()
+    try:
+        saved += [(p, Path(p).name) for p in Settings.load(locations.config_file).models]
+    except ConfigError as e:
+        problems.append(str(e))
+    unique: dict[str, str] = {}
+    for path, label in saved:  # a path in both places is listed once, where it first comes
+        unique.setdefault(str(Path(path).expanduser()), label)
+    return list(unique.items()), problems
+
+
+def local_models(saved: list[tuple[str, str]]) -> list[LocalModel]:
+    """The embedded model and the `saved` paths: F3's list without the Hugging Face cache."""
+    from mlxchat.core.errors import ModelLoadError
+    from mlxchat.core.loader import embedded_model_path
+
+    try:
+        embedded = [LocalModel(EMBEDDED.label, *_on_disk(embedded_model_path()), True)]
+    except ModelLoadError:  # the package that ships it is not installed
+        embedded = [LocalModel(EMBEDDED.label, 0, None, False)]
+    return embedded + [LocalModel(path, *_on_disk(Path(path)), check_local(path) is None) for path, _ in saved]
+
+
+def _on_disk(path: Path) -> tuple[int, float | None]:
+    """Bytes of a file or a folder's files, and their newest access time (0 and None for what cannot be read)."""
+    try:
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        stats = [f.stat() for f in files]
+    except OSError:
+        return 0, None
+    return sum(s.st_size for s in stats), max((s.st_atime for s in stats), default=None)

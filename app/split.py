@@ -50,7 +50,9 @@ def check_split(args: argparse.Namespace) -> None:
 def start_split(spec: str | None, args: argparse.Namespace) -> Any:  # noqa: ANN401 - core's SplitEngine
     """Rank 0: wait for the workers, split the model and load this rank's part, saying each step on stderr."""
     from mlxchat.core.distributed.leader import SplitEngine
+    from mlxchat.core.distributed.ring_noise import quiet_ring_errors
 
+    quiet_ring_errors()  # a lost peer is mlxchat's one line, not the ring's eleven
     return SplitEngine.start(args.hosts, spec, connect_timeout_s=args.connect_timeout,
                              control_port=args.control_port, parallel=args.parallel,
                              progress=lambda line: print(f"mlxchat: {line}", file=sys.stderr, flush=True))
@@ -59,11 +61,13 @@ def start_split(spec: str | None, args: argparse.Namespace) -> Any:  # noqa: ANN
 def run_worker(args: argparse.Namespace) -> int:
     """`mlxchat worker`: serve this rank until rank 0 closes or goes away."""
     from mlxchat.core.distributed import read_hosts
+    from mlxchat.core.distributed.ring_noise import quiet_ring_errors
     from mlxchat.core.distributed.worker import run
 
     hosts = read_hosts(args.hosts)
     hosts.check_rank(args.rank)
     check_split(args)
+    quiet_ring_errors()  # rank 0 going away is the worker's one line, not the ring's eleven
     return run(hosts, args.rank, args.control_port)
 
 

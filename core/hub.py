@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MlxChatError
-from .loader import HUB_PATTERNS
+from .loader import HUB_PATTERNS, _looks_like_repo_id
 
 
 class HubError(MlxChatError):
@@ -87,12 +87,15 @@ def pull(repo_id: str, *, cache_dir: str | Path | None = None,
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, \
         RepositoryNotFoundError
 
+    # The hub also takes a bare NAME (its legacy models), so "something" went to the network and came back as
+    # "cannot be reached"; mlxchat loads repo ids only as ORG/NAME, so say that instead.
+    if not _looks_like_repo_id(repo_id):
+        raise _not_a_repo_id(repo_id)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, cache_dir=_cache_dir(cache_dir),
                                       tqdm_class=_reporting_tqdm(progress) if progress else None))
     except HFValidationError:
-        raise HubError(f"{repo_id!r} is not a repo id: use ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")\
-            from None
+        raise _not_a_repo_id(repo_id) from None
     except RepositoryNotFoundError:
         raise HubError(f"{repo_id}: no such model on the Hugging Face hub (or it is private: log in with "
                        "`hf auth login`)") from None
@@ -102,6 +105,11 @@ def pull(repo_id: str, *, cache_dir: str | Path | None = None,
     except (HfHubHTTPError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HubError(f"{repo_id}: download failed: {first}") from None
+
+
+def _not_a_repo_id(repo_id: str) -> HubError:
+    return HubError(f"{repo_id!r} is not a repo id: type ORG/NAME, e.g. "
+                    "`mlxchat pull mlx-community/SmolLM2-135M-Instruct`")
 
 
 def find(repo_id: str, cache_dir: str | Path | None = None) -> CachedModel | None:

@@ -19,6 +19,7 @@ The sampler chain is described in ``core.sampling``; ``sampler_order`` names its
 from __future__ import annotations
 
 import importlib.resources
+import itertools
 import logging
 import os
 import re
@@ -338,6 +339,9 @@ class ProfileStore:
     def save(self, profile: SamplingProfile) -> Path:
         if profile.name is None:
             raise ProfileError("a profile needs a name to be saved")
+        if profile.name in SamplingProfile.presets():  # `resolve` would give the preset: the saved one is unreachable
+            raise ProfileError(f"{profile.name!r} is a preset's name; save it under another, e.g. "
+                               f"{self.free_name(profile.name)!r}")
         path = self._path(profile.name)
         self.folder.mkdir(parents=True, exist_ok=True)
         text = tomli_w.dumps(profile.model_dump(mode="json", exclude_none=True))
@@ -351,6 +355,14 @@ class ProfileStore:
             os.unlink(tmp)
             raise
         return path
+
+    def free_name(self, name: str) -> str:
+        """`name` if a profile may be saved under it, else the first of `name-2`, `name-3`, ... that is neither a
+        preset nor a saved profile."""
+        if name not in SamplingProfile.presets():
+            return name
+        taken = {*SamplingProfile.presets(), *self.list()}
+        return next(f"{name}-{i}" for i in itertools.count(2) if f"{name}-{i}" not in taken)
 
     def load(self, name: str) -> SamplingProfile:
         path = self._path(name)

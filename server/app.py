@@ -171,7 +171,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     async def completions(request: HttpRequest, chat: bool) -> Response:
         started = time.perf_counter()
-        req = protocol.parse(await read_json(request), chat=chat, base=base, profiles=profiles)
+        req = protocol.parse(await read_json(request), chat=chat, served=name, base=base, profiles=profiles)
         ids = encode(req)
         choices = start(req, ids)
         rid = protocol.new_id(chat)
@@ -257,7 +257,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                         final["timings"] = protocol.timings(event.result.metrics)
                         yield json.dumps(final)
                         continue
-                    if event.text or event.logprobs or event.traces:
+                    # A split model's scheduler passes on prefill progress too: nothing to stream for it.
+                    if isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
                         yield json.dumps(delta(req, rid, i, event, offsets))
                     waiting[asyncio.ensure_future(choices[i].next())] = i
             if req.include_usage:
@@ -302,17 +303,15 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return await completions(request, chat=False)
 
     def model_card() -> dict[str, Any]:
-        m = engine.model
+        # The id is the name requests use; where the weights lie on this machine is no client's business.
         return {"id": name, "object": "model", "created": 0, "owned_by": "mlxchat",
-                "context_length": m.context_length, "source": m.source}
+                "context_length": engine.context_length}
 
     async def models(request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def model(request: HttpRequest) -> Response:
-        wanted = request.path_params["model_id"]
-        if wanted != name:
-            raise ApiError(404, f"no model {wanted!r}; this server serves {name!r}", "model", kind="not_found_error")
+        protocol.check_model(request.path_params["model_id"], name)
         return JSONResponse(model_card())
 
     async def health(request: HttpRequest) -> Response:

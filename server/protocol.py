@@ -38,13 +38,21 @@ class ApiError(Exception):
     """An error answered to the client as OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def check_model(wanted: str | None, served: str) -> None:
+    """Refuse a model this server does not serve, as OpenAI does (404, `model_not_found`): answering "gpt-4o" with
+    another model would hide a client's misconfiguration. No model at all means the served one (as mlx_lm.server)."""
+    if wanted is not None and wanted != served:
+        raise ApiError(404, f"the model {wanted!r} does not exist on this server; it serves {served!r}", "model",
+                       code="model_not_found")
 
 
 class _Types(BaseModel):
@@ -154,8 +162,10 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def parse(body: Any, *, chat: bool, base: SamplingProfile, profiles: dict[str, SamplingProfile]) -> Request:
-    """Validate a request body against the endpoint; `base` is the server's profile, `profiles` the named ones."""
+def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
+          profiles: dict[str, SamplingProfile]) -> Request:
+    """Validate a request body against the endpoint; `served` is the model's name, `base` the server's profile,
+    `profiles` the named ones."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = _ChatTypes if chat else _CompletionTypes
@@ -164,6 +174,7 @@ def parse(body: Any, *, chat: bool, base: SamplingProfile, profiles: dict[str, S
         req = model.model_validate(body)
     except ValidationError as e:
         raise _type_error(e) from None
+    check_model(req.model, served)
 
     if req.profile is not None:
         if req.profile not in profiles:

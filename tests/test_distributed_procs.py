@@ -187,9 +187,45 @@ def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc],
             break
         except httpx.HTTPError:
             time.sleep(0.3)
-    body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0}
     for _ in range(2):  # the second resends the same conversation: its prefix comes from the kept cache
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
     expected = engine.generate(PROMPT, profile=SamplingProfile(temperature=0), max_tokens=N)
     assert answer["choices"][0]["message"]["content"] == expected.text
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # Streamed too (the split scheduler's prefill progress has no chunk of its own).
+    raw = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    chunks = [json.loads(line[6:]) for line in raw.text.split("\n\n") if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == expected.text
+
+
+def test_a_lost_worker_under_serve_is_mlxchats_error_without_the_rings_noise(hosts: Path, procs: list[Proc]) -> None:
+    """The server outlives the lost worker, so MLX's ring has all the time it needs to write its eleven "[ring]
+    Socket 5 was closed by the peer" / "Too many send/recv errors" lines to stderr: none may reach it."""
+    import httpx
+
+    w = worker(hosts, procs)
+    port = int(json.loads(hosts.read_text())[-1][0].rsplit(":", 1)[1]) + 2  # after the control port
+    server = Proc([sys.executable, "-m", "mlxchat.app.cli", "serve", "--hosts", str(hosts), "--port", str(port)])
+    procs.append(server)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline and server.p.poll() is None, "the server did not start"
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
+            "stream": True}
+    lines = []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 6:  # streaming: the worker is in the ring with rank 0
+                w.p.kill()
+    assert any("rank 1 (127.0.0.1:" in line for line in lines)  # the stream ends with mlxchat's error
+    time.sleep(2)  # the ring's socket thread gives up after ten failed reads
+    server.p.terminate()
+    err = server.p.communicate(timeout=30)[1]
+    assert "joining the ring" in err and "[ring]" not in err and "Too many send/recv errors" not in err

@@ -11,6 +11,7 @@ import pytest
 
 from mlxchat.app.cli import main
 from mlxchat.app.models import hf_cache_choices
+from mlxchat.app.store import Store
 from mlxchat.core import hub
 from tests.model_files import hf_cache_with_tiny_model
 
@@ -29,6 +30,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub is reachable here: fail fast instead of timing out
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("MLXCHAT_DATA_DIR", str(tmp_path / "data"))  # no local models the user added elsewhere
+    monkeypatch.setenv("MLXCHAT_CONFIG_DIR", str(tmp_path / "config"))
     return root
 
 
@@ -46,18 +49,41 @@ def test_models_lists_the_cache_with_sizes_and_what_loads(cache: Path, capsys) -
     rc, out, _ = run(capsys, "models")
     lines = out.splitlines()
     assert rc == 0 and lines[0].split() == ["MODEL", "SIZE", "LAST", "USED", "LOADABLE"]
-    assert lines[1].startswith("mlxchat-test/tiny-llama") and "MiB" in lines[1] and lines[1].endswith("yes")
-    assert lines[2].startswith("someone/notes") and lines[2].endswith("no")
+    assert lines[1].startswith("SmolLM2-135M-Instruct (embedded)") and lines[1].endswith("yes")
+    assert lines[2].startswith("mlxchat-test/tiny-llama") and "MiB" in lines[2] and lines[2].endswith("yes")
+    assert lines[3].startswith("someone/notes") and lines[3].endswith("no")
     # The F3 picker offers only what loads, from the same listing.
     assert [c.label for c in hf_cache_choices()] == ["mlxchat-test/tiny-llama"]
 
 
-def test_models_on_an_empty_or_missing_cache_says_how_to_fetch(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_models_on_an_empty_or_missing_cache_lists_the_embedded_one_and_says_how_to_fetch(
+        tmp_path: Path, monkeypatch, capsys) -> None:
     import huggingface_hub.constants as c
 
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "nothing-here"))
+    monkeypatch.setenv("MLXCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("MLXCHAT_CONFIG_DIR", str(tmp_path / "config"))
     rc, out, err = run(capsys, "models")
-    assert rc == 0 and out == "" and "mlxchat pull ORG/NAME" in err
+    assert rc == 0 and out.splitlines()[1].startswith("SmolLM2-135M-Instruct (embedded)")
+    assert "mlxchat pull ORG/NAME" in err
+    assert not (tmp_path / "data").exists()  # listing created no database
+
+
+def test_models_lists_the_local_files_f3_offers(cache: Path, tmp_path: Path, capsys) -> None:
+    """What the user added in F3 (kept in the database) and config.toml's `models`, with what F3 would say."""
+    added, configured, gone = tmp_path / "mine.gguf", tmp_path / "other.gguf", tmp_path / "gone.gguf"
+    added.write_bytes(b"GGUF" + bytes(1000))
+    configured.write_bytes(b"GGUF" + bytes(10))
+    store = Store(tmp_path / "data" / "conversations.db")
+    store.add_model(str(added))
+    store.add_model(str(gone))
+    store.close()
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.toml").write_text(f'models = ["{configured}", "{added}"]\n')
+    rc, out, _ = run(capsys, "models")
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert rc == 0 and list(rows)[:4] == ["SmolLM2-135M-Instruct", str(gone), str(added), str(configured)]
+    assert rows[str(added)].endswith("yes") and "1004 B" in rows[str(added)] and rows[str(gone)].endswith("no")
 
 
 def test_pull_finds_a_cached_repo_offline_and_an_unreachable_hub_is_one_line(cache: Path, capsys) -> None:
@@ -66,8 +92,10 @@ def test_pull_finds_a_cached_repo_offline_and_an_unreachable_hub_is_one_line(cac
     rc, out, err = run(capsys, "pull", "mlxchat-test/absent")
     assert rc == 2 and out == "" and err.splitlines() == [err.strip()]
     assert "mlxchat: error: mlxchat-test/absent: the Hugging Face hub cannot be reached" in err
-    rc, _, err = run(capsys, "pull", "not a repo id!")
-    assert rc == 2 and "is not a repo id: use ORG/NAME" in err and "Traceback" not in err
+    for wrong in ("not a repo id!", "something"):  # the hub takes a bare NAME too, and then it went online
+        rc, _, err = run(capsys, "pull", wrong)
+        assert rc == 2 and err == f"mlxchat: error: {wrong!r} is not a repo id: type ORG/NAME, e.g. " \
+                                  "`mlxchat pull mlx-community/SmolLM2-135M-Instruct`\n"
 
 
 def test_rm_asks_unless_yes_and_deletes_the_repo(cache: Path, capsys, monkeypatch) -> None:

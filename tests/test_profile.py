@@ -141,6 +141,16 @@ def test_save_needs_a_name(tmp_path: Path) -> None:
         ProfileStore(tmp_path).save(SamplingProfile())
 
 
+def test_a_preset_name_is_refused_in_one_line_proposing_a_free_one(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path)
+    store.save(SamplingProfile(name="precise-2", temperature=0.1))
+    with pytest.raises(ProfileError) as refused:
+        store.save(SamplingProfile(name="precise", temperature=0.2))
+    assert str(refused.value) == "'precise' is a preset's name; save it under another, e.g. 'precise-3'"
+    assert store.list() == ["precise-2"]
+    assert store.free_name("mine") == "mine" and store.free_name("chat") == "chat-2"
+
+
 @pytest.mark.parametrize("content, reason", [
     (b"temperature = = 2\n", "not valid TOML"),
     (b"temperature = 7.0\n", "temperature must be between 0 and 2"),

@@ -11,13 +11,17 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from mlxchat.core.loader import EMBEDDED_FILE
+
 HOST = "127.0.0.1"
 KEY = "test-key-123"
+MODEL = Path(EMBEDDED_FILE).stem  # the name the server serves the embedded model under
 GREEDY = {"temperature": 0}
 
 
@@ -90,11 +94,27 @@ def test_models_and_health(client: openai.OpenAI, server: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
     health = httpx.get(server + "/health").json()
-    assert health["status"] == "ok" and health["model"] == models[0].id
+    assert health["status"] == "ok" and health["model"] == models[0].id == MODEL
+
+
+def test_an_unknown_model_is_a_404_naming_it_and_no_model_means_the_served_one(server: str) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": _msgs("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+        r = httpx.post(server + path, json={**body, "model": "gpt-4o", "max_tokens": 2}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+        assert "'gpt-4o'" in error["message"] and MODEL in error["message"]
+        assert httpx.post(server + path, json={**body, "max_tokens": 2}, timeout=60).status_code == 200
+    assert httpx.get(server + "/v1/models/gpt-4o").json()["error"]["code"] == "model_not_found"
+
+
+def test_model_ids_are_names_not_paths(server: str) -> None:
+    """The embedded model loads from a file in site-packages: /v1/models shows its name, not where it lies."""
+    card = httpx.get(server + "/v1/models").json()["data"][0]
+    assert card["id"] == MODEL and not any("/" in str(v) for v in card.values())
 
 
 def test_chat_completion_reports_usage_seed_and_timings(client: openai.OpenAI, server: str) -> None:
-    r = client.chat.completions.create(model="x", messages=_msgs("Say hello."), max_tokens=8, seed=11, **GREEDY)
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Say hello."), max_tokens=8, seed=11, **GREEDY)
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
@@ -108,10 +128,10 @@ def test_chat_completion_reports_usage_seed_and_timings(client: openai.OpenAI, s
 
 
 def test_text_completion_and_max_completion_tokens(client: openai.OpenAI, server: str) -> None:
-    r = client.completions.create(model="x", prompt="The capital of France is", max_tokens=4, **GREEDY)
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, **GREEDY)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 4
-    r = client.chat.completions.create(model="x", messages=_msgs("Count to twenty."), max_completion_tokens=3,
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Count to twenty."), max_completion_tokens=3,
                                        **GREEDY)
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
@@ -135,8 +155,8 @@ def test_stream_bytes_usage_and_final_chunk(server: str) -> None:
 
 
 def test_text_completion_stream_with_openai_client(client: openai.OpenAI) -> None:
-    plain = client.completions.create(model="x", prompt="One, two, three,", max_tokens=6, **GREEDY)
-    parts = list(client.completions.create(model="x", prompt="One, two, three,", max_tokens=6, stream=True,
+    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6, **GREEDY)
+    parts = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6, stream=True,
                                            stream_options={"include_usage": True}, **GREEDY))
     assert "".join(p.choices[0].text for p in parts if p.choices) == plain.choices[0].text
     assert parts[-1].usage.completion_tokens == 6
@@ -144,21 +164,22 @@ def test_text_completion_stream_with_openai_client(client: openai.OpenAI) -> Non
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
     msgs = _msgs("Count from one to ten, in digits.")
-    full = client.chat.completions.create(model="x", messages=msgs, max_tokens=16, **GREEDY).choices[0].message.content
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, **GREEDY)
+    full = full.choices[0].message.content
     stop = full.strip()[3:5]
     assert stop
-    cut = client.chat.completions.create(model="x", messages=msgs, max_tokens=16, stop=[stop], **GREEDY).choices[0]
+    cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stop=[stop], **GREEDY).choices[0]
     assert cut.message.content == full[:full.index(stop)] and cut.finish_reason == "stop"
 
 
 def test_same_seed_same_text(client: openai.OpenAI) -> None:
-    ask = dict(model="x", messages=_msgs("Write a word."), max_tokens=8, temperature=1.2, seed=1234)
+    ask = dict(model=MODEL, messages=_msgs("Write a word."), max_tokens=8, temperature=1.2, seed=1234)
     a, b = (client.chat.completions.create(**ask).choices[0].message.content for _ in range(2))
     assert a == b
 
 
 def test_logprobs(client: openai.OpenAI, server: str) -> None:
-    r = client.chat.completions.create(model="x", messages=_msgs("Hi"), max_tokens=4, logprobs=True, top_logprobs=3,
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Hi"), max_tokens=4, logprobs=True, top_logprobs=3,
                                        **GREEDY)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
@@ -177,7 +198,7 @@ def test_logprobs(client: openai.OpenAI, server: str) -> None:
 
 
 def test_n_choices(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="x", messages=_msgs("Pick a number."), max_tokens=6, n=2, seed=5,
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Pick a number."), max_tokens=6, n=2, seed=5,
                                        temperature=1.0)
     assert [c.index for c in r.choices] == [0, 1]
     assert all(c.message.content for c in r.choices)
@@ -185,7 +206,7 @@ def test_n_choices(client: openai.OpenAI) -> None:
 
 
 def test_extra_sampler_fields_and_profile(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="x", messages=_msgs("Hi"), max_tokens=3, seed=3, extra_body={
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Hi"), max_tokens=3, seed=3, extra_body={
         "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "profile": "creative",
         "sampler_order": ["top_k", "min_p", "temperature"]})
     assert r.usage.completion_tokens >= 2
@@ -193,10 +214,10 @@ def test_extra_sampler_fields_and_profile(client: openai.OpenAI) -> None:
 
 def test_resent_conversation_prefills_only_the_suffix(client: openai.OpenAI) -> None:
     msgs = _msgs("Tell me about cats in one sentence.")
-    first = client.chat.completions.create(model="x", messages=msgs, max_tokens=12, **GREEDY)
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **GREEDY)
     msgs += [{"role": "assistant", "content": first.choices[0].message.content},
              {"role": "user", "content": "And dogs?"}]
-    second = client.chat.completions.create(model="x", messages=msgs, max_tokens=4, **GREEDY)
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **GREEDY)
     cached = second.usage.prompt_tokens_details.cached_tokens
     # Everything but the new turn (and the template's tokens around it) comes from the cache.
     assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
@@ -258,7 +279,7 @@ def test_api_key(tight: str) -> None:
     assert _chat(tight, {"messages": _msgs("hi"), "max_tokens": 1}, key="wrong").status_code == 401
     assert httpx.get(tight + "/v1/models").status_code == 401
     ok = openai.OpenAI(base_url=tight + "/v1", api_key=KEY, max_retries=0)
-    assert ok.chat.completions.create(model="x", messages=_msgs("hi"), max_tokens=2).usage.completion_tokens >= 1
+    assert ok.chat.completions.create(model=MODEL, messages=_msgs("hi"), max_tokens=2).usage.completion_tokens >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=tight + "/v1", api_key="nope", max_retries=0).models.list()
 

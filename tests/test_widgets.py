@@ -241,6 +241,32 @@ async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_
 
 
 @pytest.mark.anyio
+async def test_a_preset_name_is_refused_in_the_form_and_a_free_one_proposed(tmp_path: Path):
+    """F2, edit `precise`, ctrl+s: the proposed name is not "precise" (a saved "precise" would sit in the list
+    beside the preset and `--profile precise` would never use it); typing it anyway is refused in one line."""
+    store = ProfileStore(tmp_path / "profiles")
+    app = ProfileApp(store)
+    async with app.run_test(size=(90, 50)) as pilot:
+        picker = app.screen
+        picker.load_form(SamplingProfile.preset("precise"))
+        picker.query_one("#field-temperature", Input).value = "0.3"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        prompt = app.screen
+        assert prompt.query_one(Input).value == "precise-2"
+        prompt.query_one(Input).value = "precise"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is picker and store.list() == []
+        (refusal,) = [n.message for n in app._notifications if n.severity == "error"]
+        assert refusal == "'precise' is a preset's name; save it under another, e.g. 'precise-2'"
+        await pilot.press("ctrl+s")
+        await pilot.press("enter")  # the proposed name
+        await pilot.pause()
+    assert store.list() == ["precise-2"] and store.load("precise-2").temperature == 0.3
+
+
+@pytest.mark.anyio
 async def test_ctrl_c_in_the_input_copies_a_selection_and_otherwise_only_says_how_to_quit():
     """Textual 8's ctrl+c, kept as it is (documented in the report): the terminal is in raw mode, so ctrl+c is a
     key, not SIGINT; it copies the selection, and with none the app says which key quits. It never quits."""

@@ -131,6 +131,8 @@ class ChatScreen(Screen):
         self._show_chat_header()
         self.refresh_sidebar()
         self.input.focus()
+        if app.settings.reopen_last and (recent := self.controller.conversations()):
+            self.call_later(self.open_conversation, recent[0].id)
         if app.preloaded_engine is not None:
             self._engine_ready(app.preloaded_engine, app.model_spec, owned=False)
         else:

@@ -240,7 +240,8 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
             self.notify("Fix the fields marked in red first", severity="warning")
             return
         profile = self.edited
-        suggested = (profile.name or "mine").removesuffix(" edited").replace(" ", "-")
+        # Never a preset's name: a saved "precise" would be listed beside the preset and never used.
+        suggested = self.store.free_name((profile.name or "mine").removesuffix(" edited").replace(" ", "-"))
 
         def save(name: str | None) -> None:
             if not name:
