@@ -1,8 +1,8 @@
 """Continuous batching: many requests decode together, one batched forward per step, on the engine's thread.
 
 Each request is a `_Sequence`: its `core.reply.Reply` (sampler, text, stops, metrics, result: the same text layer as
-the engine's solo path, so a request gives the same text alone and in a batch) and its KV cache rows. The scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while
-there is work:
+the engine's solo path, so a request gives the same text alone and in a batch) and its KV cache rows. The
+scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
 
     admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ join the finished prefills
     ─▶ queue step k+1 over every active row ─▶ read step k's tokens, emit them ─▶ drop the rows that ended
