@@ -81,15 +81,15 @@ class Reply:
                  cancelled: Callable[[], bool], *, accepted: float, context: Callable[[], int],
                  rotating: bool = False, kv_window: int | None = None) -> None:
         tok = model.tokenizer
-        self.request = request
-        self.sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
+        self._request = request
+        self._sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
                                prompt_ids=list(prompt))
-        self.tracer = Tracer(self.sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None
+        self._tracer = Tracer(self._sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None
         # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
-        self.sample: Sample = self.tracer.step if self.tracer else self.sampler.step
-        self.ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.traces: list[TokenTrace] = []
+        self.sample: Sample = self._tracer.step if self._tracer else self._sampler.step
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._traces: list[TokenTrace] = []
         self._text: list[str] = []
         self._eos = tok.eos_ids
         self._emit, self._cancelled = emit, cancelled
@@ -108,7 +108,7 @@ class Reply:
     @property
     def room(self) -> int:
         """How many more tokens the reply may take (at least one, even after a branch forced past the cap)."""
-        return max(1, self._cap - len(self.ids))
+        return max(1, self._cap - len(self._ids))
 
     def begin_prefill(self, total: int, cached: int) -> None:
         """The prefill starts now: `total` ids to answer (prompt and forced ids), `cached` of them already cached."""
@@ -118,14 +118,14 @@ class Reply:
         """Start the reply with tokens already decided (a branch): the sampler counts them as drawn, and they go out
         in one event with no tick of the clock. `traces` is aligned with `ids`, or empty. Returns "stop" when they
         end the reply (the end token forced, or a stop string in their text), else None."""
-        self.sampler.replay(ids)
+        self._sampler.replay(ids)
         ends = bool(ids) and ids[-1] in self._eos
         kept = tuple(ids[:-1] if ends else ids)
         if kept:
             shown = tuple(traces[:len(kept)])
             shown = shown if len(shown) == len(kept) else ()
-            self.ids.extend(kept)
-            self.traces.extend(shown)
+            self._ids.extend(kept)
+            self._traces.extend(shown)
             delta = self._stops.feed("".join(self._detok.add(t) for t in kept))
             self._text.append(delta)
             self._emit(TokenEvent(delta, kept, self.metrics(), (), shown))
@@ -140,22 +140,22 @@ class Reply:
         if self._first is None:
             self._first = self._last
         self._generated += 1
-        self.ids.append(token)
+        self._ids.append(token)
         token_lp: tuple[TokenLogprob, ...] = ()
         if self._top is not None:
             chosen, top = Sampler.top_logprobs(logprobs, token, self._top)
             token_lp = (TokenLogprob(token, chosen, tuple(top)),)
-            self.logprobs.append(token_lp[0])
+            self._logprobs.append(token_lp[0])
         traces: tuple[TokenTrace, ...] = ()
-        if self.tracer is not None:
-            traces = (self.tracer.take(token),)
-            self.traces.append(traces[0])
+        if self._tracer is not None:
+            traces = (self._tracer.take(token),)
+            self._traces.append(traces[0])
         delta = self._stops.feed(self._detok.add(token))
         self._text.append(delta)
         self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces))
         if self._stops.stopped:
             return "stop"
-        if len(self.ids) >= self._cap:
+        if len(self._ids) >= self._cap:
             return "length"
         if self._cancelled():
             return "cancelled"
@@ -177,10 +177,10 @@ class Reply:
                 self._text.append(tail)
                 self._emit(TokenEvent(tail, (), self.metrics()))
         # Traces stay aligned with token_ids or are left out (a branch forced a token its trace did not hold).
-        traces = tuple(self.traces) if len(self.traces) == len(self.ids) else ()
-        result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self.ids), tuple(self.logprobs),
-                                  self.sampler.describe(), self.sampler.seed,
-                                  self.request.profile.model_dump(mode="json"), traces)
+        traces = tuple(self._traces) if len(self._traces) == len(self._ids) else ()
+        result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self._ids), tuple(self._logprobs),
+                                  self._sampler.describe(), self._sampler.seed,
+                                  self._request.profile.model_dump(mode="json"), traces)
         self._emit(Done(result))
         return result
 
