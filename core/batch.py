@@ -1,8 +1,8 @@
 """Continuous batching: many requests decode together, one batched forward per step, on the engine's thread.
 
-Each request is a `_Sequence` with its own `Sampler` (chain, penalties, seed), stop strings, detokenizer and KV cache
-rows. The scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while
-there is work:
+Each request is a `_Sequence`: its `core.reply.Reply` (sampler, text, stops, metrics, result: the same text layer as
+the engine's solo path, so a request gives the same text alone and in a batch) and its KV cache rows. The
+scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
 
     admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ join the finished prefills
     ─▶ queue step k+1 over every active row ─▶ read step k's tokens, emit them ─▶ drop the rows that ended
@@ -32,14 +32,12 @@ from mlx_lm.models.cache import (KVCache, LRUPromptCache, can_trim_prompt_cache,
                                  trim_prompt_cache)
 
 from .cache import prefill_chunk
-from .engine import Engine, Job
+from .engine import Engine
 from .errors import ContextLengthError
-from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from .events import Event, FinishReason
 from .profile import SamplingProfile
-from .sampling import Sampler
-from .streaming import IncrementalDetokenizer, StopStringFilter
-from .trace import TokenTrace
-from .tracing import Tracer, check_trace
+from .reply import Reply, Request
+from .worker import Job
 
 Emit = Callable[[Event | BaseException], None]
 # Prefill chunk while other sequences are decoding: ~0.4 s of a 2-core CPU (prefill ~150 tok/s), the longest
@@ -53,7 +51,10 @@ class QueueFull(Exception):
 
 @dataclass
 class BatchRequest:
-    """One generation: prompt ids, its settings, and where its events go (called on the inference thread)."""
+    """One generation: prompt ids, its settings, and where its events go (called on the inference thread).
+
+    The settings are validated into `request` as the engine's are (`Request.make`: the same max_tokens default and
+    checks); an invalid one raises ValueError here."""
 
     prompt: list[int]
     profile: SamplingProfile
@@ -63,6 +64,10 @@ class BatchRequest:
     trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    request: Request = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace)
 
     def cancel(self) -> None:
         """Stop at the next token (or prefill chunk); the request then ends with finish_reason "cancelled"."""
@@ -70,46 +75,22 @@ class BatchRequest:
 
 
 class _Sequence:
-    """A request's state on the inference thread, from admission to its `Done`."""
+    """A request's state on the inference thread, from admission to its `Done`: its reply, and its KV cache until
+    it joins the batch."""
 
     def __init__(self, req: BatchRequest, engine: Engine) -> None:
-        m = engine.model
         self.req = req
-        self.sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids,
-                               prompt_ids=req.prompt)
-        self.tracer = Tracer(self.sampler, check_trace(req.trace), lambda i: m.tokenizer.decode([i])) \
-            if req.trace else None
-        self.sample = self.tracer.step if self.tracer else self.sampler.step  # untraced rows pay nothing for it
-        self.traces: list[TokenTrace] = []
+        self.context = 0  # positions in the batch's KV cache, for Metrics
+        self.reply = Reply(engine.model, req.request, req.prompt, req.emit, req.cancelled.is_set,
+                           accepted=req.accepted, context=lambda: self.context)
         self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the batch
-        self.reused = 0
         self.todo: list[int] = []  # prefilled before joining; the last prompt id is the first decode input
-        self.started = time.perf_counter()
-        self.detok = IncrementalDetokenizer(m.tokenizer)
-        self.stops = StopStringFilter([*req.profile.stop, *req.stop])
-        self.ids: list[int] = []  # generated ids, end-of-sequence excluded
         self.read: list[int] = []  # every id read back, end-of-sequence included: the cache holds prompt + these
-        self.logprobs: list[TokenLogprob] = []
-        self.text: list[str] = []
-        self.first: float | None = None
-        self.last: float | None = None
-        self.context = 0  # positions in the KV cache, for Metrics
 
     def begin(self, cache: list, reused: int) -> None:
-        self.cache, self.reused = cache, reused
+        self.cache = cache
         self.todo = self.req.prompt[reused:-1]
-        self.started = time.perf_counter()
-
-    def metrics(self, limit: int) -> Metrics:
-        first, last, n = self.first, self.last, len(self.ids)
-        return Metrics(
-            prompt_tokens=len(self.req.prompt), cached_tokens=self.reused, completion_tokens=n,
-            ttft_s=first - self.req.accepted if first else 0.0,
-            tpot_s=(last - first) / (n - 1) if first and last and n > 1 else 0.0,
-            prefill_s=(first or time.perf_counter()) - self.started,
-            decode_s=last - first if first and last else 0.0,
-            peak_memory_bytes=mx.get_peak_memory(), context_tokens=self.context, context_limit=limit,
-        )
+        self.reply.begin_prefill(len(self.req.prompt), reused)
 
 
 class BatchScheduler:
@@ -167,6 +148,8 @@ class BatchScheduler:
 
     def _run(self, job: Job) -> None:
         while True:
+            if job.cancelled.is_set():  # the interpreter is exiting (InferenceThread.halt)
+                self._cancel_all()
             try:
                 self._admit()
                 if self._prefilling:
@@ -186,14 +169,16 @@ class BatchScheduler:
                     return
                 req = self._waiting.popleft()
                 self._active += 1
-            if req.cancelled.is_set():
-                self._finish_early(req, "cancelled")
-                continue
             try:
-                self._prefilling.append(_Sequence(req, self.engine))
+                seq = _Sequence(req, self.engine)
             except Exception as e:  # noqa: BLE001 - a request the sampler refuses fails alone
                 self._release()
                 req.emit(e)
+                continue
+            if req.cancelled.is_set():
+                self._done(seq, "cancelled")
+            else:
+                self._prefilling.append(seq)
 
     def _cache_for(self, prompt: list[int]) -> tuple[list, int]:
         """A KV cache holding the longest cached prefix of `prompt` (leaving at least one id to run), and its length."""
@@ -272,7 +257,7 @@ class BatchScheduler:
         logits = self.engine.model.model(self._inputs[:, None], cache=self._batch)[:, -1, :]
         tokens, logprobs = [], []
         for i, seq in enumerate(self._rows):
-            token, lp = seq.sample(logits[i])
+            token, lp = seq.reply.sample(logits[i])
             tokens.append(token)
             logprobs.append(lp if seq.req.profile.logprobs else None)
             seq.context += 1
@@ -282,31 +267,12 @@ class BatchScheduler:
 
     def _accept(self, seq: _Sequence, token: int, logprobs: mx.array | None) -> bool:
         """Record one generated token of `seq`; return whether the sequence has ended."""
-        req, m = seq.req, self.engine.model
         seq.read.append(token)
-        if token in m.tokenizer.eos_ids:
-            return self._done(seq, "stop")
-        traces = (seq.tracer.take(token),) if seq.tracer else ()
-        seq.traces.extend(traces)
-        seq.last = time.perf_counter()
-        seq.first = seq.first or seq.last
-        seq.ids.append(token)
-        token_lp: tuple[TokenLogprob, ...] = ()
-        if logprobs is not None:
-            chosen, top = Sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
-            token_lp = (TokenLogprob(token, chosen, tuple(top)),)
-            seq.logprobs.extend(token_lp)
-        delta = seq.stops.feed(seq.detok.add(token))
-        seq.text.append(delta)
-        req.emit(TokenEvent(delta, (token,), seq.metrics(m.context_length), token_lp, traces))
-        if seq.stops.stopped:
-            return self._done(seq, "stop")
-        if (req.max_tokens is not None and len(seq.ids) >= req.max_tokens) or \
-                len(req.prompt) + len(seq.ids) + 1 >= m.context_length:
-            return self._done(seq, "length")
-        if req.cancelled.is_set():
-            return self._done(seq, "cancelled")
-        return False
+        reason = seq.reply.accept(token, logprobs)
+        if reason is None:
+            return False
+        self._done(seq, reason)
+        return True
 
     def _drop(self, ended: list[int]) -> None:
         """Remove ended rows from the batch, storing their KV caches in the prefix cache."""
@@ -331,24 +297,15 @@ class BatchScheduler:
             rows, tokens, lps = self._pending
             self._pending = ([rows[i] for i in keep], tokens[index], [lps[i] for i in keep])
 
-    def _done(self, seq: _Sequence, reason: FinishReason) -> bool:
-        req, m = seq.req, self.engine.model
-        if not seq.stops.stopped and reason != "cancelled":
-            tail = seq.stops.feed(seq.detok.flush()) + seq.stops.flush()
-            if tail:
-                seq.text.append(tail)
-                req.emit(TokenEvent(tail, (), seq.metrics(m.context_length)))
-        result = GenerationResult("".join(seq.text), reason, seq.metrics(m.context_length), tuple(seq.ids),
-                                  tuple(seq.logprobs), seq.sampler.describe(), seq.sampler.seed,
-                                  req.profile.model_dump(mode="json"), tuple(seq.traces))
-        self._release()
-        req.emit(Done(result))
-        return True
+    def _done(self, seq: _Sequence, reason: FinishReason) -> None:
+        self._release()  # before the Done, so a caller that reads it sees the slot free
+        seq.reply.finish(reason)
 
-    def _finish_early(self, req: BatchRequest, reason: FinishReason) -> None:
-        self._release()
-        req.emit(Done(GenerationResult("", reason, Metrics(prompt_tokens=len(req.prompt)), seed=req.profile.seed,
-                                       profile=req.profile.model_dump(mode="json"))))
+    def _cancel_all(self) -> None:
+        with self._lock:
+            requests = [*self._waiting, *(seq.req for seq in (*self._prefilling, *self._rows))]
+        for req in requests:
+            req.cancel()
 
     def _release(self) -> None:
         with self._lock:

@@ -17,13 +17,14 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from .cache import prefill
+from .streaming import drop_incomplete
 from .tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)
 class Beam:
     token_ids: tuple[int, ...]
-    text: str
+    text: str  # without an incomplete last character (a beam cut inside one), as a streamed reply's
     logprob: float  # sum of the tokens' logprobs, the end-of-turn token included when it ended the beam
     score: float  # logprob / max(1, len(token_ids)) ** length_penalty
     finish_reason: Literal["stop", "length"]
@@ -31,6 +32,10 @@ class Beam:
 
 def _score(logprob: float, length: int, alpha: float) -> float:
     return logprob / max(1, length) ** alpha
+
+
+def _text(tokenizer: ChatTokenizer, ids: Sequence[int]) -> str:
+    return drop_incomplete(tokenizer.decode(list(ids)))
 
 
 def beam_search(model: nn.Module, tokenizer: ChatTokenizer, prompt: Sequence[int], *, beam_size: int,
@@ -61,7 +66,7 @@ def beam_search(model: nn.Module, tokenizer: ChatTokenizer, prompt: Sequence[int
             parent, token = divmod(int(top_ids[i]), vocab)
             seq, total = alive[parent][0], float(top_scores[i])
             if token in eos:
-                done.append(Beam(seq, tokenizer.decode(seq), total, _score(total, len(seq), length_penalty), "stop"))
+                done.append(Beam(seq, _text(tokenizer, seq), total, _score(total, len(seq), length_penalty), "stop"))
             elif len(next_alive) < beam_size:
                 next_alive.append((seq + (token,), total))
                 parents.append(parent)
@@ -77,5 +82,5 @@ def beam_search(model: nn.Module, tokenizer: ChatTokenizer, prompt: Sequence[int
         for c in cache:
             c.keys, c.values = c.keys[gather], c.values[gather]
         inputs = mx.array([[seq[-1]] for seq, _ in alive])
-    done += [Beam(seq, tokenizer.decode(seq), s, _score(s, len(seq), length_penalty), "length") for seq, s in alive]
+    done += [Beam(seq, _text(tokenizer, seq), s, _score(s, len(seq), length_penalty), "length") for seq, s in alive]
     return sorted(done, key=lambda b: b.score, reverse=True)

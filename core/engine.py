@@ -1,18 +1,16 @@
-"""The engine: one long-lived inference thread that owns every MLX call, and the sessions that feed it.
+"""The engine: a loaded model on its inference thread, and the chat sessions that feed it.
 
-MLX streams are per thread, so loading, prefill and decode all run on the same thread; callers (a
-script, the CLI, the TUI) talk to it through queues. Each request gets its own event queue and a
-cancel flag checked between prefill chunks and between decode steps.
+MLX streams are per thread, so loading, prefill and decode all run on one thread (core/worker.py: `Job`,
+`InferenceThread`, `Stream`); callers (a script, the CLI, the TUI) talk to it through queues. Each request gets its
+own event queue and a cancel flag checked between prefill chunks and between decode steps. What a request's tokens
+become (text, stops, metrics, the result) is core/reply.py's `Reply`, shared with the batched server.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import signal
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,147 +23,24 @@ from .backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options,
                       wants_generation_stream, wants_wired_limit)
 from .beam import Beam, beam_search
 from .cache import ConversationCache
-from .errors import ContextLengthError, GenerationError, MlxChatError
-from .events import Done, Event, FinishReason, GenerationResult, Metrics, PrefillProgress, TokenEvent, TokenLogprob
+from .errors import ContextLengthError
+from .events import GenerationResult, PrefillProgress
 from .generate import generate_step
 from .messages import ChatMessage, ContextPolicy, Fork, ReplyTree
 from .profile import SamplingProfile
-from .sampling import Sampler
-from .streaming import IncrementalDetokenizer, StopStringFilter
+from .reply import DEFAULT_MAX_TOKENS, Reply, Request
 from .trace import TokenTrace
-from .tracing import Tracer, check_trace
+from .worker import InferenceThread, Job, Stream
+
+# Re-exported: scripts, the server's schedulers and tests import these from here.
+__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine", "Forced", "InferenceThread", "Job",
+           "Request", "Stream"]
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str] | ChatMessage]
 CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
 DEFAULT_PREFILL_STEP = 512
-# The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
-# (mlx-lm's generate defaults to 256, which cuts explanations and code short), short enough that a model stuck in
-# a loop stops within minutes on a slow CPU instead of running to the end of the context.
-DEFAULT_MAX_TOKENS = 1024
-
-
-@dataclass
-class _Failure:
-    error: BaseException
-
-
-class Job:
-    """One unit of work on the inference thread: the events it emits, a cancel flag, and when it was accepted."""
-
-    def __init__(self, fn: Callable[["Job"], Any]) -> None:
-        self.fn = fn
-        self.events: queue.Queue[Event | _Failure] = queue.Queue()
-        self.cancelled = threading.Event()
-        self.accepted = time.perf_counter()
-
-    def emit(self, event: Event) -> None:
-        self.events.put(event)
-
-    def fail(self, error: BaseException) -> None:
-        """End the job's stream with `error`, from any thread: a split model's job whose thread is blocked on a
-        lost peer (core/distributed) still reaches its caller."""
-        self.events.put(_Failure(error))
-
-
-class InferenceThread:
-    """Runs jobs one at a time, in order, on a single daemon thread."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlxchat-inference", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        # Ctrl-C is the main thread's to handle (its handler cancels the job): delivered here, it interrupted MLX
-        # mid-call, which hung or crashed the process.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        while (job := self._jobs.get()) is not None:
-            try:
-                job.fn(job)
-            except BaseException as e:  # noqa: BLE001 - every failure must reach the caller, and the thread live on
-                job.events.put(_Failure(e))
-            del job  # the last job's closure (model, cache) is not kept alive while the thread waits
-        # Never return. When a thread that ran MLX ends, MLX's thread-local destructors take the GIL; if that
-        # races the interpreter's finalization the process aborts ("terminate called without an active
-        # exception", about half of the processes that close an engine and then exit). A parked daemon thread
-        # is never finalized.
-        self._stopped.set()
-        threading.Event().wait()
-
-    def submit(self, fn: Callable[[Job], Any]) -> Job:
-        job = Job(fn)
-        self._jobs.put(job)
-        return job
-
-    def run(self, fn: Callable[[], Any], wait: Callable[[threading.Event], None] = threading.Event.wait) -> Any:
-        """Run `fn` on the inference thread and return its value (or raise its exception) here. `wait(finished)`
-        returns once `finished` is set; a caller that must give up on a blocked thread raises from it instead."""
-        finished = threading.Event()
-        box: dict[str, Any] = {}
-
-        def job(_: Job) -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = e
-            finally:
-                finished.set()
-
-        self.submit(job)
-        wait(finished)
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def stop(self) -> None:
-        """Finish the queued jobs, then park the thread (see `_run`)."""
-        self._jobs.put(None)
-        self._stopped.wait(timeout=5)
-
-
-class Stream:
-    """Iterate for events; `cancel()` stops at the next token (or prefill chunk). Leaving early cancels."""
-
-    def __init__(self, job: Job) -> None:
-        self._job = job
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[Event]:
-        try:
-            while self.result is None:
-                event = self._job.events.get()
-                if isinstance(event, _Failure):
-                    raise _as_caller_error(event.error)
-                if isinstance(event, Done):
-                    self.result = event.result
-                yield event
-        finally:
-            if self.result is None:
-                self._job.cancelled.set()
-
-    def cancel(self) -> None:
-        self._job.cancelled.set()
-
-    def fail(self, error: BaseException) -> None:
-        """End the stream with `error` from any thread, e.g. when its job can no longer run (see Job.fail)."""
-        self._job.fail(error)
-
-    def wait(self, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
-        for event in self:
-            if progress and isinstance(event, PrefillProgress):
-                progress(event.done, event.total)
-        assert self.result is not None
-        return self.result
-
-
-def _as_caller_error(error: BaseException) -> BaseException:
-    if isinstance(error, (MlxChatError, ValueError)):
-        return error
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return GenerationError(f"the engine failed: {type(error).__name__}" + (f": {first}" if first else ""))
 
 
 def _messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
@@ -188,17 +63,6 @@ class Forced:
 
     ids: tuple[int, ...]
     traces: tuple[TokenTrace, ...] = ()
-
-
-@dataclass(frozen=True)
-class Request:
-    """One validated generation request: the profile, the reply's length cap, every stop string, and how many
-    candidates to trace per token (0 = no trace; see core/tracing.py)."""
-
-    profile: SamplingProfile
-    max_tokens: int
-    stop: list[str]
-    trace: int = 0
 
 
 class Engine:
@@ -318,24 +182,12 @@ class Engine:
         """Another loaded model served by this engine's inference thread (closing either engine stops it)."""
         return Engine(model, self._worker, self.prefill_step)
 
-    # --- the text layer (on the inference thread) ----------------------------------------------------------
+    # --- requests (run on the inference thread; the text layer is core/reply.py) ------------------------------
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                 stop: Sequence[str] | None = None, trace: int = 0) -> Request:
-        """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
-        DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings; `trace` is the
-        number of candidates to trace per token (0-100, 0 = off)."""
-        check_trace(trace)
-        profile = profile or SamplingProfile()
-        if profile.beam_size > 1:
-            raise ValueError(f"beam search (beam_size {profile.beam_size}) does not stream: call "
-                             "engine.beam_search(), or use beam_size 1 to sample")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
-        if profile.min_tokens > cap:
-            raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
-        return Request(profile, cap, [*profile.stop, *(stop or [])], trace)
+        """Validate a request (`Request.make`: the max_tokens default, stop strings, limits)."""
+        return Request.make(profile, max_tokens, stop, trace)
 
     def check_fits(self, prompt_tokens: int, rotating: bool = False) -> None:
         """Raise ContextLengthError if a prompt of this many tokens leaves no room for a reply."""
@@ -345,48 +197,32 @@ class Engine:
     def run_request(self, job: Job, cache: ConversationCache, prompt: list[int], req: Request,
                     forced: Forced | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Detokenising, stop strings and metrics are here; tokens come from
-        `core.generate.generate_step`. `forced` is the start of the reply, already decided (a branch): it is fed
+        and a final Done on `job`. Tokens come from `core.generate.generate_step`; the text, stops, metrics and
+        result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a branch): it is fed
         to the model after the prompt, and the reply continues from it."""
         m = self.model
         if not prompt:
             raise ValueError("the prompt is empty: type a message first")
-        sampler = Sampler(req.profile, vocab_size=m.vocab_size, eos_ids=m.tokenizer.eos_ids, prompt_ids=prompt)
         head = forced.ids if forced else ()
-        ends = bool(head) and head[-1] in m.tokenizer.eos_ids  # forcing the end token ends the reply there
-        sampler.replay(head)
         feed = [*prompt, *head]
         self.check_fits(len(feed), cache.rotating)
+        reply = Reply(m, req, prompt, job.emit, job.cancelled.is_set, accepted=job.accepted,
+                      context=lambda: cache.size, rotating=cache.rotating, kv_window=cache.max_kv_size)
         mx.reset_peak_memory()
-        clock = _Clock(job.accepted, time.perf_counter(), len(feed), cache.reuse(feed), cache, m.context_length)
-        # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
-        tracer = Tracer(sampler, req.trace, lambda i: m.tokenizer.decode([i])) if req.trace else None
-        room = max(1, req.max_tokens - len(head))
-        room = room if cache.rotating else min(room, m.context_length - len(feed))
-        job.emit(PrefillProgress(clock.reused, clock.total))
-        reply = _Reply(m.tokenizer, req, clock, job)
-        if forced:
-            reply.force(head[:-1] if ends else head, forced.traces[:len(head) - ends])
-        if ends or reply.stops.stopped:
-            reason: FinishReason = "stop"
-        else:
+        reused = cache.reuse(feed)
+        reply.begin_prefill(len(feed), reused)
+        job.emit(PrefillProgress(reused, len(feed)))
+        reason = reply.force(head, forced.traces) if forced else None
+        if reason is None:
             tokens = generate_step(
-                m.model, cache.layers, feed[clock.reused:], tracer.step if tracer else sampler.step, max_tokens=room,
-                fed=cache.tokens, logprobs=req.profile.logprobs, prefill_step=self.prefill_step,
-                cancelled=job.cancelled.is_set,
-                on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), clock.total)))
+                m.model, cache.layers, feed[reused:], reply.sample, max_tokens=reply.room, fed=cache.tokens,
+                logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
+                on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed))))
             with self._device_practices():
-                reason = self._decode(tokens, reply, sampler, req, job, tracer)
-        if clear_cache_after_prefill(len(feed) - clock.reused):
+                reason = reply.follow(tokens)
+        if clear_cache_after_prefill(len(feed) - reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache
-        reply.flush()
-        # Traces stay aligned with token_ids or are left out (a branch forced a token its trace did not hold).
-        traces = tuple(reply.traces) if len(reply.traces) == len(reply.ids) else ()
-        result = GenerationResult("".join(reply.text), reason, clock.metrics(), tuple(reply.ids),
-                                  tuple(reply.logprobs), sampler.describe(), sampler.seed,
-                                  req.profile.model_dump(mode="json"), traces)
-        job.emit(Done(result))
-        return result
+        return reply.finish(reason)
 
     @contextlib.contextmanager
     def _device_practices(self) -> Iterator[None]:
@@ -402,106 +238,10 @@ class Engine:
         stream = self._generation_stream
         wired = wired_limit(self.model.model, [stream]) if wants_wired_limit(self.backend) else contextlib.nullcontext()
         with wired, mx.stream(stream):
-            yield
-
-    def _decode(self, tokens: Iterator[tuple[int, mx.array]], reply: "_Reply", sampler: Sampler, req: Request,
-                job: Job, tracer: Tracer | None) -> FinishReason:
-        """Read tokens until an end token, a stop string, a cancel or the token layer's own end."""
-        reason: FinishReason = "length"
-        for token, logprobs in tokens:
-            if token in self.model.tokenizer.eos_ids:
-                reason = "stop"
-                break
-            reply.add(token, sampler.top_logprobs(logprobs, token, req.profile.top_logprobs)
-                      if req.profile.logprobs else None, tracer.take(token) if tracer else None)
-            if reply.stops.stopped:
-                reason = "stop"
-                break
-            if job.cancelled.is_set():
-                reason = "cancelled"
-                break
-        else:
-            if not reply.ids:  # prefill was cancelled: the generator yielded nothing
-                reason = "cancelled"
-        return reason
-
-
-class _Reply:
-    """The text side of one reply: detokenised deltas with stop strings held back, token ids, logprobs, traces."""
-
-    def __init__(self, tokenizer: Any, req: Request, clock: "_Clock", job: Job) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopStringFilter(req.stop)
-        self.clock, self.job = clock, job
-        self.text: list[str] = []
-        self.ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.traces: list[TokenTrace] = []
-
-    def add(self, token: int, logprob: tuple[float, list[tuple[int, float]]] | None,
-            trace: TokenTrace | None) -> None:
-        self.clock.tick()
-        self.ids.append(token)
-        token_lp = () if logprob is None else (TokenLogprob(token, logprob[0], tuple(logprob[1])),)
-        self.logprobs.extend(token_lp)
-        traces = () if trace is None else (trace,)
-        self.traces.extend(traces)
-        delta = self.stops.feed(self.detok.add(token))
-        self.text.append(delta)
-        self.job.emit(TokenEvent(delta, (token,), self.clock.metrics(), token_lp, traces))
-
-    def force(self, ids: Sequence[int], traces: Sequence[TokenTrace]) -> None:
-        """Start the reply with tokens already decided (a branch): one event with all of them, and no tick of the
-        clock, since nothing was generated. `traces` is aligned with `ids`, or empty."""
-        if not ids:  # the branch forced the end token first: an empty reply, nothing to stream
-            return
-        traces = tuple(traces) if len(traces) == len(ids) else ()
-        self.ids.extend(ids)
-        self.traces.extend(traces)
-        delta = self.stops.feed("".join(self.detok.add(t) for t in ids))
-        self.text.append(delta)
-        self.job.emit(TokenEvent(delta, tuple(ids), self.clock.metrics(), (), traces))
-
-    def flush(self) -> None:
-        if self.stops.stopped:
-            return
-        tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
-        if tail:
-            self.text.append(tail)
-            self.job.emit(TokenEvent(tail, (), self.clock.metrics()))
-
-
-@dataclass
-class _Clock:
-    """Times one generation and turns them into `Metrics` snapshots."""
-
-    accepted: float
-    started: float
-    total: int
-    reused: int
-    cache: ConversationCache
-    limit: int
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
-
-    def tick(self) -> None:
-        self.last = time.perf_counter()
-        self.first = self.first or self.last
-        self.tokens += 1
-
-    def metrics(self) -> Metrics:
-        first, last, n = self.first, self.last, self.tokens
-        return Metrics(
-            prompt_tokens=self.total, cached_tokens=self.reused, completion_tokens=n,
-            ttft_s=first - self.accepted if first else 0.0,
-            tpot_s=(last - first) / (n - 1) if first and last and n > 1 else 0.0,
-            prefill_s=(first or time.perf_counter()) - self.started,
-            decode_s=last - first if first and last else 0.0,
-            peak_memory_bytes=mx.get_peak_memory(),
-            context_tokens=self.cache.size, context_limit=self.limit, kv_window=self.cache.max_kv_size,
-        )
-
+            try:
+                yield
+            finally:
+                mx.synchronize(stream)  # the step queued past the reply's end is done before the next job (or exit)
 
 class ChatSession:
     """A conversation whose KV cache lives between turns: each turn prefills only the new suffix.

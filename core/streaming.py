@@ -32,11 +32,17 @@ class IncrementalDetokenizer:
         return after[len(before):]
 
     def flush(self) -> str:
-        """The rest at the end of generation, even if it is an incomplete character."""
+        """The rest at the end of generation, without an incomplete last character: a reply cut inside a
+        multi-byte character (by max_tokens, a cancel) ends before it instead of in U+FFFD."""
         before = self._tok.decode(self._ids[self._prefix:self._read])
         after = self._tok.decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
-        return after[len(before):] if len(after) > len(before) else ""
+        return drop_incomplete(after[len(before):]) if len(after) > len(before) else ""
+
+
+def drop_incomplete(text: str) -> str:
+    """`text` without the incomplete character it may end in, which a decoder shows as U+FFFD."""
+    return text.rstrip(_REPLACEMENT)
 
 
 class StopStringFilter:

@@ -56,3 +56,15 @@ def test_beam_search_ends_on_eos_and_scores_with_length_penalty(engine: Engine):
 def test_streaming_with_beams_is_a_clear_error(engine: Engine):
     with pytest.raises(ValueError, match="does not stream"):
         engine.stream("Hi", profile=SamplingProfile(beam_size=4))
+
+
+def test_a_beam_cut_inside_a_character_ends_before_it(engine: Engine):
+    """As a streamed reply (tests/test_text_layer.py): no U+FFFD at the end of a beam that max_tokens cut inside an
+    emoji; its token ids keep the partial character's tokens."""
+    beams = engine.beam_search("Reply with three emojis that describe happiness.",
+                               profile=SamplingProfile(beam_size=2), max_tokens=2)
+    tok = engine.model.tokenizer
+    cut = [b for b in beams if tok.decode(list(b.token_ids)).endswith("\ufffd")]
+    assert cut  # the emojis take three tokens each here
+    for b in cut:
+        assert not b.text.endswith("\ufffd") and b.text == tok.decode(list(b.token_ids)).rstrip("\ufffd")

@@ -338,6 +338,32 @@ def test_closing_an_engine_then_exiting_does_not_abort_the_process(tiny: Path) -
     assert _exit_codes(script, 3) == [0, 0, 0]
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("ending, code, said", [
+    ("break", 0, b""),
+    ("raise RuntimeError('the user script failed')", 1, b"RuntimeError: the user script failed"),
+    ("stream.cancel(); raise RuntimeError('the user script failed')", 1, b"RuntimeError: the user script failed"),
+], ids=["break", "raise", "cancel-then-raise"])
+def test_leaving_a_stream_early_then_exiting_does_not_abort(ending: str, code: int, said: bytes) -> None:
+    """Issue 27 item 1: a script that breaks out of a stream, or raises inside one, and then ends aborted with
+    "terminate called without an active exception" (exit 134): the inference thread was still inside MLX when the
+    interpreter finalised. Exit now cancels the work in flight and waits for it."""
+    script = textwrap.dedent(f"""
+        import mlxchat.core
+        from mlxchat.core import Engine, SamplingProfile, TokenEvent
+        e = Engine.load()
+        stream = e.stream("Write a long story about dragons.", profile=SamplingProfile(temperature=0),
+                          max_tokens=300)
+        for event in stream:
+            if isinstance(event, TokenEvent):
+                {ending}
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, timeout=240)
+    assert proc.returncode == code, proc.stderr.decode(errors="replace")[-2000:]
+    assert b"terminate called" not in proc.stderr and said in proc.stderr
+
+
 # --- profiles: every range, both sides --------------------------------------------------------------------------
 # tests/test_profile.py checks the messages of one bad value per field; this checks that every numeric field is
 # refused on both sides of its range, as NaN, and as the wrong type, and that the table misses no field.

@@ -288,6 +288,7 @@ class SplitEngine(Engine):
             super().close()  # a failed group's inference thread may never return: it is left parked
 
     def _failed(self, error: PeerLostError) -> None:
+        self._worker.abandon()  # it may be blocked in a ring collective: exit must not wait for it
         for stream in list(self._streams):
             stream.fail(error)  # a stream that already ended has read its Done and reads no further
 

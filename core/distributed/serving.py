@@ -13,8 +13,9 @@ from collections import deque
 
 from ..batch import BatchRequest, QueueFull
 from ..cache import ConversationCache
-from ..engine import Engine, Job
+from ..engine import Engine
 from ..errors import ContextLengthError
+from ..worker import Job
 
 
 class SequentialScheduler:
@@ -54,8 +55,7 @@ class SequentialScheduler:
             if self._cache is None:
                 self._cache = ConversationCache(self.engine.model.model)
             try:
-                self.engine.run_request(job, self._cache, req.prompt,
-                                        self.engine.request(req.profile, req.max_tokens, req.stop))
+                self.engine.run_request(job, self._cache, req.prompt, req.request)
             except BaseException:
                 self._cache = None  # its keys and values may be ahead of its ids
                 raise

@@ -1,0 +1,201 @@
+"""One request from its validated settings to its result: `Request`, and `Reply`, the text layer and per-request
+state every generation path shares.
+
+The engine's solo path (`Engine.run_request`: one-off prompts, chat turns, the split engine and its server) and the
+batched server (core/batch.py) both turn ids into a reply here, so they cannot disagree on:
+
+* the sampler and, with ``trace=K``, the `Tracer` that wraps it (`Reply.sample` is what the token layer calls);
+* text: ids become whole-character deltas (`IncrementalDetokenizer`) and text that may begin a stop string is held
+  back (`StopStringFilter`); the deltas concatenate to the final text exactly;
+* the layered stops, checked after each token in this order: an end-of-turn id (not part of the reply), a stop
+  string (the text ends before it), `max_tokens` or a full context ("length"), a cancel;
+* the end, whatever the reason: held-back text that turned out not to be a stop string is emitted, so a cancel keeps
+  what was shown and the rest of what was generated (as a `max_tokens` cut does); a reply cut inside a multi-byte
+  character leaves that incomplete character out of its text (its token id and logprob stay);
+* the clock (`Metrics`), logprobs, traces, and the `GenerationResult`.
+
+Per token, `Reply.accept` does what the engine's decode loop did before it: no extra allocation, one more compare.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from .generate import Sample
+from .loader import LoadedModel
+from .profile import SamplingProfile
+from .sampling import Sampler
+from .streaming import IncrementalDetokenizer, StopStringFilter
+from .trace import TokenTrace
+from .tracing import Tracer, check_trace
+
+# The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
+# (mlx-lm's generate defaults to 256, which cuts explanations and code short), short enough that a model stuck in
+# a loop stops within minutes on a slow CPU instead of running to the end of the context.
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated generation request: the profile, the reply's length cap, every stop string, and how many
+    candidates to trace per token (0 = no trace; see core/tracing.py)."""
+
+    profile: SamplingProfile
+    max_tokens: int
+    stop: list[str]
+    trace: int = 0
+
+    @classmethod
+    def make(cls, profile: SamplingProfile | None = None, max_tokens: int | None = None,
+             stop: Sequence[str] | None = None, trace: int = 0) -> "Request":
+        """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
+        DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings; `trace` is the
+        number of candidates to trace per token (0-100, 0 = off)."""
+        check_trace(trace)
+        profile = profile or SamplingProfile()
+        if profile.beam_size > 1:
+            raise ValueError(f"beam search (beam_size {profile.beam_size}) does not stream: call "
+                             "engine.beam_search(), or use beam_size 1 to sample")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
+        if profile.min_tokens > cap:
+            raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
+        return cls(profile, cap, [*profile.stop, *(stop or [])], trace)
+
+
+class Reply:
+    """One request's state while it runs, on the inference thread: sampler, text, stops, clock, logprobs, traces.
+
+    `emit` receives the TokenEvents and the final Done; `cancelled()` is checked after each token. `prompt` is what
+    the reply answers (the sampler may penalise it); with a non-rotating cache, prompt and reply together end at the
+    model's context. `context()` is the number of positions in the KV cache now, and `kv_window` its rotating
+    window, for `Metrics`."""
+
+    def __init__(self, model: LoadedModel, request: Request, prompt: Sequence[int], emit: Callable[[Event], None],
+                 cancelled: Callable[[], bool], *, accepted: float, context: Callable[[], int],
+                 rotating: bool = False, kv_window: int | None = None) -> None:
+        tok = model.tokenizer
+        self._request = request
+        self._sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
+                               prompt_ids=list(prompt))
+        self._tracer = Tracer(self._sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None
+        # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
+        self.sample: Sample = self._tracer.step if self._tracer else self._sampler.step
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._traces: list[TokenTrace] = []
+        self._text: list[str] = []
+        self._eos = tok.eos_ids
+        self._emit, self._cancelled = emit, cancelled
+        self._detok = IncrementalDetokenizer(tok)
+        self._stops = StopStringFilter(request.stop)
+        self._top = request.profile.top_logprobs if request.profile.logprobs else None
+        self._cap = request.max_tokens if rotating else min(request.max_tokens, model.context_length - len(prompt))
+        # The clock: accepted -> prefill started -> first token -> last token.
+        self._accepted, self._started = accepted, time.perf_counter()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._generated = 0  # tokens drawn, forced ones not counted
+        self._prompt_tokens, self._cached = len(prompt), 0
+        self._context, self._limit, self._window = context, model.context_length, kv_window
+
+    @property
+    def room(self) -> int:
+        """How many more tokens the reply may take (at least one, even after a branch forced past the cap)."""
+        return max(1, self._cap - len(self._ids))
+
+    def begin_prefill(self, total: int, cached: int) -> None:
+        """The prefill starts now: `total` ids to answer (prompt and forced ids), `cached` of them already cached."""
+        self._started, self._prompt_tokens, self._cached = time.perf_counter(), total, cached
+
+    def force(self, ids: Sequence[int], traces: Sequence[TokenTrace] = ()) -> FinishReason | None:
+        """Start the reply with tokens already decided (a branch): the sampler counts them as drawn, and they go out
+        in one event with no tick of the clock. `traces` is aligned with `ids`, or empty. Returns "stop" when they
+        end the reply (the end token forced, or a stop string in their text), else None."""
+        self._sampler.replay(ids)
+        ends = bool(ids) and ids[-1] in self._eos
+        kept = tuple(ids[:-1] if ends else ids)
+        if kept:
+            shown = tuple(traces[:len(kept)])
+            shown = shown if len(shown) == len(kept) else ()
+            self._ids.extend(kept)
+            self._traces.extend(shown)
+            delta = self._stops.feed("".join(self._detok.add(t) for t in kept))
+            self._text.append(delta)
+            self._emit(TokenEvent(delta, kept, self.metrics(), (), shown))
+        return "stop" if ends or self._stops.stopped else None
+
+    def accept(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
+        """Record one generated token and emit its delta; return why the reply ends here, or None to go on.
+        `logprobs` is the step's (vocab,) array, read only when the request asked for logprobs."""
+        if token in self._eos:
+            return "stop"
+        self._last = time.perf_counter()
+        if self._first is None:
+            self._first = self._last
+        self._generated += 1
+        self._ids.append(token)
+        token_lp: tuple[TokenLogprob, ...] = ()
+        if self._top is not None:
+            chosen, top = Sampler.top_logprobs(logprobs, token, self._top)
+            token_lp = (TokenLogprob(token, chosen, tuple(top)),)
+            self._logprobs.append(token_lp[0])
+        traces: tuple[TokenTrace, ...] = ()
+        if self._tracer is not None:
+            traces = (self._tracer.take(token),)
+            self._traces.append(traces[0])
+        delta = self._stops.feed(self._detok.add(token))
+        self._text.append(delta)
+        self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces))
+        if self._stops.stopped:
+            return "stop"
+        if len(self._ids) >= self._cap:
+            return "length"
+        if self._cancelled():
+            return "cancelled"
+        return None
+
+    def follow(self, tokens: Iterable[tuple[int, mx.array]]) -> FinishReason:
+        """Accept the token layer's tokens until the reply ends. A token layer that yields nothing was cancelled
+        during prefill."""
+        for token, logprobs in tokens:
+            if (reason := self.accept(token, logprobs)) is not None:
+                return reason
+        return "cancelled" if self._cancelled() else "length"
+
+    def finish(self, reason: FinishReason) -> GenerationResult:
+        """End the reply: emit what was held back (see the module docstring), then the Done with the result."""
+        if not self._stops.stopped:
+            tail = self._stops.feed(self._detok.flush()) + self._stops.flush()
+            if tail:
+                self._text.append(tail)
+                self._emit(TokenEvent(tail, (), self.metrics()))
+        # Traces stay aligned with token_ids or are left out (a branch forced a token its trace did not hold).
+        traces = tuple(self._traces) if len(self._traces) == len(self._ids) else ()
+        result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self._ids), tuple(self._logprobs),
+                                  self._sampler.describe(), self._sampler.seed,
+                                  self._request.profile.model_dump(mode="json"), traces)
+        self._emit(Done(result))
+        return result
+
+    def metrics(self) -> Metrics:
+        """A snapshot of the clock and the sizes now."""
+        first, last, n = self._first, self._last, self._generated
+        return Metrics(
+            prompt_tokens=self._prompt_tokens, cached_tokens=self._cached, completion_tokens=n,
+            ttft_s=first - self._accepted if first else 0.0,
+            tpot_s=(last - first) / (n - 1) if first and last and n > 1 else 0.0,
+            prefill_s=(first or time.perf_counter()) - self._started,
+            decode_s=last - first if first and last else 0.0,
+            peak_memory_bytes=mx.get_peak_memory(),
+            context_tokens=self._context(), context_limit=self._limit, kv_window=self._window,
+        )
+
+
+__all__ = ["DEFAULT_MAX_TOKENS", "Reply", "Request"]
