@@ -132,6 +132,10 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                            headers={"Retry-After": "1"}) from None
         except ContextLengthError as e:
             raise ApiError(400, f"{e}: shorten the prompt") from None
+        except ValueError as e:  # settings valid alone but not together (core.reply.Request.make says which)
+            for c in choices:
+                c.request.cancel()
+            raise ApiError(400, str(e)) from None
         return choices
 
     def log_line(request: HttpRequest, status: int, started: float, results: list[GenerationResult]) -> None:

@@ -237,6 +237,8 @@ def test_resent_conversation_prefills_only_the_suffix(client: openai.OpenAI) -> 
     (json.dumps({"messages": _msgs("hi"), "temperature": 3}).encode(), 400, "between 0 and 2"),
     (json.dumps({"messages": _msgs("hi"), "top_p": 0}).encode(), 400, "top_p must be greater than 0"),
     (json.dumps({"messages": _msgs("hi"), "max_tokens": 0}).encode(), 400, "max_tokens must be at least 1"),
+    (json.dumps({"messages": _msgs("hi"), "min_tokens": 2000}).encode(), 400,
+     "min_tokens (2000) must not exceed max_tokens (1024)"),
     (json.dumps({"messages": _msgs("hi"), "logit_bias": {"5": 200}}).encode(), 400, "between -100 and 100"),
     (json.dumps({"messages": _msgs("hi"), "logit_bias": {"99999999": 1}}).encode(), 400, "outside the vocabulary"),
     (json.dumps({"messages": _msgs("hi"), "n": 0}).encode(), 400, "n must be between"),
