@@ -555,7 +555,16 @@ class ChatSession:
             raise ValueError("the history must not contain a system message: set it with the session's system")
         with self._lock:
             system = [m for m in self._tree.path[:1] if m.role == "system"]
-            self._tree = ReplyTree(system + history, {p + len(system): f for p, f in (forks or {}).items()})
+            shift = len(system)
+            self._tree = ReplyTree(system + history, {p + shift: f.shifted(shift) for p, f in (forks or {}).items()})
+
+    def history(self) -> tuple[list[ChatMessage], dict[int, Fork]]:
+        """The messages after the system prompt and the alternatives along them, as `replace_history` takes them
+        (e.g. to carry a conversation over to a session with another system prompt or model)."""
+        with self._lock:
+            shift = 1 if self._tree.path and self._tree.path[0].role == "system" else 0
+            return (list(self._tree.path[shift:]),
+                    {p - shift: f.shifted(-shift) for p, f in self._tree.forks.items()})
 
     def drop_last_user(self) -> ChatMessage | None:
         """Take back the last message if it is an unanswered user message (one the engine refused); return it."""
@@ -675,7 +684,27 @@ class ChatSession:
                branch: tuple[int, ChatMessage, Forced] | None = None) -> Stream:
         engine = self.engine
 
+        def record(result: GenerationResult) -> None:
+            if result.text or result.finish_reason != "cancelled":
+                message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
+                                      result.profile, result.token_ids, result.seed, result.traces, result.sampler,
+                                      engine.name)
+                with self._lock:
+                    if branch:
+                        self._tree.add_alternative(branch[0], message)
+                    else:
+                        self._tree.path.append(message)
+
         def run(job: Job) -> None:
+            # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done finds it.
+            emit = job.emit
+
+            def record_then_emit(event: Event) -> None:
+                if isinstance(event, Done):
+                    record(event.result)
+                emit(event)
+
+            job.emit = record_then_emit  # type: ignore[method-assign]
             if self._cache is None:
                 self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep, self.kv)
             with self._lock:
@@ -684,7 +713,7 @@ class ChatSession:
                 rendered = [m.as_prompt() for m in self._tree.path[:branch[0] if branch else None]]
             try:
                 prompt = self._fitted_prompt(rendered, request)
-                result = engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)
+                engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
@@ -696,14 +725,6 @@ class ChatSession:
                     if sent is not None and self._tree.path and self._tree.path[-1] is sent:
                         self._tree.path.pop()
                 raise
-            if result.text or result.finish_reason != "cancelled":
-                message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
-                                      result.profile, result.token_ids, result.seed, result.traces)
-                with self._lock:
-                    if branch:
-                        self._tree.add_alternative(branch[0], message)
-                    else:
-                        self._tree.path.append(message)
 
         return engine.submit(run)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mlxchat.app.conversation import CHECKPOINT_S, ChatController, Refused, State
+from mlxchat.app.inspection import Inspection
 from mlxchat.app.store import Store
 from mlxchat.core import SamplingProfile
 from mlxchat.core.events import Done, PrefillProgress, TokenEvent
@@ -288,19 +289,19 @@ def test_a_branch_replaces_the_reply_and_both_stay_in_the_store(make, store):
     assert first.traces is not None and len(first.traces) == len(first.token_ids)
     other = next(x for x in first.traces[1].candidates if not x.chosen)
     with pytest.raises(Refused, match="the token it chose"):
-        c.branch(first, 1, first.traces[1].chosen.token_id)
-    reply = c.branch(first, 1, other.token_id)
+        Inspection(c).branch(first, 1, first.traces[1].chosen.token_id)
+    reply = Inspection(c).branch(first, 1, other.token_id)
     assert c.turns[-1] is reply.turn and first not in c.turns and reply.turn.branches == (1, 2)
     with pytest.raises(Refused, match="Esc stops it"):
-        c.branch(first, 0, other.token_id)
+        Inspection(c).branch(first, 0, other.token_id)
     drive(c, reply)
     new = c.turns[-1]
     assert new.token_ids[:2] == (first.token_ids[0], other.token_id) and new.content != first.content
-    assert c.branch_place(new) == (2, 2) and c.branch_place(c.turns[0]) is None
+    assert Inspection(c).branch_place(new) == (2, 2) and Inspection(c).branch_place(c.turns[0]) is None
     assert [m.content for m in store.branches(c.record.id, new.position).messages] == [first.content, new.content]
     # The session goes on from the branch shown; [ switches back, in the store and the session.
-    shown = c.switch_branch(new, -1)
-    assert shown.content == first.content and c.branch_place(shown) == (1, 2)
+    shown = Inspection(c).switch_branch(new, -1)
+    assert shown.content == first.content and Inspection(c).branch_place(shown) == (1, 2)
     assert c.session.messages[-1].content == first.content
     assert roles(store, c)[-1] == ("assistant", first.content)
 
@@ -309,12 +310,12 @@ def test_a_branch_that_fails_gives_the_reply_back(make, store):
     c = _traced(make)
     first = c.turns[-1]
     other = next(x for x in first.traces[0].candidates if not x.chosen)
-    reply = c.branch(first, 0, other.token_id)
+    reply = Inspection(c).branch(first, 0, other.token_id)
     reply.stream.cancel()
     list(reply.stream)  # drained here; the controller is told it failed, as the bridge posts an engine error
     _, message = c.on_failed(reply.stream, RuntimeError("the engine failed"))
     assert message == "the engine failed" and not c.busy
-    assert c.turns[-1] is first and c.branch_place(first) is None
+    assert c.turns[-1] is first and Inspection(c).branch_place(first) is None
     assert c.session.messages[-1].content == first.content  # the next turn follows the reply shown
     assert roles(store, c)[-1] == ("assistant", first.content)  # nothing was saved for the branch
     assert store.branches(c.record.id, first.position).active == 0
@@ -326,10 +327,11 @@ def test_branching_an_earlier_reply_keeps_what_followed_it_in_the_old_branch(mak
     drive(c, c.send("And another one?"))
     later = [t.content for t in c.turns]
     other = next(x for x in first.traces[0].candidates if not x.chosen)
-    drive(c, c.branch(first, 0, other.token_id))
-    assert [t.role for t in c.turns] == ["user", "assistant"] and c.branch_place(c.turns[-1]) == (2, 2)
+    drive(c, Inspection(c).branch(first, 0, other.token_id))
+    assert [t.role for t in c.turns] == ["user", "assistant"] and Inspection(c).branch_place(c.turns[-1]) == (2, 2)
     assert c.session.messages[-1].content == c.turns[-1].content
-    shown = c.switch_branch(c.turns[-1], 1)  # wraps round to the first branch, with the exchange that followed
+    # wraps round to the first branch, with the exchange that followed
+    shown = Inspection(c).switch_branch(c.turns[-1], 1)
     assert shown.content == first.content and [t.content for t in c.turns] == later
     assert [m.content for m in store.messages(c.record.id)] == later
 

@@ -21,6 +21,7 @@ from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker,
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, Notice
 from mlxchat.core import SamplingProfile
+from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import ProfileStore
 from tests.markers import needs_native
 
@@ -270,9 +271,10 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new
 async def test_rename_delete_and_copy_a_code_block(tmp_path, new_app):
     store = Store(tmp_path / "data" / "conversations.db")
     c = store.create_conversation("code")
-    store.add_message(c.id, "user", "show code")
-    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n\nThen:\n\n```sh\nls -l\n```\n",
-                      finish_reason="stop", metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
+    store.add_message(c.id, ChatMessage("user", "show code"))
+    store.add_message(c.id, ChatMessage(
+                      "assistant", "Here:\n\n```python\nprint('hi')\n```\n\nThen:\n\n```sh\nls -l\n```\n",
+                      finish_reason="stop", metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9}))
     other = store.create_conversation("other")
     store.close()
     app = new_app(max_tokens=MAX_TOKENS)
@@ -312,7 +314,7 @@ async def test_opening_a_chat_focuses_the_input_and_typed_text_never_deletes_or_
     """Issue 12 item 2: typing "do it" + Enter with the sidebar focused deleted the chat (d, then Enter)."""
     store = Store(tmp_path / "data" / "conversations.db")
     kept = store.create_conversation("keep me")
-    store.add_message(kept.id, "user", "hello")
+    store.add_message(kept.id, ChatMessage("user", "hello"))
     store.close()
     app = new_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -514,12 +516,13 @@ def snap_app(engine, monkeypatch):
     store = Store(SNAP_DIR / "data" / "conversations.db", clock=lambda: next(clock))
     a = store.create_conversation("Capital of France", system_prompt="You are a helpful assistant.",
                                   profile={"name": "chat", "temperature": 0.8, "top_p": 0.9})
-    store.add_message(a.id, "user", "What is the capital of France?")
-    store.add_message(a.id, "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
+    store.add_message(a.id, ChatMessage("user", "What is the capital of France?"))
+    store.add_message(a.id, ChatMessage(
+                      "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
                       finish_reason="stop", model=engine.name, profile={"name": "chat"},
                       metrics={"prompt_tokens": 27, "cached_tokens": 0, "completion_tokens": 9, "ttft_s": 0.31,
                                "tpot_s": 0.082, "prefill_s": 0.3, "decode_s": 0.66,
-                               "peak_memory_bytes": 551_000_000, "context_tokens": 36, "context_limit": 8192})
+                               "peak_memory_bytes": 551_000_000, "context_tokens": 36, "context_limit": 8192}))
     store.create_conversation("A haiku about autumn")
     store.close()
     ProfileStore(SNAP_DIR / "config" / "profiles").save(
