@@ -108,7 +108,9 @@ class ChatController(ChatState):
         return self._started(self._new_reply(self._add(Turn(self._last_sent()))), stream)
 
     def regenerate(self) -> Reply:
-        """Answer the last user message again (dropping the reply it had)."""
+        """Answer the last user message again. The reply it had stays a branch (``< 1/2 >``, as the inspector's
+        branches do) when it was saved; one never saved, or followed by a system prompt set since (which the new
+        reply is written under), is dropped."""
         self.require_idle()
         if self.session is None:
             raise Refused("The model is still loading")
@@ -117,8 +119,11 @@ class ChatController(ChatState):
             raise Refused("Nothing to regenerate yet")
         if user.unsent:
             raise Refused("Your last message was not sent: ctrl+t edits it")
-        stream = self._call(lambda: self.session.regenerate(**self.limits()))
         after = self.turns[self.turns.index(user) + 1:]
+        if len(after) == 1 and after[0].role == "assistant" and self.branchable(after[0]):
+            limits = self.limits()
+            return self.start_alternative(after[0], lambda session, _: session.regenerate(keep=True, **limits))
+        stream = self._call(lambda: self.session.regenerate(**self.limits()))
         if after:
             self._truncate(after[0])
         return self._started(self._new_reply(user), stream)

@@ -102,5 +102,5 @@ class Inspection:
         system = changes[-1] if changes else (chat.record.system_prompt if chat.record else chat.system_prompt)
         messages = [ChatMessage("system", system)] if system else []
         messages += [t.message for t in before if t.in_history]
-        return ReplaySource(tuple(messages), dict(turn.message.profile) or chat.profile_dict(), turn.seed,
-                            chat.max_tokens)
+        return ReplaySource.of(messages, turn.message, dict(turn.message.profile) or chat.profile_dict(),
+                               chat.max_tokens)

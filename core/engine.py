@@ -589,15 +589,20 @@ class ChatSession:
         return self._reply(request, message)
 
     def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-                   trace: int = 0) -> Stream:
-        """Drop the last reply and answer the last user message again."""
+                   trace: int = 0, keep: bool = False) -> Stream:
+        """Answer the last user message again. The last reply is dropped, or with `keep` it stays an alternative:
+        the new reply becomes the active one at its place once it is done (see `alternatives`)."""
         request = self.engine.request(self.profile, max_tokens, stop, trace)
         with self._lock:
-            if self._tree.path and self._tree.path[-1].role == "assistant":
-                self._tree.truncate(len(self._tree.path) - 1)
-            if not self._tree.path or self._tree.path[-1].role != "user":
+            path = self._tree.path
+            last = len(path) - 1
+            branch = (last, path[last], None) if keep and path and path[last].role == "assistant" else None
+            if branch is None and path and path[last].role == "assistant":
+                self._tree.truncate(last)
+            answered = path[:branch[0]] if branch else path
+            if not answered or answered[-1].role != "user":
                 raise ValueError("there is no user message to answer again")
-        return self._reply(request)
+        return self._reply(request, branch=branch)
 
     def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
                   trace: int = 0) -> Stream:
@@ -681,7 +686,7 @@ class ChatSession:
         return index + len(self._tree.path) if index < 0 else index
 
     def _reply(self, request: Request, sent: ChatMessage | None = None,
-               branch: tuple[int, ChatMessage, Forced] | None = None) -> Stream:
+               branch: tuple[int, ChatMessage, Forced | None] | None = None) -> Stream:
         engine = self.engine
 
         def record(result: GenerationResult) -> None:

@@ -204,6 +204,21 @@ def test_edit_and_regenerate_drop_what_followed_but_keep_a_system_prompt_set_mea
     assert [m.content for m in c.session.messages if m.role == "user"] == ["Hello"]
 
 
+def test_regenerate_keeps_the_old_reply_as_a_branch_in_the_session_and_the_store(make, store):
+    c = make()
+    first = drive(c, c.send("Hi")).turn
+    reply = c.regenerate()
+    assert c.turns[-1] is reply.turn and first not in c.turns
+    drive(c, reply)
+    new = c.turns[-1]
+    assert new is reply.turn and Inspection(c).branch_place(new) == (2, 2)
+    assert c.session.alternatives(-1)[0] is first.message and c.session.messages[-1] is new.message
+    assert [m.content for m in store.branches(c.record.id, new.position).messages] == [first.content, new.content]
+    shown = Inspection(c).switch_branch(new, -1)  # [ shows the old reply again, which the chat goes on from
+    assert shown.message is first.message and Inspection(c).branch_place(shown) == (1, 2)
+    assert c.session.messages[-1] is first.message and roles(store, c)[-1] == ("assistant", first.content)
+
+
 def test_a_prompt_longer_than_the_context_leaves_the_session_and_the_store(make, store):
     c = make()
     first = drive(c, c.send("Hi"))
@@ -334,6 +349,19 @@ def test_branching_an_earlier_reply_keeps_what_followed_it_in_the_old_branch(mak
     shown = Inspection(c).switch_branch(c.turns[-1], 1)
     assert shown.content == first.content and [t.content for t in c.turns] == later
     assert [m.content for m in store.messages(c.record.id)] == later
+
+
+def test_a_replay_of_a_branch_replays_the_branch_shown(make, engine):
+    c = _traced(make)
+    first = c.turns[-1]
+    other = next(x for x in first.traces[1].candidates if not x.chosen)
+    drive(c, Inspection(c).branch(first, 1, other.token_id))
+    shown = c.turns[-1]
+    source = Inspection(c).replay_source(shown)
+    assert source.start == (first.token_ids[0], other.token_id)
+    as_written, changed = source.plan("temperature=0.8").run(engine, trace=4)
+    # Both sides start as the branch did (the kept token, then the candidate), not as the reply it branched from.
+    assert as_written.token_ids[:2] == changed.token_ids[:2] == shown.token_ids[:2]
 
 
 # --- the bridge's batch pacing (plain logic; the screen feeds it the UI thread's CPU time per batch) --------------

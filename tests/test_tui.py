@@ -175,6 +175,7 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: not screen.busy, what="the regenerated reply")
         assert [v.role for v in screen.transcript.messages] == ["user", "assistant"]
+        assert "< 2/2 >" in screen.transcript.last("assistant").label  # the old reply stays a branch
         stored = app.store.messages(conv)
         assert [m.role for m in stored] == ["user", "assistant"]
         assert stored[1].content == screen.controller.last_result.text
