@@ -101,7 +101,7 @@ class ChatState:
     def _refresh_branches(self, turns: list[Turn]) -> None:
         """Read the alternatives at each reply's place from the session (what ``< 2/3 >`` shows)."""
         for turn in turns:
-            if turn.role == "assistant" and (index := self.index_of(turn)) is not None:
+            if turn.role != "system" and (index := self.index_of(turn)) is not None:
                 assert self.session is not None
                 turn.branches = (self.session.active_branch(index), len(self.session.alternatives(index)))
 
@@ -208,8 +208,12 @@ class ChatState:
         if reply.conversation_id is None:
             self.notify("A reply of a chat that was never saved was lost", "warning")
             return
+        conversation_id = reply.conversation_id
+        lead = reply.lead if reply.lead is not None and reply.lead.position is None else None
         try:
-            self.saved.write(lambda: self.saved.write_turn(reply.conversation_id, reply.turn))
+            for turn in (lead, reply.turn) if lead else (reply.turn,):  # an edit's new message before its reply
+                if not self.saved.write(lambda turn=turn: self.saved.write_turn(conversation_id, turn)):
+                    return
         except ValueError:  # its conversation was deleted meanwhile (foreign key)
             pass
 
@@ -223,10 +227,12 @@ class ChatState:
         return turn in self.turns and turn.position is not None and self.record is not None and \
             self.index_of(turn) is not None
 
-    def start_alternative(self, turn: Turn, start: "Callable[[ChatSession, int], Stream]") -> Reply:
-        """Start a new alternative of ``turn`` (a saved reply): ``start(session, index)`` begins it at ``turn``'s
-        index in the session. Until it ends it takes the place of ``turn`` and what followed (a failure gives
-        them back); then it is the alternative shown there, and the old one a branch."""
+    def start_alternative(self, turn: Turn, start: "Callable[[ChatSession, int], Stream]", *,
+                          lead: Turn | None = None) -> Reply:
+        """Start a new alternative of ``turn`` (a saved message): ``start(session, index)`` begins it at ``turn``'s
+        index in the session; ``lead`` is the new message an edit puts in ``turn``'s place before the reply. Until
+        the reply ends they take the place of ``turn`` and what followed (a failure gives them back); then they are
+        the alternative shown there, and the old one a branch."""
         self.require_idle()
         if self.session is None:
             raise Refused("The model is still loading")
@@ -237,11 +243,18 @@ class ChatState:
         stream = self._call(lambda: start(session, index))
         i = self.turns.index(turn)
         replaced = self.turns[i:]
-        count = turn.branches[1]
-        new = self._reply_turn(branches=(count, count + 1), branch_at=turn.position)
-        self.turns[i:] = [new]
-        answers = next((t for t in reversed(self.turns[:i]) if t.role == "user"), None)
-        self.reply = Reply(new, answers, self.record.id, replaced=replaced, index=index)
+        branches = (turn.branches[1], turn.branches[1] + 1)
+        if lead is not None:
+            lead.branches, lead.branch_at = branches, turn.position
+            new = self._reply_turn()
+            self.turns[i:] = [lead, new]
+            answers = lead
+        else:
+            new = self._reply_turn(branches=branches, branch_at=turn.position)
+            self.turns[i:] = [new]
+            answers = next((t for t in reversed(self.turns[:i]) if t.role == "user"), None)
+        self.reply = Reply(new, answers, self.record.id if self.record else None, replaced=replaced, index=index,
+                           lead=lead)
         return self._started(self.reply, stream)
 
     def show_branch(self, turn: Turn, target: int) -> Turn:

@@ -94,13 +94,20 @@ class ChatController(ChatState):
         return self._started(self._new_reply(self._add(Turn(self._last_sent()))), stream)
 
     def resend(self, text: str) -> Reply:
-        """Replace the last user message (and what followed) with ``text`` and answer it."""
+        """Replace the last user message (and what followed) with ``text`` and answer it. The old message and its
+        reply stay a branch (``< 1/2 >`` on the message) when they were saved and no system prompt was set since
+        (the new message is written under it); else they are dropped."""
         self.require_idle()
         if self.session is None:
             raise Refused("The model is still loading")
         last = self._last("user")
         if last is None:
             return self.send(text)
+        after = self.turns[self.turns.index(last) + 1:]
+        if not last.unsent and self.branchable(last) and all(t.role != "system" for t in after):
+            limits = self.limits()
+            return self.start_alternative(last, lambda session, _: session.edit_last(text, keep=True, **limits),
+                                          lead=Turn(ChatMessage("user", text)))
         # A refused (unsent) message is in neither the session nor the store: send the new text, edit nothing.
         start = self.session.send if last.unsent else self.session.edit_last
         stream = self._call(lambda: start(text, **self.limits()))
@@ -190,13 +197,15 @@ class ChatController(ChatState):
         if reply.kept:  # the session's record of it from now on (it joins the session before its Done is posted)
             assert reply.session is not None
             turn.message = reply.session.messages[-1]
+            if reply.lead is not None:  # and of the edited message it answers
+                reply.lead.message = reply.session.messages[-2]
         current = reply is self.reply
         if not reply.kept:
             self._drop_reply_turn(reply)
         elif current:
             if reply.session is not self.session and self.session is not None:  # a model loaded meanwhile
                 self.session.replace_history(*reply.session.history())
-            self._refresh_branches([turn])
+            self._refresh_branches([t for t in (reply.lead, turn) if t is not None])
             self._persist()
         elif not reply.discard:
             self._save_elsewhere(reply)
@@ -221,6 +230,8 @@ class ChatController(ChatState):
         if reply is self.reply:
             if reply.replaced is not None:  # a failed branch: the reply it was to replace comes back
                 self._drop_reply_turn(reply)
+                if reply.lead is not None:
+                    message += " · your message was not sent: ctrl+t edits it, or send another one"
             elif reply.tokens == 0 and reply.answers is not None:
                 message += self._unsend(reply.answers)
             self.reply, self.state = None, State.IDLE
@@ -231,7 +242,12 @@ class ChatController(ChatState):
         if reply.turn not in self.turns:
             return
         i = self.turns.index(reply.turn)
-        self.turns[i:i + 1] = reply.replaced or []
+        if reply.lead is not None:  # an edit that came to nothing: its message is shown after the old one, unsent
+            i -= 1
+            reply.lead.unsent, reply.lead.branch_at = True, None
+        self.turns[i:i + 2 if reply.lead else i + 1] = reply.replaced or []
+        if reply.lead is not None:
+            self.turns.append(reply.lead)
         if reply.replaced and reply.session is not None and reply.index is not None:
             # The session follows the reply shown again (a branch that ended before it failed here is in its tree).
             old = reply.replaced[0].message

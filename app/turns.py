@@ -103,3 +103,4 @@ class Reply:
     kept: bool = True  # after it finished: False when stopped before its first token (nothing to keep)
     replaced: "list[Turn] | None" = None  # a branch: the turns it took the place of (back if it comes to nothing)
     index: int | None = None  # a branch: its place in the session's messages
+    lead: Turn | None = None  # an edit kept as a branch: the new message (shown before its reply), saved with it

@@ -605,17 +605,24 @@ class ChatSession:
         return self._reply(request, branch=branch)
 
     def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-                  trace: int = 0) -> Stream:
-        """Replace the last user message (dropping what followed it) and answer it."""
+                  trace: int = 0, keep: bool = False) -> Stream:
+        """Replace the last user message (dropping what followed it) and answer it. With `keep` the old message and
+        what followed it stay an alternative: the new message and its reply take its place once the reply is done
+        (see `alternatives`); a reply stopped before its first token or failed changes nothing."""
         _messages(text, None)
         request = self.engine.request(self.profile, max_tokens, stop, trace)
+        message = ChatMessage("user", text)
         with self._lock:
             last = max((i for i, m in enumerate(self._tree.path) if m.role == "user"), default=None)
             if last is None:
                 raise ValueError("there is no user message to edit")
-            self._tree.truncate(last)
-            message = ChatMessage("user", text)
-            self._tree.path.append(message)
+            if keep:
+                branch = (last, self._tree.path[last], None)
+            else:
+                self._tree.truncate(last)
+                self._tree.path.append(message)
+        if keep:
+            return self._reply(request, branch=branch, lead=message)
         return self._reply(request, message)
 
     def clear(self) -> None:
@@ -686,19 +693,22 @@ class ChatSession:
         return index + len(self._tree.path) if index < 0 else index
 
     def _reply(self, request: Request, sent: ChatMessage | None = None,
-               branch: tuple[int, ChatMessage, Forced | None] | None = None) -> Stream:
+               branch: tuple[int, ChatMessage, Forced | None] | None = None,
+               lead: ChatMessage | None = None) -> Stream:
+        """Answer the path (up to `branch`'s position, then `lead` if given: an edit kept as a branch)."""
         engine = self.engine
 
         def record(result: GenerationResult) -> None:
-            if result.text or result.finish_reason != "cancelled":
-                message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
-                                      result.profile, result.token_ids, result.seed, result.traces, result.sampler,
-                                      engine.name)
-                with self._lock:
-                    if branch:
-                        self._tree.add_alternative(branch[0], message)
-                    else:
-                        self._tree.path.append(message)
+            if not result.text and result.finish_reason == "cancelled":
+                return
+            message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
+                                  result.profile, result.token_ids, result.seed, result.traces, result.sampler,
+                                  engine.name)
+            with self._lock:
+                if branch:
+                    self._tree.add_alternative(branch[0], lead or message)
+                if lead is not None or not branch:
+                    self._tree.path.append(message)
 
         def run(job: Job) -> None:
             # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done finds it.
@@ -715,7 +725,8 @@ class ChatSession:
             with self._lock:
                 if branch and (len(self._tree.path) <= branch[0] or self._tree.path[branch[0]] is not branch[1]):
                     raise ValueError("the conversation changed before the branch started: branch again")
-                rendered = [m.as_prompt() for m in self._tree.path[:branch[0] if branch else None]]
+                rendered = [m.as_prompt() for m in [*self._tree.path[:branch[0] if branch else None],
+                                                    *([lead] if lead else [])]]
             try:
                 prompt = self._fitted_prompt(rendered, request)
                 engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)

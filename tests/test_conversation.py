@@ -219,6 +219,27 @@ def test_regenerate_keeps_the_old_reply_as_a_branch_in_the_session_and_the_store
     assert c.session.messages[-1] is first.message and roles(store, c)[-1] == ("assistant", first.content)
 
 
+def test_an_edit_keeps_the_old_message_and_its_reply_as_a_branch(make, store):
+    c = make()
+    first = drive(c, c.send("Hi"))
+    old_user, old_reply = c.turns
+    drive(c, c.resend("Hello"))
+    user, reply = c.turns
+    assert user.content == "Hello" and user.message is c.session.messages[1] and reply.message is c.session.messages[2]
+    assert Inspection(c).branch_place(user) == (2, 2) and Inspection(c).branch_place(reply) is None
+    assert [m.content for m in store.branches(c.record.id, 0).messages] == ["Hi", "Hello"]
+    assert roles(store, c) == [("user", "Hello"), ("assistant", reply.content)]
+    shown = Inspection(c).switch_branch(user, 1)  # ] wraps round to the first message, with its reply
+    assert shown.message is old_user.message and [t.message for t in c.turns] == [old_user.message, old_reply.message]
+    assert roles(store, c) == [("user", "Hi"), ("assistant", first.turn.content)]
+    # An edit the engine refuses changes nothing: the old message is back, the new one shown unsent after it.
+    _, message = drive(c, c.resend("word " * 9000))
+    assert "not sent" in message and c.turns[-1].unsent and not c.busy
+    assert [t.message for t in c.turns[:2]] == c.session.messages[1:] == [old_user.message, old_reply.message]
+    assert roles(store, c) == [("user", "Hi"), ("assistant", first.turn.content)]
+    assert len(store.branches(c.record.id, 0).messages) == 2
+
+
 def test_a_prompt_longer_than_the_context_leaves_the_session_and_the_store(make, store):
     c = make()
     first = drive(c, c.send("Hi"))

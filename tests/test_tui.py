@@ -187,6 +187,7 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         await wait_for(pilot, lambda: not screen.busy, what="the edited reply")
         assert not screen.editing
         assert [(v.role, v.text) for v in screen.transcript.messages][0] == ("user", "Hello")
+        assert "< 2/2 >" in screen.transcript.messages[0].label  # the old message and its reply stay a branch
         assert [m.content for m in app.store.messages(conv)][0] == "Hello"
         assert len(app.store.messages(conv)) == 2
         assert [m.role for m in screen.controller.session.messages] == ["system", "user", "assistant"]
@@ -403,6 +404,23 @@ async def test_engine_error_mid_stream_is_shown_and_the_app_stays_usable(engine,
         await pilot.press("ctrl+n")
         result = await reply(pilot, "Hi")
         assert result.finish_reason in ("stop", "length")
+
+
+@pytest.mark.anyio
+async def test_an_edit_the_engine_refuses_gives_the_old_message_back_and_shows_the_new_one_unsent(new_app, wait_for,
+                                                                                                    reply):
+    app = new_app(max_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        first = await reply(pilot, "Hi")
+        await pilot.press("ctrl+t")
+        screen.input.load_text("word " * 9000)  # longer than the model's 8192-token context
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not screen.busy, what="the refusal")
+        views = screen.transcript.messages
+        assert [(v.role, v.text) for v in views[:2]] == [("user", "Hi"), ("assistant", first.text)]
+        assert views[2].role == "user" and views[2].has_class("unsent") and len(views) == 3
 
 
 @pytest.mark.anyio

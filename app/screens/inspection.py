@@ -148,9 +148,9 @@ class InspectionPanel:
         self.screen.input.focus()
 
     async def step(self, view: MessageView, step: int) -> None:
-        """``[``/``]`` on a reply: show its previous/next branch."""
+        """``[``/``]`` on a message: show its previous/next branch."""
         turn = view.turn
-        if turn is None or turn.role != "assistant":
+        if turn is None or turn.role == "system":
             return
         try:
             shown = self.inspection.switch_branch(turn, step)

@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 UI_CPU_BUDGET = 0.04
 
 
+def _placed(label: str, turn: Turn) -> str:
+    """A message's label with its place among its alternatives, when it has any."""
+    place = Inspection.branch_place(turn)
+    return label if place is None else f"{label}   < {place[0]}/{place[1]} >  [ ] switch"
+
+
 class ReplyFeed:
     """The transcript and the stats bar of one chat screen, following its controller and its engine worker."""
 
@@ -49,15 +55,13 @@ class ReplyFeed:
             else:
                 stats = stats_line(message.metrics, message.finish_reason, message.profile.get("name"))
             label = f"Assistant · {message.model}" if message.model else "Assistant"
-            if (place := Inspection.branch_place(turn)) is not None:
-                label += f"   < {place[0]}/{place[1]} >  [ ] switch"
-            view = MessageView("assistant", turn.content, label=label, stats=stats, turn=turn)
+            view = MessageView("assistant", turn.content, label=_placed(label, turn), stats=stats, turn=turn)
             if turn.error:
                 view.add_class("failed")
             return view
         if turn.role == "system":
             return MessageView("system", turn.content, label="System prompt, from here on", turn=turn)
-        view = MessageView("user", turn.content, turn=turn)
+        view = MessageView("user", turn.content, label=_placed("You", turn), turn=turn)
         if turn.unsent:
             view.add_class("unsent")
             view.stats = "not sent · ctrl+t edits and sends it"
@@ -202,6 +206,8 @@ class ReplyFeed:
                 await view.remove()
                 screen.notify("Stopped before the first token; ctrl+r asks again")
         controller.on_finished(event.stream, result)
+        if current and reply.replaced is not None and not reply.kept:  # a branch that came to nothing
+            await self.sync()  # gives back what it had replaced
         if current:
             screen.stats.show_metrics(result.metrics, state="done",
                                       label=DONE.get(result.finish_reason, result.finish_reason))
@@ -218,6 +224,8 @@ class ReplyFeed:
             await view.fail(str(event.error) or type(event.error).__name__)
         _, message = controller.on_failed(event.stream, event.error)
         if current:
+            if reply.replaced is not None:  # a failed branch gives back what it had replaced
+                await self.sync()
             if reply.answers is not None and reply.answers.unsent:
                 await self._show_unsent(reply.answers)
             screen.stats.show_state("error", "✗ error", message)
