@@ -1,8 +1,10 @@
 """The main chat screen: sidebar, transcript, input, live stats bar and footer.
 
 It composes the widgets and routes messages: what to do with a message, a key or a token is decided by the
-:class:`~mlxchat.app.conversation.ChatController` (no Textual there); the screen shows the outcome. Replies stream
-through the :class:`~mlxchat.app.engine_worker.EngineWorker` bridge thread, whose messages carry their stream.
+:class:`~mlxchat.app.conversation.ChatController` and :class:`~mlxchat.app.inspection.Inspection` (no Textual
+there); the screen shows the outcome through three helpers: reply_feed.py (the transcript, and what the
+:class:`~mlxchat.app.engine_worker.EngineWorker` bridge thread reports, keyed by stream), chat_dialogs.py (the
+dialogs and their answers) and inspection.py (the heat view, the token inspector, branches, replay).
 """
 
 from __future__ import annotations
