@@ -46,8 +46,9 @@ def markdown(title: str, turns: Sequence["Turn"], *, system_prompt: str = "", mo
             continue
         lines += [f"## {'You' if turn.role == 'user' else 'Assistant'}", "", turn.content.rstrip(), ""]
         if turn.role == "assistant":
-            stats = f"error: {turn.error}" if turn.error else stats_line(turn.metrics, turn.finish_reason,
-                                                                         turn.profile.get("name"))
+            m = turn.message
+            stats = f"error: {turn.error}" if turn.error else stats_line(m.metrics, m.finish_reason,
+                                                                         m.profile.get("name"))
             lines += [f"*{stats}*", ""]
     return "\n".join(lines)
 

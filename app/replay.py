@@ -2,11 +2,14 @@
 
 A replay answers the same messages twice with the same seed: once with the reply's own profile (the original,
 re-run so both sides are traced the same way) and once with one parameter changed. The first token where the two
-parts is what the replay screen marks and inspects on both sides.
+parts is what the replay screen marks and inspects on both sides. A branch (a reply continued from one of its
+tokens with another candidate) is replayed as it is shown: its decided start (the kept tokens and the forced one)
+is forced on both sides, as `ChatSession.branch` made it, and the rest is drawn.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import SamplingProfile
 
 from .inspector import first_divergence
@@ -21,7 +25,7 @@ from .inspector import first_divergence
 if TYPE_CHECKING:
     from mlxchat.core import Engine
     from mlxchat.core.events import GenerationResult
-    from mlxchat.core.messages import ChatMessage
+    from mlxchat.core.trace import TokenTrace
 
 
 TRACE_K = 8  # candidates per token recorded on demand (F7 on an untraced reply, a replay, a branch)
@@ -52,6 +56,18 @@ class ReplaySource:
     profile: dict[str, Any]
     seed: int | None
     max_tokens: int | None
+    start: tuple[int, ...] = ()  # a branch's decided start (kept and forced ids), forced again on both sides
+    start_traces: tuple["TokenTrace", ...] = ()  # their traces (aligned with start, or empty)
+
+    @classmethod
+    def of(cls, messages: Sequence["ChatMessage"], reply: "ChatMessage", profile: dict[str, Any],
+           max_tokens: int | None) -> "ReplaySource":
+        """What replaying ``reply`` (the answer to ``messages``) re-runs. A branch's decided start is the ids it
+        did not draw: its metrics count only the drawn ones."""
+        drawn = reply.metrics.get("completion_tokens")
+        decided = len(reply.token_ids) - drawn if isinstance(drawn, int) and drawn < len(reply.token_ids) else 0
+        return cls(tuple(messages), profile, reply.seed, max_tokens, reply.token_ids[:decided],
+                   reply.traces[:decided])
 
     def suggestion(self) -> str:
         """A change worth seeing: greedy gets some temperature, a sampled reply a hotter one."""
@@ -59,7 +75,8 @@ class ReplaySource:
         return "temperature=0.8" if temperature == 0 else f"temperature={min(2.0, temperature + 0.5):g}"
 
     def plan(self, change: str) -> "ReplayPlan":
-        return ReplayPlan.make(self.messages, self.profile, self.seed, change, self.max_tokens)
+        plan = ReplayPlan.make(self.messages, self.profile, self.seed, change, self.max_tokens)
+        return dataclasses.replace(plan, start=self.start, start_traces=self.start_traces)
 
     def retrace(self, engine: "Engine", trace: int, max_tokens: int) -> "GenerationResult":
         """The reply written again as it was (same messages, profile and seed), traced: tracing does not change
@@ -91,6 +108,8 @@ class ReplayPlan:
     changed: SamplingProfile
     change: str  # as the user wrote it, normalised ("top_k=5")
     max_tokens: int | None
+    start: tuple[int, ...] = ()  # see ReplaySource
+    start_traces: tuple["TokenTrace", ...] = ()
 
     @classmethod
     def make(cls, messages: Sequence["ChatMessage"], profile: dict[str, Any], seed: int | None, change: str,
@@ -113,10 +132,23 @@ class ReplayPlan:
 
     def run(self, engine: "Engine", trace: int) -> "tuple[GenerationResult, GenerationResult]":
         """Both sides, traced (blocking: call it off the UI thread)."""
+        if self.start:
+            return self._continued(engine, self.original, trace), self._continued(engine, self.changed, trace)
         messages = [m.as_prompt() for m in self.messages]
         kw = {"max_tokens": self.max_tokens, "trace": trace}
         return (engine.generate(messages, profile=self.original, **kw),
                 engine.generate(messages, profile=self.changed, **kw))
+
+    def _continued(self, engine: "Engine", profile: SamplingProfile, trace: int) -> "GenerationResult":
+        """The messages answered with the decided start forced and the rest drawn with ``profile`` (and its seed),
+        as `ChatSession.branch` continues a reply: the sampler's key and penalties go on as if the start had been
+        drawn."""
+        system = self.messages[0].content if self.messages and self.messages[0].role == "system" else None
+        chat = engine.chat(system=system, profile=profile)
+        start = ChatMessage("assistant", "", profile=profile.model_dump(mode="json"), token_ids=self.start,
+                            seed=profile.seed, traces=self.start_traces)
+        chat.replace_history([*self.messages[1 if system is not None else 0:], start])
+        return chat.branch(-1, len(self.start) - 1, self.start[-1], max_tokens=self.max_tokens, trace=trace).wait()
 
 
 def parting(a: "GenerationResult", b: "GenerationResult") -> int | None:

@@ -23,6 +23,10 @@ as JSON objects, and the forks further down it); the active alternative's entry 
 ``messages``. Switching a branch moves the active tail into JSON and the chosen one into rows, in one transaction.
 Traces are stored whole (``TokenTrace.as_dict``, compact JSON: about 0.5 kB per token at K = 5), so the heat view and
 the inspector survive a restart.
+
+One concern, the SQLite file, in one module (over 500 lines): opening and migrating it, and reading and writing its
+rows, share the connection, its transactions and the column layout. ChatMessage goes in and comes out
+(``StoredMessage`` is a ChatMessage that knows its row).
 """
 
 from __future__ import annotations
@@ -58,27 +62,15 @@ class Conversation:
     updated_at: float
 
 
-@dataclass(frozen=True)
-class StoredMessage:
-    id: int
-    conversation_id: int
-    position: int
-    role: str
-    content: str
-    created_at: float
-    finish_reason: str | None = None
-    metrics: dict[str, Any] | None = None
-    profile: dict[str, Any] | None = None
-    sampler: str | None = None
-    seed: int | None = None
-    model: str | None = None
-    token_ids: tuple[int, ...] = ()
-    traces: tuple[TokenTrace, ...] = ()  # one per token id, or none
+@dataclass(kw_only=True)
+class StoredMessage(ChatMessage):
+    """A message read back: the ChatMessage as it was saved, and where its row is (``position`` in the
+    conversation's active path)."""
 
-    def as_chat_message(self) -> ChatMessage:
-        """The message as the engine's ChatSession holds it (what `ChatSession.branch` needs included)."""
-        return ChatMessage(self.role, self.content, self.finish_reason,  # type: ignore[arg-type]
-                           dict(self.metrics or {}), dict(self.profile or {}), self.token_ids, self.seed, self.traces)
+    id: int = 0
+    conversation_id: int = 0
+    position: int = 0
+    created_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -166,28 +158,32 @@ def _compact(value: Any) -> str | None:
 
 _MESSAGE_COLUMNS = ("role, content, created_at, finish_reason, metrics, profile, sampler, seed, model, token_ids, "
                     "traces")
-_FIELDS = ("finish_reason", "metrics", "profile", "sampler", "seed", "model", "token_ids", "traces")
 
 
-def _message_values(role: str, content: str, created_at: float, fields: dict[str, Any]) -> tuple:
-    """A message's column values, in _MESSAGE_COLUMNS order."""
-    seed, traces = fields.get("seed"), fields.get("traces") or ()
-    return (role, content, created_at, fields.get("finish_reason"), _dumps(fields.get("metrics")),
-            _dumps(fields.get("profile")), fields.get("sampler"), None if seed is None else str(seed),
-            fields.get("model"), _compact(list(fields.get("token_ids") or ())),
-            _compact([t.as_dict() if isinstance(t, TokenTrace) else t for t in traces]))
+def _message_values(message: ChatMessage, created_at: float) -> tuple:
+    """A message's column values, in _MESSAGE_COLUMNS order (an empty metrics or profile is stored as NULL)."""
+    m = message
+    return (m.role, m.content, created_at, m.finish_reason, _dumps(m.metrics or None), _dumps(m.profile or None),
+            m.sampler, None if m.seed is None else str(m.seed), m.model, _compact(list(m.token_ids)),
+            _compact([t.as_dict() for t in m.traces]))
 
 
-def _stored(id_: int, conversation_id: int, position: int, values: tuple) -> StoredMessage:
+def _message_fields(values: Sequence[Any]) -> tuple[tuple, float]:
+    """Column values (in _MESSAGE_COLUMNS order) as ChatMessage's positional fields, and the row's created_at."""
     role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces = values
-    return StoredMessage(id_, conversation_id, position, role, content, created, finish, _loads(metrics),
-                         _loads(profile), sampler, None if seed is None else int(seed), model,
-                         tuple(_loads(ids) or ()), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()))
+    return ((role, content, finish, _loads(metrics) or {}, _loads(profile) or {}, tuple(_loads(ids) or ()),
+             None if seed is None else int(seed), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()),
+             sampler, model), created)
+
+
+def _stored(id_: int, conversation_id: int, position: int, values: Sequence[Any]) -> StoredMessage:
+    fields, created = _message_fields(values)
+    return StoredMessage(*fields, id=id_, conversation_id=conversation_id, position=position, created_at=created)
 
 
 def _fork_from_json(fork: dict[str, Any]) -> Fork:
     return Fork(fork["active"], [None if t is None else Tail(
-        [_stored(0, 0, 0, tuple(m)).as_chat_message() for m in t["messages"]],
+        [ChatMessage(*_message_fields(m)[0]) for m in t["messages"]],
         {int(p): _fork_from_json(f) for p, f in t["forks"].items()}) for t in fork["tails"]])
 
 
@@ -375,23 +371,18 @@ class Store:
 
     # --- messages ------------------------------------------------------------------------------------------------
 
-    def add_message(self, conversation_id: int, role: str, content: str, *, finish_reason: str | None = None,
-                    metrics: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
-                    sampler: str | None = None, seed: int | None = None, model: str | None = None,
-                    token_ids: Sequence[int] = (), traces: Sequence[TokenTrace] = ()) -> StoredMessage:
+    def add_message(self, conversation_id: int, message: ChatMessage) -> StoredMessage:
         """Append one message (with its stats, and for a reply its token ids and traces, which branching and the
         heat view need) and touch the conversation, in one transaction."""
-        fields = dict(finish_reason=finish_reason, metrics=metrics, profile=profile, sampler=sampler, seed=seed,
-                      model=model, token_ids=token_ids, traces=traces)
         with self._tx() as c:
             (position,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id = ?",
                                     (conversation_id,)).fetchone()
-            return self._insert(c, conversation_id, position, role, content, fields)
+            return self._insert(c, conversation_id, position, message)
 
-    def _insert(self, c: sqlite3.Connection, conversation_id: int, position: int, role: str, content: str,
-                fields: dict[str, Any], created_at: float | None = None) -> StoredMessage:
+    def _insert(self, c: sqlite3.Connection, conversation_id: int, position: int,
+                message: ChatMessage) -> StoredMessage:
         now = self.clock()
-        values = _message_values(role, content, now if created_at is None else created_at, fields)
+        values = _message_values(message, now)
         try:
             cur = c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
                             f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position, *values))
@@ -400,17 +391,15 @@ class Store:
         c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return _stored(cur.lastrowid, conversation_id, position, values)
 
-    def update_message(self, conversation_id: int, position: int, content: str, *, finish_reason: str | None = None,
-                       metrics: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
-                       sampler: str | None = None, seed: int | None = None, token_ids: Sequence[int] = (),
-                       traces: Sequence[TokenTrace] = ()) -> None:
-        """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final)."""
+    def update_message(self, conversation_id: int, position: int, message: ChatMessage) -> None:
+        """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final); its role,
+        model and creation time stay."""
+        _, content, _, *rest = _message_values(message, 0.0)
+        finish, metrics, profile, sampler, seed, _, ids, traces = rest
         with self._tx() as c:
             c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
                       "seed = ?, token_ids = ?, traces = ? WHERE conversation_id = ? AND position = ?",
-                      (content, finish_reason, _dumps(metrics), _dumps(profile), sampler,
-                       None if seed is None else str(seed), _compact(list(token_ids)),
-                       _compact([t.as_dict() for t in traces]), conversation_id, position))
+                      (content, finish, metrics, profile, sampler, seed, ids, traces, conversation_id, position))
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
@@ -434,14 +423,10 @@ class Store:
 
     # --- branches ------------------------------------------------------------------------------------------------
 
-    def add_branch(self, conversation_id: int, position: int, role: str, content: str,
-                   **fields: Any) -> StoredMessage:
+    def add_branch(self, conversation_id: int, position: int, message: ChatMessage) -> StoredMessage:
         """Save a new alternative at ``position`` (e.g. `ChatSession.branch`'s reply) and make it the active one:
         the message there and everything after it move into the fork's JSON, the new message takes ``position``.
-        ``fields`` are `add_message`'s keywords (finish_reason, metrics, profile, sampler, seed, model, token_ids,
-        traces). One transaction."""
-        if unknown := set(fields) - set(_FIELDS):
-            raise ValueError(f"unknown message fields: {', '.join(sorted(unknown))}")
+        One transaction."""
         with self._tx() as c:
             fork = self._fork(c, conversation_id, position) or {"active": 0, "tails": [None]}
             tail = self._cut(c, conversation_id, position)
@@ -451,7 +436,7 @@ class Store:
             fork["tails"].append(None)
             fork["active"] = len(fork["tails"]) - 1
             self._put_fork(c, conversation_id, position, fork)
-            return self._insert(c, conversation_id, position, role, content, fields)
+            return self._insert(c, conversation_id, position, message)
 
     def branches(self, conversation_id: int, position: int) -> Branches:
         """The alternatives at ``position`` (what a ``< 2/3 >`` switch shows); one when it was never branched."""
@@ -462,7 +447,7 @@ class Store:
         if fork is None:
             return Branches(0, live)
         return Branches(fork["active"], [live[0] if t is None else _stored(0, conversation_id, position,
-                                                                           tuple(t["messages"][0]))
+                                                                           t["messages"][0])
                                          for t in fork["tails"]])
 
     def select_branch(self, conversation_id: int, position: int, index: int) -> None:

@@ -295,7 +295,16 @@ class ChatSession:
             raise ValueError("the history must not contain a system message: set it with the session's system")
         with self._lock:
             system = [m for m in self._tree.path[:1] if m.role == "system"]
-            self._tree = ReplyTree(system + history, {p + len(system): f for p, f in (forks or {}).items()})
+            shift = len(system)
+            self._tree = ReplyTree(system + history, {p + shift: f.shifted(shift) for p, f in (forks or {}).items()})
+
+    def history(self) -> tuple[list[ChatMessage], dict[int, Fork]]:
+        """The messages after the system prompt and the alternatives along them, as `replace_history` takes them
+        (e.g. to carry a conversation over to a session with another system prompt or model)."""
+        with self._lock:
+            shift = 1 if self._tree.path and self._tree.path[0].role == "system" else 0
+            return (list(self._tree.path[shift:]),
+                    {p - shift: f.shifted(-shift) for p, f in self._tree.forks.items()})
 
     def drop_last_user(self) -> ChatMessage | None:
         """Take back the last message if it is an unanswered user message (one the engine refused); return it."""
@@ -320,28 +329,40 @@ class ChatSession:
         return self._reply(request, message)
 
     def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-                   trace: int = 0) -> Stream:
-        """Drop the last reply and answer the last user message again."""
+                   trace: int = 0, keep: bool = False) -> Stream:
+        """Answer the last user message again. The last reply is dropped, or with `keep` it stays an alternative:
+        the new reply becomes the active one at its place once it is done (see `alternatives`)."""
         request = self.engine.request(self.profile, max_tokens, stop, trace)
         with self._lock:
-            if self._tree.path and self._tree.path[-1].role == "assistant":
-                self._tree.truncate(len(self._tree.path) - 1)
-            if not self._tree.path or self._tree.path[-1].role != "user":
+            path = self._tree.path
+            last = len(path) - 1
+            branch = (last, path[last], None) if keep and path and path[last].role == "assistant" else None
+            if branch is None and path and path[last].role == "assistant":
+                self._tree.truncate(last)
+            answered = path[:branch[0]] if branch else path
+            if not answered or answered[-1].role != "user":
                 raise ValueError("there is no user message to answer again")
-        return self._reply(request)
+        return self._reply(request, branch=branch)
 
     def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-                  trace: int = 0) -> Stream:
-        """Replace the last user message (dropping what followed it) and answer it."""
+                  trace: int = 0, keep: bool = False) -> Stream:
+        """Replace the last user message (dropping what followed it) and answer it. With `keep` the old message and
+        what followed it stay an alternative: the new message and its reply take its place once the reply is done
+        (see `alternatives`); a reply stopped before its first token or failed changes nothing."""
         _messages(text, None)
         request = self.engine.request(self.profile, max_tokens, stop, trace)
+        message = ChatMessage("user", text)
         with self._lock:
             last = max((i for i, m in enumerate(self._tree.path) if m.role == "user"), default=None)
             if last is None:
                 raise ValueError("there is no user message to edit")
-            self._tree.truncate(last)
-            message = ChatMessage("user", text)
-            self._tree.path.append(message)
+            if keep:
+                branch = (last, self._tree.path[last], None)
+            else:
+                self._tree.truncate(last)
+                self._tree.path.append(message)
+        if keep:
+            return self._reply(request, branch=branch, lead=message)
         return self._reply(request, message)
 
     def clear(self) -> None:
@@ -412,19 +433,43 @@ class ChatSession:
         return index + len(self._tree.path) if index < 0 else index
 
     def _reply(self, request: Request, sent: ChatMessage | None = None,
-               branch: tuple[int, ChatMessage, Forced] | None = None) -> Stream:
+               branch: tuple[int, ChatMessage, Forced | None] | None = None,
+               lead: ChatMessage | None = None) -> Stream:
+        """Answer the path (up to `branch`'s position, then `lead` if given: an edit kept as a branch)."""
         engine = self.engine
 
+        def record(result: GenerationResult) -> None:
+            if not result.text and result.finish_reason == "cancelled":
+                return
+            message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
+                                  result.profile, result.token_ids, result.seed, result.traces, result.sampler,
+                                  engine.name)
+            with self._lock:
+                if branch:
+                    self._tree.add_alternative(branch[0], lead or message)
+                if lead is not None or not branch:
+                    self._tree.path.append(message)
+
         def run(job: Job) -> None:
+            # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done finds it.
+            emit = job.emit
+
+            def record_then_emit(event: Event) -> None:
+                if isinstance(event, Done):
+                    record(event.result)
+                emit(event)
+
+            job.emit = record_then_emit  # type: ignore[method-assign]
             if self._cache is None:
                 self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep, self.kv)
             with self._lock:
                 if branch and (len(self._tree.path) <= branch[0] or self._tree.path[branch[0]] is not branch[1]):
                     raise ValueError("the conversation changed before the branch started: branch again")
-                rendered = [m.as_prompt() for m in self._tree.path[:branch[0] if branch else None]]
+                rendered = [m.as_prompt() for m in [*self._tree.path[:branch[0] if branch else None],
+                                                    *([lead] if lead else [])]]
             try:
                 prompt = self._fitted_prompt(rendered, request)
-                result = engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)
+                engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
@@ -436,14 +481,6 @@ class ChatSession:
                     if sent is not None and self._tree.path and self._tree.path[-1] is sent:
                         self._tree.path.pop()
                 raise
-            if result.text or result.finish_reason != "cancelled":
-                message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
-                                      result.profile, result.token_ids, result.seed, result.traces)
-                with self._lock:
-                    if branch:
-                        self._tree.add_alternative(branch[0], message)
-                    else:
-                        self._tree.path.append(message)
 
         return engine.submit(run)
 

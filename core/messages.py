@@ -18,7 +18,8 @@ ContextPolicy = Literal["truncate", "rotate", "error"]
 class ChatMessage:
     """A turn of a conversation. Replies also carry how they ended, their metrics and the profile that made them,
     and (from the engine) their token ids, the seed they were sampled with and, when traced, one trace per token
-    id: what `ChatSession.branch` needs to continue a reply from any of its tokens."""
+    id: what `ChatSession.branch` needs to continue a reply from any of its tokens; and the sampler chain and the
+    model that wrote them (what a reply's stats line and the store show)."""
 
     role: Role
     content: str
@@ -28,6 +29,8 @@ class ChatMessage:
     token_ids: tuple[int, ...] = ()
     seed: int | None = None
     traces: tuple[TokenTrace, ...] = ()
+    sampler: str | None = None
+    model: str | None = None
 
     def as_prompt(self) -> dict[str, str]:
         """The message as a chat template reads it."""
@@ -45,7 +48,7 @@ class ChatMessage:
         traces = tuple(t if isinstance(t, TokenTrace) else TokenTrace.from_dict(t) for t in message.get("traces") or ())
         return cls(role, content, message.get("finish_reason"), dict(message.get("metrics") or {}),
                    dict(message.get("profile") or {}), tuple(message.get("token_ids") or ()), message.get("seed"),
-                   traces)
+                   traces, message.get("sampler"), message.get("model"))
 
 
 # --- branches -------------------------------------------------------------------------------------------------------
@@ -65,6 +68,12 @@ class Fork:
 
     active: int
     tails: list[Tail | None]
+
+    def shifted(self, by: int) -> "Fork":
+        """The same fork with the positions of the forks further down its tails moved by `by` (a system prompt put
+        in front of, or taken from, the path they are positions of)."""
+        return Fork(self.active, [None if t is None else Tail(t.messages, {p + by: f.shifted(by) for p, f in
+                                                                          t.forks.items()}) for t in self.tails])
 
 
 class ReplyTree:

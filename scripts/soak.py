@@ -42,6 +42,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxchat.app.store import Store  # noqa: E402
 from mlxchat.core import Engine, SamplingProfile  # noqa: E402
+from mlxchat.core.messages import ChatMessage  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in two or three sentences."
 QUESTIONS = [
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_bound = None
     wrapped_at = None
     for turn, question in enumerate(questions, 1):
-        store.add_message(conversation.id, "user", question)
+        store.add_message(conversation.id, ChatMessage("user", question))
         expected.append(("user", question, None))
         try:
             stream = chat.send(question, max_tokens=args.max_tokens)
@@ -156,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{turn:>4} FAILED: {e}")
             continue
         m = result.metrics
-        store.add_message(conversation.id, "assistant", result.text, finish_reason=result.finish_reason,
+        store.add_message(conversation.id, ChatMessage("assistant", result.text, finish_reason=result.finish_reason,
                           metrics=m.as_dict(), profile=result.profile, sampler=result.sampler, seed=result.seed,
-                          model=engine.name)
+                          model=engine.name))
         expected.append(("assistant", result.text, result.finish_reason))
         nbytes, buffer = cache_shape(chat)
         if cache_bound is None and nbytes:

@@ -31,6 +31,7 @@ from mlxchat.app.app import MlxChatApp
 from mlxchat.app.engine_worker import EngineWorker
 from mlxchat.app.screens import ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
+from mlxchat.core.messages import ChatMessage
 from mlxchat.app.widgets import Notice
 from mlxchat.core import SamplingProfile
 from mlxchat.core.loader import embedded_model_path
@@ -68,7 +69,7 @@ def _foreign(db: Path) -> None:
 def _newer(db: Path) -> None:
     store = Store(db)
     c = store.create_conversation("from a newer mlxchat")
-    store.add_message(c.id, "user", "keep me")
+    store.add_message(c.id, ChatMessage("user", "keep me"))
     store._c.execute("UPDATE schema_version SET version = 99")
     store._c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
@@ -139,7 +140,7 @@ async def test_read_only_data_and_config_folders_are_reported_and_the_app_chats(
     data, config = tmp_path / "data", tmp_path / "config"
     store = Store(data / "conversations.db")
     old = store.create_conversation("my history")
-    store.add_message(old.id, "user", "keep me")
+    store.add_message(old.id, ChatMessage("user", "keep me"))
     store._c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
     for name in ("conversations.db-wal", "conversations.db-shm"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mlxchat.app.conversation import CHECKPOINT_S, ChatController, Refused, State
+from mlxchat.app.inspection import Inspection
 from mlxchat.app.store import Store
 from mlxchat.core import SamplingProfile
 from mlxchat.core.events import Done, PrefillProgress, TokenEvent
@@ -203,6 +204,42 @@ def test_edit_and_regenerate_drop_what_followed_but_keep_a_system_prompt_set_mea
     assert [m.content for m in c.session.messages if m.role == "user"] == ["Hello"]
 
 
+def test_regenerate_keeps_the_old_reply_as_a_branch_in_the_session_and_the_store(make, store):
+    c = make()
+    first = drive(c, c.send("Hi")).turn
+    reply = c.regenerate()
+    assert c.turns[-1] is reply.turn and first not in c.turns
+    drive(c, reply)
+    new = c.turns[-1]
+    assert new is reply.turn and Inspection(c).branch_place(new) == (2, 2)
+    assert c.session.alternatives(-1)[0] is first.message and c.session.messages[-1] is new.message
+    assert [m.content for m in store.branches(c.record.id, new.position).messages] == [first.content, new.content]
+    shown = Inspection(c).switch_branch(new, -1)  # [ shows the old reply again, which the chat goes on from
+    assert shown.message is first.message and Inspection(c).branch_place(shown) == (1, 2)
+    assert c.session.messages[-1] is first.message and roles(store, c)[-1] == ("assistant", first.content)
+
+
+def test_an_edit_keeps_the_old_message_and_its_reply_as_a_branch(make, store):
+    c = make()
+    first = drive(c, c.send("Hi"))
+    old_user, old_reply = c.turns
+    drive(c, c.resend("Hello"))
+    user, reply = c.turns
+    assert user.content == "Hello" and user.message is c.session.messages[1] and reply.message is c.session.messages[2]
+    assert Inspection(c).branch_place(user) == (2, 2) and Inspection(c).branch_place(reply) is None
+    assert [m.content for m in store.branches(c.record.id, 0).messages] == ["Hi", "Hello"]
+    assert roles(store, c) == [("user", "Hello"), ("assistant", reply.content)]
+    shown = Inspection(c).switch_branch(user, 1)  # ] wraps round to the first message, with its reply
+    assert shown.message is old_user.message and [t.message for t in c.turns] == [old_user.message, old_reply.message]
+    assert roles(store, c) == [("user", "Hi"), ("assistant", first.turn.content)]
+    # An edit the engine refuses changes nothing: the old message is back, the new one shown unsent after it.
+    _, message = drive(c, c.resend("word " * 9000))
+    assert "not sent" in message and c.turns[-1].unsent and not c.busy
+    assert [t.message for t in c.turns[:2]] == c.session.messages[1:] == [old_user.message, old_reply.message]
+    assert roles(store, c) == [("user", "Hi"), ("assistant", first.turn.content)]
+    assert len(store.branches(c.record.id, 0).messages) == 2
+
+
 def test_a_prompt_longer_than_the_context_leaves_the_session_and_the_store(make, store):
     c = make()
     first = drive(c, c.send("Hi"))
@@ -288,19 +325,19 @@ def test_a_branch_replaces_the_reply_and_both_stay_in_the_store(make, store):
     assert first.traces is not None and len(first.traces) == len(first.token_ids)
     other = next(x for x in first.traces[1].candidates if not x.chosen)
     with pytest.raises(Refused, match="the token it chose"):
-        c.branch(first, 1, first.traces[1].chosen.token_id)
-    reply = c.branch(first, 1, other.token_id)
+        Inspection(c).branch(first, 1, first.traces[1].chosen.token_id)
+    reply = Inspection(c).branch(first, 1, other.token_id)
     assert c.turns[-1] is reply.turn and first not in c.turns and reply.turn.branches == (1, 2)
     with pytest.raises(Refused, match="Esc stops it"):
-        c.branch(first, 0, other.token_id)
+        Inspection(c).branch(first, 0, other.token_id)
     drive(c, reply)
     new = c.turns[-1]
     assert new.token_ids[:2] == (first.token_ids[0], other.token_id) and new.content != first.content
-    assert c.branch_place(new) == (2, 2) and c.branch_place(c.turns[0]) is None
+    assert Inspection(c).branch_place(new) == (2, 2) and Inspection(c).branch_place(c.turns[0]) is None
     assert [m.content for m in store.branches(c.record.id, new.position).messages] == [first.content, new.content]
     # The session goes on from the branch shown; [ switches back, in the store and the session.
-    shown = c.switch_branch(new, -1)
-    assert shown.content == first.content and c.branch_place(shown) == (1, 2)
+    shown = Inspection(c).switch_branch(new, -1)
+    assert shown.content == first.content and Inspection(c).branch_place(shown) == (1, 2)
     assert c.session.messages[-1].content == first.content
     assert roles(store, c)[-1] == ("assistant", first.content)
 
@@ -309,12 +346,12 @@ def test_a_branch_that_fails_gives_the_reply_back(make, store):
     c = _traced(make)
     first = c.turns[-1]
     other = next(x for x in first.traces[0].candidates if not x.chosen)
-    reply = c.branch(first, 0, other.token_id)
+    reply = Inspection(c).branch(first, 0, other.token_id)
     reply.stream.cancel()
     list(reply.stream)  # drained here; the controller is told it failed, as the bridge posts an engine error
     _, message = c.on_failed(reply.stream, RuntimeError("the engine failed"))
     assert message == "the engine failed" and not c.busy
-    assert c.turns[-1] is first and c.branch_place(first) is None
+    assert c.turns[-1] is first and Inspection(c).branch_place(first) is None
     assert c.session.messages[-1].content == first.content  # the next turn follows the reply shown
     assert roles(store, c)[-1] == ("assistant", first.content)  # nothing was saved for the branch
     assert store.branches(c.record.id, first.position).active == 0
@@ -326,12 +363,26 @@ def test_branching_an_earlier_reply_keeps_what_followed_it_in_the_old_branch(mak
     drive(c, c.send("And another one?"))
     later = [t.content for t in c.turns]
     other = next(x for x in first.traces[0].candidates if not x.chosen)
-    drive(c, c.branch(first, 0, other.token_id))
-    assert [t.role for t in c.turns] == ["user", "assistant"] and c.branch_place(c.turns[-1]) == (2, 2)
+    drive(c, Inspection(c).branch(first, 0, other.token_id))
+    assert [t.role for t in c.turns] == ["user", "assistant"] and Inspection(c).branch_place(c.turns[-1]) == (2, 2)
     assert c.session.messages[-1].content == c.turns[-1].content
-    shown = c.switch_branch(c.turns[-1], 1)  # wraps round to the first branch, with the exchange that followed
+    # wraps round to the first branch, with the exchange that followed
+    shown = Inspection(c).switch_branch(c.turns[-1], 1)
     assert shown.content == first.content and [t.content for t in c.turns] == later
     assert [m.content for m in store.messages(c.record.id)] == later
+
+
+def test_a_replay_of_a_branch_replays_the_branch_shown(make, engine):
+    c = _traced(make)
+    first = c.turns[-1]
+    other = next(x for x in first.traces[1].candidates if not x.chosen)
+    drive(c, Inspection(c).branch(first, 1, other.token_id))
+    shown = c.turns[-1]
+    source = Inspection(c).replay_source(shown)
+    assert source.start == (first.token_ids[0], other.token_id)
+    as_written, changed = source.plan("temperature=0.8").run(engine, trace=4)
+    # Both sides start as the branch did (the kept token, then the candidate), not as the reply it branched from.
+    assert as_written.token_ids[:2] == changed.token_ids[:2] == shown.token_ids[:2]
 
 
 # --- the bridge's batch pacing (plain logic; the screen feeds it the UI thread's CPU time per batch) --------------

@@ -178,6 +178,7 @@ WRITER = r'''
 import sys, time
 from pathlib import Path
 from mlxchat.app.store import Store
+from mlxchat.core.messages import ChatMessage
 
 db, name, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 store = Store(db)
@@ -187,7 +188,8 @@ while not go.exists():
     time.sleep(0.002)
 for i in range(n):
     role = "user" if i % 2 == 0 else "assistant"
-    store.add_message(conversation.id, role, f"{name} {i}", metrics={"i": i} if role == "assistant" else None)
+    metrics = {"i": i} if role == "assistant" else {}
+    store.add_message(conversation.id, ChatMessage(role, f"{name} {i}", metrics=metrics))
     if i % 20 == 0:  # read in between, as an app does
         store.conversations()
         store.messages(conversation.id)

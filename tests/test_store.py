@@ -9,6 +9,7 @@ import time
 import pytest
 
 from mlxchat.app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError
+from mlxchat.core.messages import ChatMessage
 
 
 @pytest.fixture
@@ -32,12 +33,12 @@ def test_conversations_and_messages_round_trip_with_stats(db):
     a = store.create_conversation("first", system_prompt="be terse", profile={"name": "chat", "temperature": 0.8},
                                   model="m")
     b = store.create_conversation("second")
-    store.add_message(a.id, "user", "hi")
+    store.add_message(a.id, ChatMessage("user", "hi"))
     metrics = {"ttft_s": 0.2, "tpot_s": 0.07, "completion_tokens": 5, "peak_memory_bytes": 123}
     seed = 2**64 - 1  # unsigned 64-bit seeds do not fit SQLite INTEGER; they must survive anyway
-    m = store.add_message(a.id, "assistant", "hello", finish_reason="stop", metrics=metrics,
+    m = store.add_message(a.id, ChatMessage("assistant", "hello", finish_reason="stop", metrics=metrics,
                           profile={"name": "chat"}, sampler="TopP(0.9) → Temperature(0.8) → sample", seed=seed,
-                          model="m")
+                          model="m"))
     assert m.position == 1
     # newest first: `a` got the latest message
     assert [c.title for c in store.conversations()] == ["first", "second"]
@@ -66,10 +67,10 @@ def test_conversations_and_messages_round_trip_with_stats(db):
 def test_each_message_is_its_own_transaction(db):
     store = Store(db)
     c = store.create_conversation("t")
-    store.add_message(c.id, "user", "one")
+    store.add_message(c.id, ChatMessage("user", "one"))
     with pytest.raises(ValueError):
-        store.add_message(c.id, "robot", "bad role")  # CHECK constraint: rolled back, nothing half-written
-    store.add_message(c.id, "user", "two")
+        store.add_message(c.id, ChatMessage("robot", "bad role"))  # CHECK constraint: rolled back, nothing half-written
+    store.add_message(c.id, ChatMessage("user", "two"))
     assert [m.content for m in store.messages(c.id)] == ["one", "two"]
     # another connection sees every committed message at once
     other = sqlite3.connect(db)
@@ -115,7 +116,7 @@ def test_damaged_pages_fail_the_integrity_check(db):
     store = Store(db)
     c = store.create_conversation("x")
     for i in range(300):
-        store.add_message(c.id, "user", f"message {i} " * 20)
+        store.add_message(c.id, ChatMessage("user", f"message {i} " * 20))
     store._c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
     data = bytearray(db.read_bytes())
@@ -159,13 +160,13 @@ def test_empty_file_becomes_a_new_database(db):
 def test_second_connection_reads_and_writes_concurrently(db):
     a, b = Store(db), Store(db)
     conv = a.create_conversation("shared")
-    b.add_message(conv.id, "user", "from b")
+    b.add_message(conv.id, ChatMessage("user", "from b"))
     assert [m.content for m in a.messages(conv.id)] == ["from b"]
     # A long read on one connection does not block writes on the other (WAL).
     reader = sqlite3.connect(db)
     reader.execute("BEGIN")
     assert reader.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 1
-    a.add_message(conv.id, "user", "while b reads")
+    a.add_message(conv.id, ChatMessage("user", "while b reads"))
     assert reader.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 1  # its snapshot
     reader.rollback()
     # A writer holding the lock briefly makes the other wait (busy_timeout), not fail.
@@ -173,7 +174,7 @@ def test_second_connection_reads_and_writes_concurrently(db):
     holder.execute("BEGIN IMMEDIATE")
     threading.Timer(0.3, lambda: holder.execute("COMMIT")).start()
     t = time.perf_counter()
-    b.add_message(conv.id, "user", "after the wait")
+    b.add_message(conv.id, ChatMessage("user", "after the wait"))
     assert time.perf_counter() - t >= 0.2
     assert len(a.messages(conv.id)) == 3
 
@@ -209,5 +210,5 @@ def test_models_and_settings(db):
 def test_in_memory_store_for_when_the_file_cannot_be_used():
     store = Store(":memory:")
     c = store.create_conversation("tmp")
-    store.add_message(c.id, "user", "x")
+    store.add_message(c.id, ChatMessage("user", "x"))
     assert store.messages(c.id)[0].content == "x"

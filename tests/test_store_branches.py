@@ -42,28 +42,30 @@ def test_a_version_2_database_opens_unchanged_and_gains_branches(db):
     c.close()
     store = Store(db)
     conv = store.conversation(1)
-    before = [StoredMessage(1, 1, 0, "user", "hi", 1), StoredMessage(2, 1, 1, "assistant", "hello", 2, "stop",
-                                                                      {"ttft_s": 0.1}, None, None, 2**64 - 1, "smol")]
+    before = [StoredMessage("user", "hi", id=1, conversation_id=1, position=0, created_at=1),
+              StoredMessage("assistant", "hello", "stop", {"ttft_s": 0.1}, seed=2**64 - 1, model="smol", id=2,
+                            conversation_id=1, position=1, created_at=2)]
     assert store.version == SCHEMA_VERSION == 3
     assert store.messages(conv.id) == before  # same rows, fields, ids; no token ids or traces
     assert store.messages(conv.id)[1].token_ids == () and store.branches(conv.id, 1).messages == before[1:]
     assert (db.parent / "conversations.db.v2.bak").exists()
-    store.add_branch(conv.id, 1, "assistant", "hey", token_ids=[5, 6], seed=3)
+    store.add_branch(conv.id, 1, ChatMessage("assistant", "hey", token_ids=[5, 6], seed=3))
     assert [m.content for m in store.branches(conv.id, 1).messages] == ["hello", "hey"]
 
 
 def test_branches_are_saved_listed_and_switched_with_what_followed_them(db):
     store = Store(db)
     cid = store.create_conversation("t").id
-    store.add_message(cid, "user", "q")
-    store.add_message(cid, "assistant", "a1", token_ids=[1, 2], traces=[_trace(1), _trace(2)], seed=7)
-    store.add_message(cid, "user", "q2")
-    store.add_message(cid, "assistant", "b1")
-    new = store.add_branch(cid, 1, "assistant", "a2", token_ids=[1, 3], traces=[_trace(1), _trace(3)], seed=7)
+    store.add_message(cid, ChatMessage("user", "q"))
+    store.add_message(cid, ChatMessage("assistant", "a1", token_ids=[1, 2], traces=[_trace(1), _trace(2)], seed=7))
+    store.add_message(cid, ChatMessage("user", "q2"))
+    store.add_message(cid, ChatMessage("assistant", "b1"))
+    new = store.add_branch(cid, 1, ChatMessage("assistant", "a2", token_ids=[1, 3], traces=[_trace(1), _trace(3)],
+                                                seed=7))
     assert new.position == 1 and [m.content for m in store.messages(cid)] == ["q", "a2"]
-    store.add_message(cid, "user", "q3")
-    store.add_message(cid, "assistant", "c1")
-    store.add_branch(cid, 3, "assistant", "c2")  # a fork inside the second branch
+    store.add_message(cid, ChatMessage("user", "q3"))
+    store.add_message(cid, ChatMessage("assistant", "c1"))
+    store.add_branch(cid, 3, ChatMessage("assistant", "c2"))  # a fork inside the second branch
     branches = store.branches(cid, 1)
     assert branches.active == 1 and [m.content for m in branches.messages] == ["a1", "a2"]
     assert branches.messages[0].traces == (_trace(1), _trace(2))  # traces kept in an inactive branch too
@@ -79,7 +81,7 @@ def test_branches_are_saved_listed_and_switched_with_what_followed_them(db):
     with pytest.raises(ValueError, match="branch index must be between 0 and 1 at position 1, got 2"):
         store.select_branch(cid, 1, 2)
     # The stored tree restores a session's tree: the same alternatives at the same positions.
-    tree = ReplyTree([m.as_chat_message() for m in store.messages(cid)], store.forks(cid))
+    tree = ReplyTree(store.messages(cid), store.forks(cid))
     assert [m.content for m in tree.alternatives(1)] == ["a1", "a2"]
     tree.select(1, 0)
     assert [m.content for m in tree.path] == ["q", "a1", "q2", "b1"]

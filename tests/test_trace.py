@@ -12,6 +12,7 @@ import pytest
 
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.events import TokenEvent
+from mlxchat.core.messages import ChatMessage
 from mlxchat.core.sampling import Sampler
 from mlxchat.core.trace import TokenTrace
 from mlxchat.core.tracing import MAX_TRACE, Tracer
@@ -227,7 +228,7 @@ def test_branch_refuses_bad_positions_with_one_clear_line(engine: Engine):
 
 
 def test_the_reply_tree_keeps_nested_branches_when_switching():
-    from mlxchat.core.messages import ChatMessage, ReplyTree
+    from mlxchat.core.messages import ReplyTree
 
     msg = lambda role, text: ChatMessage(role, text)  # noqa: E731
     tree = ReplyTree([msg("user", "q"), msg("assistant", "a1")])
@@ -250,19 +251,20 @@ def test_a_stored_reply_can_still_be_branched_after_a_restart(engine: Engine, tm
     reply = chat.send("Say something short.", max_tokens=8, trace=3).wait()
     store = Store(tmp_path / "c.db")
     cid = store.create_conversation("t").id
-    store.add_message(cid, "user", "Say something short.")
-    store.add_message(cid, "assistant", reply.text, finish_reason=reply.finish_reason, profile=reply.profile,
-                      seed=reply.seed, token_ids=reply.token_ids, traces=reply.traces)
+    store.add_message(cid, ChatMessage("user", "Say something short."))
+    store.add_message(cid, ChatMessage("assistant", reply.text, finish_reason=reply.finish_reason,
+                                   profile=reply.profile, seed=reply.seed, token_ids=reply.token_ids,
+                                   traces=reply.traces))
     store.close()
     store = Store(tmp_path / "c.db")
     again = engine.chat(profile=SamplingProfile())  # a new session: the reply's own profile and seed are used
-    again.replace_history([m.as_chat_message() for m in store.messages(cid)], store.forks(cid))
+    again.replace_history(store.messages(cid), store.forks(cid))
     assert again.messages[-1].traces == reply.traces
     # Not token for token the old reply: a fresh session prefills the kept ids in one pass, and prefill computes
     # (quantized) logits on another path than decode, so a close draw may go the other way.
     same = again.branch(-1, 4, reply.token_ids[4], max_tokens=8).wait()
     assert same.token_ids[:5] == reply.token_ids[:5] and same.seed == reply.seed
-    stored = store.add_branch(cid, 1, "assistant", same.text, token_ids=same.token_ids, seed=same.seed)
+    stored = store.add_branch(cid, 1, ChatMessage("assistant", same.text, token_ids=same.token_ids, seed=same.seed))
     assert stored.position == 1 and store.branches(cid, 1).active == 1
-    again.replace_history([m.as_chat_message() for m in store.messages(cid)], store.forks(cid))
+    again.replace_history(store.messages(cid), store.forks(cid))
     assert len(again.alternatives(-1)) == 2 and again.active_branch(-1) == 1

@@ -21,6 +21,7 @@ from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker,
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, MessageView, Notice
 from mlxchat.core import SamplingProfile
+from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import ProfileStore
 from tests.markers import needs_native
 
@@ -183,6 +184,7 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: not screen.busy, what="the regenerated reply")
         assert [v.role for v in screen.transcript.messages] == ["user", "assistant"]
+        assert "< 2/2 >" in screen.transcript.last("assistant").label  # the old reply stays a branch
         stored = app.store.messages(conv)
         assert [m.role for m in stored] == ["user", "assistant"]
         assert stored[1].content == screen.controller.last_result.text
@@ -194,6 +196,7 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         await wait_for(pilot, lambda: not screen.busy, what="the edited reply")
         assert not screen.editing
         assert [(v.role, v.text) for v in screen.transcript.messages][0] == ("user", "Hello")
+        assert "< 2/2 >" in screen.transcript.messages[0].label  # the old message and its reply stay a branch
         assert [m.content for m in app.store.messages(conv)][0] == "Hello"
         assert len(app.store.messages(conv)) == 2
         assert [m.role for m in screen.controller.session.messages] == ["system", "user", "assistant"]
@@ -279,9 +282,10 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new
 async def test_rename_delete_and_copy_a_code_block(tmp_path, new_app):
     store = Store(tmp_path / "data" / "conversations.db")
     c = store.create_conversation("code")
-    store.add_message(c.id, "user", "show code")
-    store.add_message(c.id, "assistant", "Here:\n\n```python\nprint('hi')\n```\n\nThen:\n\n```sh\nls -l\n```\n",
-                      finish_reason="stop", metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9})
+    store.add_message(c.id, ChatMessage("user", "show code"))
+    store.add_message(c.id, ChatMessage(
+                      "assistant", "Here:\n\n```python\nprint('hi')\n```\n\nThen:\n\n```sh\nls -l\n```\n",
+                      finish_reason="stop", metrics={"ttft_s": 0.1, "tpot_s": 0.05, "completion_tokens": 9}))
     other = store.create_conversation("other")
     store.close()
     app = new_app(max_tokens=MAX_TOKENS)
@@ -321,7 +325,7 @@ async def test_opening_a_chat_focuses_the_input_and_typed_text_never_deletes_or_
     """Issue 12 item 2: typing "do it" + Enter with the sidebar focused deleted the chat (d, then Enter)."""
     store = Store(tmp_path / "data" / "conversations.db")
     kept = store.create_conversation("keep me")
-    store.add_message(kept.id, "user", "hello")
+    store.add_message(kept.id, ChatMessage("user", "hello"))
     store.close()
     app = new_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -409,6 +413,23 @@ async def test_engine_error_mid_stream_is_shown_and_the_app_stays_usable(engine,
         await pilot.press("ctrl+n")
         result = await reply(pilot, "Hi")
         assert result.finish_reason in ("stop", "length")
+
+
+@pytest.mark.anyio
+async def test_an_edit_the_engine_refuses_gives_the_old_message_back_and_shows_the_new_one_unsent(new_app, wait_for,
+                                                                                                    reply):
+    app = new_app(max_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        first = await reply(pilot, "Hi")
+        await pilot.press("ctrl+t")
+        screen.input.load_text("word " * 9000)  # longer than the model's 8192-token context
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not screen.busy, what="the refusal")
+        views = screen.transcript.messages
+        assert [(v.role, v.text) for v in views[:2]] == [("user", "Hi"), ("assistant", first.text)]
+        assert views[2].role == "user" and views[2].has_class("unsent") and len(views) == 3
 
 
 @pytest.mark.anyio
@@ -523,12 +544,13 @@ def snap_app(engine, monkeypatch):
     store = Store(SNAP_DIR / "data" / "conversations.db", clock=lambda: next(clock))
     a = store.create_conversation("Capital of France", system_prompt="You are a helpful assistant.",
                                   profile={"name": "chat", "temperature": 0.8, "top_p": 0.9})
-    store.add_message(a.id, "user", "What is the capital of France?")
-    store.add_message(a.id, "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
+    store.add_message(a.id, ChatMessage("user", "What is the capital of France?"))
+    store.add_message(a.id, ChatMessage(
+                      "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
                       finish_reason="stop", model=engine.name, profile={"name": "chat"},
                       metrics={"prompt_tokens": 27, "cached_tokens": 0, "completion_tokens": 9, "ttft_s": 0.31,
                                "tpot_s": 0.082, "prefill_s": 0.3, "decode_s": 0.66,
-                               "peak_memory_bytes": 551_000_000, "context_tokens": 36, "context_limit": 8192})
+                               "peak_memory_bytes": 551_000_000, "context_tokens": 36, "context_limit": 8192}))
     store.create_conversation("A haiku about autumn")
     store.close()
     ProfileStore(SNAP_DIR / "config" / "profiles").save(

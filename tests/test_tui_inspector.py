@@ -16,6 +16,7 @@ from mlxchat.app.conversation import Refused
 from mlxchat.app.screens import ReplayScreen
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, TokenInspector, TokenStrip
+from mlxchat.core.messages import ChatMessage
 from mlxchat.core import SamplingProfile
 from tests.markers import needs_native
 
@@ -79,7 +80,7 @@ async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, r
         assert any("still coming" in n for n in _notes(app))
         # Branching while a reply streams: refused with one line.
         with pytest.raises(Refused, match="still coming"):
-            screen.controller.branch(turn, 0, result.traces[0].candidates[1].token_id)
+            screen.inspection.branch(turn, 0, result.traces[0].candidates[1].token_id)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.busy, what="the stop")
 
@@ -205,12 +206,12 @@ def stored_reply_app(engine, monkeypatch):
     store = Store(SNAP_DIR / "data" / "conversations.db", clock=lambda: next(clock))
     chat = store.create_conversation("Three colours", system_prompt=SYSTEM,
                                      profile=SEEDED.model_dump(mode="json"))
-    store.add_message(chat.id, "user", QUESTION)
-    store.add_message(chat.id, "assistant", result.text, finish_reason=result.finish_reason, model=engine.name,
-                      profile=result.profile, sampler=result.sampler, seed=result.seed,
+    store.add_message(chat.id, ChatMessage("user", QUESTION))
+    store.add_message(chat.id, ChatMessage("assistant", result.text, finish_reason=result.finish_reason,
+                      model=engine.name, profile=result.profile, sampler=result.sampler, seed=result.seed,
                       metrics={"prompt_tokens": 31, "completion_tokens": result.metrics.completion_tokens,
                                "ttft_s": 0.2, "tpot_s": 0.05, "prefill_s": 0.2, "decode_s": 0.55,
-                               "context_tokens": 43, "context_limit": 8192})
+                               "context_tokens": 43, "context_limit": 8192}))
     store.close()
     app = make_app(data_dir=SNAP_DIR / "data", config_dir=SNAP_DIR / "config", engine=engine, max_tokens=12,
                    scan_hf_cache=False)
