@@ -195,11 +195,13 @@ class Engine:
             raise ContextLengthError(prompt_tokens, self.model.context_length, self.model.name)
 
     def run_request(self, job: Job, cache: ConversationCache, prompt: list[int], req: Request,
-                    forced: Forced | None = None) -> GenerationResult:
+                    forced: Forced | None = None,
+                    before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
         and a final Done on `job`. Tokens come from `core.generate.generate_step`; the text, stops, metrics and
         result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a branch): it is fed
-        to the model after the prompt, and the reply continues from it."""
+        to the model after the prompt, and the reply continues from it. `before_done(result)` runs just before the
+        Done is emitted."""
         m = self.model
         if not prompt:
             raise ValueError("the prompt is empty: type a message first")
@@ -222,7 +224,7 @@ class Engine:
                 reason = reply.follow(tokens)
         if clear_cache_after_prefill(len(feed) - reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache
-        return reply.finish(reason)
+        return reply.finish(reason, before_done)
 
     @contextlib.contextmanager
     def _device_practices(self) -> Iterator[None]:
@@ -451,15 +453,6 @@ class ChatSession:
                     self._tree.path.append(message)
 
         def run(job: Job) -> None:
-            # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done finds it.
-            emit = job.emit
-
-            def record_then_emit(event: Event) -> None:
-                if isinstance(event, Done):
-                    record(event.result)
-                emit(event)
-
-            job.emit = record_then_emit  # type: ignore[method-assign]
             if self._cache is None:
                 self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep, self.kv)
             with self._lock:
@@ -469,7 +462,9 @@ class ChatSession:
                                                     *([lead] if lead else [])]]
             try:
                 prompt = self._fitted_prompt(rendered, request)
-                engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None)
+                # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done
+                # finds it.
+                engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None, record)
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError

@@ -169,8 +169,11 @@ class Reply:
                 return reason
         return "cancelled" if self._cancelled() else "length"
 
-    def finish(self, reason: FinishReason) -> GenerationResult:
-        """End the reply: emit what was held back (see the module docstring), then the Done with the result."""
+    def finish(self, reason: FinishReason,
+               before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
+        """End the reply: emit what was held back (see the module docstring), then the Done with the result.
+        `before_done(result)` runs first: a chat session records the reply there, so whoever reads the
+        conversation on Done finds it."""
         if not self._stops.stopped:
             tail = self._stops.feed(self._detok.flush()) + self._stops.flush()
             if tail:
@@ -181,6 +184,8 @@ class Reply:
         result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self._ids), tuple(self._logprobs),
                                   self._sampler.describe(), self._sampler.seed,
                                   self._request.profile.model_dump(mode="json"), traces)
+        if before_done is not None:
+            before_done(result)
         self._emit(Done(result))
         return result
 
