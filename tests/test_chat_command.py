@@ -10,6 +10,7 @@ import pytest
 
 from mlxchat.app.cli import build_parser, chat_options, main
 from mlxchat.app.store import Store
+from mlxchat.core.messages import ChatMessage
 
 SIZE = (100, 30)
 
@@ -65,7 +66,7 @@ def test_bad_chat_flags_are_one_line_before_the_app_opens(argv: list[str], expec
 def _saved_chat(tmp_path: Path) -> int:
     store = Store(tmp_path / "data" / "conversations.db")
     conversation = store.create_conversation("about lighthouses")
-    store.add_message(conversation.id, "user", "Tell me about lighthouses.")
+    store.add_message(conversation.id, ChatMessage("user", "Tell me about lighthouses."))
     store.close()
     return conversation.id
 

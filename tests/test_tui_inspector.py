@@ -102,6 +102,25 @@ async def test_an_untraced_reply_is_traced_when_asked_with_the_same_tokens(new_a
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_f7_traces_a_later_turn_with_the_same_tokens(new_app, ready, reply, wait_for, seed):
+    """F7 writes a reply again from the messages, fresh, with its seed: on the second turn the chat's own reply came
+    from a cache that held the first turn's decode, and the draw followed last-bit logit differences, so F7 said
+    the rewrite "came out different" (issue 21). The keyed draw makes it the same reply."""
+    app = new_app(max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        screen.set_profile(SamplingProfile.preset("chat").model_copy(update={"seed": seed}))
+        await reply(pilot, "Name a fruit.")
+        second = await reply(pilot, "And its colour?")
+        await pilot.press("f7")
+        await wait_for(pilot, lambda: isinstance(app.focused, TokenStrip), what="the traced reply", timeout=120)
+        turn = screen.controller.turns[-1]
+        assert [t.chosen.token_id for t in turn.traces] == list(second.token_ids)
+        assert not any("came out different" in n for n in _notes(app))
+
+
+@pytest.mark.anyio
 async def test_branching_from_a_candidate_keeps_both_branches_after_a_restart(new_app, ready, reply, wait_for):
     app = new_app(max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
