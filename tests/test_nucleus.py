@@ -4,11 +4,15 @@ lazy paths checked to leave their input unevaluated."""
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxchat.core import native
+from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.sampling import Candidates, Sampler, TopP, TypicalP, nucleus, nucleus_path
 from tests.markers import needs_native
 
 # How far the float32 exp of each token may move the mass ahead of a token (relative): the reference is bracketed by
@@ -105,3 +109,60 @@ def test_the_op_keeps_nothing_of_an_all_masked_row_and_rejects_bad_input() -> No
         native.nucleus(mx.zeros((9,), mx.float16), 0.9)
     with pytest.raises(ValueError, match="p must be"):
         native.nucleus(mx.zeros((9,)), float("nan"))
+
+
+def dense(c: Candidates, vocab: int) -> np.ndarray:
+    """The candidates' logits over the vocabulary (-inf outside the set): the narrow path returns a narrowed set."""
+    out = np.full(vocab, -np.inf, np.float32)
+    out[np.arange(vocab) if c.ids is None else np.array(c.ids)] = np.array(c.logits)
+    return out
+
+
+def paths() -> list:
+    return [pytest.param("native", marks=needs_native), "sort", "narrow"]
+
+
+@pytest.mark.parametrize("path", paths())
+@pytest.mark.parametrize("typical", [False, True])
+@pytest.mark.parametrize("name", ["flat", "peaked", "masked", "ties", "straddle"])
+def test_every_path_cuts_the_same_set(path: str, typical: bool, name: str) -> None:
+    x = rows(49152)[name]
+    for p in (0.5, 0.9):
+        c = nucleus(Candidates(mx.array(x), None), p, typical=typical, path=path)
+        assert_cut(x, p, typical, dense(c, x.size))
+
+
+@pytest.mark.parametrize("path", paths())
+def test_a_narrowed_candidate_set_is_cut_by_its_own_mass(path: str) -> None:
+    x = rows(500)["normal"]
+    ids = np.argsort(-x)[:40]
+    c = nucleus(Candidates(mx.array(x[ids]), mx.array(ids)), 0.5, typical=False, path=path)
+    assert_cut(x[ids], 0.5, False, np.array(c.logits))
+    assert np.array_equal(np.array(c.ids), ids)
+
+
+def evaluated(x: mx.array, out: mx.array) -> bool:
+    """Whether building `out` evaluated the lazy matmul that makes `x` (it leaves the graph once computed)."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out)
+    return "Matmul" not in buf.getvalue()
+
+
+def lazy_logits(vocab: int = 4096) -> mx.array:
+    a = mx.random.normal((2, vocab), key=mx.random.key(1))
+    mx.eval(a)
+    return (mx.ones((1, 2)) @ a)[0] * 4  # not evaluated until something asks
+
+
+@pytest.mark.parametrize("transform", [TopP(0.9), TypicalP(0.9)], ids=repr)
+def test_top_p_and_typical_p_wait_on_the_device_only_without_the_native_op(transform) -> None:
+    x = lazy_logits()
+    out = transform(Candidates(x, None), mx.zeros(2, mx.uint32)).logits
+    assert evaluated(x, out) == (nucleus_path() == "narrow")
+
+
+def test_the_chat_presets_step_is_lazy_where_the_native_op_runs() -> None:
+    x = lazy_logits()
+    sampler = Sampler(SamplingProfile.preset("chat").model_copy(update={"seed": 1}), vocab_size=x.size, eos_ids=set())
+    token, _ = sampler.step(x)
+    assert evaluated(x, token) == (nucleus_path() == "narrow")
