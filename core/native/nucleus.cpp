@@ -75,7 +75,8 @@ std::pair<int, double> cut_bucket(const uint16_t* bucket, const float* e, size_t
 // The largest key kept, among the candidates of the cut's bucket: in key order, a candidate is kept while the mass
 // ahead of it (`before`, then the candidates ahead of it) is below `target`. Selection (nth_element) brings the
 // kFirst, 4 kFirst, ... best to the front until they reach the target, and only that prefix is sorted. Candidates
-// ranked equal may straddle the prefix's end: the caller keeps every token whose key is at most the cut, so all of them.
+// ranked equal may straddle the prefix's end: the caller keeps every token whose key is at most the cut, so all of
+// them.
 constexpr size_t kFirst = 64;
 
 double cut_key(std::vector<Candidate>& c, double before, double target) {
