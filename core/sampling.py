@@ -22,13 +22,19 @@ neutral are left out, and ``Sampler.describe()`` prints what runs, e.g.
 ``RepetitionPenalty(1.1) → TopK(40) → TopP(0.9) → Temperature(0.8) → sample``. Temperature 0 is greedy: the
 argmax of the processed logits (exactly ``mx.argmax``, as in mlx-lm), and no transform runs.
 
-**No full sort of the vocabulary, in the common case.** Each transform sees a candidate set (values and their token
-ids), initially the whole vocabulary. ``TopK`` shrinks it with ``mx.argpartition``. ``TopP`` and ``TypicalP`` rank
-by cumulative probability, which needs an order: they narrow the set to the ``CANDIDATES`` (1024) best-ranked tokens
-(most likely for top-p, most typical for typical-p) with ``mx.argpartition`` and sort only those, measuring mass
-against the normaliser of the whole set. When those 1024 hold less than ``p`` (a near-flat distribution) they sort
-the whole set instead, so both are exact; that check is one host sync per step. Sums over the vocabulary are
-blocked (``accurate_sum``): MLX's sequential float32 sum moved the cut by ~1e-4 of the mass.
+**No full sort of the vocabulary, and no host sync.** Each transform sees a candidate set (values and their token
+ids), initially the whole vocabulary. ``TopK`` shrinks it with ``mx.argpartition``. ``TopP`` and ``TypicalP`` keep
+the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
+surprisal, which is ``|logit - max - E[logit - max]|``, no log needed) whose probability reaches ``p``, ties with the
+last kept one kept too; the same set (up to rounding right at the cut) on each of three paths
+(``nucleus_path()``). On the CPU, the native extension's ``nucleus`` op (core/native) cuts lazily in ~0.1 ms for 49k
+tokens: one vectorised exp with sums in double, a histogram of the mass over the rank that locates the cut in one
+bucket, and a sort of that bucket's few tokens. On a GPU, a lazy full ``mx.argsort`` (cheap there). On the CPU
+without the extension, the ``CANDIDATES`` (1024) best-ranked tokens are found with ``mx.argpartition`` and sorted,
+with a check that the cut lies among them, else the whole set is sorted; that check is one host sync per step, so
+there the pipelined decode waits for each step's forward pass before building the next. Each path takes one exp
+over the candidates. Sums over the vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32
+sum moved the cut by ~1e-4 of the mass.
 ``MinP`` and ``XTC`` are thresholds and need no order.
 The draw is over the final candidate set, so after a top-k it costs nothing measurable.
 
@@ -61,6 +67,7 @@ from typing import Any, ClassVar, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from . import native
 from .profile import PROCESSORS, STEPS, SamplingProfile
 
 CANDIDATES = 1024
@@ -85,12 +92,16 @@ def _top_index(logits: mx.array, k: int) -> mx.array | None:
     return None if k >= n else mx.argpartition(logits, n - k)[n - k:]
 
 
-def _narrow(idx: mx.array | None, probs: mx.array, mass: float) -> mx.array | None:
-    """`idx` (the CANDIDATES best-ranked tokens) if they hold at least `mass` of the probability, else None: the cut
-    then needs the whole vocabulary sorted. A lazy graph cannot branch on data, so this one check waits on the
-    device (a host sync per step, only for top-p/typical-p over a vocabulary larger than CANDIDATES); it keeps
-    the common case at a partial sort and makes the rare flat distribution exact instead of cut at 1024."""
-    if idx is None or accurate_sum(probs[idx]).item() >= mass:
+def _narrow(idx: mx.array | None, rank: mx.array, mass: mx.array, target: mx.array) -> mx.array | None:
+    """`idx` (the CANDIDATES best-ranked tokens) if the cut lies among them, else None: the cut then needs the whole
+    vocabulary sorted. The cut lies among them when their tokens ranked strictly ahead of their worst hold `target` of
+    the (unnormalised) `mass`: then every token tied with the last kept one is among them too. A lazy graph cannot
+    branch on data, so this one check waits on the device (a host sync per step, on the CPU without the native
+    extension only); it keeps the common case at a partial sort and the rare flat distribution exact."""
+    if idx is None:
+        return None
+    rank, mass = rank[idx], mass[idx]
+    if (accurate_sum(mx.where(rank < mx.max(rank), mass, 0.0)) >= target).item():
         return idx
     return None
 
@@ -181,15 +192,52 @@ def log_softmax(logits: mx.array) -> mx.array:
     return shifted - mx.log(accurate_sum(mx.exp(shifted)))
 
 
-def _mass_cut(c: Candidates, rank: mx.array, probs: mx.array, mass: float) -> Candidates:
-    """Keep the smallest prefix, in ascending ``rank``, whose probability reaches ``mass`` (always ≥ 1 token).
-
-    ``c`` is small (≤ CANDIDATES), so sorting it is cheap. Ties with the last kept rank are kept too."""
+def _mass_cut(c: Candidates, rank: mx.array, mass: mx.array, target: mx.array) -> Candidates:
+    """Keep the smallest prefix, in ascending ``rank``, whose (unnormalised) ``mass`` reaches ``target`` (always ≥ 1
+    token). Ties with the last kept rank are kept too. A full sort of ``c``: cheap on a GPU, or when ``c`` is small."""
     order = mx.argsort(rank)
-    sorted_rank, sorted_probs = rank[order], probs[order]
-    before = accurate_cumsum(sorted_probs) - sorted_probs  # mass strictly ahead of each token
-    last = mx.sum(before < mass) - 1                 # before[0] == 0 < mass: at least one token
+    sorted_rank, sorted_mass = rank[order], mass[order]
+    before = accurate_cumsum(sorted_mass) - sorted_mass  # mass strictly ahead of each token
+    last = mx.sum(before < target) - 1                    # before[0] == 0 < target: at least one token
     return Candidates(mx.where(rank <= sorted_rank[last], c.logits, NEG_INF), c.ids)
+
+
+def _ranked(logits: mx.array, typical: bool) -> tuple[mx.array, mx.array, mx.array]:
+    """(rank, mass, total) for the MLX paths: ascending rank (by logit for top-p, by |surprisal - entropy| for
+    typical-p), unnormalised mass exp(logit - max) and its blocked total, for one exp over the candidates. With
+    s = logit - max and Z = total: surprisal = log Z - s and entropy = log Z - E[s], so the typical rank is
+    |s - E[s]|, with no log and no second exp (the same identity as the native op's)."""
+    shifted = logits - mx.max(logits)
+    mass = mx.exp(shifted)
+    total = accurate_sum(mass)
+    if not typical:
+        return -logits, mass, total
+    mean = accurate_sum(mx.where(mass > 0, mass * shifted, 0.0)) / total  # a masked token's 0 × -inf is NaN
+    return mx.abs(shifted - mean), mass, total
+
+
+def nucleus_path() -> str:
+    """How top-p and typical-p cut here: "native" (the extension's op, on the CPU), "sort" (a full sort, on a GPU,
+    where sorts are cheap) or "narrow" (the CPU without the extension: a partial sort and one host sync per step)."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return "sort"
+    return "native" if native.available() else "narrow"
+
+
+def nucleus(c: Candidates, p: float, *, typical: bool, path: str | None = None) -> Candidates:
+    """Top-p (or typical-p) of the candidates, the same set on every path (`nucleus_path()` unless given): lazy on
+    the "native" and "sort" paths; "narrow" waits on the device once (`_narrow`)."""
+    path = path or nucleus_path()
+    if path == "native":
+        return Candidates(native.nucleus(c.logits, p, typical=typical), c.ids)
+    rank, mass, total = _ranked(c.logits, typical)
+    target = p * total
+    if path == "narrow":
+        # The most typical tokens, for typical-p, not the most likely: the typical set can lie outside the top.
+        idx = _narrow(_top_index(-rank, CANDIDATES), rank, mass, target)
+        if idx is not None:
+            c, rank, mass = c.take(idx), rank[idx], mass[idx]
+    return _mass_cut(c, rank, mass, target)
 
 
 class ChainObject:
@@ -229,11 +277,7 @@ class TopP(ChainObject):
         self.p = p
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
-        probs = mx.exp(log_softmax(c.logits))
-        idx = _narrow(_top_index(c.logits, CANDIDATES), probs, self.p)
-        if idx is not None:
-            c, probs = c.take(idx), probs[idx]
-        return _mass_cut(c, -c.logits, probs, self.p)
+        return nucleus(c, self.p, typical=False)
 
 
 
@@ -262,15 +306,7 @@ class TypicalP(ChainObject):
         self.p = p
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
-        logp = log_softmax(c.logits)
-        probs = mx.exp(logp)
-        entropy = -accurate_sum(mx.where(probs > 0, probs * logp, 0.0))
-        rank = mx.abs(-logp - entropy)
-        # The most typical tokens, not the most likely: the typical set can lie outside the top by probability.
-        idx = _narrow(_top_index(-rank, CANDIDATES), probs, self.p)
-        if idx is not None:
-            c, rank, probs = c.take(idx), rank[idx], probs[idx]
-        return _mass_cut(c, rank, probs, self.p)
+        return nucleus(c, self.p, typical=True)
 
 
 
@@ -604,5 +640,5 @@ class Sampler:
 __all__ = [
     "CANDIDATES", "Candidates", "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty",
     "RepetitionPenalty", "Sampler", "StepRecord", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
-    "top_candidates",
+    "nucleus", "nucleus_path", "top_candidates",
 ]

@@ -1,5 +1,5 @@
-"""mlxchat's native quantized matmul and attention/MLP ops for MLX's CPU backend (a C++ MLX extension, built by
-setup.py).
+"""mlxchat's native quantized matmul, attention/MLP and sampling ops for MLX's CPU backend (a C++ MLX extension,
+built by setup.py).
 
 MLX's own CPU ``quantized_matmul`` dequantizes to fp32 first (~1 GB/s here), so without this the loader has to keep
 fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/8-bit format directly, in exact fp32 math, as
@@ -86,6 +86,15 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bo
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` for float32 arrays of one shape (the gated MLP of llama-style models)."""
     return _module().swiglu(gate, up)
+
+
+def nucleus(logits: mx.array, p: float, *, typical: bool = False) -> mx.array:
+    """Top-p (or, with ``typical``, typical-p) along the last axis of float32 ``logits [..., V]``: the logits of the
+    kept tokens, -inf elsewhere. Kept: the smallest set of the best-ranked finite tokens whose probability reaches
+    ``p`` (at least one; tokens ranked equal to the last kept one too), ranked by logit or by |surprisal - entropy|.
+    Lazy and exact, with sums in double: it selects (no full sort unless nearly the whole row is needed), so a
+    sampler can run it every decode step without waiting on the device."""
+    return _module().nucleus(logits, p, typical=typical)
 
 
 def set_threads(n: int) -> None:

@@ -4,13 +4,14 @@
 #include <nanobind/stl/string.h>
 
 #include "blocks.h"
+#include "nucleus.h"
 #include "qmm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "mlxchat's native quantized matmul and attention/MLP ops for MLX's CPU backend";
+  m.doc() = "mlxchat's native quantized matmul and attention/MLP/sampling ops for MLX's CPU backend";
   m.def("quantized_matmul", &mlxchat::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format).");
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
@@ -19,6 +20,8 @@ NB_MODULE(_ext, m) {
         "softmax(scale * x) along the last axis, float32; causal: MLX's lower-right mask over the last two axes.");
   m.def("attention", &mlxchat::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
         "Attention of a few float32 queries [B, H, L, D] over k, v [B, H_kv, S, D], in one op.");
+  m.def("nucleus", &mlxchat::nucleus, "logits"_a, "p"_a, nb::kw_only(), "typical"_a = false,
+        "Top-p (or typical-p) along the last axis of float32 logits: the kept tokens' logits, -inf elsewhere.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);

@@ -5,53 +5,16 @@
 
 #include "graph.h"
 #include "kernel.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/primitives.h"
-#include "qmm.h"
 
 namespace mlxchat {
 
 namespace {
 
-// x's float32 elements in row-major order: x itself when it is dense, else a copy gathered through its strides.
-const float* rows_of(const mx::array& x, std::vector<float>& copy) {
-  if (x.flags().row_contiguous) return x.data<float>();
-  copy.resize(x.size());
-  gather_x<float>(x, copy);
-  return copy.data();
-}
-
-// The output takes over a dense input's buffer when nothing else holds it (scores and gate are temporaries).
-void allocate_output(const mx::array& in, mx::array& out) {
-  if (in.flags().row_contiguous && in.is_donatable() && in.nbytes() == out.nbytes()) {
-    out.copy_shared_buffer(in);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-}
-
-void check_float32(const mx::array& a, const char* name) {
-  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
-  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(name) + " must be float32");
-}
-
-// What the three ops share: they run on the CPU only, and their output has the first input's shape.
-class BlockOp : public mx::UnaryPrimitive {
- public:
-  using mx::UnaryPrimitive::UnaryPrimitive;
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
-};
-
-class NativeSoftmax : public BlockOp {
+class NativeSoftmax : public CpuOp {
  public:
   NativeSoftmax(mx::Stream stream, float scale, bool causal)
-      : BlockOp(stream), scale_(scale), causal_(causal) {}
+      : CpuOp(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -80,9 +43,9 @@ class NativeSoftmax : public BlockOp {
   bool causal_;
 };
 
-class NativeSwiglu : public BlockOp {
+class NativeSwiglu : public CpuOp {
  public:
-  explicit NativeSwiglu(mx::Stream stream) : BlockOp(stream) {}
+  explicit NativeSwiglu(mx::Stream stream) : CpuOp(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& gate = inputs[0];
@@ -104,10 +67,10 @@ class NativeSwiglu : public BlockOp {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-class NativeAttention : public BlockOp {
+class NativeAttention : public CpuOp {
  public:
   NativeAttention(mx::Stream stream, float scale, bool causal)
-      : BlockOp(stream), scale_(scale), causal_(causal) {}
+      : CpuOp(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));

@@ -1,9 +1,14 @@
 // Helpers the ops share: building their graph nodes, and reading their inputs.
 #pragma once
 
+#include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "qmm.h"
 
 namespace mlxchat {
 
@@ -40,5 +45,40 @@ inline void gather_x(const mx::array& x, std::vector<float>& out) {
     }
   }
 }
+
+// x's float32 elements in row-major order: x itself when it is dense, else a copy gathered through its strides.
+inline const float* rows_of(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  copy.resize(x.size());
+  gather_x<float>(x, copy);
+  return copy.data();
+}
+
+// The output takes over a dense input's buffer when nothing else holds it (scores, gate and logits are temporaries).
+inline void allocate_output(const mx::array& in, mx::array& out) {
+  if (in.flags().row_contiguous && in.is_donatable() && in.nbytes() == out.nbytes()) {
+    out.copy_shared_buffer(in);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+}
+
+inline void check_float32(const mx::array& a, const char* name) {
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(name) + " must be float32");
+}
+
+// What the elementwise-shaped ops share (the blocks' three, nucleus): they run on the CPU only, and their output has
+// the first input's shape.
+class CpuOp : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
 
 }  // namespace mlxchat

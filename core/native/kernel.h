@@ -59,4 +59,24 @@ void attention_avx2(const AttentionArgs& a);
 // out = silu(gate) * up = gate * up / (1 + exp(-gate)), elementwise (out may be gate or up).
 void swiglu_avx2(const float* gate, const float* up, float* out, size_t n);
 
+// The nucleus (top-p, typical-p) of a row of n logits, in two passes.
+// e = exp(x - max(x)) (0 where x is -inf), with sums in double: over a 49k vocabulary they are exact to float32
+// rounding (a sequential float32 sum moved the cut).
+struct ExpRow {
+  float max;        // the largest entry (-inf when none is finite)
+  float min;        // the smallest finite entry
+  double sum;       // sum of e
+  double weighted;  // sum of e * (x - max) over the entries with e > 0, when asked for (else 0)
+};
+ExpRow exp_row_avx2(const float* x, float* e, size_t n, bool weighted);
+
+// Each entry's bucket: min(buckets - 1, floor(key * scale)), where key = |x - center| (typical) or center - x, in
+// double; `buckets` itself where x is -inf or NaN. Nondecreasing in the key, and the key is the one the scalar code
+// computes ((x - center) rounded once), so both sides agree on which bucket a token is in.
+void bucket_row_avx2(const float* x, size_t n, bool typical, double center, double scale, int buckets,
+                     uint16_t* bucket);
+
+// out[i] = x[i] where bucket[i] < b, else -inf (out may be x).
+void keep_below_avx2(const float* x, const uint16_t* bucket, int b, float* out, size_t n);
+
 }  // namespace mlxchat

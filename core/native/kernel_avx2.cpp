@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -263,6 +264,18 @@ void dequant(const DequantArgs& a, int n0, int n1) {
   }
 }
 
+// Adds the 8 floats of v, widened to double, to two accumulators of 4 (lanes 0-3 to lo, 4-7 to hi).
+inline void add_pd(__m256 v, __m256d& lo, __m256d& hi) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+inline double hsum_pd(__m256d lo, __m256d hi) {
+  const __m256d v = _mm256_add_pd(lo, hi);
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
 }  // namespace
 
 void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1) {
@@ -336,6 +349,80 @@ void swiglu_avx2(const float* gate, const float* up, float* out, size_t n) {
     _mm256_maskstore_ps(out + i, tm,
                         _mm256_div_ps(_mm256_mul_ps(g, _mm256_maskload_ps(up + i, tm)), _mm256_add_ps(one, e)));
   }
+}
+
+ExpRow exp_row_avx2(const float* x, float* e, size_t n, bool weighted) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  const __m256 neg_inf = _mm256_set1_ps(-inf), pos_inf = _mm256_set1_ps(inf);
+  __m256 mx_v = neg_inf, mn_v = pos_inf;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mx_v = _mm256_max_ps(mx_v, v);
+    mn_v = _mm256_min_ps(mn_v, _mm256_blendv_ps(pos_inf, v, _mm256_cmp_ps(v, neg_inf, _CMP_GT_OQ)));
+  }
+  float m = hmax(mx_v), lo = -hmax(_mm256_sub_ps(_mm256_setzero_ps(), mn_v));
+  for (; i < n; ++i) {
+    m = std::max(m, x[i]);
+    if (x[i] > -inf) lo = std::min(lo, x[i]);
+  }
+  ExpRow r{m, lo, 0.0, 0.0};
+  if (!(m > -inf)) {  // nothing finite: no mass
+    std::fill(e, e + n, 0.0f);
+    return r;
+  }
+  const __m256 mb = _mm256_set1_ps(m), zero = _mm256_setzero_ps();
+  __m256d s_lo = _mm256_setzero_pd(), s_hi = s_lo, w_lo = s_lo, w_hi = s_lo;
+  // One block of 8: e, and (when asked) e * (x - max) where e > 0 (a -inf entry's 0 * -inf would be NaN).
+  auto block = [&](__m256 xv, __m256 lanes) {
+    const __m256 s = _mm256_sub_ps(xv, mb);
+    const __m256 ev = _mm256_and_ps(exp256(s), lanes);
+    add_pd(ev, s_lo, s_hi);
+    if (weighted) add_pd(_mm256_and_ps(_mm256_mul_ps(ev, s), _mm256_cmp_ps(ev, zero, _CMP_GT_OQ)), w_lo, w_hi);
+    return ev;
+  };
+  const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(e + i, block(_mm256_loadu_ps(x + i), all));
+  if (i < n) {
+    const __m256i tm = tail_mask(int(n - i));
+    _mm256_maskstore_ps(e + i, tm, block(_mm256_maskload_ps(x + i, tm), _mm256_castsi256_ps(tm)));
+  }
+  r.sum = hsum_pd(s_lo, s_hi);
+  r.weighted = hsum_pd(w_lo, w_hi);
+  return r;
+}
+
+void bucket_row_avx2(const float* x, size_t n, bool typical, double center, double scale, int buckets,
+                     uint16_t* bucket) {
+  const __m256d c = _mm256_set1_pd(center), sv = _mm256_set1_pd(scale), sign = _mm256_set1_pd(-0.0);
+  const __m128i top = _mm_set1_epi32(buckets - 1), none = _mm_set1_epi32(buckets);
+  const __m128 neg_inf = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m128 xv = _mm_loadu_ps(x + i);
+    const __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(xv), c);
+    const __m256d key = typical ? _mm256_andnot_pd(sign, d) : _mm256_xor_pd(sign, d);
+    __m128i b = _mm_min_epi32(_mm256_cvttpd_epi32(_mm256_mul_pd(key, sv)), top);
+    b = _mm_blendv_epi8(none, b, _mm_castps_si128(_mm_cmpgt_ps(xv, neg_inf)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(bucket + i), _mm_packus_epi32(b, b));
+  }
+  for (; i < n; ++i) {
+    const double d = double(x[i]) - center, key = typical ? std::abs(d) : -d;
+    bucket[i] = x[i] > -std::numeric_limits<float>::infinity()
+                    ? uint16_t(std::min<int64_t>(buckets - 1, int64_t(key * scale))) : uint16_t(buckets);
+  }
+}
+
+void keep_below_avx2(const float* x, const uint16_t* bucket, int b, float* out, size_t n) {
+  const __m256i bv = _mm256_set1_epi32(b);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bucket + i)));
+    const __m256 below = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bv, bi));
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(x + i), below));
+  }
+  for (; i < n; ++i) out[i] = bucket[i] < b ? x[i] : -std::numeric_limits<float>::infinity();
 }
 
 }  // namespace mlxchat
