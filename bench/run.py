@@ -112,9 +112,11 @@ def run_matrix(runners: list[Any], prompt_sets: dict[int, tuple[list, list[int]]
     for n in cfg.prompt_lengths:
         msgs, ids = prompt_sets[n]
         specs: list[SamplerSpec] = [GREEDY] + ([FULL] if n in cfg.full_chain_lengths else [])
-        for spec in specs:
-            for rep in range(cfg.repeats):
-                order = runners if rep % 2 == 0 else runners[::-1]
+        # Samplers alternate within each repeat as the systems do: run one after the other, a drift in the
+        # machine's load lands on one sampler and reads as the chain's cost (this VM swings ±15% over a minute).
+        for rep in range(cfg.repeats):
+            order = runners if rep % 2 == 0 else runners[::-1]
+            for spec in specs if rep % 2 == 0 else specs[::-1]:
                 for r in order:
                     s = r.run(msgs, ids, spec, cfg.max_tokens)
                     if s["completion_tokens"] != cfg.max_tokens:
