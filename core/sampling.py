@@ -22,32 +22,10 @@ neutral are left out, and ``Sampler.describe()`` prints what runs, e.g.
 ``RepetitionPenalty(1.1) → TopK(40) → TopP(0.9) → Temperature(0.8) → sample``. Temperature 0 is greedy: the
 argmax of the processed logits (exactly ``mx.argmax``, as in mlx-lm), and no transform runs.
 
-**No full sort of the vocabulary, and no host sync.** Each transform sees a candidate set (values and their token
-ids), initially the whole vocabulary. ``TopK`` shrinks it with ``mx.argpartition``. ``TopP`` and ``TypicalP`` keep
-the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
-surprisal, which is ``|logit - max - E[logit - max]|``, no log needed) whose probability reaches ``p``, ties with the
-last kept one kept too; the same set (up to rounding right at the cut) on each of three paths
-(``nucleus_path()``). On the CPU, the native extension's ``nucleus`` op (core/native) cuts lazily in ~0.1 ms for 49k
-tokens: one vectorised exp with sums in double, a histogram of the mass over the rank that locates the cut in one
-bucket, and a sort of that bucket's few tokens. On a GPU, a lazy full ``mx.argsort`` (cheap there). On the CPU
-without the extension, the ``CANDIDATES`` (1024) best-ranked tokens are found with ``mx.argpartition`` and sorted,
-with a check that the cut lies among them, else the whole set is sorted; that check is one host sync per step, so
-there the pipelined decode waits for each step's forward pass before building the next. Each path takes one exp
-over the candidates. Sums over the vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32
-sum moved the cut by ~1e-4 of the mass.
-``MinP`` and ``XTC`` are thresholds and need no order.
-The draw is over the final candidate set, so after a top-k it costs nothing measurable.
-
-**Randomness** is a Gumbel-max draw whose noise is a function of (seed, position, token id) alone: the token is
-``argmax(logit[i] + g(seed, position, i))`` over the final candidates, where ``g`` is Gumbel noise made by hashing
-the token id with two words derived from the seed and the reply's position (``StepKeys``). The global MLX random
-state is never touched. Because the noise belongs to the token id, not to its place in a candidate array, the draw
-depends only on the final distribution: the same seed and the same final distribution at a step give the same token
-whatever order the chain narrowed the candidates in, whether a no-op stage ran, and on which path the request came
-(a chat's turn N, a fresh request, a batch row, the server, a traced run). Last-bit differences in the logits
-between paths (a cached prefix vs a fresh prefill, a GEMM in a batch vs a GEMV alone) move the draw only where two
-candidates' noisy scores tie to within that difference. With ``seed=None`` a fresh seed is drawn once per request
-and kept in ``Sampler.seed`` for reporting.
+**No full sort of the vocabulary, and no host sync**: the candidate sets and the exact top-p/typical-p cuts are in
+``core.candidates``. **Randomness** is a Gumbel-max draw keyed by (seed, position, token id) (``core.draw``): the
+same seed and the same final distribution give the same token on every path. The global MLX random state is never
+touched; with ``seed=None`` a fresh seed is drawn once per request and kept in ``Sampler.seed`` for reporting.
 
 ``Sampler.step`` is lazy: it builds MLX ops (including the penalty bookkeeping) and never waits on them, so the
 engine can pipeline steps with ``mx.async_eval``. The logprobs it returns cost one exp over the vocabulary (~1 ms on
@@ -67,177 +45,12 @@ from typing import Any, ClassVar, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from . import native
+from .candidates import (CANDIDATES, NEG_INF, Candidates, accurate_sum, log_softmax, nucleus, top_candidates,
+                         top_index)
+from .draw import gumbel_argmax, step_words, uniform_at
 from .profile import PROCESSORS, STEPS, SamplingProfile
 
-CANDIDATES = 1024
-BLOCK = 256
 FLOAT_MAX = float(np.finfo(np.float32).max)
-NEG_INF = float("-inf")
-
-
-class Candidates(NamedTuple):
-    """The tokens still in play: their logits (-inf = masked) and token ids (None = the vocabulary, in order)."""
-
-    logits: mx.array
-    ids: mx.array | None
-
-    def take(self, idx: mx.array) -> Candidates:
-        return Candidates(self.logits[idx], idx if self.ids is None else self.ids[idx])
-
-
-def _top_index(logits: mx.array, k: int) -> mx.array | None:
-    """Positions of the k largest values, by partial sort; None when there are no more than k."""
-    n = logits.size
-    return None if k >= n else mx.argpartition(logits, n - k)[n - k:]
-
-
-def _narrow(idx: mx.array | None, rank: mx.array, mass: mx.array, target: mx.array) -> mx.array | None:
-    """`idx` (the CANDIDATES best-ranked tokens) if the cut lies among them, else None: the cut then needs the whole
-    vocabulary sorted. The cut lies among them when their tokens ranked strictly ahead of their worst hold `target` of
-    the (unnormalised) `mass`: then every token tied with the last kept one is among them too. A lazy graph cannot
-    branch on data, so this one check waits on the device (a host sync per step, on the CPU without the native
-    extension only); it keeps the common case at a partial sort and the rare flat distribution exact."""
-    if idx is None:
-        return None
-    rank, mass = rank[idx], mass[idx]
-    if (accurate_sum(mx.where(rank < mx.max(rank), mass, 0.0)) >= target).item():
-        return idx
-    return None
-
-
-def top_candidates(c: Candidates, k: int) -> Candidates:
-    """The k most likely candidates (all of them when there are no more than k)."""
-    idx = _top_index(c.logits, k)
-    return c if idx is None else c.take(idx)
-
-
-def accurate_sum(x: mx.array, axis: int | None = None) -> mx.array:
-    """Sum of a float32 vector in blocks of BLOCK, then over the block totals.
-
-    MLX's CPU reduction adds sequentially, so its rounding error grows with the length: over a 49k vocabulary
-    ``mx.logsumexp`` was off by ~1e-4 relative, enough to move a top-p cut. Two levels keep the error near float32
-    rounding for the cost of one reshape (measured in the report of issue #12, item 18)."""
-    n = x.size
-    pad = (-n) % BLOCK
-    if pad:
-        x = mx.concatenate([x, mx.zeros(pad, x.dtype)])
-    return mx.sum(mx.sum(x.reshape(-1, BLOCK), axis=1))
-
-
-def accurate_cumsum(x: mx.array) -> mx.array:
-    """Running sum of a float32 vector, blocked like `accurate_sum` (the last terms of a sequential cumsum over the
-    vocabulary carry the same error)."""
-    n = x.size
-    if n <= BLOCK:
-        return mx.cumsum(x)
-    pad = (-n) % BLOCK
-    if pad:
-        x = mx.concatenate([x, mx.zeros(pad, x.dtype)])
-    blocks = mx.cumsum(x.reshape(-1, BLOCK), axis=1)
-    offsets = mx.cumsum(blocks[:, -1]) - blocks[:, -1]
-    return (blocks + offsets[:, None]).reshape(-1)[:n]
-
-
-# --- randomness: noise that belongs to (seed, position, token id) -------------------------------------------------
-
-_MASK64 = (1 << 64) - 1
-_FMIX1 = mx.array(0x85EBCA6B, mx.uint32)
-_FMIX2 = mx.array(0xC2B2AE35, mx.uint32)
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64's output function: a 64-bit word that looks random for each input (host side, per step)."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def step_words(seed: int, position: int, stream: int) -> mx.array:
-    """Two uint32 words that key the noise of one (seed, position, stream): stream 0 is the draw, 1 the transforms'
-    own randomness (XTC). Made on the host from Python ints, so no key is threaded from step to step."""
-    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (2 * position + stream))
-    return mx.array([z & 0xFFFFFFFF, z >> 32], mx.uint32)
-
-
-def _fmix32(h: mx.array) -> mx.array:
-    """MurmurHash3's finaliser: a bijection on uint32 in which every input bit flips about half the output bits."""
-    h = h ^ (h >> 16)
-    h = h * _FMIX1
-    h = h ^ (h >> 13)
-    h = h * _FMIX2
-    return h ^ (h >> 16)
-
-
-def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
-    """A uniform number in (0, 1) for each uint32 id, fixed by `words`: 2^23 levels strictly inside the interval (so
-    the logs of a Gumbel draw stay finite), each exact in float32 (so every backend gives the same bits)."""
-    h = _fmix32(_fmix32(ids ^ words[0]) ^ words[1])
-    return ((h >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
-
-
-def gumbel_argmax(c: "Candidates", words: mx.array, vocab_ids: mx.array) -> mx.array:
-    """The Gumbel-max draw from softmax(c.logits): argmax(logit + Gumbel noise), the noise of each candidate taken
-    from its token id, so the result does not depend on the candidates' order or on which stage narrowed them."""
-    ids = vocab_ids if c.ids is None else c.ids.astype(mx.uint32)
-    best = mx.argmax(c.logits - mx.log(-mx.log(uniform_at(ids, words))))
-    return best if c.ids is None else c.ids[best]
-
-
-def log_softmax(logits: mx.array) -> mx.array:
-    """Log-probabilities: shifted by the maximum first (near float32's maximum, ``x - logsumexp(x)`` loses the
-    normaliser or gives NaN), normalised with `accurate_sum`."""
-    shifted = logits - mx.max(logits)
-    return shifted - mx.log(accurate_sum(mx.exp(shifted)))
-
-
-def _mass_cut(c: Candidates, rank: mx.array, mass: mx.array, target: mx.array) -> Candidates:
-    """Keep the smallest prefix, in ascending ``rank``, whose (unnormalised) ``mass`` reaches ``target`` (always ≥ 1
-    token). Ties with the last kept rank are kept too. A full sort of ``c``: cheap on a GPU, or when ``c`` is small."""
-    order = mx.argsort(rank)
-    sorted_rank, sorted_mass = rank[order], mass[order]
-    before = accurate_cumsum(sorted_mass) - sorted_mass  # mass strictly ahead of each token
-    last = mx.sum(before < target) - 1                    # before[0] == 0 < target: at least one token
-    return Candidates(mx.where(rank <= sorted_rank[last], c.logits, NEG_INF), c.ids)
-
-
-def _ranked(logits: mx.array, typical: bool) -> tuple[mx.array, mx.array, mx.array]:
-    """(rank, mass, total) for the MLX paths: ascending rank (by logit for top-p, by |surprisal - entropy| for
-    typical-p), unnormalised mass exp(logit - max) and its blocked total, for one exp over the candidates. With
-    s = logit - max and Z = total: surprisal = log Z - s and entropy = log Z - E[s], so the typical rank is
-    |s - E[s]|, with no log and no second exp (the same identity as the native op's)."""
-    shifted = logits - mx.max(logits)
-    mass = mx.exp(shifted)
-    total = accurate_sum(mass)
-    if not typical:
-        return -logits, mass, total
-    mean = accurate_sum(mx.where(mass > 0, mass * shifted, 0.0)) / total  # a masked token's 0 × -inf is NaN
-    return mx.abs(shifted - mean), mass, total
-
-
-def nucleus_path() -> str:
-    """How top-p and typical-p cut here: "native" (the extension's op, on the CPU), "sort" (a full sort, on a GPU,
-    where sorts are cheap) or "narrow" (the CPU without the extension: a partial sort and one host sync per step)."""
-    if mx.default_device().type == mx.DeviceType.gpu:
-        return "sort"
-    return "native" if native.available() else "narrow"
-
-
-def nucleus(c: Candidates, p: float, *, typical: bool, path: str | None = None) -> Candidates:
-    """Top-p (or typical-p) of the candidates, the same set on every path (`nucleus_path()` unless given): lazy on
-    the "native" and "sort" paths; "narrow" waits on the device once (`_narrow`)."""
-    path = path or nucleus_path()
-    if path == "native":
-        return Candidates(native.nucleus(c.logits, p, typical=typical), c.ids)
-    rank, mass, total = _ranked(c.logits, typical)
-    target = p * total
-    if path == "narrow":
-        # The most typical tokens, for typical-p, not the most likely: the typical set can lie outside the top.
-        idx = _narrow(_top_index(-rank, CANDIDATES), rank, mass, target)
-        if idx is not None:
-            c, rank, mass = c.take(idx), rank[idx], mass[idx]
-    return _mass_cut(c, rank, mass, target)
 
 
 class ChainObject:
@@ -511,7 +324,7 @@ def _entropy(logprobs: mx.array) -> mx.array:
 
 def _likeliest(c: Candidates, k: int) -> mx.array:
     """The token ids of (up to) the k likeliest candidates of `c` (transforms keep the order, so by processed logit)."""
-    idx = _top_index(c.logits, k)
+    idx = top_index(c.logits, k)
     if idx is None:
         return mx.arange(c.logits.size) if c.ids is None else c.ids
     return idx if c.ids is None else c.ids[idx]
@@ -638,7 +451,6 @@ class Sampler:
 
 
 __all__ = [
-    "CANDIDATES", "Candidates", "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty",
-    "RepetitionPenalty", "Sampler", "StepRecord", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
-    "nucleus", "nucleus_path", "top_candidates",
+    "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty", "RepetitionPenalty", "Sampler",
+    "StepRecord", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
 ]

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.candidates import CANDIDATES, Candidates
+from mlxchat.core.draw import gumbel_argmax, step_words, uniform_at
 from mlxchat.core.sampling import (
-    CANDIDATES, XTC, Candidates, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
-    Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP, gumbel_argmax, step_words, uniform_at,
+    XTC, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
+    Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP,
 )
 
 KEY = mx.random.key(0)
