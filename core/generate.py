@@ -12,7 +12,8 @@ callers can plug into it:
 * `on_prefill(done)` reports each prefill chunk; `cancelled()` is checked between chunks.
 
 Decode is pipelined as in mlx-lm: step n+1 is queued with `mx.async_eval` before the host waits on token n, so
-the device never idles on the host. Hence a token is already in the cache when it is yielded (and in `fed`),
+on a GPU the device never idles on the host (on MLX's CPU backend `async_eval` itself waits until all but a few of
+the graph's tasks have run: docs/architecture.md §3). Hence a token is already in the cache when it is yielded (and in `fed`),
 unless it is the last one `max_tokens` allows, for which no further step is queued.
 """
 
