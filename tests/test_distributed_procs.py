@@ -172,10 +172,10 @@ def test_rank0_without_workers_is_a_clear_error_after_the_connect_timeout(hosts:
 
 
 
-def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc], engine: Engine) -> None:
+def _serve(hosts: Path, procs: list[Proc]) -> tuple[Proc, int]:
+    """`mlxchat serve --hosts` as rank 0, on the port after the hosts' control port, once it answers."""
     import httpx
 
-    worker(hosts, procs)
     port = int(json.loads(hosts.read_text())[-1][0].rsplit(":", 1)[1]) + 2  # after the control port
     server = Proc([sys.executable, "-m", "mlxchat.app.cli", "serve", "--hosts", str(hosts), "--port", str(port)])
     procs.append(server)
@@ -184,9 +184,16 @@ def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc],
         assert time.monotonic() < deadline and server.p.poll() is None, "the server did not start"
         try:
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-            break
+            return server, port
         except httpx.HTTPError:
             time.sleep(0.3)
+
+
+def test_serve_with_hosts_answers_as_one_process(hosts: Path, procs: list[Proc], engine: Engine) -> None:
+    import httpx
+
+    worker(hosts, procs)
+    _, port = _serve(hosts, procs)
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": N, "temperature": 0}
     for _ in range(2):  # the second resends the same conversation: its prefix comes from the kept cache
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
@@ -205,17 +212,7 @@ def test_a_lost_worker_under_serve_is_mlxchats_error_without_the_rings_noise(hos
     import httpx
 
     w = worker(hosts, procs)
-    port = int(json.loads(hosts.read_text())[-1][0].rsplit(":", 1)[1]) + 2  # after the control port
-    server = Proc([sys.executable, "-m", "mlxchat.app.cli", "serve", "--hosts", str(hosts), "--port", str(port)])
-    procs.append(server)
-    deadline = time.monotonic() + 120
-    while True:
-        assert time.monotonic() < deadline and server.p.poll() is None, "the server did not start"
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.3)
+    server, port = _serve(hosts, procs)
     body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
             "stream": True}
     lines = []
