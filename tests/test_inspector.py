@@ -103,7 +103,8 @@ def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
 
 def test_short_stage_names():
     assert [inspector.short_stage(s) for s in STAGES] == ["proc", "TopK 3", "TopP 0.5", "Temp 0.7"]
-    assert inspector.short_stage("XTC(0.1, 0.5)") == "XTC 0.1,0.5" and inspector.short_stage("TypicalP(0.9)") == "Typ 0.9"
+    assert inspector.short_stage("XTC(0.1, 0.5)") == "XTC 0.1,0.5"
+    assert inspector.short_stage("TypicalP(0.9)") == "Typ 0.9"
 
 
 def test_the_table_fits_the_width_it_is_given():
