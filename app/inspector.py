@@ -12,9 +12,11 @@ light and on a dark theme. Confident tokens (>= 90 %) are left unshaded: what st
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 
@@ -114,9 +116,41 @@ def percent(prob: float | None) -> str:
     return f"{prob * 100:.1f}%"
 
 
-def cell(prob: float | None) -> str:
-    """A probability cell: bar and percentage."""
-    return f"{bar(prob)} {percent(prob):>6}"
+def cell(prob: float | None, bar_width: int = BAR_WIDTH) -> str:
+    """A probability cell: bar (none when ``bar_width`` is 0) and percentage."""
+    return f"{bar(prob, bar_width)} {percent(prob):>6}" if bar_width else f"{percent(prob):>6}"
+
+
+# Stage names as the chain prints them ("Temperature(0.7)") are too wide for a table of 4-6 stages in 80-160
+# columns: a narrow table names them short ("Temp 0.7"); the summary over it always prints the whole chain.
+_SHORT_NAMES = {"processed": "proc", "Temperature": "Temp", "TypicalP": "Typ"}
+_STAGE = re.compile(r"(\w+)\((.*)\)")
+
+
+def short_stage(stage: str) -> str:
+    """A stage's short label: "Temperature(0.7)" -> "Temp 0.7", "TopK(5)" -> "TopK 5", "processed" -> "proc"."""
+    m = _STAGE.fullmatch(stage)
+    if m is None:
+        return _SHORT_NAMES.get(stage, stage)
+    name, args = m.groups()
+    return f"{_SHORT_NAMES.get(name, name)} {args.replace(', ', ',')}"
+
+
+@dataclass(frozen=True)
+class Density:
+    """How much a table spends per stage: full or short stage names, and the width of the bars (0: none)."""
+
+    short: bool
+    bar_width: int
+
+    def label(self, stage: str) -> str:
+        return short_stage(stage) if self.short else stage
+
+
+# From the widest to the narrowest; `fit` takes the first whose table fits the width it is given.
+DENSITIES: tuple[Density, ...] = (Density(False, BAR_WIDTH), Density(True, BAR_WIDTH), Density(True, 2),
+                                  Density(True, 0))
+FULL = DENSITIES[0]
 
 
 @dataclass(frozen=True)
@@ -137,12 +171,13 @@ class InspectorRow:
         """Its probability in the distribution that was sampled from."""
         return self.stages[-1]
 
-    def cells(self, *, shifts: bool = True) -> tuple[str, ...]:
+    def cells(self, *, shifts: bool = True, density: Density = FULL) -> tuple[str, ...]:
         """The table row: marker, rank, token, raw logit, the processors' shift (when the chain has processors), one
         cell per stage, the stage that cut it."""
         shift = (f"{self.shift:+.2f}" if self.shift else "",) if shifts else ()
+        cut_by = density.label(self.removed_by) if self.removed_by else ""
         return ("▶" if self.chosen else " ", str(self.rank), self.token, f"{self.logit:.2f}", *shift,
-                *(cell(p) for p in self.stages), self.removed_by or "")
+                *(cell(p, density.bar_width) for p in self.stages), cut_by)
 
 
 def has_shifts(trace: TokenTrace) -> bool:
@@ -150,10 +185,25 @@ def has_shifts(trace: TokenTrace) -> bool:
     return any(c.shifts for c in trace.candidates)
 
 
-def columns(trace: TokenTrace) -> tuple[str, ...]:
+def columns(trace: TokenTrace, density: Density = FULL) -> tuple[str, ...]:
     """The table's headers; the stage columns are named as ``Sampler.describe()`` prints them (the last one is the
-    distribution sampled from)."""
-    return ("", "#", "token", "logit", *(("penalty",) if has_shifts(trace) else ()), *trace.stages, "cut by")
+    distribution sampled from), or short at a narrow ``density``."""
+    return ("", "#", "token", "logit", *(("penalty",) if has_shifts(trace) else ()),
+            *(density.label(s) for s in trace.stages), "cut by")
+
+
+def table_width(trace: TokenTrace, density: Density, padding: int = 1) -> int:
+    """The cells the table takes at ``density``: each column as wide as its widest header or cell, plus
+    ``padding`` cells on each side (a DataTable's ``cell_padding``)."""
+    shifts = has_shifts(trace)
+    table = [columns(trace, density), *(r.cells(shifts=shifts, density=density) for r in rows(trace))]
+    return sum(max(cell_len(row[i]) for row in table) + 2 * padding for i in range(len(table[0])))
+
+
+def fit(traces: Sequence[TokenTrace], width: int, padding: int = 1) -> Density:
+    """The widest density at which every one of ``traces`` fits ``width`` cells (the narrowest when none does):
+    tables shown side by side or one over the other are laid out alike, so they read alike."""
+    return next((d for d in DENSITIES if all(table_width(t, d, padding) <= width for t in traces)), DENSITIES[-1])
 
 
 def rows(trace: TokenTrace) -> list[InspectorRow]:

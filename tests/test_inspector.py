@@ -101,6 +101,33 @@ def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
     assert len(inspector.rows(plain)[0].cells(shifts=False)) == len(inspector.columns(plain))
 
 
+def test_short_stage_names():
+    assert [inspector.short_stage(s) for s in STAGES] == ["proc", "TopK 3", "TopP 0.5", "Temp 0.7"]
+    assert inspector.short_stage("XTC(0.1, 0.5)") == "XTC 0.1,0.5"
+    assert inspector.short_stage("TypicalP(0.9)") == "Typ 0.9"
+
+
+def test_the_table_fits_the_width_it_is_given():
+    """Full stage names and bars when they fit; short names, shorter bars, then none as the panel narrows (issue
+    27: at 100 columns "Temperatu…" and "cut by" were cut). The chosen layout fits, and the wider ones do not."""
+    trace = make_trace(3)
+    widths = [inspector.table_width(trace, d) for d in inspector.DENSITIES]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == len(widths)
+    for width in range(40, 120):
+        density = inspector.fit([trace], width)
+        i = inspector.DENSITIES.index(density)
+        assert inspector.table_width(trace, density) <= width or density == inspector.DENSITIES[-1]
+        assert all(inspector.table_width(trace, d) > width for d in inspector.DENSITIES[:i])
+    # Two tables shown together take the layout the wider one fits: here the one with a penalty column.
+    plain = TokenTrace([dataclasses.replace(c, shifts={}) for c in trace.candidates], 1.0, 0.0, 3, STAGES)
+    width = inspector.table_width(trace, inspector.FULL) - 1
+    assert inspector.fit([plain], width) == inspector.FULL and inspector.fit([plain, trace], width) != inspector.FULL
+    short = inspector.DENSITIES[-1]
+    assert inspector.columns(trace, short)[-4:] == ("TopK 3", "TopP 0.5", "Temp 0.7", "cut by")
+    cells = inspector.rows(trace)[1].cells(density=short)
+    assert cells[5] == " 25.0%" and cells[-1] == "TopP 0.5"  # no bar; the stage that cut it, short
+
+
 def test_bars_and_percentages():
     assert inspector.bar(1.0) == "█" * inspector.BAR_WIDTH
     assert inspector.bar(0.0) == " " * inspector.BAR_WIDTH

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input
 
+from mlxchat.app import inspector as inspector_logic
 from mlxchat.app.app import make_app
 from mlxchat.app.conversation import Refused
 from mlxchat.app.screens import ReplayScreen
@@ -53,7 +54,8 @@ async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, r
         assert inspector.index == 1 and inspector.trace is result.traces[1]
         assert inspector.table.row_count == len(result.traces[1].candidates)
         headers = [str(c.label) for c in inspector.table.columns.values()]
-        assert "TopK(5)" in headers and "TopP(0.9)" in headers and headers[-2].startswith("Temperature(0.7)")
+        # Beside the sidebar at 120 columns the full names do not fit: short ones, the whole chain in the summary.
+        assert headers[-4:] == ["TopK 5", "TopP 0.9", "Temp 0.7", "cut by"]
         summary = str(inspector.query_one(".inspector-summary").content)
         assert "seed 1" in summary and "profile seeded" in summary and "entropy" in summary
         # The inspector follows the token cursor; Esc closes it and gives the focus back to the tokens.
@@ -286,3 +288,60 @@ def test_snapshot_heat_view_light_theme(snap_compare, stored_reply_app, wait_for
         await _heat(pilot, wait_for, conversation_id)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# At 80, 100 and 160 columns (issue 27): every header of the inspector, its "cut by" column and its hint are on
+# screen whole. At 80 the sidebar (30 columns) is hidden with ctrl+b, as a user at 80 columns would: beside it the
+# chat has 48 columns and the table scrolls sideways.
+WIDTHS = [(80, 30), (100, 36), (160, 40)]
+
+
+@needs_native
+@pytest.mark.parametrize("size", WIDTHS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_snapshot_token_inspector_at_width(snap_compare, stored_reply_app, wait_for, size):
+    app, conversation_id = stored_reply_app
+
+    async def run_before(pilot) -> None:
+        await _heat(pilot, wait_for, conversation_id)
+        if size[0] < 100:
+            await pilot.press("ctrl+b")
+        await pilot.press("right", "right", "enter")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@needs_native
+@pytest.mark.parametrize("size", WIDTHS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_snapshot_replay_at_width(snap_compare, stored_reply_app, wait_for, size):
+    """F9 side by side at 160 columns, one side over the other below 140."""
+    app, conversation_id = stored_reply_app
+
+    async def run_before(pilot) -> None:
+        await _heat(pilot, wait_for, conversation_id)
+        await pilot.press("escape", "f9")
+        replay = pilot.app.screen
+        replay.query_one("#replay-change", Input).value = "top_k=3"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: replay.shown, what="the replay")
+        assert replay.has_class("-stacked") == (size[0] < 140)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.anyio
+async def test_the_inspector_lays_out_again_when_the_terminal_narrows(stored_reply_app, wait_for):
+    app, conversation_id = stored_reply_app
+    async with app.run_test(size=(160, 40)) as pilot:
+        await _heat(pilot, wait_for, conversation_id)
+        await pilot.press("right", "right", "enter", "down")
+        inspector = pilot.app.chat_screen.inspector
+        assert inspector.density == inspector_logic.FULL and inspector.table.cursor_row == 1
+        await pilot.resize_terminal(100, 36)
+        await pilot.pause()
+        headers = [str(c.label) for c in inspector.table.columns.values()]
+        assert inspector.density.short and headers[-2] == "Temp 0.7"
+        assert inspector.table.cursor_row == 1  # the same candidate stays selected
+        room = inspector.table.scrollable_content_region.width  # less its scrollbar when one shows
+        assert inspector_logic.table_width(inspector.trace, inspector.density) <= room

@@ -2,7 +2,9 @@
 heat strips, the first token where they part marked, and the inspector for that token on both sides.
 
 The logic (parsing the change, running both sides, finding where they part) is ``app/replay.py``; this screen only
-asks for the change, runs the plan on a thread (the engine's calls block) and lays out the outcome.
+asks for the change, runs the plan on a thread (the engine's calls block) and lays out the outcome: side by side from
+140 columns, one over the other below (the screen's ``-stacked`` class, app.tcss), where two tables side by side
+would each be under 70 columns.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 class ReplayScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape", "close", "Close", id="replay_close")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-stacked"), (140, "-side-by-side")]
 
     def __init__(self, engine: "Engine", source: ReplaySource, *, trace: int) -> None:
         super().__init__(classes="dialog-screen")
@@ -94,9 +97,10 @@ class ReplayScreen(ModalScreen[None]):
         traces = result.traces
         if index >= len(traces):
             return
+        other = self.results[1 if side == "a" else 0].traces
         panel = self.query_one(f"#replay-{side} TokenInspector", TokenInspector)
         panel.show(traces[index], index, seed=result.seed, profile=result.profile.get("name") or "changed",
-                   sampler=result.sampler)
+                   sampler=result.sampler, alike=tuple(other[index:index + 1]))  # both tables laid out alike
         panel.add_class("-open")
 
     @on(TokenStrip.Moved)

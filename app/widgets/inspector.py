@@ -108,7 +108,10 @@ class TokenStrip(Static, can_focus=True):
 class TokenInspector(Vertical):
     """One token's candidates x stages: raw logit, the processors' shift, the probability after the processors and
     after each transform (with bars; "cut" once removed), and the stage that cut it. With branching on, Enter on a
-    candidate asks to continue the reply from it."""
+    candidate asks to continue the reply from it.
+
+    The table is laid out for the width it has (``inspector.fit``): full stage names and bars when they fit, else
+    short names, shorter bars, then none; it is laid out again when the panel is resized."""
 
     BINDINGS = [Binding("escape", "close", "Close inspector", id="inspector_close")]
 
@@ -127,12 +130,14 @@ class TokenInspector(Vertical):
         self.branching = branching
         self.trace: TokenTrace | None = None
         self.index = 0
+        self.density: inspector.Density | None = None  # how the table is laid out now
+        self.alike: tuple[TokenTrace, ...] = ()  # traces another panel shows beside this one, laid out alike
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="inspector-summary", markup=False)
         yield DataTable(classes="inspector-table", cursor_type="row", zebra_stripes=True)
         hint = ("Enter: continue from this candidate · " if self.branching else "") + \
-            "Esc: close · the last stage is what it was drawn from"
+            "Esc: close · the last stage is what it was drawn from"  # wraps in a narrow panel (app.tcss)
         yield Static(hint, classes="inspector-hint", markup=False)
 
     @property
@@ -140,17 +145,39 @@ class TokenInspector(Vertical):
         return self.query_one(DataTable)
 
     def show(self, trace: TokenTrace, index: int, *, seed: int | None, profile: str | None,
-             sampler: str | None) -> None:
-        """Show token ``index`` of a reply, drawn with ``seed`` under ``profile`` (its chain printed as ``sampler``)."""
-        self.trace, self.index = trace, index
+             sampler: str | None, alike: tuple[TokenTrace, ...] = ()) -> None:
+        """Show token ``index`` of a reply, drawn with ``seed`` under ``profile`` (its chain printed as ``sampler``);
+        ``alike``: the traces other panels show beside it (the other side of a replay), whose tables must fit the
+        same layout."""
+        self.trace, self.index, self.alike = trace, index, alike
         self.query_one(".inspector-summary", Static).update(
             inspector.summary(trace, index=index, seed=seed, profile=profile, sampler=sampler))
+        self._fill(trace, self._density(trace))
+
+    def _density(self, trace: TokenTrace) -> inspector.Density:
+        """The widest layout that fits the panel; the full one while the panel has no width (hidden)."""
+        width = self.content_region.width
+        if not width:
+            return inspector.FULL
+        table = self.table
+        if len(trace.candidates) + 1 > table.size.height:  # the rows and header overflow: room for its scrollbar
+            width -= table.styles.scrollbar_size_vertical
+        return inspector.fit((trace, *self.alike), width, table.cell_padding)
+
+    def _fill(self, trace: TokenTrace, density: inspector.Density, *, row: int = 0) -> None:
         table = self.table
         table.clear(columns=True)
-        table.add_columns(*inspector.columns(trace))
+        table.add_columns(*inspector.columns(trace, density))
         shifts = inspector.has_shifts(trace)
-        for row in inspector.rows(trace):
-            table.add_row(*row.cells(shifts=shifts), key=str(row.token_id))
+        for candidate in inspector.rows(trace):
+            table.add_row(*candidate.cells(shifts=shifts, density=density), key=str(candidate.token_id))
+        if row:
+            table.move_cursor(row=min(row, table.row_count - 1))
+        self.density = density
+
+    def on_resize(self) -> None:
+        if self.trace is not None and (density := self._density(self.trace)) != self.density:
+            self._fill(self.trace, density, row=self.table.cursor_row)  # the same candidate stays selected
 
     def action_close(self) -> None:
         self.post_message(self.Closed(self))
