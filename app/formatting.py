@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rich.cells import cell_len
+
 FINISH = {"stop": "stop: end of reply", "length": "stop: max tokens", "cancelled": "stopped by you"}
+FIELD_SEP = " · "  # between the fields of a stats line; a long line wraps only here (wrap_fields)
 DONE = {"stop": "✓ done", "length": "✓ max tokens", "cancelled": "■ stopped"}
 
 
@@ -96,14 +99,32 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
         parts.append(FINISH.get(finish_reason, f"stop: {finish_reason}"))
     prompt, cached = _get(m, "prompt_tokens"), _get(m, "cached_tokens")
     prefill = f"prompt {prompt} tok"
-    if cached:
-        prefill += f" ({cached} cached)"
-    if rate := prefill_rate(m):
-        prefill += f" at {rate:.0f} tok/s"
+    if prompt - cached == 1:  # a rate over one token's prefill is noise, not a speed
+        prefill += f" ({cached} cached, 1 new token)" if cached else " (1 new token)"
+    else:
+        if cached:
+            prefill += f" ({cached} cached)"
+        if rate := prefill_rate(m):
+            prefill += f" at {rate:.0f} tok/s"
     parts += [prefill, context(m), f"peak {fmt_bytes(_get(m, 'peak_memory_bytes'))}"]
     if profile_name:
         parts.append(f"profile {profile_name}")
-    return " · ".join(parts)
+    return FIELD_SEP.join(parts)
+
+
+def wrap_fields(line: str, width: int) -> list[str]:
+    """``line``'s fields (joined by " · ") packed into rows of at most ``width`` cells, breaking only between
+    fields, so that a value never parts from its unit ("118 / MiB"). A field wider than a row gets a row of its
+    own (and wraps there)."""
+    if width <= 0:  # not laid out yet
+        return [line]
+    rows: list[str] = []
+    for field in line.split(FIELD_SEP):
+        if rows and cell_len(rows[-1] + FIELD_SEP + field) <= width:
+            rows[-1] += FIELD_SEP + field
+        else:
+            rows.append(field)
+    return rows
 
 
 def profile_summary(p: Any) -> str:

@@ -371,6 +371,52 @@ async def test_a_new_or_another_chat_starts_with_a_clean_stats_line(new_app, wai
 
 
 @pytest.mark.anyio
+async def test_the_title_bar_names_the_chat_once_its_first_message_is_sent(new_app, ready, reply):
+    """Issue 27 item 6: the header kept "new chat" after the first message."""
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        assert screen.sub_title == "new chat"
+        await reply(pilot, "Hi there")
+        assert screen.sub_title == "Hi there" == screen.controller.record.title
+
+
+@pytest.mark.anyio
+async def test_tab_goes_sidebar_to_input_and_enter_opens_the_first_chat(tmp_path, new_app, ready, wait_for):
+    """Issue 27 item 8: Enter in the sidebar did nothing until Down was pressed; Tab stopped at every message."""
+    store = Store(tmp_path / "data" / "conversations.db")
+    saved = store.create_conversation("saved chat")
+    for i in range(3):
+        store.add_message(saved.id, ChatMessage("user", f"question {i}"))
+        store.add_message(saved.id, ChatMessage("assistant", f"answer {i}", finish_reason="stop"))
+    store.close()
+    app = new_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        listed = screen.query_one(ConversationList)
+        for _ in range(4):  # back from the input to the sidebar, whatever lies between
+            await pilot.press("shift+tab")
+            if listed.has_focus:
+                break
+        assert listed.has_focus and listed.highlighted == 0
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.controller.record is not None, what="the chat to open")
+        assert screen.controller.record.id == saved.id and len(screen.transcript.messages) == 6
+        listed.focus()
+        seen = []
+        for _ in range(4):
+            await pilot.press("tab")
+            seen.append(app.focused)
+            if screen.input.has_focus:
+                break
+        assert screen.input.has_focus and not any(isinstance(w, MessageView) for w in seen), seen
+        # A message clicked (focused) still copies, and Tab goes on from it.
+        screen.transcript.messages[1].focus()
+        await pilot.press("tab")
+        assert not isinstance(app.focused, MessageView)
+
+
+@pytest.mark.anyio
 async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_app, wait_for, send, reply):
     """Issue 12 item 4: ctrl+q mid-reply lost the reply; it is saved as far as it got, marked stopped."""
     app = new_app(max_tokens=400)

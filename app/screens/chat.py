@@ -16,8 +16,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
+from textual.widget import Widget
 from textual.widgets import Footer, Header
 
+from .. import clipboard
 from ..conversation import ChatController, Refused, Reply
 from ..engine_worker import EngineWorker
 from ..formatting import profile_summary
@@ -79,6 +81,12 @@ class ChatScreen(Screen):
                 yield ChatInput(id="input", history=self.app.store.recent_user_messages())
         yield StatsBar(id="stats")
         yield Footer()
+
+    @property
+    def focus_chain(self) -> list[Widget]:
+        """Tab and shift+Tab go between the sidebar, the input and the panels, not through every message: a message
+        takes the focus by a click (to copy it), and Tab goes on from there."""
+        return [w for w in super().focus_chain if not isinstance(w, MessageView) or w.has_focus]
 
     @property
     def transcript(self) -> Transcript:
@@ -145,8 +153,12 @@ class ChatScreen(Screen):
         self.query_one(ConversationList).show(self.controller.conversations(),
                                               self.controller.record.id if self.controller.record else None)
 
-    def _show_chat_header(self) -> None:
+    def show_title(self) -> None:
+        """The chat's title in the header ("new chat" until its first message names it)."""
         self.sub_title = self.controller.title
+
+    def _show_chat_header(self) -> None:
+        self.show_title()
         self.stats.show_profile(self.controller.profile.name or "custom")
 
     def show_ready(self) -> None:
@@ -236,6 +248,7 @@ class ChatScreen(Screen):
         self.input.clear()
         self.input.remember(text)
         await self.started(reply)
+        self.show_title()  # the first message names the chat
         self.refresh_sidebar()
         return True
 
@@ -406,8 +419,8 @@ class ChatScreen(Screen):
         """F8: the last code block of the chat (of the last message that has one)."""
         for view in reversed(self.transcript.messages):
             if blocks := view.code_blocks():
-                self.app.copy_to_clipboard(blocks[-1])
-                self.notify(f"Copied the last code block ({len(blocks[-1].splitlines())} lines)")
+                how = clipboard.copy(self.app, blocks[-1])
+                self.notify(f"Copied the last code block ({len(blocks[-1].splitlines())} lines) {how}")
                 return
         self.notify("No code block in this chat", severity="warning")
 

@@ -56,7 +56,7 @@ class ChatDialogs:
         def done(title: str | None) -> None:
             if title:
                 screen.controller.rename(conversation.id, title)
-                screen.sub_title = screen.controller.title
+                screen.show_title()
                 screen.refresh_sidebar()
 
         screen.app.push_screen(TextPrompt("Rename the conversation", conversation.title, accept="Rename"), done)

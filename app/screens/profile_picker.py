@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
@@ -113,10 +113,11 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
                 yield OptionList(id="profile-list")
                 with VerticalScroll(id="profile-form"):
                     yield Static("", id="profile-description", markup=False)
-                    with Grid(id="profile-fields"):
+                    with Vertical(id="profile-fields"):
                         for name, hint in FIELDS:
-                            yield Static(name, classes="field-label")
-                            yield Input(id=f"field-{name}", placeholder=hint, compact=True)
+                            with Horizontal(classes="field-row"):
+                                yield Static(name, classes="field-label")
+                                yield Input(id=f"field-{name}", placeholder=hint, compact=True)
                             yield Static("", id=f"error-{name}", classes="field-error", markup=False)
                     yield Static("", id="profile-chain", markup=False)
                     yield Static("", id="profile-warnings", markup=False)
@@ -157,8 +158,6 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
         self.base = profile
         for name, _ in FIELDS:
             self.query_one(f"#field-{name}", Input).value = field_text(profile, name)
-        self.query_one("#profile-description", Static).update(
-            f"{profile.name or 'custom'}: {profile.description}" if profile.description else (profile.name or "custom"))
         self.validate_form()
 
     def form_values(self) -> dict[str, Any]:
@@ -189,18 +188,30 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
         for name, _ in FIELDS:
             error = self.query_one(f"#error-{name}", Static)
             error.update(self.errors.get(name, ""))
-            error.set_class(name in self.errors, "-shown")
             self.query_one(f"#field-{name}", Input).set_class(name in self.errors, "-invalid")
         if profile is not None and profile.model_dump() != self.base.model_dump():
             profile = SamplingProfile.model_validate({**profile.model_dump(), "name": self._edited_name(),
                                                       "description": self._edited_description()})
         self.edited = profile
+        self._show_description(profile)
         self.query_one("#profile-chain", Static).update(
             f"chain: {profile.describe_chain()}" if profile else "\n".join(general) or "fix the fields marked above")
         warnings = profile.warnings() if profile else []
         self.query_one("#profile-warnings", Static).update("\n".join(f"⚠ {w}" for w in warnings))
         self.query_one("#profile-use", Button).disabled = profile is None
         return profile
+
+    def _show_description(self, profile: SamplingProfile | None) -> None:
+        """The profile the form holds: the one loaded, or once a field differs from it, the edited one (a preset's
+        description would describe values no longer there)."""
+        if profile is None:  # a field does not parse: the values are neither the loaded profile's nor a new one
+            edited = any(self.form_values()[name] != field_text(self.base, name) for name, _ in FIELDS)
+            name, description = ((self._edited_name(), self._edited_description()) if edited
+                                 else (self.base.name, self.base.description))
+        else:
+            name, description = profile.name, profile.description
+        name = name or "custom"
+        self.query_one("#profile-description", Static).update(f"{name}: {description}" if description else name)
 
     def _edited_description(self) -> str:
         # A preset's description describes the preset's values, not these: say where they came from instead.

@@ -47,6 +47,12 @@ class ConversationList(OptionList):
         if current is not None:
             self.select(current)
 
+    def on_focus(self) -> None:
+        # Enter opens the highlighted chat: with none highlighted (a new chat is not listed yet) it did nothing
+        # until an arrow key was pressed.
+        if self.highlighted is None and self.option_count:
+            self.highlighted = 0
+
     def select(self, conversation_id: int | None) -> None:
         if conversation_id is None:
             self.highlighted = None

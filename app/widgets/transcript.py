@@ -10,12 +10,16 @@ from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
+from textual.geometry import Size
 from textual.message import Message
 from textual.widgets import Button, Markdown, Static
 from textual.visual import VisualType, visualize
+from textual.widget import Widget
 from textual.widgets.markdown import MarkdownFence
 
-from .. import inspector
+from .. import clipboard, inspector
+from ..formatting import wrap_fields
 from ..textual_compat import MarkdownParagraph, OneLayout
 from .inspector import TokenStrip
 
@@ -71,6 +75,30 @@ class ReplyMarkdown(OneLayout, Markdown):
     BLOCKS = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
 
 
+class FieldsLine(Widget):
+    """A reply's stats line: its fields (value and unit, e.g. "118 MiB") wrap as wholes, never mid-field, which
+    Textual's word wrap would do at any space."""
+
+    DEFAULT_CSS = "FieldsLine { height: auto; }"
+
+    def __init__(self, text: str = "", *, classes: str | None = None) -> None:
+        super().__init__(classes=classes)
+        self.text = text
+
+    def update(self, text: str) -> None:
+        self.text = text
+        self.refresh(layout=True)
+
+    def _content(self, width: int) -> Content:
+        return Content("\n".join(wrap_fields(self.text, width)))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return self._content(width).get_height(self.styles, width)
+
+    def render(self) -> Content:
+        return self._content(self.content_size.width)
+
+
 class MessageView(OneLayout, Vertical, can_focus=True):
     """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
     ``< 1/2 >`` and [ / ] switch between them."""
@@ -110,7 +138,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
             yield Static(self.text, classes="body", markup=False)
-        yield Static(self.stats, classes="stats", markup=False)
+        yield FieldsLine(self.stats, classes="stats")
 
     @property
     def streaming(self) -> bool:
@@ -193,7 +221,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
     def set_stats(self, stats: str) -> None:
         if stats != self.stats:
             self.stats = stats
-            self.query_one(".stats", Static).update(stats)
+            self.query_one(".stats", FieldsLine).update(stats)
 
     # --- copying -------------------------------------------------------------------------------------------------
 
@@ -201,8 +229,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         return [f.code for f in self.query(MarkdownFence)]
 
     def action_copy_message(self) -> None:
-        self.app.copy_to_clipboard(self.text)
-        self.app.notify(f"Copied the message ({len(self.text)} characters)")
+        how = clipboard.copy(self.app, self.text)
+        self.app.notify(f"Copied the message ({len(self.text)} characters) {how}")
 
     def action_copy_code(self) -> None:
         blocks = self.code_blocks()
@@ -211,8 +239,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             return
         i = self._code_index % len(blocks)
         self._code_index += 1
-        self.app.copy_to_clipboard(blocks[i])
-        self.app.notify(f"Copied code block {i + 1}/{len(blocks)}")
+        how = clipboard.copy(self.app, blocks[i])
+        self.app.notify(f"Copied code block {i + 1}/{len(blocks)} {how}")
 
     @on(events.Click)
     def _click_code(self, event: events.Click) -> None:
@@ -220,8 +248,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         node = event.widget
         while node is not None and node is not self:
             if isinstance(node, MarkdownFence):
-                self.app.copy_to_clipboard(node.code)
-                self.app.notify("Copied the code block")
+                self.app.notify(f"Copied the code block {clipboard.copy(self.app, node.code)}")
                 return
             node = node.parent
 
