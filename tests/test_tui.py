@@ -29,6 +29,9 @@ MAX_TOKENS = 12
 # Pilot types a message a key at a time and waits for the app to go idle after each (~0.1 s a key on two cores):
 # the messages are short.
 LONG_REPLY = "Tell me a long story"  # asks for a reply that streams on long enough to be stopped
+# The chat preset cannot end that reply before 300 tokens: with a random seed, a story sometimes ended on its own
+# before a loaded machine delivered the key that was to stop it (finish reason "stop", not "cancelled").
+UNSTOPPABLE = SamplingProfile.preset("chat").model_copy(update={"min_tokens": 300})
 SIZE = (110, 32)
 
 
@@ -88,6 +91,7 @@ async def test_escape_stops_the_reply(engine, new_app, wait_for, send, reply):
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        screen.set_profile(UNSTOPPABLE)
         await send(pilot, LONG_REPLY)
         await wait_for(pilot, lambda: screen.stats.metrics is not None and screen.stats.metrics.completion_tokens >= 2,
                        what="the first tokens")
@@ -423,6 +427,7 @@ async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_
     async with app.run_test(size=SIZE) as pilot:
         screen = app.chat_screen
         await wait_for(pilot, lambda: screen.controller.session is not None, what="the engine")
+        screen.set_profile(UNSTOPPABLE)
         await send(pilot, LONG_REPLY)
         await wait_for(pilot, lambda: screen.controller.reply is not None and screen.controller.reply.tokens >= 3,
                        what="the first tokens")
