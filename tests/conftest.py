@@ -40,6 +40,26 @@ def greedy() -> SamplingProfile:
     return SamplingProfile(temperature=0)
 
 
+@pytest.fixture()
+def profile_app() -> Callable[..., Any]:
+    """``profile_app(store)``: a bare app that shows F2's profile picker over ``store``, the chat preset open."""
+    from textual.app import App
+
+    from mlxchat.app.screens import ProfilePicker
+
+    class ProfileApp(App):
+        CSS_PATH = "../app/app.tcss"
+
+        def __init__(self, store: Any) -> None:
+            super().__init__()
+            self.store = store
+
+        def on_mount(self) -> None:
+            self.push_screen(ProfilePicker(self.store, SamplingProfile.preset("chat")))
+
+    return ProfileApp
+
+
 # --- a real server ----------------------------------------------------------------------------------------------
 
 @pytest.fixture()

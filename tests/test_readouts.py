@@ -12,7 +12,6 @@ from textual.widgets import Input, Static
 
 from mlxchat.app import clipboard
 from mlxchat.app.formatting import stats_line, wrap_fields
-from mlxchat.app.screens import ProfilePicker
 from mlxchat.app.widgets import MessageView
 from mlxchat.core.profile import ProfileStore, SamplingProfile
 
@@ -61,20 +60,9 @@ async def test_the_saved_stats_line_keeps_each_value_with_its_unit():
         assert any(row.endswith("peak 118 MiB") or "peak 118 MiB ·" in row for row in shown)
 
 
-class ProfileApp(App):
-    CSS_PATH = "../app/app.tcss"
-
-    def __init__(self, store: ProfileStore) -> None:
-        super().__init__()
-        self.store = store
-
-    def on_mount(self) -> None:
-        self.push_screen(ProfilePicker(self.store, SamplingProfile.preset("chat")))
-
-
 @pytest.mark.anyio
-async def test_the_profile_form_stays_put_when_an_error_shows(tmp_path: Path):
-    app = ProfileApp(ProfileStore(tmp_path / "profiles"))
+async def test_the_profile_form_stays_put_when_an_error_shows(tmp_path: Path, profile_app):
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
     async with app.run_test(size=(180, 50)) as pilot:  # wide enough for the error on one row
         picker = app.screen
         await pilot.pause()
@@ -86,8 +74,8 @@ async def test_the_profile_form_stays_put_when_an_error_shows(tmp_path: Path):
 
 
 @pytest.mark.anyio
-async def test_the_profile_description_follows_the_edits(tmp_path: Path):
-    app = ProfileApp(ProfileStore(tmp_path / "profiles"))
+async def test_the_profile_description_follows_the_edits(tmp_path: Path, profile_app):
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
     preset = SamplingProfile.preset("chat")
     async with app.run_test(size=(120, 50)) as pilot:
         picker = app.screen

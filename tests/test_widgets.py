@@ -11,7 +11,7 @@ from textual.widgets import Input, Markdown
 
 from mlxchat.app.formatting import fmt_bytes, live_readouts, stats_line
 from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
-from mlxchat.app.screens import ModelPicker, ProfilePicker
+from mlxchat.app.screens import ModelPicker
 from mlxchat.app.widgets import ChatInput, StatsBar
 from mlxchat.core.events import Metrics
 from mlxchat.core.profile import ProfileStore, SamplingProfile
@@ -192,20 +192,9 @@ async def test_a_pull_that_cannot_reach_the_hub_is_one_line(tmp_path: Path, monk
 
 # --- the profile dialog (items 14 and 16) --------------------------------------------------------------------------
 
-class ProfileApp(App):
-    CSS_PATH = "../app/app.tcss"
-
-    def __init__(self, store: ProfileStore) -> None:
-        super().__init__()
-        self.store = store
-
-    def on_mount(self) -> None:
-        self.push_screen(ProfilePicker(self.store, SamplingProfile.preset("chat")))
-
-
 @pytest.mark.anyio
-async def test_the_profile_dialog_shows_every_error_at_once_wrapped_whole(tmp_path: Path):
-    app = ProfileApp(ProfileStore(tmp_path / "profiles"))
+async def test_the_profile_dialog_shows_every_error_at_once_wrapped_whole(tmp_path: Path, profile_app):
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
     async with app.run_test(size=(90, 50)) as pilot:
         picker = app.screen
         picker.query_one("#field-temperature", Input).value = "abc"
@@ -223,9 +212,9 @@ async def test_the_profile_dialog_shows_every_error_at_once_wrapped_whole(tmp_pa
 
 
 @pytest.mark.anyio
-async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_path: Path):
+async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_path: Path, profile_app):
     store = ProfileStore(tmp_path / "profiles")
-    app = ProfileApp(store)
+    app = profile_app(store)
     async with app.run_test(size=(90, 50)) as pilot:
         picker = app.screen
         picker.query_one("#field-temperature", Input).value = "0.3"
@@ -241,11 +230,11 @@ async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_
 
 
 @pytest.mark.anyio
-async def test_a_preset_name_is_refused_in_the_form_and_a_free_one_proposed(tmp_path: Path):
+async def test_a_preset_name_is_refused_in_the_form_and_a_free_one_proposed(tmp_path: Path, profile_app):
     """F2, edit `precise`, ctrl+s: the proposed name is not "precise" (a saved "precise" would sit in the list
     beside the preset and `--profile precise` would never use it); typing it anyway is refused in one line."""
     store = ProfileStore(tmp_path / "profiles")
-    app = ProfileApp(store)
+    app = profile_app(store)
     async with app.run_test(size=(90, 50)) as pilot:
         picker = app.screen
         picker.load_form(SamplingProfile.preset("precise"))
