@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MlxChatError
-from .loader import HUB_PATTERNS, _looks_like_repo_id
+from .loader import HUB_PATTERNS, looks_like_repo_id
 
 
 class HubError(MlxChatError):
@@ -89,7 +89,7 @@ def pull(repo_id: str, *, cache_dir: str | Path | None = None,
 
     # The hub also takes a bare NAME (its legacy models), so "something" went to the network and came back as
     # "cannot be reached"; mlxchat loads repo ids only as ORG/NAME, so say that instead.
-    if not _looks_like_repo_id(repo_id):
+    if not looks_like_repo_id(repo_id):
         raise _not_a_repo_id(repo_id)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, cache_dir=_cache_dir(cache_dir),

@@ -101,14 +101,14 @@ def load(spec: str | Path | None = None, weights: WeightPolicy | None = None,
     path = Path(spec).expanduser()
     if path.is_dir():
         return load_folder(path, policy, stage=stage)
-    if path.exists() or path.suffix.lower() == ".gguf" or not _looks_like_repo_id(str(spec)):
+    if path.exists() or path.suffix.lower() == ".gguf" or not looks_like_repo_id(str(spec)):
         if not path.exists():
             raise ModelLoadError(path, "no such file or folder")
         return load_gguf(path, policy, stage)
     return load_folder(download(str(spec)), policy, name=str(spec), stage=stage)
 
 
-def _looks_like_repo_id(spec: str) -> bool:
+def looks_like_repo_id(spec: str) -> bool:
     return re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith((".", "/"))
 
 
