@@ -29,9 +29,9 @@ from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
 
-from . import protocol
+from . import ollama, protocol
 from .protocol import ApiError
-from .service import Choice, Service
+from .service import Choice, ErrorShape, Service
 
 log = logging.getLogger("mlxchat.server")
 
@@ -204,11 +204,16 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         err = ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return JSONResponse(err.body(), exc.status_code)
+        return JSONResponse(error_shape(request.url.path)(err), exc.status_code)
 
     async def server_error(request: HttpRequest, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return JSONResponse(ApiError(500, "internal server error", kind="server_error").body(), 500)
+        err = ApiError(500, "internal server error", kind="server_error")
+        return JSONResponse(error_shape(request.url.path)(err), 500)
+
+    def error_shape(path: str) -> ErrorShape:
+        """An error outside a route's handler answers in the shape of the API its path belongs to."""
+        return ollama.error_body if path.startswith("/api/") else ApiError.body
 
     middleware = []
     if config.cors_origins:
@@ -222,6 +227,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         Route("/v1/models/{model_id:path}", endpoint(model), methods=["GET"]),
         # Liveness probes carry no key: /health says only that the server is up and how busy it is.
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        *ollama.routes(service),
     ]
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: http_error, Exception: server_error})
