@@ -29,7 +29,7 @@ from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
 
-from . import ollama, protocol
+from . import anthropic, ollama, protocol
 from .protocol import ApiError
 from .service import Choice, ErrorShape, Service
 
@@ -213,13 +213,15 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     def error_shape(path: str) -> ErrorShape:
         """An error outside a route's handler answers in the shape of the API its path belongs to."""
+        if path.startswith("/v1/messages"):
+            return anthropic.error_body
         return ollama.error_body if path.startswith("/api/") else ApiError.body
 
     middleware = []
     if config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "x-api-key"]))
     routes = [
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
@@ -228,6 +230,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         # Liveness probes carry no key: /health says only that the server is up and how busy it is.
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         *ollama.routes(service),
+        *anthropic.routes(service),
     ]
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -4,16 +4,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import anthropic
 import httpx
 import ollama
 import pytest
 
 from mlxchat.core import SamplingProfile
+from mlxchat.core.loader import EMBEDDED_FILE
+from mlxchat.server import anthropic as messages_api
 from mlxchat.server.ollama import parse_options, response_format
 from mlxchat.server.protocol import ApiError
 
 KEY = "apis-key-7"
+MODEL = Path(EMBEDDED_FILE).stem  # the name the server serves the embedded model under
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,7 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     client = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"})
     [card] = client.list().models
     name = card.model
-    assert card.size > 0 and card.details.family == "llama"
+    assert name == MODEL and card.size > 0 and card.details.family == "llama"
     info = client.show(name)
     assert info.capabilities == ["completion"] and info.modelinfo["llama.context_length"] >= 2048
 
@@ -97,3 +103,72 @@ def test_ollama_format_maps_to_openai_response_format() -> None:
     assert response_format(None) is response_format("") is None
     with pytest.raises(ApiError, match="format must be"):
         response_format("yaml")
+
+
+def test_anthropic_sdk_creates_streams_stops_and_counts(url: str) -> None:
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)  # the SDK sends the key as x-api-key
+    question = "Name a colour."
+    whole = client.messages.create(model=MODEL, max_tokens=4, system="Be brief.", extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": question}])
+    with client.messages.stream(model=MODEL, max_tokens=4, system=[{"type": "text", "text": "Be brief."}],
+                                messages=[{"role": "user", "content": [{"type": "text", "text": question}]}],
+                                extra_body=GREEDY) as stream:
+        deltas = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(deltas) >= 2 and "".join(deltas) == final.content[0].text == whole.content[0].text
+    assert whole.stop_reason == final.stop_reason == "max_tokens" and whole.stop_sequence is None
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.",
+                                           messages=[{"role": "user", "content": question}]).input_tokens
+    for usage in (whole.usage, final.usage):  # the second prompt was mostly read from the prefix cache
+        assert usage.output_tokens == 4 and usage.input_tokens + usage.cache_read_input_tokens == counted > 5
+    assert final.usage.cache_read_input_tokens > 0
+
+    counting = client.messages.create(model=MODEL, max_tokens=20, extra_body=GREEDY, stop_sequences=["Three"],
+                                      messages=[{"role": "user", "content": "Count: one, two, three, four"}])
+    assert counting.stop_reason == "stop_sequence" and counting.stop_sequence == "Three"
+    assert "Two" in counting.content[0].text and "Three" not in counting.content[0].text
+
+    # The documented event sequence, on the wire.
+    with httpx.stream("POST", f"{url}/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                      json={"model": MODEL, "max_tokens": 3, "stream": True, **GREEDY,
+                            "messages": [{"role": "user", "content": "Hi"}]}) as r:
+        kinds = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    deltas = kinds.count("content_block_delta")
+    assert deltas >= 1 and kinds == ["message_start", "content_block_start", "ping", *["content_block_delta"] * deltas,
+                                     "content_block_stop", "message_delta", "message_stop"]
+
+    # Errors in Anthropic's shape, which the SDK turns into its exception classes.
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(anthropic.BadRequestError, match="tools need constrained decoding"):
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                               tools=[{"name": "clock", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    r = httpx.post(f"{url}/v1/messages", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                                            "message": "max_tokens: field required"}}
+
+
+def test_anthropic_requests_map_onto_the_profile() -> None:
+    base = SamplingProfile(temperature=0.7, min_p=0.1)
+    req = messages_api.parse({"model": "m", "max_tokens": 9, "temperature": 0.2, "top_p": 0.8, "top_k": 5,
+                              "stop_sequences": ["END"], "metadata": {"user_id": "u"}, "system": "Sys.",
+                              "messages": [{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": [{"type": "text", "text": "Hel"}]}]},
+                             served="m", base=base)
+    p = req.profile
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.stop, p.max_tokens) == (0.2, 0.8, 5, 0.1, ["END"], 9)
+    assert req.messages == [{"role": "system", "content": "Sys."}, {"role": "user", "content": "Hi"}]
+    assert req.prefill == "Hel"  # a last assistant turn is continued
+    for body, message in (({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content[0]"),
+                          ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+                          ({"messages": [{"role": "user", "content": "Hi"}], "temperature": 3}, "temperature"),
+                          ({"messages": [{"role": "user", "content": "Hi"}], "top_n": 3}, "top_n: unrecognized"),
+                          ({"messages": [{"role": "user", "content": "Hi"}], "thinking": {"type": "enabled"}},
+                           "thinking is not supported")):
+        with pytest.raises(ApiError) as e:
+            messages_api.parse({"model": "m", "max_tokens": 9, **body}, served="m", base=base)
+        assert e.value.message.startswith(message) and e.value.status == 400
