@@ -182,6 +182,8 @@ def _refuse(req: _Common, **fields: Any) -> None:
     if req.logprobs or req.top_logprobs:
         raise ApiError(400, "logprobs are not supported on /api routes; use /v1/chat/completions for them")
     for name, value in fields.items():
+        if value and name == "tools":
+            raise ApiError(400, "tools need constrained decoding, which this server does not have yet; leave tools out")
         if value:
             raise ApiError(400, f"{name} is not supported by this server; leave it out")
 

@@ -64,9 +64,13 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=name, messages=[{"role": "user", "content": "Hi"}], format="json")
     assert e.value.status_code == 400 and e.value.error.startswith("format needs constrained decoding")
+    with pytest.raises(ollama.ResponseError, match="tools need constrained decoding"):
+        client.chat(model=name, messages=[{"role": "user", "content": "Hi"}],
+                    tools=[{"type": "function", "function": {"name": "clock"}}])
     with pytest.raises(ollama.ResponseError) as e:
         ollama.Client(host=url).list()
     assert e.value.status_code == 401 and "API key" in e.value.error
+    assert httpx.post(f"{url}/api/pull", timeout=10).json() == {"error": "no route /api/pull"}
 
 
 def test_ollama_options_map_onto_the_profile() -> None:
