@@ -38,7 +38,7 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     # Streamed chat and a plain generate of the same user message run the same prompt: the same greedy text.
     options = {"temperature": 0, "num_predict": 6}
     parts = list(client.chat(model=f"{name}:latest", messages=[{"role": "user", "content": "Name a colour."}],
-                             options=options, stream=True))
+                             options=options, stream=True, keep_alive="5m", think=False))
     whole = client.generate(model=name, prompt="Name a colour.", options=options)
     *deltas, last = parts
     assert len(deltas) >= 2 and not any(p.done for p in deltas) and last.done and last.message.content == ""
@@ -46,6 +46,8 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     assert last.done_reason == whole.done_reason == "length" and last.eval_count == whole.eval_count == 6
     assert last.prompt_eval_count > 5 and 0 < last.prompt_eval_duration < last.total_duration
     assert 0 < last.eval_duration < last.total_duration
+
+    assert client.chat(model=name, messages=[]).done_reason == "load"  # Ollama's "load the model" request
 
     stopped = client.generate(model=name, prompt="The capital of France is", raw=True,
                               options={"temperature": 0, "num_predict": 8, "stop": ["."]})
