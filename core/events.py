@@ -85,6 +85,7 @@ class GenerationResult:
     seed: int | None = None
     profile: dict = field(default_factory=dict)
     traces: tuple[TokenTrace, ...] = ()  # with trace=K: one per token id, aligned with token_ids
+    stop_sequence: str | None = None  # the stop string that ended the reply, when one did
 
 
 @dataclass(frozen=True)

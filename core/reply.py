@@ -183,7 +183,8 @@ class Reply:
         traces = tuple(self._traces) if len(self._traces) == len(self._ids) else ()
         result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self._ids), tuple(self._logprobs),
                                   self._sampler.describe(), self._sampler.seed,
-                                  self._request.profile.model_dump(mode="json"), traces)
+                                  self._request.profile.model_dump(mode="json"), traces,
+                                  stop_sequence=self._stops.matched)
         if before_done is not None:
             before_done(result)
         self._emit(Done(result))

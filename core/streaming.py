@@ -52,6 +52,7 @@ class StopStringFilter:
         self.stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's answer names it)
 
     def feed(self, text: str) -> str:
         """Text that can be emitted now. After a match, `stopped` is set and the rest is dropped."""
@@ -62,7 +63,8 @@ class StopStringFilter:
         if hits:
             self.stopped = True
             self._held = ""
-            return buf[:min(hits)[0]]
+            at, self.matched = min(hits)
+            return buf[:at]
         keep = self._longest_pending_prefix(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]

@@ -1,7 +1,8 @@
 """`mlxchat serve`: an OpenAI-compatible HTTP server over the engine, with continuous batching and a prefix cache.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streaming as SSE ending in `data: [DONE]`, or not),
-GET /v1/models, /v1/models/{id}, /health (the only route that needs no API key: liveness probes carry none).
+GET /v1/models, /v1/models/{id}, /health (the only route that needs no API key: liveness probes carry none); Ollama's
+/api routes (server/ollama.py) and Anthropic's /v1/messages (server/anthropic.py) on the same model and batch.
 
 Notes for clients:
 * `user` is accepted and ignored by design: it is an abuse-monitoring tag on OpenAI's platform.

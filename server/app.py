@@ -1,15 +1,14 @@
-"""The ASGI app: OpenAI's endpoints over a `BatchScheduler`, SSE streaming, API key, body limit, CORS.
+"""The ASGI app: OpenAI's endpoints over a `BatchScheduler`, SSE streaming, API key, body limit, CORS; Ollama's
+(server/ollama.py) and Anthropic's (server/anthropic.py) on the same model.
 
-Handlers run on the event loop; generation runs on the engine's inference thread. Each choice is a `BatchRequest`
-whose events the scheduler hands back with `loop.call_soon_threadsafe` onto an `asyncio.Queue`. A client that goes
-away (sse-starlette cancels the stream; a plain request is polled) cancels its requests, which leave the batch at
-their next token.
+Handlers run on the event loop; generation runs on the engine's inference thread (server/service.py: the request
+path all three APIs share). A client that goes away (sse-starlette cancels the stream; a plain request is polled)
+cancels its requests, which leave the batch at their next token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -27,15 +26,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
-from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
-from mlxchat.core.errors import ContextLengthError
+from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
 
-from . import protocol
+from . import anthropic, ollama, protocol
 from .protocol import ApiError
+from .service import Choice, ErrorShape, Service
 
 log = logging.getLogger("mlxchat.server")
-POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass
@@ -47,54 +45,11 @@ class ServerConfig:
     profiles: dict[str, SamplingProfile] | None = None
 
 
-class _Choice:
-    """One running choice: its scheduler request and the queue its events arrive on."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
-                 max_tokens: int | None, trace: int) -> None:
-        self.events: asyncio.Queue = asyncio.Queue()
-        self._loop = loop
-        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace)
-
-    def _deliver(self, event: object) -> None:
-        """Called on the inference thread: hand the event to the event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:
-            self.request.cancel()  # the loop has closed (the server is stopping): nobody is listening
-
-    async def next(self) -> TokenEvent | Done:
-        event = await self.events.get()
-        if isinstance(event, BaseException):
-            raise event
-        return event
-
-
 def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> Starlette:
-    base = config.profile or SamplingProfile()
-    profiles = dict(config.profiles or {})
-    name = engine.name
+    service = Service(engine, scheduler, config)
+    base, profiles, name = service.base, service.profiles, service.name
+    read_json, collect, log_line = service.read_json, service.collect, service.log_line
     token_text = lambda i: engine.model.tokenizer.decode([i])  # noqa: E731 - the token as text, for logprobs
-
-    async def read_json(request: HttpRequest) -> Any:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise ApiError(413, f"the request body is over {config.max_body_bytes} bytes")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > config.max_body_bytes:
-                raise ApiError(413, f"the request body is over {config.max_body_bytes} bytes")
-        try:
-            text = bytes(body).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ApiError(400, f"the request body is not valid UTF-8 (byte {body[e.start]:#04x} at offset "
-                                f"{e.start})") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column "
-                                f"{e.colno}") from None
 
     def encode(req: protocol.Request) -> list[int]:
         tok = engine.model.tokenizer
@@ -111,67 +66,15 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{engine.model.vocab_size - 1})",
                            "prompt" if not req.profile.logit_bias or bad[0] not in req.profile.logit_bias
                            else "logit_bias")
-        if len(ids) >= engine.context_length:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is {engine.context_length}: "
-                                "shorten it", "messages" if req.chat else "prompt")
+        service.check_fits(ids, "messages" if req.chat else "prompt")
         return ids
 
-    def start(req: protocol.Request, ids: list[int]) -> list[_Choice]:
-        loop = asyncio.get_running_loop()
-        choices = []
-        try:
-            for i in range(req.n):
-                profile = req.profile.model_copy(update={"seed": (req.seed + i) % 2**64})
-                choice = _Choice(loop, ids, profile, req.max_tokens, req.trace)
-                scheduler.submit(choice.request)
-                choices.append(choice)
-        except QueueFull as e:
-            for c in choices:
-                c.request.cancel()
-            raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="rate_limit_error",
-                           headers={"Retry-After": "1"}) from None
-        except ContextLengthError as e:
-            raise ApiError(400, f"{e}: shorten the prompt") from None
-        except ValueError as e:  # settings valid alone but not together (core.reply.Request.make says which)
-            for c in choices:
-                c.request.cancel()
-            raise ApiError(400, str(e)) from None
-        return choices
-
-    def log_line(request: HttpRequest, status: int, started: float, results: list[GenerationResult]) -> None:
-        took = (time.perf_counter() - started) * 1000
-        if not results:
-            log.info("%s %s %d %.0f ms", request.method, request.url.path, status, took)
-            return
-        m = results[0].metrics
-        out = sum(r.metrics.completion_tokens for r in results)
-        log.info("%s %s %d %.0f ms · prompt %d tok (%d cached) · TTFT %.0f ms · %d tok out · decode %.1f tok/s · %s",
-                 request.method, request.url.path, status, took, m.prompt_tokens, m.cached_tokens, m.ttft_s * 1000,
-                 out, m.decode_tokens_per_s, ",".join(r.finish_reason for r in results))
-
-    def check_auth(request: HttpRequest) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           kind="authentication_error")
+    def start(req: protocol.Request, ids: list[int]) -> list[Choice]:
+        profiles = [req.profile.model_copy(update={"seed": (req.seed + i) % 2**64}) for i in range(req.n)]
+        return service.start(ids, profiles, req.max_tokens, req.trace)
 
     def endpoint(fn: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool = True):  # noqa: ANN202
-        async def handle(request: HttpRequest) -> Response:
-            started = time.perf_counter()
-            try:
-                if auth:
-                    check_auth(request)
-                response = await fn(request)
-            except ApiError as e:
-                log_line(request, e.status, started, [])
-                return JSONResponse(e.body(), e.status, headers=e.headers)
-            if not isinstance(response, EventSourceResponse):
-                log_line(request, response.status_code, started, getattr(request.state, "results", []))
-            return response
-        return handle
+        return service.endpoint(fn, ApiError.body, auth=auth)
 
     async def completions(request: HttpRequest, chat: bool) -> Response:
         started = time.perf_counter()
@@ -181,12 +84,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         rid = protocol.new_id(chat)
         if req.stream:
             return EventSourceResponse(stream(request, req, rid, choices, started), sep="\n", ping=15)
-        try:
-            results = await collect(request, choices)
-        except asyncio.CancelledError:
-            for c in choices:
-                c.request.cancel()
-            raise
+        results = await collect(request, choices)
         if results is None:  # the client went away
             return Response(status_code=499)
         request.state.results = results
@@ -211,28 +109,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                 out["logprobs"] = protocol.completion_logprobs(r.logprobs, token_text)
         return out
 
-    async def collect(request: HttpRequest, choices: list[_Choice]) -> list[GenerationResult] | None:
-        results = []
-        for choice in choices:
-            while True:
-                try:
-                    event = await asyncio.wait_for(choice.next(), POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        for c in choices:
-                            c.request.cancel()
-                        return None
-                    continue
-                except Exception as e:  # noqa: BLE001 - the engine's failure, said in one line
-                    for c in choices:
-                        c.request.cancel()
-                    raise ApiError(500, f"generation failed: {e}", kind="server_error") from None
-                if isinstance(event, Done):
-                    results.append(event.result)
-                    break
-        return results
-
-    async def stream(request: HttpRequest, req: protocol.Request, rid: str, choices: list[_Choice],
+    async def stream(request: HttpRequest, req: protocol.Request, rid: str, choices: list[Choice],
                      started: float) -> AsyncIterator[str]:
         results: list[GenerationResult | None] = [None] * len(choices)
         offsets = [0] * len(choices)
@@ -327,17 +204,24 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         err = ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return JSONResponse(err.body(), exc.status_code)
+        return JSONResponse(error_shape(request.url.path)(err), exc.status_code)
 
     async def server_error(request: HttpRequest, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return JSONResponse(ApiError(500, "internal server error", kind="server_error").body(), 500)
+        err = ApiError(500, "internal server error", kind="server_error")
+        return JSONResponse(error_shape(request.url.path)(err), 500)
+
+    def error_shape(path: str) -> ErrorShape:
+        """An error outside a route's handler answers in the shape of the API its path belongs to."""
+        if path.startswith("/v1/messages"):
+            return anthropic.error_body
+        return ollama.error_body if path.startswith("/api/") else ApiError.body
 
     middleware = []
     if config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "x-api-key"]))
     routes = [
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
@@ -345,6 +229,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         Route("/v1/models/{model_id:path}", endpoint(model), methods=["GET"]),
         # Liveness probes carry no key: /health says only that the server is up and how busy it is.
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        *ollama.routes(service),
+        *anthropic.routes(service),
     ]
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,19 @@ def profile_app() -> Callable[..., Any]:
 def serve() -> Iterator[Callable[..., str]]:
     """``serve(*flags)``: ``mlxchat serve`` in a subprocess on a free 127.0.0.1 port; returns its base URL (without
     ``/v1``). Every server started is stopped at the end of the test."""
+    with _servers() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def serve_module() -> Iterator[Callable[..., str]]:
+    """``serve`` for a module whose tests share one server: stopped at the end of the module."""
+    with _servers() as start:
+        yield start
+
+
+@contextmanager
+def _servers() -> Iterator[Callable[..., str]]:
     procs: list[subprocess.Popen] = []
 
     def start(*flags: str) -> str:
@@ -81,13 +95,15 @@ def serve() -> Iterator[Callable[..., str]]:
                 return m.group(1)
         raise RuntimeError(f"the server did not start: {''.join(printed)}")
 
-    yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 # --- the TUI ---------------------------------------------------------------------------------------------------
@@ -194,7 +210,7 @@ def snapshot(snapshot: Any) -> Any:
 # A test is in the model tier when it asks for a fixture that loads one, or when its module drives real processes,
 # servers or apps throughout.
 MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_app", "with_session_engine",
-                  "server", "tight", "client", "sweep", "wheel", "bad_files", "serve"}
+                  "server", "tight", "client", "sweep", "wheel", "bad_files", "serve", "serve_module"}
 MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
                  "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability",
                  "test_distributed_load", "test_distributed_procs", "test_interrupts"}

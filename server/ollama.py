@@ -1,0 +1,387 @@
+"""Ollama's API on the same server, for the clients written against it (oterm, the `ollama` Python client, ...):
+GET /api/tags and /api/version, POST /api/show, /api/chat and /api/generate.
+
+Replies stream as NDJSON (one JSON object a line, the last with `done: true`, `done_reason` and the durations in
+nanoseconds) unless the request says `"stream": false`. Errors are Ollama's shape, `{"error": "..."}`, with the
+HTTP status; an error after the stream started is its last line.
+
+`options` map onto the server's profile (a field not given keeps the profile's value, not Ollama's default):
+temperature, top_p, top_k, min_p, typical_p, repeat_penalty (`repetition_penalty`), repeat_last_n (the penalty
+window: 0 turns the penalties off, -1 means all tokens), presence/frequency_penalty, seed (negative: a random one),
+num_predict (-1 or -2: until the context is full), num_ctx (prompt and reply together stay within it), stop. The
+options that say how Ollama runs a model (num_gpu, num_thread, use_mmap, ...) have no meaning here and are ignored;
+mirostat and tfs_z are refused unless neutral. `keep_alive` is accepted: the model stays loaded while the server runs.
+`format` needs constrained decoding: `response_format` maps it to OpenAI's shape, and until the sampler has it a
+request with a format is a 400.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
+from mlxchat.core.events import Done
+from mlxchat.core.reply import DEFAULT_MAX_TOKENS
+
+from .protocol import ApiError, profile_error
+from .service import Choice, Service
+
+# Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
+IGNORED_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+                             "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
+                             "penalize_newline", "mirostat_tau", "mirostat_eta"})
+# Samplers this server does not have, accepted only with the value that turns them off.
+NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0}
+RENAMED_OPTIONS = {"repeat_penalty": "repetition_penalty"}
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": e.message}
+
+
+def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """Ollama's `format` as OpenAI's `response_format`: "json" is any JSON object, a dict is a JSON schema."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt, "strict": True}}
+    raise ApiError(400, f"format must be \"json\" or a JSON schema object, got {fmt!r}", "format")
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    num_ctx: int | None = None
+    stop: str | list[str] | None = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    stream: bool | None = None
+    options: dict[str, Any] | None = None
+    format: str | dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None  # the model stays loaded while the server runs
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class _Chat(_Common):
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class _Generate(_Common):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool | None = None
+    template: str | None = None
+    suffix: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+
+
+class OptionSettings:
+    """A request's sampling settings: the profile, and the limits that need the prompt's length."""
+
+    def __init__(self, profile: SamplingProfile, num_predict: int | None, num_ctx: int | None) -> None:
+        self.profile, self.num_predict, self.num_ctx = profile, num_predict, num_ctx
+
+    def max_tokens(self, prompt_tokens: int, context: int) -> int:
+        window = min(self.num_ctx or context, context)
+        if prompt_tokens >= window:
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens but num_ctx is {window}: shorten the prompt "
+                                "or raise num_ctx")
+        room = window - prompt_tokens
+        if self.num_predict is not None and self.num_predict < 0:  # -1 and -2: until the context is full
+            return room
+        return min(self.num_predict or self.profile.max_tokens or DEFAULT_MAX_TOKENS, room)
+
+
+def parse_options(raw: dict[str, Any] | None, base: SamplingProfile) -> OptionSettings:
+    """Ollama's `options` over the server's profile `base`; a bad option is an `ApiError` naming it."""
+    raw = raw or {}
+    try:
+        opts = _Options.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ApiError(400, f"options.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    for name, value in (opts.model_extra or {}).items():
+        if name in NEUTRAL_OPTIONS and value != NEUTRAL_OPTIONS[name]:
+            raise ApiError(400, f"options.{name} is not supported by this server; remove it or set it to "
+                                f"{NEUTRAL_OPTIONS[name]}")
+        if name not in NEUTRAL_OPTIONS and name not in IGNORED_OPTIONS:
+            raise ApiError(400, f"options.{name} is not a known option")
+    fields: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        if (value := getattr(opts, name)) is not None:
+            fields[RENAMED_OPTIONS.get(name, name)] = value
+    if opts.repeat_last_n is not None:
+        if opts.repeat_last_n < -1:
+            raise ApiError(400, f"options.repeat_last_n must be -1 (all tokens), 0 (off) or more, got "
+                                f"{opts.repeat_last_n}")
+        if opts.repeat_last_n == 0:  # Ollama's "disabled": no token is penalised
+            fields.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        else:
+            fields["penalty_window"] = max(opts.repeat_last_n, 0)  # -1: the whole context, the profile's 0
+    if opts.stop is not None:
+        fields["stop"] = [opts.stop] if isinstance(opts.stop, str) else opts.stop
+    fields["seed"] = opts.seed if opts.seed is not None and opts.seed >= 0 else secrets.randbits(63)
+    if opts.num_predict is not None and (opts.num_predict == 0 or opts.num_predict < -2):
+        raise ApiError(400, f"options.num_predict must be at least 1, or -1 (until the context is full), got "
+                            f"{opts.num_predict}")
+    if opts.num_ctx is not None and opts.num_ctx < 1:
+        raise ApiError(400, f"options.num_ctx must be at least 1, got {opts.num_ctx}")
+    try:
+        profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
+    except ValidationError as e:
+        err = profile_error(e)
+        for ours, theirs in RENAMED_OPTIONS.items():
+            err.message = err.message.replace(theirs, ours)
+        raise ApiError(400, f"options.{err.message}") from None
+    return OptionSettings(profile, opts.num_predict, opts.num_ctx)
+
+
+def _refuse(req: _Common, **fields: Any) -> None:
+    """Fields of Ollama's API this server does not implement: a 400 that names the field unless it is neutral."""
+    if req.format not in (None, ""):
+        response_format(req.format)  # a malformed format says so first
+        raise ApiError(400, "format needs constrained decoding, which this server does not have yet; leave format "
+                            "out and ask for JSON in the prompt")
+    if req.think not in (None, False):
+        raise ApiError(400, "think is not supported: this server does not separate a model's thinking; leave it out")
+    if req.logprobs or req.top_logprobs:
+        raise ApiError(400, "logprobs are not supported on /api routes; use /v1/chat/completions for them")
+    for name, value in fields.items():
+        if value and name == "tools":
+            raise ApiError(400, "tools need constrained decoding, which this server does not have yet; leave tools out")
+        if value:
+            raise ApiError(400, f"{name} is not supported by this server; leave it out")
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with role and content")
+        role, content = m.get("role"), m.get("content", "")
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be system, user or assistant, got {role!r}")
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string")
+        if m.get("images") or m.get("tool_calls"):
+            raise ApiError(400, f"messages[{i}]: images and tool calls are not supported; send text only")
+        extra = set(m) - {"role", "content", "images", "tool_calls", "thinking"}  # a reply's thinking is dropped
+        if extra:
+            raise ApiError(400, f"messages[{i}] has an unknown field: {sorted(extra)[0]}")
+        out.append({"role": role, "content": content})
+    if not any(m["content"].strip() for m in out if m["role"] != "system"):
+        raise ApiError(400, "messages have no user content: send a non-empty user message")
+    return out
+
+
+def _parameters(profile: SamplingProfile) -> str:
+    """The server's profile as Ollama's `parameters` text: one option a line, under Ollama's names."""
+    names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "typical_p": "typical_p", "repetition_penalty": "repeat_penalty", "penalty_window": "repeat_last_n",
+             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
+             "max_tokens": "num_predict", "stop": "stop"}
+    lines = []
+    for field, value in profile.model_dump(exclude_defaults=True).items():
+        if field in names:
+            lines += [f"{names[field]:<30} {json.dumps(v) if isinstance(v, str) else v}"
+                      for v in (value if isinstance(value, list) else [value])]
+    return "\n".join(lines)
+
+
+def _nanoseconds(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def routes(service: Service) -> list[Route]:
+    """The /api routes over `service`, each answering errors in Ollama's shape."""
+    names = {service.name, f"{service.name}:latest"}  # Ollama's clients add the default tag
+
+    def check_model(wanted: str | None) -> str:
+        if not wanted:
+            raise ApiError(400, "model is required")
+        if wanted not in names:
+            raise ApiError(404, f"model '{wanted}' not found; this server serves '{service.name}'")
+        return wanted
+
+    async def body_of(request: HttpRequest, kind: type[BaseModel]) -> Any:
+        body = await service.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            return kind.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            msg = "unknown field: remove it" if first["type"] == "extra_forbidden" else first["msg"]
+            raise ApiError(400, f"{where}: {msg}") from None
+
+    def details() -> dict[str, Any]:
+        family = getattr(service.engine.model.model, "model_type", "") or ""
+        return {"parent_model": "", "format": "gguf" if service.engine.model.source.endswith(".gguf") else "mlx",
+                "family": family, "families": [family] if family else None, "parameter_size": "",
+                "quantization_level": "quantized" if service.engine.model.quantized else "unquantized"}
+
+    def modified_at() -> str:
+        source = Path(service.engine.model.source)
+        stamp = source.stat().st_mtime if source.exists() else time.time()
+        return datetime.fromtimestamp(stamp, timezone.utc).isoformat().replace("+00:00", "Z")
+
+    async def tags(request: HttpRequest) -> Response:
+        # `digest` identifies the model to a client; it is not the weights' hash (hashing gigabytes per call is not
+        # worth it), but changes when another model is served.
+        digest = hashlib.sha256(f"{service.engine.model.source}:{service.engine.model.weight_bytes}".encode())
+        card = {"name": service.name, "model": service.name, "modified_at": modified_at(),
+                "size": service.engine.model.weight_bytes, "digest": digest.hexdigest(), "details": details()}
+        return JSONResponse({"models": [card]})
+
+    async def api_version(request: HttpRequest) -> Response:
+        return JSONResponse({"version": version("mlxchat")})
+
+    async def show(request: HttpRequest) -> Response:
+        body = await service.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        check_model(body.get("model") or body.get("name"))  # older clients send "name"
+        family = details()["family"] or "general"
+        return JSONResponse({
+            "modelfile": f"# served by mlxchat\nFROM {service.name}\n", "parameters": _parameters(service.base),
+            "template": service.engine.model.tokenizer.chat_template or "", "details": details(),
+            "model_info": {"general.architecture": family, "general.basename": service.name,
+                           f"{family}.context_length": service.engine.context_length},
+            "capabilities": ["completion"], "modified_at": modified_at()})
+
+    def finish(result: GenerationResult, started: float) -> dict[str, Any]:
+        m = result.metrics
+        return {"done": True, "done_reason": "length" if result.finish_reason == "length" else "stop",
+                "total_duration": _nanoseconds(time.perf_counter() - started), "load_duration": 0,
+                "prompt_eval_count": m.prompt_tokens, "prompt_eval_duration": _nanoseconds(m.prefill_s),
+                "eval_count": m.completion_tokens, "eval_duration": _nanoseconds(m.decode_s)}
+
+    async def reply(request: HttpRequest, model: str, ids: list[int], settings: OptionSettings, stream: bool,
+                    piece: Callable[[str], dict[str, Any]]) -> Response:
+        """Run one choice; `piece(text)` is the part of a line that carries text (message or response)."""
+        started = time.perf_counter()
+        max_tokens = settings.max_tokens(len(ids), service.engine.context_length)
+        [choice] = service.start(ids, [settings.profile], max_tokens)
+        if stream:
+            return StreamingResponse(lines(request, model, choice, piece, started),
+                                     media_type="application/x-ndjson")
+        results = await service.collect(request, [choice])
+        if results is None:  # the client went away
+            return Response(status_code=499)
+        request.state.results = results
+        return JSONResponse({"model": model, "created_at": _now(), **piece(results[0].text),
+                             **finish(results[0], started)})
+
+    async def lines(request: HttpRequest, model: str, choice: Choice, piece: Callable[[str], dict[str, Any]],
+                    started: float) -> AsyncIterator[str]:
+        results: list[GenerationResult] = []
+        status = 200
+        try:
+            while True:
+                try:
+                    event = await choice.next()
+                except Exception as e:  # noqa: BLE001 - an in-stream error is the stream's last line
+                    status = 500
+                    yield json.dumps({"error": f"generation failed: {e}"}) + "\n"
+                    return
+                if isinstance(event, Done):
+                    results.append(event.result)
+                    yield json.dumps({"model": model, "created_at": _now(), **piece(""),
+                                      **finish(event.result, started)}) + "\n"
+                    return
+                if isinstance(event, TokenEvent) and event.text:
+                    yield json.dumps({"model": model, "created_at": _now(), **piece(event.text),
+                                      "done": False}) + "\n"
+        finally:
+            choice.request.cancel()
+            service.log_line(request, status, started, results)
+
+    def loaded(model: str, piece: dict[str, Any]) -> Response:
+        """An empty request loads the model, in Ollama: here it is loaded already."""
+        return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "load"})
+
+    async def chat(request: HttpRequest) -> Response:
+        req: _Chat = await body_of(request, _Chat)
+        model = check_model(req.model)
+        _refuse(req, tools=req.tools)
+        settings = parse_options(req.options, service.base)
+
+        def piece(text: str) -> dict[str, Any]:
+            return {"message": {"role": "assistant", "content": text}}
+
+        if not req.messages:
+            return loaded(model, piece(""))
+        ids = service.encode_chat(_messages(req.messages))
+        return await reply(request, model, ids, settings, req.stream is not False, piece)
+
+    async def generate(request: HttpRequest) -> Response:
+        req: _Generate = await body_of(request, _Generate)
+        model = check_model(req.model)
+        _refuse(req, template=req.template, suffix=req.suffix, context=req.context, images=req.images)
+        settings = parse_options(req.options, service.base)
+
+        def piece(text: str) -> dict[str, Any]:
+            return {"response": text}
+
+        if not req.prompt:
+            return loaded(model, piece(""))
+        if req.raw:
+            ids = service.encode_text(req.prompt)
+        else:
+            system = [{"role": "system", "content": req.system}] if req.system else []
+            ids = service.encode_chat([*system, {"role": "user", "content": req.prompt}], "prompt")
+        return await reply(request, model, ids, settings, req.stream is not False, piece)
+
+    def route(path: str, fn: Callable, method: str, *, auth: bool = True) -> Route:
+        return Route(path, service.endpoint(fn, error_body, auth=auth), methods=[method])
+
+    return [
+        route("/api/tags", tags, "GET"),
+        route("/api/version", api_version, "GET", auth=False),  # says only which server this is, as /health does
+        route("/api/show", show, "POST"),
+        route("/api/chat", chat, "POST"),
+        route("/api/generate", generate, "POST"),
+    ]
+
+
+__all__ = ["OptionSettings", "error_body", "parse_options", "response_format", "routes"]

@@ -1,0 +1,208 @@
+"""What every API's handlers share: the served model, the body reader, the API key, submitting a request's choices
+to the `BatchScheduler` and collecting their results, and the endpoint wrapper that answers an `ApiError` in the
+API's own error shape (OpenAI's, Ollama's or Anthropic's).
+
+Each choice is a `BatchRequest` whose events the scheduler hands back with `loop.call_soon_threadsafe` onto an
+`asyncio.Queue` (`Choice`); a client that goes away cancels its choices, which leave the batch at their next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
+from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
+from mlxchat.core.errors import ContextLengthError
+from mlxchat.core.events import Done
+
+from .protocol import ApiError
+
+if TYPE_CHECKING:
+    from .app import ServerConfig
+
+log = logging.getLogger("mlxchat.server")
+POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+ErrorShape = Callable[[ApiError], dict[str, Any]]
+
+
+class Choice:
+    """One running choice: its scheduler request and the queue its events arrive on."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
+                 max_tokens: int | None, trace: int) -> None:
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace)
+
+    def _deliver(self, event: object) -> None:
+        """Called on the inference thread: hand the event to the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            self.request.cancel()  # the loop has closed (the server is stopping): nobody is listening
+
+    async def next(self) -> TokenEvent | Done:
+        event = await self.events.get()
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+
+class Service:
+    """The model being served, as every API's handlers use it."""
+
+    def __init__(self, engine: Engine, scheduler: BatchScheduler, config: "ServerConfig") -> None:
+        self.engine, self.scheduler, self.config = engine, scheduler, config
+        self.base = config.profile or SamplingProfile()
+        self.profiles = dict(config.profiles or {})
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    async def read_json(self, request: HttpRequest) -> Any:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the request body is not valid UTF-8 (byte {body[e.start]:#04x} at offset "
+                                f"{e.start})") from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column "
+                                f"{e.colno}") from None
+
+    def check_fits(self, ids: Sequence[int], field: str) -> None:
+        """Refuse a prompt that leaves no room in the model's context for a reply."""
+        if len(ids) >= self.engine.context_length:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
+                                f"{self.engine.context_length}: shorten it", field)
+
+    def encode_chat(self, messages: list[dict[str, str]], field: str = "messages") -> list[int]:
+        """The conversation through the model's chat template, ready for a reply; it must fit the context."""
+        try:
+            ids = self.engine.model.tokenizer.encode_chat(messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), field) from None
+        self.check_fits(ids, field)
+        return ids
+
+    def encode_text(self, text: str, field: str = "prompt") -> list[int]:
+        """Text as it is, no template (a raw prompt); it must fit the context."""
+        try:
+            ids = self.engine.model.tokenizer.encode(text)
+        except ValueError as e:
+            raise ApiError(400, str(e), field) from None
+        self.check_fits(ids, field)
+        return ids
+
+    def start(self, ids: list[int], profiles: Sequence[SamplingProfile], max_tokens: int | None,
+              trace: int = 0) -> list[Choice]:
+        """Submit one choice per profile; all or none run."""
+        loop = asyncio.get_running_loop()
+        choices: list[Choice] = []
+        try:
+            for profile in profiles:
+                choice = Choice(loop, ids, profile, max_tokens, trace)
+                self.scheduler.submit(choice.request)
+                choices.append(choice)
+        except QueueFull as e:
+            for c in choices:
+                c.request.cancel()
+            raise ApiError(429, f"the server is busy ({e}); retry shortly", kind="rate_limit_error",
+                           headers={"Retry-After": "1"}) from None
+        except ContextLengthError as e:
+            raise ApiError(400, f"{e}: shorten the prompt") from None
+        except ValueError as e:  # settings valid alone but not together (core.reply.Request.make says which)
+            for c in choices:
+                c.request.cancel()
+            raise ApiError(400, str(e)) from None
+        return choices
+
+    async def collect(self, request: HttpRequest, choices: list[Choice]) -> list[GenerationResult] | None:
+        """Every choice's result, or None when the client went away (its choices are cancelled)."""
+        results = []
+        for choice in choices:
+            while True:
+                try:
+                    event = await asyncio.wait_for(choice.next(), POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        for c in choices:
+                            c.request.cancel()
+                        return None
+                    continue
+                except asyncio.CancelledError:
+                    for c in choices:
+                        c.request.cancel()
+                    raise
+                except Exception as e:  # noqa: BLE001 - the engine's failure, said in one line
+                    for c in choices:
+                        c.request.cancel()
+                    raise ApiError(500, f"generation failed: {e}", kind="server_error") from None
+                if isinstance(event, Done):
+                    results.append(event.result)
+                    break
+        return results
+
+    def check_auth(self, request: HttpRequest) -> None:
+        """The key as OpenAI's clients send it (`Authorization: Bearer`) or as Anthropic's do (`x-api-key`)."""
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", kind="authentication_error")
+
+    def log_line(self, request: HttpRequest, status: int, started: float, results: list[GenerationResult]) -> None:
+        took = (time.perf_counter() - started) * 1000
+        if not results:
+            log.info("%s %s %d %.0f ms", request.method, request.url.path, status, took)
+            return
+        m = results[0].metrics
+        out = sum(r.metrics.completion_tokens for r in results)
+        log.info("%s %s %d %.0f ms · prompt %d tok (%d cached) · TTFT %.0f ms · %d tok out · decode %.1f tok/s · %s",
+                 request.method, request.url.path, status, took, m.prompt_tokens, m.cached_tokens, m.ttft_s * 1000,
+                 out, m.decode_tokens_per_s, ",".join(r.finish_reason for r in results))
+
+    def endpoint(self, fn: Callable[[HttpRequest], Awaitable[Response]], shape: ErrorShape, *,
+                 auth: bool = True) -> Callable[[HttpRequest], Awaitable[Response]]:
+        """A route's handler: the key checked, an `ApiError` answered in `shape`, the request logged (a stream
+        logs itself when it ends)."""
+        async def handle(request: HttpRequest) -> Response:
+            started = time.perf_counter()
+            try:
+                if auth:
+                    self.check_auth(request)
+                response = await fn(request)
+            except ApiError as e:
+                self.log_line(request, e.status, started, [])
+                return JSONResponse(shape(e), e.status, headers=e.headers)
+            if not isinstance(response, (EventSourceResponse, StreamingResponse)):
+                self.log_line(request, response.status_code, started, getattr(request.state, "results", []))
+            return response
+        return handle
+
+
+__all__ = ["Choice", "ErrorShape", "Service"]
