@@ -12,6 +12,7 @@ from typing import Any
 from . import prompts as P
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
+SMALL_N = 10  # fewer prompts (or judged pairs, or votes) than this: an interval or kappa that says little
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -22,7 +23,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare}")
+    sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare,judge}")
     sub.required = True
     r = sub.add_parser("run", help="run prompts x settings x seeds and store the outputs and metrics")
     # Named without reading the user's folder: building the parser must not import the engine (see app/cli.py).
@@ -34,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--seeds", type=int, default=3, help="seeds per prompt and setting: 0..K-1 (default 3)")
     r.add_argument("--max-tokens", type=int, default=64, help="tokens per output (default 64)")
     r.add_argument("--limit", type=int, help="use only the first N prompts of the set")
-    r.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded model)")
+    r.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded model); with "
+                                   "--target, the model name to ask the server for (default: the first it lists)")
+    r.add_argument("--target", metavar="URL", help="run against this OpenAI-compatible server instead of a local "
+                                                   "model (mlxchat serve, llama.cpp, Ollama, a hosted API)")
+    r.add_argument("--api-key", help="the --target server's API key")
     r.add_argument("--json", type=Path, help="also write the run as JSON to FILE")
     r.add_argument("--report", type=Path, help="write report.md and PNG plots into DIR")
     r.add_argument("--baseline", help="a stored run (id or 'last') to compare with, for --fail-on")
@@ -48,6 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = sub.add_parser("compare", help="per-metric deltas B - A with intervals, and the prompts that changed most")
     c.add_argument("run_a")
     c.add_argument("run_b")
+    j = sub.add_parser("judge", help="an LLM judges two settings' outputs pair by pair (both orders, ties allowed)")
+    j.add_argument("run", help="run id or 'last'")
+    j.add_argument("--a", required=True, metavar="SETTING", help="a setting's label in the run (see `lab show`)")
+    j.add_argument("--b", required=True, metavar="SETTING", help="the other setting's label")
+    j.add_argument("--judge", metavar="MODEL", help="the judge: a model mlxchat loads (default: the embedded one, "
+                                                    "a weak judge); with --judge-url, the model name to ask for")
+    j.add_argument("--judge-url", metavar="URL", help="an OpenAI-compatible endpoint as the judge")
+    j.add_argument("--judge-api-key", metavar="KEY", help="the --judge-url endpoint's API key")
+    j.add_argument("--judge-max-tokens", type=int, default=16, help="tokens per judge answer (default 16)")
+    j.add_argument("--rubric", type=Path, metavar="FILE", help="a rubric TOML (default: the prompt set's)")
+    j.add_argument("--json", type=Path, metavar="FILE", help="write the verdicts as JSON to FILE (- for stdout)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from mlxchat.core.errors import MlxChatError
 
     try:
-        return {"run": _run, "list": _list, "show": _show, "compare": _compare}[args.lab_command](args)
+        return {"run": _run, "list": _list, "show": _show, "compare": _compare,
+                "judge": _judge}[args.lab_command](args)
     except ValidationError as e:
         print(f"mlxchat lab: error: {e.errors()[0]['msg']}", file=sys.stderr)
     except (MlxChatError, ValueError, OSError) as e:
@@ -86,9 +103,16 @@ def _run(args: argparse.Namespace) -> int:
         check_comparable(baseline, [p.id for p in prompt_set.prompts], prompt_set.digest,
                          [s.label for s in experiment.settings])
 
-    from mlxchat.core import Engine
+    if args.api_key and not args.target:
+        raise ValueError("--api-key goes with --target URL")
+    if args.target:
+        from .target import Target
 
-    engine = Engine.load(args.model)
+        engine = Target(args.target, args.api_key, args.model)
+    else:
+        from mlxchat.core import Engine
+
+        engine = Engine.load(args.model)
     run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
                           settings=[{"label": s.label, "setting": s.fields()} for s in experiment.settings],
                           prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
@@ -240,3 +264,98 @@ def _compare(args: argparse.Namespace) -> int:
         for c in changed:
             print(f"  {c['change']:.2f}  {c['prompt_id']}: {c['prompt'][:70]!r}")
     return 0
+
+
+# --- judge -----------------------------------------------------------------------------------------------------
+
+def _cell(run: Any, label: str, flag: str) -> int:
+    labels = [s["label"] for s in run.settings]
+    if label not in labels:
+        raise ValueError(f"{flag} {label!r}: run {run.id} has no such setting; its settings: {', '.join(labels)}")
+    return labels.index(label)
+
+
+def _make_judge(args: argparse.Namespace) -> Any:
+    from . import judge as J
+
+    if args.judge_max_tokens < 1:
+        raise ValueError(f"--judge-max-tokens must be at least 1, got {args.judge_max_tokens}")
+    if args.judge_api_key and not args.judge_url:
+        raise ValueError("--judge-api-key goes with --judge-url URL")
+    if args.judge_url:
+        from .endpoint import Endpoint
+
+        endpoint = Endpoint(args.judge_url, args.judge_api_key)
+        return J.EndpointJudge(endpoint, args.judge or endpoint.default_model(), args.judge_max_tokens)
+    from mlxchat.core import Engine
+    from mlxchat.core.loader import EMBEDDED_FILE
+
+    return J.EngineJudge(args.judge or EMBEDDED_FILE.removesuffix(".gguf"), lambda: Engine.load(args.judge),
+                         args.judge_max_tokens)
+
+
+def _judge(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from . import judge as J
+    from .store import LabStore
+
+    store = LabStore()
+    run = store.load(args.run)
+    cell_a, cell_b = _cell(run, args.a, "--a"), _cell(run, args.b, "--b")
+    if cell_a == cell_b:
+        raise ValueError("--a and --b name the same setting; judge two different ones")
+    rubric = J.load_rubric(run.prompt_set, args.rubric)
+    judging = J.Judging(store, run, cell_a, cell_b, _make_judge(args), rubric)
+    jobs = J.pair_jobs(run, cell_a, cell_b)
+    if not jobs:
+        raise ValueError(f"run {run.id} has no outputs of {args.a!r} and {args.b!r} with the same prompt and seed")
+    pairs: list[dict[str, Any]] = []
+    cancelled = False
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=Console(stderr=True)) as bar:
+            task = bar.add_task(f"judging run {run.id}", total=len(jobs))
+            for pair in judging.judge_all():
+                pairs.append(pair)
+                bar.update(task, advance=1)
+    except KeyboardInterrupt:  # every pair judged so far is stored, and each answer cached
+        cancelled = True
+    finally:
+        engine = getattr(judging.judge, "engine", None)
+        if engine is not None:
+            engine.close()
+    result = {"run_id": run.id, "a": args.a, "b": args.b, **J.summary(pairs, judging.judge.name, rubric)}
+    _judge_outputs(result, judging.asked, len(jobs), args.json)
+    if cancelled:
+        print(f"cancelled: kept {len(pairs)} of {len(jobs)} pairs (rerun to judge the rest; judged ones are cached)",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Path | None) -> None:
+    w = result["win_rate_a"]
+    rate = f"{w['mean']:.2f} [{w['low']:.2f}, {w['high']:.2f}] (Wilson 95%, n={w['n']})" if w else "n/a"
+    lines = [f"judge {result['judge']} · rubric {result['rubric_version']} · {asked} judge call(s), "
+             f"{2 * result['pairs'] - asked} from the cache",
+             f"{result['a']} vs {result['b']}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; "
+             f"{result['a']} won {result['wins_a']}, {result['b']} won {result['wins_b']}, ties {result['ties']}, "
+             f"unparsed {result['unparsed']}; the two orders agreed on {result['consistent']}",
+             f"win rate of {result['a']}: {rate}" + (_small_n_note(w["n"]) if w else "")]
+    to_stdout = json_path is None or str(json_path) != "-"
+    print("\n".join(lines), file=sys.stdout if to_stdout else sys.stderr)
+    if json_path is not None:
+        text = json.dumps(result, ensure_ascii=False, indent=1)
+        if str(json_path) == "-":
+            print(text)
+        else:
+            json_path.write_text(text, encoding="utf-8")
+            print(f"wrote {json_path}", file=sys.stderr)
+
+
+def _small_n_note(n: int) -> str:
+    return f" — n={n} is too small to mean much" if n < SMALL_N else ""

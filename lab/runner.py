@@ -7,12 +7,15 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxchat.core import Engine, SamplingProfile
 
 from . import metrics as M
 from .prompts import Prompt, PromptSet
+
+if TYPE_CHECKING:
+    from .target import Target
 
 # Fields a run sets per generation (seed) or for measuring (logprobs); they are not part of a setting.
 RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
@@ -54,12 +57,17 @@ class Output:
 
 
 def make_output(cell: int, prompt: Prompt, seed: int, result: Any) -> Output:  # result: core GenerationResult
-    text = result.text
-    return Output(cell=cell, prompt_id=prompt.id, seed=seed, text=text, finish_reason=result.finish_reason,
-                  length=result.metrics.completion_tokens, words=len(text.split()),
-                  mean_logprob=M.mean_logprob([lp.logprob for lp in result.logprobs]),
-                  ttft_s=result.metrics.ttft_s, tpot_s=result.metrics.tpot_s, passed=prompt.check(text),
-                  distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2), rep_4=M.seq_rep_n(text, 4))
+    return scored_output(cell, prompt, seed, result.text, result.finish_reason, result.metrics.completion_tokens,
+                         [lp.logprob for lp in result.logprobs], result.metrics.ttft_s, result.metrics.tpot_s)
+
+
+def scored_output(cell: int, prompt: Prompt, seed: int, text: str, finish_reason: str, length: int,
+                  logprobs: Sequence[float], ttft_s: float, tpot_s: float) -> Output:
+    """An output with its checks and per-output metrics, whether the engine or a server (lab/target.py) made it."""
+    return Output(cell=cell, prompt_id=prompt.id, seed=seed, text=text, finish_reason=finish_reason, length=length,
+                  words=len(text.split()), mean_logprob=M.mean_logprob(logprobs), ttft_s=ttft_s, tpot_s=tpot_s,
+                  passed=prompt.check(text), distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2),
+                  rep_4=M.seq_rep_n(text, 4))
 
 
 def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
@@ -106,10 +114,13 @@ class Experiment:
     def jobs(self) -> list[tuple[int, Prompt, int]]:
         return [(c, p, s) for c in range(len(self.settings)) for p in self.prompt_set.prompts for s in self.seeds]
 
-    def generate(self, engine: Engine, cell: int, prompt: Prompt, seed: int,
+    def generate(self, engine: "Engine | Target", cell: int, prompt: Prompt, seed: int,
                  cancelled: threading.Event | None = None) -> Output | None:
-        """One generation; None when `cancelled` is set before it finishes (the partial output is dropped)."""
+        """One generation; None when `cancelled` is set before it finishes (the partial output is dropped).
+        `engine` may instead be a server (lab/target.py), which makes the whole output itself."""
         profile = self.settings[cell].profile.model_copy(update={"seed": seed, "logprobs": True})
+        if not isinstance(engine, Engine):
+            return engine.generate(self, cell, prompt, profile)
         stream = engine.stream(prompt.text, profile=profile, max_tokens=self.max_tokens,
                                stop=[prompt.stop] if prompt.stop else None, system=prompt.system)
         for _event in stream:
@@ -118,7 +129,7 @@ class Experiment:
                 return None
         return make_output(cell, prompt, seed, stream.result)
 
-    def run(self, engine: Engine, on_output: Callable[[Output], None],
+    def run(self, engine: "Engine | Target", on_output: Callable[[Output], None],
             cancelled: threading.Event | None = None) -> bool:
         """Run every job, calling `on_output` after each; False when cancelled before the end.
         KeyboardInterrupt propagates (the engine's stream cancels itself when left early)."""
