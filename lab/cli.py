@@ -12,7 +12,7 @@ from typing import Any
 from . import prompts as P
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
-SMALL_N = 10  # fewer prompts (or judged pairs, or votes) than this: an interval or kappa that says little
+from .metrics import SMALL_N
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
 
         engine = Engine.load(args.model)
     run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
-                          settings=[{"label": s.label, "setting": s.fields()} for s in experiment.settings],
+                          settings=[s.record() for s in experiment.settings],
                           prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
                           max_tokens=args.max_tokens)
     try:
@@ -165,7 +165,7 @@ def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
     return "done"
 
 
-def _outputs(run: Any, json_path: Path | None, report_dir: Path | None) -> None:
+def _outputs(run: Any, json_path: Path | None, report_dir: Path | None, evaluations: list[str] = ()) -> None:
     if json_path is not None:
         text = json.dumps(run.as_json(), ensure_ascii=False, indent=1)
         if str(json_path) == "-":
@@ -176,11 +176,21 @@ def _outputs(run: Any, json_path: Path | None, report_dir: Path | None) -> None:
     if report_dir is not None:
         from .report import write
 
-        print(f"wrote {write(run, report_dir)}", file=sys.stderr)
+        print(f"wrote {write(run, report_dir, list(evaluations))}", file=sys.stderr)
+
+
+def _num(x: float) -> str:
+    return f"{x:.2f}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def _est(e: dict[str, Any] | None) -> str:
-    return f"{e['mean']:.3f}±{(e['high'] - e['low']) / 2:.3f}" if e else "–"
+    """A metric as mean [low, high]: clipped to the metric's range, its interval need not be symmetric."""
+    return f"{_num(e['mean'])} [{_num(e['low'])}, {_num(e['high'])}]" if e else "n/a"
+
+
+def _rate(e: dict[str, Any] | None) -> str:
+    """A rate with its (asymmetric) Wilson interval."""
+    return f"{e['mean']:.2f} [{e['low']:.2f}, {e['high']:.2f}]" if e else "n/a"
 
 
 def _summary(run: Any) -> str:
@@ -191,7 +201,14 @@ def _summary(run: Any) -> str:
         m = c["metrics"]
         rows.append([c["label"], *(_est(m.get(n)) for n in SUMMARY),
                      " ".join(f"{k}:{v}" for k, v in sorted(m["finish_reasons"].items()))])
-    return head + "\n" + _table(rows)
+    return head + "\n" + _table(rows) + _few_prompts_note(run)
+
+
+def _few_prompts_note(run: Any) -> str:
+    """Intervals are over prompts: with fewer than SMALL_N of them they are too wide (or too lucky) to lean on."""
+    n = len({o.prompt_id for o in run.outputs})
+    return (f"\nnote: 95% intervals over n={n} prompt(s); below {SMALL_N} they say little (use more prompts)"
+            if 0 < n < SMALL_N else "")
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -216,26 +233,54 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from .ab import tally, winner
     from .store import LabStore
 
     store = LabStore()
     run = store.load(args.run)
-    print(_summary(run))
     from mlxchat.core import SamplingProfile
 
     defaults = SamplingProfile().model_dump(mode="json")
+    lines = [_summary(run)]
+    bases = {s["base"] for s in run.settings if s.get("base")}
+    if bases:
+        lines.append(f"a sweep from the base profile {', '.join(sorted(bases))}; each setting vs the default profile:")
     for s in run.settings:  # what each setting changes from the default profile
         changed = {k: v for k, v in s["setting"].items() if k != "description" and defaults.get(k) != v}
-        print(f"  {s['label']}: {json.dumps(changed)}")
-    votes = store.votes(run.id)
-    pairs = sorted({(v["cell_a"], v["cell_b"]) for v in votes})
-    for a, b in pairs:
-        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
-        print(f"blind A/B {run.settings[a]['label']} vs {run.settings[b]['label']}: {t['a']} wins, {t['b']} losses, "
-              f"{t['tie']} ties, {t['skip']} skipped; win rate {_est(t['win_rate_a'])} (Wilson 95%)")
-    _outputs(run, args.json, args.report)
+        lines.append(f"  {s['label']}: {json.dumps(changed)}")
+    evaluations = _evaluations(store, run)
+    # With --json -, stdout carries the JSON alone (for a pipe into jq); the readable summary goes to stderr.
+    print("\n".join(lines + evaluations), file=sys.stderr if str(args.json) == "-" else sys.stdout)
+    _outputs(run, args.json, args.report, evaluations)
     return 0
+
+
+def _evaluations(store: Any, run: Any) -> list[str]:
+    """The blind A/B tallies, the judge's tallies, and where both exist their agreement (Cohen's kappa)."""
+    from .ab import tally, winner
+    from .judge import agreement
+
+    label = [s["label"] for s in run.settings]
+    lines = []
+    votes = store.votes(run.id)
+    for a, b in sorted({(v["cell_a"], v["cell_b"]) for v in votes}):
+        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
+        n = t["a"] + t["b"] + t["tie"]
+        lines.append(f"blind A/B {label[a]} vs {label[b]}: {t['a']} wins, {t['b']} losses, {t['tie']} ties, "
+                     f"{t['skip']} skipped; win rate {_rate(t['win_rate_a'])} (Wilson 95%, n={n})" + _small_n_note(n))
+    judged = store.judgements(run.id)
+    for key in sorted({(j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]) for j in judged}):
+        t = tally([j["verdict"] if j["verdict"] != "unparsed" else "skip" for j in judged
+                   if (j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]) == key])
+        n = t["a"] + t["b"] + t["tie"]
+        lines.append(f"judge {key[2]} (rubric {key[3]}) {label[key[0]]} vs {label[key[1]]}: {t['a']} wins, "
+                     f"{t['b']} losses, {t['tie']} ties, {t['skip']} unparsed; win rate {_rate(t['win_rate_a'])} "
+                     f"(Wilson 95%, n={n})" + _small_n_note(n))
+    for k in agreement(judged, votes):
+        kappa = "n/a (both gave one and the same verdict throughout)" if k["kappa"] is None else f"{k['kappa']:.2f}"
+        lines.append(f"judge vs blind A/B, {label[k['cell_a']]} vs {label[k['cell_b']]} ({k['judge']}, rubric "
+                     f"{k['rubric_version']}): Cohen's kappa {kappa}, raw agreement {k['agreement']:.2f}, "
+                     f"n={k['n']}" + _small_n_note(k["n"]))
+    return lines
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -339,7 +384,7 @@ def _judge(args: argparse.Namespace) -> int:
 
 def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Path | None) -> None:
     w = result["win_rate_a"]
-    rate = f"{w['mean']:.2f} [{w['low']:.2f}, {w['high']:.2f}] (Wilson 95%, n={w['n']})" if w else "n/a"
+    rate = f"{_rate(w)} (Wilson 95%, n={w['n']})" if w else "n/a"
     lines = [f"judge {result['judge']} · rubric {result['rubric_version']} · {asked} judge call(s), "
              f"{2 * result['pairs'] - asked} from the cache",
              f"{result['a']} vs {result['b']}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; "

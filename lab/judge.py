@@ -240,20 +240,26 @@ def cohen_kappa(pairs: list[tuple[str, str]]) -> dict[str, Any] | None:
 
 def agreement(judgements: list[dict[str, Any]], votes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (setting pair, judge, rubric): Cohen's kappa between the judge's verdicts and the blind A/B votes on the
-    same (prompt, seed). A vote's last choice counts; skipped votes and unparsed verdicts are left out."""
+    same (prompt, seed), whichever setting each called A. A pair's last vote counts; skipped votes and unparsed
+    verdicts are left out."""
     from .ab import winner
+
+    def oriented(cell_a: int, cell_b: int, verdict: str) -> tuple[int, int, str]:
+        """The same pair of settings in one order (lower cell first), whichever was --a: "a" means the lower."""
+        if cell_a < cell_b:
+            return cell_a, cell_b, verdict
+        return cell_b, cell_a, {"a": "b", "b": "a"}.get(verdict, verdict)
 
     human: dict[tuple[int, int, str, int], str] = {}
     for v in votes:
-        w = winner(v["choice"], v["a_on_left"])
-        key = (v["cell_a"], v["cell_b"], v["prompt_id"], v["seed"])
+        lo, hi, w = oriented(v["cell_a"], v["cell_b"], winner(v["choice"], v["a_on_left"]))
         if w != "skip":
-            human[key] = w
+            human[(lo, hi, v["prompt_id"], v["seed"])] = w
     groups: dict[tuple[int, int, str, str], list[tuple[str, str]]] = {}
     for j in judgements:
-        key = (j["cell_a"], j["cell_b"], j["prompt_id"], j["seed"])
-        if key in human and j["verdict"] != "unparsed":
-            groups.setdefault((j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]), []).append(
-                (j["verdict"], human[key]))
+        lo, hi, verdict = oriented(j["cell_a"], j["cell_b"], j["verdict"])
+        key = (lo, hi, j["prompt_id"], j["seed"])
+        if key in human and verdict != "unparsed":
+            groups.setdefault((lo, hi, j["judge"], j["rubric_version"]), []).append((verdict, human[key]))
     return [{"cell_a": a, "cell_b": b, "judge": judge, "rubric_version": rubric, **cohen_kappa(items)}
             for (a, b, judge, rubric), items in groups.items()]

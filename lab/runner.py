@@ -3,6 +3,7 @@ the per-setting aggregation of their metrics."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -22,6 +23,10 @@ RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
 # Per-output numbers averaged into a setting's metrics (each is first averaged over the seeds of one prompt).
 PER_OUTPUT = ("distinct_1", "distinct_2", "rep_4", "mean_logprob", "length", "words", "ttft_s", "tpot_s")
 METRICS = ("pass_rate", "self_bleu", *PER_OUTPUT)
+# The values each metric can take: its interval is clipped to them (a t-interval over few prompts runs past them).
+RANGES = {"pass_rate": (0.0, 1.0), "self_bleu": (0.0, 1.0), "distinct_1": (0.0, 1.0), "distinct_2": (0.0, 1.0),
+          "rep_4": (0.0, 1.0), "mean_logprob": (-math.inf, 0.0), "length": (0.0, math.inf), "words": (0.0, math.inf),
+          "ttft_s": (0.0, math.inf), "tpot_s": (0.0, math.inf)}
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,14 @@ class Setting:
 
     label: str
     profile: SamplingProfile
+    base: str | None = None  # for a sweep: the profile it started from ("default" when --base was not given)
 
     def fields(self) -> dict[str, Any]:
         return self.profile.model_dump(mode="json", exclude=RUN_FIELDS)
+
+    def record(self) -> dict[str, Any]:
+        """How a run stores this setting (lab/store.py)."""
+        return {"label": self.label, "setting": self.fields(), **({"base": self.base} if self.base else {})}
 
 
 @dataclass(frozen=True)
@@ -77,20 +87,22 @@ def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
     for o in outputs:
         by_prompt[o.prompt_id].append(o)
 
-    def over_prompts(values_of: Callable[[list[Output]], list[float]]) -> dict[str, float | int] | None:
+    def over_prompts(name: str, values_of: Callable[[list[Output]], list[float]]) -> dict[str, float | int] | None:
         per_prompt = [sum(v) / len(v) for v in (values_of(os) for os in by_prompt.values()) if v]
         est = M.mean_interval(per_prompt)
-        return est.as_dict() if est else None
+        if est is None:
+            return None
+        lo, hi = RANGES[name]
+        return {**est.as_dict(), "low": max(lo, est.low), "high": min(hi, est.high)}
 
-    passed = over_prompts(lambda os: [float(o.passed) for o in os if o.passed is not None])
-    if passed:  # a rate's interval stays inside [0, 1]
-        passed.update(low=max(0.0, passed["low"]), high=min(1.0, passed["high"]))
     out: dict[str, Any] = {
-        "pass_rate": passed,
-        "self_bleu": over_prompts(lambda os: [b] if (b := M.self_bleu([o.text for o in os])) is not None else []),
+        "pass_rate": over_prompts("pass_rate", lambda os: [float(o.passed) for o in os if o.passed is not None]),
+        "self_bleu": over_prompts("self_bleu", lambda os: [b] if (b := M.self_bleu([o.text for o in os])) is not None
+                                  else []),
     }
     for name in PER_OUTPUT:
-        out[name] = over_prompts(lambda os, name=name: [getattr(o, name) for o in os if getattr(o, name) is not None])
+        out[name] = over_prompts(name, lambda os, name=name: [getattr(o, name) for o in os
+                                                              if getattr(o, name) is not None])
     out["finish_reasons"] = dict(Counter(o.finish_reason for o in outputs))
     out["outputs"] = len(outputs)
     return out
