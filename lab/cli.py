@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +83,28 @@ def run(args: argparse.Namespace) -> int:
     except (MlxChatError, ValueError, OSError) as e:
         print(f"mlxchat lab: error: {e}", file=sys.stderr)
     return 2
+
+
+@contextmanager
+def _stop_on_ctrl_c() -> Iterator[threading.Event]:
+    """The first Ctrl-C sets the event: the loop stops after the current item (the generation in flight is
+    cancelled; a judge's answer in flight is awaited) and what finished stays stored. A second one goes to the handler
+    that was there before (mlxchat's main leaves at once, exit 130). Signals reach only the main thread."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first(signum: int, frame: Any) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- run -------------------------------------------------------------------------------------------------------
@@ -156,13 +182,14 @@ def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
             store.add_output(run_id, output)
             bar.update(task, advance=1, description=f"run {run_id} {experiment.settings[output.cell].label}")
 
-        try:
-            experiment.run(engine, done)
-        except KeyboardInterrupt:
-            store.finish(run_id, "cancelled")
-            return "cancelled"
-    store.finish(run_id, "done")
-    return "done"
+        with _stop_on_ctrl_c() as stop:
+            try:
+                finished = experiment.run(engine, done, stop)
+            except KeyboardInterrupt:  # a Ctrl-C with Python's default handler (mlxchat.app.cli.main not in use)
+                finished = False
+    status = "done" if finished else "cancelled"
+    store.finish(run_id, status)
+    return status
 
 
 def _outputs(run: Any, json_path: Path | None, report_dir: Path | None, evaluations: list[str] = ()) -> None:
@@ -361,13 +388,16 @@ def _judge(args: argparse.Namespace) -> int:
     cancelled = False
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
-    try:
-        with Progress(*columns, console=Console(stderr=True)) as bar:
+    try:  # every pair judged is stored at once, and each answer cached: a stop keeps them
+        with Progress(*columns, console=Console(stderr=True)) as bar, _stop_on_ctrl_c() as stop:
             task = bar.add_task(f"judging run {run.id}", total=len(jobs))
-            for pair in judging.judge_all():
-                pairs.append(pair)
+            for job in jobs:
+                if stop.is_set():
+                    cancelled = True
+                    break
+                pairs.append(judging.judge_pair(job))
                 bar.update(task, advance=1)
-    except KeyboardInterrupt:  # every pair judged so far is stored, and each answer cached
+    except KeyboardInterrupt:  # a Ctrl-C with Python's default handler (mlxchat.app.cli.main not in use)
         cancelled = True
     finally:
         engine = getattr(judging.judge, "engine", None)

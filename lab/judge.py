@@ -15,7 +15,7 @@ import importlib.resources
 import json
 import re
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -191,6 +191,7 @@ class Judging:
         return answer, False
 
     def judge_pair(self, job: PairJob) -> dict[str, Any]:
+        """Both orders of one pair; the pair's verdict is stored with the run at once (a stop keeps it)."""
         orders = []
         for first in ("a", "b"):  # the same pair both ways round
             shown = (job.a, job.b) if first == "a" else (job.b, job.a)
@@ -205,11 +206,6 @@ class Judging:
         self.store.add_judgement(self.run.id, self.cell_a, self.cell_b, job.prompt_id, job.seed, self.judge.name,
                                  self.rubric.tag, pair)
         return pair
-
-    def judge_all(self) -> Iterator[dict[str, Any]]:
-        """Each pair's verdict as it is judged; stopping the iteration keeps every pair judged so far."""
-        for job in pair_jobs(self.run, self.cell_a, self.cell_b):
-            yield self.judge_pair(job)
 
 
 def summary(pairs: list[dict[str, Any]], judge: str, rubric: Rubric) -> dict[str, Any]:

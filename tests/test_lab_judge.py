@@ -163,60 +163,83 @@ async def test_f6_form_has_whole_labels_and_hints_in_80_columns(tmp_path):
 # --- a real server and the embedded model --------------------------------------------------------------------------
 
 def test_target_run_then_judge_url_against_serve(serve, engine, capsys, folders):
+    import os
+    import re
+    import signal
+    import threading
+
     from mlxchat.lab import prompts as P
     from mlxchat.lab.runner import Experiment
 
     url = serve()
     assert main(["lab", "run", "--target", url, "--prompts", "factual", "--profile", "precise", "--profile", "chat",
-                 "--seeds", "1", "--limit", "1", "--max-tokens", "4", "--json", str(folders / "run.json")]) == 0
+                 "--seeds", "3", "--limit", "1", "--max-tokens", "4", "--json", str(folders / "run.json")]) == 0
     run = json.loads((folders / "run.json").read_text())
     assert run["model"] == f"{engine.name} at {url}/v1"
     served = [o for c in run["cells"] for o in c["outputs"]]
-    assert len(served) == 2 and all(0 < o["length"] <= 4 and o["ttft_s"] > 0 for o in served)
+    assert len(served) == 6 and all(0 < o["length"] <= 4 and o["ttft_s"] > 0 for o in served)
     assert all(o["mean_logprob"] is not None for o in served)  # mlxchat serve sends logprobs
-    # the same settings and seeds through the server as on the engine: the same texts
+    # the same settings and seed through the server as on the engine: the same texts
     local = []
     Experiment(P.load("factual").limited(1), build_settings(["precise", "chat"], None, None), 1, 4).run(
         engine, local.append)
-    assert [o["text"] for o in served] == [o.text for o in local]
+    assert [o["text"] for o in served if o["seed"] == 0] == [o.text for o in local]
 
     judge_json = folders / "judge.json"
     argv = ["lab", "judge", "last", "--a", "precise", "--b", "chat", "--judge-url", url, "--judge-max-tokens", "3",
             "--json", str(judge_json)]
-    assert main(argv) == 0
+    store = LabStore()
+
+    def ctrl_c_after_the_first_pair() -> None:
+        while not store.judgements(1):
+            threading.Event().wait(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_after_the_first_pair, daemon=True).start()
+    assert main(argv) == 130  # stopped after the pair in flight; what was judged is stored and written
+    assert "cancelled: kept" in capsys.readouterr().err
     first = json.loads(judge_json.read_text())
+    kept = first["pairs"]
+    assert 1 <= kept < 3 and len(store.judgements(1)) == kept
     assert set(first) >= {"pairs", "swapped", "wins_a", "wins_b", "ties", "win_rate_a", "judge", "rubric_version"}
-    assert (first["pairs"], first["swapped"]) == (1, 1)
-    assert first["wins_a"] + first["wins_b"] + first["ties"] + first["unparsed"] == 1
-    (pair,) = first["verdicts"]
+    assert first["swapped"] == kept and first["wins_a"] + first["wins_b"] + first["ties"] + first["unparsed"] == kept
+    pair = first["verdicts"][0]
     assert [o["first"] for o in pair["orders"]] == ["a", "b"] and not any(o["cached"] for o in pair["orders"])
     assert all(isinstance(o["answer"], str) and o["parsed"] in ("A", "B", "tie", None) for o in pair["orders"])
     assert first["rubric_version"].startswith("factual v1 (") and url in first["judge"]
-    capsys.readouterr()
-    assert main(argv) == 0  # again: every answer from the cache, the same verdicts
-    assert "0 judge call(s), 2 from the cache" in capsys.readouterr().out
+
+    # The rest: what was judged comes from the cache, and so does a question met twice (a greedy setting's seeds
+    # give one text).
+    assert main(argv) == 0
+    asked, from_cache = map(int, re.search(r"(\d+) judge call\(s\), (\d+) from the cache",
+                                           capsys.readouterr().out).groups())
+    assert asked + from_cache == 6 and from_cache >= 2 * kept
+    assert main(argv) == 0  # all of it again: the judge is asked nothing
+    assert "0 judge call(s), 6 from the cache" in capsys.readouterr().out
     again = json.loads(judge_json.read_text())
-    assert all(o["cached"] for o in again["verdicts"][0]["orders"])
+    assert again["pairs"] == 3 and all(o["cached"] for p in again["verdicts"] for o in p["orders"])
     assert [o["answer"] for o in again["verdicts"][0]["orders"]] == [o["answer"] for o in pair["orders"]]
 
 
-def test_local_judge_keeps_what_is_judged_and_asks_nothing_twice(engine, tmp_path):
+def test_local_judge_answers_are_kept_raw_and_cached(engine, tmp_path):
     store = LabStore(tmp_path / "lab.db")
-    run = store.load(stored(store, [out(0, "p1", 0, "Hi there!"), out(1, "p1", 0, "hi hi hi hi"),
-                                    out(0, "p2", 0, "Blue."), out(1, "p2", 0, "The the the")]))
+    run = store.load(stored(store, [out(0, "p1", 0, "Hi there!"), out(1, "p1", 0, "hi hi hi hi")]))
     rubric = J.load_rubric("chat")
+    (job,) = J.pair_jobs(run, 0, 1)
     judging = J.Judging(store, run, 0, 1, J.EngineJudge(engine.name, lambda: engine, 3), rubric)
-    for _pair in judging.judge_all():
-        break  # as Ctrl-C after the first pair: that pair is stored, its answers cached
-    assert judging.asked == 2 and [j["prompt_id"] for j in store.judgements(run.id)] == ["p1"]
+    pair = judging.judge_pair(job)
+    assert judging.asked == 2 and [o["cached"] for o in pair["orders"]] == [False, False]
+    assert pair["verdict"] in ("a", "b", "tie", "unparsed")
+    for o in pair["orders"]:  # the raw answer is kept, and the verdict is what it says or "unparsed"
+        assert o["verdict"] == "unparsed" if J.parse_verdict(o["answer"]) is None else o["parsed"] is not None
+    assert [j["verdict"] for j in store.judgements(run.id)] == [pair["verdict"]]
 
     def no_load():
         raise AssertionError("the judge was asked although every answer is cached")
 
-    whole = list(J.Judging(store, run, 0, 1, J.EngineJudge(engine.name, lambda: engine, 3), rubric).judge_all())
-    assert [p["prompt_id"] for p in whole] == ["p1", "p2"]
-    assert [o["cached"] for p in whole for o in p["orders"]] == [True, True, False, False]
     cached = J.Judging(store, run, 0, 1, J.EngineJudge(engine.name, no_load, 3), rubric)
-    assert [p["verdict"] for p in cached.judge_all()] == [p["verdict"] for p in whole] and cached.asked == 0
-    for p in whole:
-        assert p["verdict"] in ("a", "b", "tie", "unparsed") and all(o["answer"] is not None for o in p["orders"])
+    assert cached.judge_pair(job)["orders"] == [{**o, "cached": True} for o in pair["orders"]] and cached.asked == 0
+    # another rubric version is another question: asked afresh
+    other = J.Judging(store, run, 0, 1, J.EngineJudge(engine.name, no_load, 3), J.load_rubric("creative"))
+    with pytest.raises(AssertionError, match="although every answer is cached"):
+        other.judge_pair(job)
