@@ -380,10 +380,10 @@ def _judge(args: argparse.Namespace) -> int:
     if cell_a == cell_b:
         raise ValueError("--a and --b name the same setting; judge two different ones")
     rubric = J.load_rubric(run.prompt_set, args.rubric)
-    judging = J.Judging(store, run, cell_a, cell_b, _make_judge(args), rubric)
     jobs = J.pair_jobs(run, cell_a, cell_b)
     if not jobs:
         raise ValueError(f"run {run.id} has no outputs of {args.a!r} and {args.b!r} with the same prompt and seed")
+    judging = J.Judging(store, run, cell_a, cell_b, _make_judge(args), rubric)
     pairs: list[dict[str, Any]] = []
     cancelled = False
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -400,9 +400,7 @@ def _judge(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a Ctrl-C with Python's default handler (mlxchat.app.cli.main not in use)
         cancelled = True
     finally:
-        engine = getattr(judging.judge, "engine", None)
-        if engine is not None:
-            engine.close()
+        judging.judge.close()
     result = {"run_id": run.id, "a": args.a, "b": args.b, **J.summary(pairs, judging.judge.name, rubric)}
     _judge_outputs(result, judging.asked, len(jobs), args.json)
     if cancelled:

@@ -116,6 +116,8 @@ class Judge(Protocol):
 
     def ask(self, prompt: str) -> str: ...
 
+    def close(self) -> None: ...
+
 
 class EngineJudge:
     """A model mlxchat loads, greedy; loaded only when an answer is not cached."""
@@ -133,6 +135,10 @@ class EngineJudge:
         return self.engine.generate(prompt, profile=SamplingProfile(temperature=0, seed=0),
                                     max_tokens=self.max_tokens).text
 
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
 
 class EndpointJudge:
     """Any OpenAI-compatible endpoint, at temperature 0 and seed 0."""
@@ -144,6 +150,9 @@ class EndpointJudge:
     def ask(self, prompt: str) -> str:
         body = {"temperature": 0, "seed": 0, "max_tokens": self.max_tokens}
         return self.endpoint.chat(self.model, [{"role": "user", "content": prompt}], body).text
+
+    def close(self) -> None:
+        self.endpoint.close()
 
 
 # --- judging a run -------------------------------------------------------------------------------------------------
