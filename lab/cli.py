@@ -185,7 +185,7 @@ def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
         with _stop_on_ctrl_c() as stop:
             try:
                 finished = experiment.run(engine, done, stop)
-            except KeyboardInterrupt:  # a Ctrl-C with Python's default handler (mlxchat.app.cli.main not in use)
+            except KeyboardInterrupt:  # a second Ctrl-C, where Python's default handler was there before
                 finished = False
     status = "done" if finished else "cancelled"
     store.finish(run_id, status)
@@ -397,7 +397,7 @@ def _judge(args: argparse.Namespace) -> int:
                     break
                 pairs.append(judging.judge_pair(job))
                 bar.update(task, advance=1)
-    except KeyboardInterrupt:  # a Ctrl-C with Python's default handler (mlxchat.app.cli.main not in use)
+    except KeyboardInterrupt:  # a second Ctrl-C, where Python's default handler was there before
         cancelled = True
     finally:
         judging.judge.close()
@@ -411,14 +411,14 @@ def _judge(args: argparse.Namespace) -> int:
 
 
 def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Path | None) -> None:
-    w = result["win_rate_a"]
+    a, b, w = result["a"], result["b"], result["win_rate_a"]
     rate = f"{_rate(w)} (Wilson 95%, n={w['n']})" if w else "n/a"
     lines = [f"judge {result['judge']} · rubric {result['rubric_version']} · {asked} judge call(s), "
              f"{2 * result['pairs'] - asked} from the cache",
-             f"{result['a']} vs {result['b']}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; "
-             f"{result['a']} won {result['wins_a']}, {result['b']} won {result['wins_b']}, ties {result['ties']}, "
-             f"unparsed {result['unparsed']}; the two orders agreed on {result['consistent']}",
-             f"win rate of {result['a']}: {rate}" + (_small_n_note(w["n"]) if w else "")]
+             f"{a} vs {b}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; {a} won "
+             f"{result['wins_a']}, {b} won {result['wins_b']}, ties {result['ties']}, unparsed {result['unparsed']}; "
+             f"the two orders agreed on {result['consistent']}",
+             f"win rate of {a}: {rate}" + (_small_n_note(w["n"]) if w else "")]
     to_stdout = json_path is None or str(json_path) != "-"
     print("\n".join(lines), file=sys.stdout if to_stdout else sys.stderr)
     if json_path is not None:

@@ -193,7 +193,9 @@ def test_target_run_then_judge_url_against_serve(serve, engine, capsys, folders)
     def ctrl_c_after_the_first_pair() -> None:
         while not store.judgements(1):
             threading.Event().wait(0.005)
-        os.kill(os.getpid(), signal.SIGINT)
+        # only while `lab judge` handles it (mlxchat's main, around it, leaves the process at once)
+        if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "first":
+            os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=ctrl_c_after_the_first_pair, daemon=True).start()
     assert main(argv) == 130  # stopped after the pair in flight; what was judged is stored and written
