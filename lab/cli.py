@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "a weak judge); with --judge-url, the model name to ask for")
     j.add_argument("--judge-url", metavar="URL", help="an OpenAI-compatible endpoint as the judge")
     j.add_argument("--judge-api-key", metavar="KEY", help="the --judge-url endpoint's API key")
-    j.add_argument("--judge-max-tokens", type=int, default=16, help="tokens per judge answer (default 16)")
+    j.add_argument("--judge-max-tokens", type=int, default=16, metavar="N", help="tokens per judge answer (default 16)")
     j.add_argument("--rubric", type=Path, metavar="FILE", help="a rubric TOML (default: the prompt set's)")
     j.add_argument("--json", type=Path, metavar="FILE", help="write the verdicts as JSON to FILE (- for stdout)")
 
