@@ -13,9 +13,11 @@ import httpx
 
 from mlxchat.core import SamplingProfile
 
-# Sampler fields outside OpenAI's API (vLLM / llama.cpp accept them at the top level) and the value that switches
-# each off: they are sent only when a setting turns them on, since a hosted API refuses a name it does not know.
-_EXTRA_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.0, "min_tokens": 0}
+# Sampler fields outside OpenAI's API (vLLM, llama.cpp and mlxchat serve accept them at the top level) and the value
+# that leaves each off: they are sent only when a setting turns them on, since a hosted API refuses a name it does not
+# know. (xtc_threshold goes along with xtc_probability: alone it changes nothing.)
+_EXTRA_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.0, "min_tokens": 0,
+              "xtc_probability": 0.0, "penalty_window": 0, "penalize_prompt": False, "sampler_order": None}
 
 
 class EndpointError(ValueError):
@@ -33,17 +35,20 @@ class Completion:
 
 
 def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | None) -> dict[str, Any]:
-    """A profile as a chat-completions request: OpenAI's names, plus the extra sampler fields a setting turns on."""
+    """A profile as a chat-completions request: OpenAI's names, plus the extra sampler fields a setting turns on.
+    `stop` adds to the profile's stop strings, as it does for the engine (core/reply.py's Request)."""
     body: dict[str, Any] = {"temperature": profile.temperature, "top_p": profile.top_p,
                             "frequency_penalty": profile.frequency_penalty,
                             "presence_penalty": profile.presence_penalty, "max_tokens": max_tokens}
     if profile.seed is not None:
         body["seed"] = profile.seed
-    if stop:
-        body["stop"] = stop
+    if stops := [*profile.stop, *(stop or [])]:
+        body["stop"] = stops
     if profile.logit_bias:  # token ids of this model's vocabulary: only meaningful for the same tokenizer
         body["logit_bias"] = {str(k): v for k, v in profile.logit_bias.items()}
     body.update({k: getattr(profile, k) for k, off in _EXTRA_OFF.items() if getattr(profile, k) != off})
+    if profile.xtc_probability:
+        body["xtc_threshold"] = profile.xtc_threshold
     return body
 
 

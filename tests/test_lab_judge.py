@@ -136,6 +136,18 @@ def test_judge_and_target_flags_fail_in_one_line(capsys):
         assert fragment in err and "\n" not in err, err
 
 
+def test_a_setting_goes_to_a_server_as_openai_fields_plus_the_extras_it_turns_on():
+    from mlxchat.core import SamplingProfile
+    from mlxchat.lab.endpoint import request_body
+
+    plain = request_body(SamplingProfile(seed=3), 8, None)
+    assert plain == {"temperature": 1.0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                     "max_tokens": 8, "seed": 3}  # nothing a hosted API would refuse
+    xtc = request_body(SamplingProfile(top_k=40, xtc_probability=0.5, stop=["END"]), 8, ["\n\n"])
+    assert (xtc["top_k"], xtc["xtc_probability"], xtc["xtc_threshold"]) == (40, 0.5, 0.1)
+    assert xtc["stop"] == ["END", "\n\n"]  # the profile's stops and the prompt's, as the engine takes them
+
+
 @pytest.mark.anyio
 async def test_f6_form_has_whole_labels_and_hints_in_80_columns(tmp_path):
     from textual.app import App
