@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from . import prompts as P
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
+from .metrics import SMALL_N
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -22,7 +27,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare}")
+    sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare,judge}")
     sub.required = True
     r = sub.add_parser("run", help="run prompts x settings x seeds and store the outputs and metrics")
     # Named without reading the user's folder: building the parser must not import the engine (see app/cli.py).
@@ -34,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--seeds", type=int, default=3, help="seeds per prompt and setting: 0..K-1 (default 3)")
     r.add_argument("--max-tokens", type=int, default=64, help="tokens per output (default 64)")
     r.add_argument("--limit", type=int, help="use only the first N prompts of the set")
-    r.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded model)")
+    r.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded model); with "
+                                   "--target, the model name to ask the server for (default: the first it lists)")
+    r.add_argument("--target", metavar="URL", help="run against this OpenAI-compatible server instead of a local "
+                                                   "model (mlxchat serve, llama.cpp, Ollama, a hosted API)")
+    r.add_argument("--api-key", help="the --target server's API key")
     r.add_argument("--json", type=Path, help="also write the run as JSON to FILE")
     r.add_argument("--report", type=Path, help="write report.md and PNG plots into DIR")
     r.add_argument("--baseline", help="a stored run (id or 'last') to compare with, for --fail-on")
@@ -48,6 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = sub.add_parser("compare", help="per-metric deltas B - A with intervals, and the prompts that changed most")
     c.add_argument("run_a")
     c.add_argument("run_b")
+    j = sub.add_parser("judge", help="an LLM judges two settings' outputs pair by pair (both orders, ties allowed)")
+    j.add_argument("run", help="run id or 'last'")
+    j.add_argument("--a", required=True, metavar="SETTING", help="a setting's label in the run (see `lab show`)")
+    j.add_argument("--b", required=True, metavar="SETTING", help="the other setting's label")
+    j.add_argument("--judge", metavar="MODEL", help="the judge: a model mlxchat loads (default: the embedded one, "
+                                                    "a weak judge); with --judge-url, the model name to ask for")
+    j.add_argument("--judge-url", metavar="URL", help="an OpenAI-compatible endpoint as the judge")
+    j.add_argument("--judge-api-key", metavar="KEY", help="the --judge-url endpoint's API key")
+    j.add_argument("--judge-max-tokens", type=int, default=16, metavar="N", help="tokens per judge answer (default 16)")
+    j.add_argument("--rubric", type=Path, metavar="FILE", help="a rubric TOML (default: the prompt set's)")
+    j.add_argument("--json", type=Path, metavar="FILE", help="write the verdicts as JSON to FILE (- for stdout)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,12 +76,35 @@ def run(args: argparse.Namespace) -> int:
     from mlxchat.core.errors import MlxChatError
 
     try:
-        return {"run": _run, "list": _list, "show": _show, "compare": _compare}[args.lab_command](args)
+        return {"run": _run, "list": _list, "show": _show, "compare": _compare,
+                "judge": _judge}[args.lab_command](args)
     except ValidationError as e:
         print(f"mlxchat lab: error: {e.errors()[0]['msg']}", file=sys.stderr)
     except (MlxChatError, ValueError, OSError) as e:
         print(f"mlxchat lab: error: {e}", file=sys.stderr)
     return 2
+
+
+@contextmanager
+def _stop_on_ctrl_c() -> Iterator[threading.Event]:
+    """The first Ctrl-C sets the event: the loop stops after the current item (the generation in flight is
+    cancelled; a judge's answer in flight is awaited) and what finished stays stored. A second one goes to the handler
+    that was there before (mlxchat's main leaves at once, exit 130). Signals reach only the main thread."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first(signum: int, frame: Any) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- run -------------------------------------------------------------------------------------------------------
@@ -86,11 +129,18 @@ def _run(args: argparse.Namespace) -> int:
         check_comparable(baseline, [p.id for p in prompt_set.prompts], prompt_set.digest,
                          [s.label for s in experiment.settings])
 
-    from mlxchat.core import Engine
+    if args.api_key and not args.target:
+        raise ValueError("--api-key goes with --target URL")
+    if args.target:
+        from .target import Target
 
-    engine = Engine.load(args.model)
+        engine = Target(args.target, args.api_key, args.model)
+    else:
+        from mlxchat.core import Engine
+
+        engine = Engine.load(args.model)
     run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
-                          settings=[{"label": s.label, "setting": s.fields()} for s in experiment.settings],
+                          settings=[s.record() for s in experiment.settings],
                           prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
                           max_tokens=args.max_tokens)
     try:
@@ -132,16 +182,17 @@ def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
             store.add_output(run_id, output)
             bar.update(task, advance=1, description=f"run {run_id} {experiment.settings[output.cell].label}")
 
-        try:
-            experiment.run(engine, done)
-        except KeyboardInterrupt:
-            store.finish(run_id, "cancelled")
-            return "cancelled"
-    store.finish(run_id, "done")
-    return "done"
+        with _stop_on_ctrl_c() as stop:
+            try:
+                finished = experiment.run(engine, done, stop)
+            except KeyboardInterrupt:  # a second Ctrl-C, where Python's default handler was there before
+                finished = False
+    status = "done" if finished else "cancelled"
+    store.finish(run_id, status)
+    return status
 
 
-def _outputs(run: Any, json_path: Path | None, report_dir: Path | None) -> None:
+def _outputs(run: Any, json_path: Path | None, report_dir: Path | None, evaluations: list[str] = ()) -> None:
     if json_path is not None:
         text = json.dumps(run.as_json(), ensure_ascii=False, indent=1)
         if str(json_path) == "-":
@@ -152,11 +203,21 @@ def _outputs(run: Any, json_path: Path | None, report_dir: Path | None) -> None:
     if report_dir is not None:
         from .report import write
 
-        print(f"wrote {write(run, report_dir)}", file=sys.stderr)
+        print(f"wrote {write(run, report_dir, list(evaluations))}", file=sys.stderr)
+
+
+def _num(x: float) -> str:
+    return f"{x:.2f}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def _est(e: dict[str, Any] | None) -> str:
-    return f"{e['mean']:.3f}±{(e['high'] - e['low']) / 2:.3f}" if e else "–"
+    """A metric as mean [low, high]: clipped to the metric's range, its interval need not be symmetric."""
+    return f"{_num(e['mean'])} [{_num(e['low'])}, {_num(e['high'])}]" if e else "n/a"
+
+
+def _rate(e: dict[str, Any] | None) -> str:
+    """A rate with its (asymmetric) Wilson interval."""
+    return f"{e['mean']:.2f} [{e['low']:.2f}, {e['high']:.2f}]" if e else "n/a"
 
 
 def _summary(run: Any) -> str:
@@ -167,7 +228,14 @@ def _summary(run: Any) -> str:
         m = c["metrics"]
         rows.append([c["label"], *(_est(m.get(n)) for n in SUMMARY),
                      " ".join(f"{k}:{v}" for k, v in sorted(m["finish_reasons"].items()))])
-    return head + "\n" + _table(rows)
+    return head + "\n" + _table(rows) + _few_prompts_note(run)
+
+
+def _few_prompts_note(run: Any) -> str:
+    """Intervals are over prompts: with fewer than SMALL_N of them they are too wide (or too lucky) to lean on."""
+    n = len({o.prompt_id for o in run.outputs})
+    return (f"\nnote: 95% intervals over n={n} prompt(s); below {SMALL_N} they say little (use more prompts)"
+            if 0 < n < SMALL_N else "")
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -192,26 +260,54 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from .ab import tally, winner
     from .store import LabStore
 
     store = LabStore()
     run = store.load(args.run)
-    print(_summary(run))
     from mlxchat.core import SamplingProfile
 
     defaults = SamplingProfile().model_dump(mode="json")
+    lines = [_summary(run)]
+    bases = {s["base"] for s in run.settings if s.get("base")}
+    if bases:
+        lines.append(f"a sweep from the base profile {', '.join(sorted(bases))}; each setting vs the default profile:")
     for s in run.settings:  # what each setting changes from the default profile
         changed = {k: v for k, v in s["setting"].items() if k != "description" and defaults.get(k) != v}
-        print(f"  {s['label']}: {json.dumps(changed)}")
-    votes = store.votes(run.id)
-    pairs = sorted({(v["cell_a"], v["cell_b"]) for v in votes})
-    for a, b in pairs:
-        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
-        print(f"blind A/B {run.settings[a]['label']} vs {run.settings[b]['label']}: {t['a']} wins, {t['b']} losses, "
-              f"{t['tie']} ties, {t['skip']} skipped; win rate {_est(t['win_rate_a'])} (Wilson 95%)")
-    _outputs(run, args.json, args.report)
+        lines.append(f"  {s['label']}: {json.dumps(changed)}")
+    evaluations = _evaluations(store, run)
+    # With --json -, stdout carries the JSON alone (for a pipe into jq); the readable summary goes to stderr.
+    print("\n".join(lines + evaluations), file=sys.stderr if str(args.json) == "-" else sys.stdout)
+    _outputs(run, args.json, args.report, evaluations)
     return 0
+
+
+def _evaluations(store: Any, run: Any) -> list[str]:
+    """The blind A/B tallies, the judge's tallies, and where both exist their agreement (Cohen's kappa)."""
+    from .ab import tally, winner
+    from .judge import agreement
+
+    label = [s["label"] for s in run.settings]
+    lines = []
+    votes = store.votes(run.id)
+    for a, b in sorted({(v["cell_a"], v["cell_b"]) for v in votes}):
+        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
+        n = t["a"] + t["b"] + t["tie"]
+        lines.append(f"blind A/B {label[a]} vs {label[b]}: {t['a']} wins, {t['b']} losses, {t['tie']} ties, "
+                     f"{t['skip']} skipped; win rate {_rate(t['win_rate_a'])} (Wilson 95%, n={n})" + _small_n_note(n))
+    judged = store.judgements(run.id)
+    for key in sorted({(j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]) for j in judged}):
+        t = tally([j["verdict"] if j["verdict"] != "unparsed" else "skip" for j in judged
+                   if (j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]) == key])
+        n = t["a"] + t["b"] + t["tie"]
+        lines.append(f"judge {key[2]} (rubric {key[3]}) {label[key[0]]} vs {label[key[1]]}: {t['a']} wins, "
+                     f"{t['b']} losses, {t['tie']} ties, {t['skip']} unparsed; win rate {_rate(t['win_rate_a'])} "
+                     f"(Wilson 95%, n={n})" + _small_n_note(n))
+    for k in agreement(judged, votes):
+        kappa = "n/a (both gave one and the same verdict throughout)" if k["kappa"] is None else f"{k['kappa']:.2f}"
+        lines.append(f"judge vs blind A/B, {label[k['cell_a']]} vs {label[k['cell_b']]} ({k['judge']}, rubric "
+                     f"{k['rubric_version']}): Cohen's kappa {kappa}, raw agreement {k['agreement']:.2f}, "
+                     f"n={k['n']}" + _small_n_note(k["n"]))
+    return lines
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -240,3 +336,99 @@ def _compare(args: argparse.Namespace) -> int:
         for c in changed:
             print(f"  {c['change']:.2f}  {c['prompt_id']}: {c['prompt'][:70]!r}")
     return 0
+
+
+# --- judge -----------------------------------------------------------------------------------------------------
+
+def _cell(run: Any, label: str, flag: str) -> int:
+    labels = [s["label"] for s in run.settings]
+    if label not in labels:
+        raise ValueError(f"{flag} {label!r}: run {run.id} has no such setting; its settings: {', '.join(labels)}")
+    return labels.index(label)
+
+
+def _make_judge(args: argparse.Namespace) -> Any:
+    from . import judge as J
+
+    if args.judge_max_tokens < 1:
+        raise ValueError(f"--judge-max-tokens must be at least 1, got {args.judge_max_tokens}")
+    if args.judge_api_key and not args.judge_url:
+        raise ValueError("--judge-api-key goes with --judge-url URL")
+    if args.judge_url:
+        from .endpoint import Endpoint
+
+        endpoint = Endpoint(args.judge_url, args.judge_api_key)
+        return J.EndpointJudge(endpoint, args.judge or endpoint.default_model(), args.judge_max_tokens)
+    from mlxchat.core import Engine
+    from mlxchat.core.loader import EMBEDDED_FILE
+
+    return J.EngineJudge(args.judge or EMBEDDED_FILE.removesuffix(".gguf"), lambda: Engine.load(args.judge),
+                         args.judge_max_tokens)
+
+
+def _judge(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from . import judge as J
+    from .store import LabStore
+
+    store = LabStore()
+    run = store.load(args.run)
+    cell_a, cell_b = _cell(run, args.a, "--a"), _cell(run, args.b, "--b")
+    if cell_a == cell_b:
+        raise ValueError("--a and --b name the same setting; judge two different ones")
+    rubric = J.load_rubric(run.prompt_set, args.rubric)
+    jobs = J.pair_jobs(run, cell_a, cell_b)
+    if not jobs:
+        raise ValueError(f"run {run.id} has no outputs of {args.a!r} and {args.b!r} with the same prompt and seed")
+    judging = J.Judging(store, run, cell_a, cell_b, _make_judge(args), rubric)
+    pairs: list[dict[str, Any]] = []
+    cancelled = False
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    try:  # every pair judged is stored at once, and each answer cached: a stop keeps them
+        with Progress(*columns, console=Console(stderr=True)) as bar, _stop_on_ctrl_c() as stop:
+            task = bar.add_task(f"judging run {run.id}", total=len(jobs))
+            for job in jobs:
+                if stop.is_set():
+                    cancelled = True
+                    break
+                pairs.append(judging.judge_pair(job))
+                bar.update(task, advance=1)
+    except KeyboardInterrupt:  # a second Ctrl-C, where Python's default handler was there before
+        cancelled = True
+    finally:
+        judging.judge.close()
+    result = {"run_id": run.id, "a": args.a, "b": args.b, **J.summary(pairs, judging.judge.name, rubric)}
+    _judge_outputs(result, judging.asked, len(jobs), args.json)
+    if cancelled:
+        print(f"cancelled: kept {len(pairs)} of {len(jobs)} pairs (rerun to judge the rest; judged ones are cached)",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Path | None) -> None:
+    a, b, w = result["a"], result["b"], result["win_rate_a"]
+    rate = f"{_rate(w)} (Wilson 95%, n={w['n']})" if w else "n/a"
+    lines = [f"judge {result['judge']} · rubric {result['rubric_version']} · {asked} judge call(s), "
+             f"{2 * result['pairs'] - asked} from the cache",
+             f"{a} vs {b}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; {a} won "
+             f"{result['wins_a']}, {b} won {result['wins_b']}, ties {result['ties']}, unparsed {result['unparsed']}; "
+             f"the two orders agreed on {result['consistent']}",
+             f"win rate of {a}: {rate}" + (_small_n_note(w["n"]) if w else "")]
+    to_stdout = json_path is None or str(json_path) != "-"
+    print("\n".join(lines), file=sys.stdout if to_stdout else sys.stderr)
+    if json_path is not None:
+        text = json.dumps(result, ensure_ascii=False, indent=1)
+        if str(json_path) == "-":
+            print(text)
+        else:
+            json_path.write_text(text, encoding="utf-8")
+            print(f"wrote {json_path}", file=sys.stderr)
+
+
+def _small_n_note(n: int) -> str:
+    return f" — n={n} is too small to mean much" if n < SMALL_N else ""

@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Fewer prompts (or judged pairs, or votes) than this: an interval or a kappa says little, and the lab says so.
+SMALL_N = 10
 _WORD = re.compile(r"\w+|[^\w\s]")
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30 the normal 1.96 is close enough.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,

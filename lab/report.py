@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .metrics import SMALL_N
 from .runner import METRICS
 from .store import Run
 
@@ -13,8 +14,12 @@ PLOTTED = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "len
 
 def fmt(est: dict[str, Any] | None, digits: int = 3) -> str:
     if not est:
-        return "–"
+        return "n/a"
     return f"{est['mean']:.{digits}f} [{est['low']:.{digits}f}, {est['high']:.{digits}f}]"
+
+
+def verdict(passed: bool | None) -> str:
+    return "no check" if passed is None else "pass" if passed else "fail"
 
 
 def metrics_table(cells: list[dict[str, Any]], names: tuple[str, ...] = METRICS) -> str:
@@ -35,7 +40,8 @@ def swept(run: Run) -> tuple[str, list[float]] | None:
     return (field, values) if all(isinstance(v, (int, float)) for v in values) else None
 
 
-def write(run: Run, folder: Path) -> Path:
+def write(run: Run, folder: Path, evaluations: list[str] | None = None) -> Path:
+    """report.md and the plots; `evaluations`: the blind A/B, judge and agreement lines of `lab show`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +52,14 @@ def write(run: Run, folder: Path) -> Path:
     md = [f"# Lab run {run.id}: {run.prompt_set}", "",
           f"model `{run.model}` · code {run.code_version} · prompt set hash `{run.prompt_set_hash[:12]}` · "
           f"{run.seeds} seed(s) · max {run.max_tokens} tokens · {run.status} · {run.created}", "",
-          "Each cell: mean [95% interval over prompts]; see docs/lab.md for the formulas.", "",
+          "Each cell: mean [95% interval over prompts, clipped to the values the metric can take]; n/a: the metric "
+          "does not apply (no checks in the set, or one seed for self-BLEU). See docs/lab.md for the formulas.", "",
           metrics_table(cells), ""]
+    n = len({o.prompt_id for o in run.outputs})
+    if 0 < n < SMALL_N:
+        md += [f"**Note:** the intervals are over {n} prompt(s); below {SMALL_N} they say little.", ""]
+    if evaluations:
+        md += ["## Blind A/B and the judge", "", *(f"- {line}" for line in evaluations), ""]
 
     sweep = swept(run)
     if sweep:
@@ -97,7 +109,7 @@ def write(run: Run, folder: Path) -> Path:
             first = next((o for o in run.outputs_of(i) if o.prompt_id == pid), None)
             if first is not None:
                 body = first.text.strip().replace("\n", "\n    ") or "(empty)"
-                md += [f"**{c['label']}** (seed {first.seed}, {first.finish_reason}, passed {first.passed}):", "",
+                md += [f"**{c['label']}** (seed {first.seed}, {first.finish_reason}, {verdict(first.passed)}):", "",
                        "    " + body, ""]
     path = folder / "report.md"
     path.write_text("\n".join(md), encoding="utf-8")

@@ -3,22 +3,30 @@ the per-setting aggregation of their metrics."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxchat.core import Engine, SamplingProfile
 
 from . import metrics as M
 from .prompts import Prompt, PromptSet
 
+if TYPE_CHECKING:
+    from .target import Target
+
 # Fields a run sets per generation (seed) or for measuring (logprobs); they are not part of a setting.
 RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
 # Per-output numbers averaged into a setting's metrics (each is first averaged over the seeds of one prompt).
 PER_OUTPUT = ("distinct_1", "distinct_2", "rep_4", "mean_logprob", "length", "words", "ttft_s", "tpot_s")
 METRICS = ("pass_rate", "self_bleu", *PER_OUTPUT)
+# The values each metric can take: its interval is clipped to them (a t-interval over few prompts runs past them).
+RANGES = {"pass_rate": (0.0, 1.0), "self_bleu": (0.0, 1.0), "distinct_1": (0.0, 1.0), "distinct_2": (0.0, 1.0),
+          "rep_4": (0.0, 1.0), "mean_logprob": (-math.inf, 0.0), "length": (0.0, math.inf), "words": (0.0, math.inf),
+          "ttft_s": (0.0, math.inf), "tpot_s": (0.0, math.inf)}
 
 
 @dataclass(frozen=True)
@@ -27,9 +35,14 @@ class Setting:
 
     label: str
     profile: SamplingProfile
+    base: str | None = None  # for a sweep: the profile it started from ("default" when --base was not given)
 
     def fields(self) -> dict[str, Any]:
         return self.profile.model_dump(mode="json", exclude=RUN_FIELDS)
+
+    def record(self) -> dict[str, Any]:
+        """How a run stores this setting (lab/store.py)."""
+        return {"label": self.label, "setting": self.fields(), **({"base": self.base} if self.base else {})}
 
 
 @dataclass(frozen=True)
@@ -54,12 +67,17 @@ class Output:
 
 
 def make_output(cell: int, prompt: Prompt, seed: int, result: Any) -> Output:  # result: core GenerationResult
-    text = result.text
-    return Output(cell=cell, prompt_id=prompt.id, seed=seed, text=text, finish_reason=result.finish_reason,
-                  length=result.metrics.completion_tokens, words=len(text.split()),
-                  mean_logprob=M.mean_logprob([lp.logprob for lp in result.logprobs]),
-                  ttft_s=result.metrics.ttft_s, tpot_s=result.metrics.tpot_s, passed=prompt.check(text),
-                  distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2), rep_4=M.seq_rep_n(text, 4))
+    return scored_output(cell, prompt, seed, result.text, result.finish_reason, result.metrics.completion_tokens,
+                         [lp.logprob for lp in result.logprobs], result.metrics.ttft_s, result.metrics.tpot_s)
+
+
+def scored_output(cell: int, prompt: Prompt, seed: int, text: str, finish_reason: str, length: int,
+                  logprobs: Sequence[float], ttft_s: float, tpot_s: float) -> Output:
+    """An output with its checks and per-output metrics, whether the engine or a server (lab/target.py) made it."""
+    return Output(cell=cell, prompt_id=prompt.id, seed=seed, text=text, finish_reason=finish_reason, length=length,
+                  words=len(text.split()), mean_logprob=M.mean_logprob(logprobs), ttft_s=ttft_s, tpot_s=tpot_s,
+                  passed=prompt.check(text), distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2),
+                  rep_4=M.seq_rep_n(text, 4))
 
 
 def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
@@ -69,20 +87,22 @@ def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
     for o in outputs:
         by_prompt[o.prompt_id].append(o)
 
-    def over_prompts(values_of: Callable[[list[Output]], list[float]]) -> dict[str, float | int] | None:
+    def over_prompts(name: str, values_of: Callable[[list[Output]], list[float]]) -> dict[str, float | int] | None:
         per_prompt = [sum(v) / len(v) for v in (values_of(os) for os in by_prompt.values()) if v]
         est = M.mean_interval(per_prompt)
-        return est.as_dict() if est else None
+        if est is None:
+            return None
+        lo, hi = RANGES[name]
+        return {**est.as_dict(), "low": max(lo, est.low), "high": min(hi, est.high)}
 
-    passed = over_prompts(lambda os: [float(o.passed) for o in os if o.passed is not None])
-    if passed:  # a rate's interval stays inside [0, 1]
-        passed.update(low=max(0.0, passed["low"]), high=min(1.0, passed["high"]))
     out: dict[str, Any] = {
-        "pass_rate": passed,
-        "self_bleu": over_prompts(lambda os: [b] if (b := M.self_bleu([o.text for o in os])) is not None else []),
+        "pass_rate": over_prompts("pass_rate", lambda os: [float(o.passed) for o in os if o.passed is not None]),
+        "self_bleu": over_prompts("self_bleu", lambda os: [b] if (b := M.self_bleu([o.text for o in os])) is not None
+                                  else []),
     }
     for name in PER_OUTPUT:
-        out[name] = over_prompts(lambda os, name=name: [getattr(o, name) for o in os if getattr(o, name) is not None])
+        out[name] = over_prompts(name, lambda os, name=name: [getattr(o, name) for o in os
+                                                              if getattr(o, name) is not None])
     out["finish_reasons"] = dict(Counter(o.finish_reason for o in outputs))
     out["outputs"] = len(outputs)
     return out
@@ -106,10 +126,13 @@ class Experiment:
     def jobs(self) -> list[tuple[int, Prompt, int]]:
         return [(c, p, s) for c in range(len(self.settings)) for p in self.prompt_set.prompts for s in self.seeds]
 
-    def generate(self, engine: Engine, cell: int, prompt: Prompt, seed: int,
+    def generate(self, engine: "Engine | Target", cell: int, prompt: Prompt, seed: int,
                  cancelled: threading.Event | None = None) -> Output | None:
-        """One generation; None when `cancelled` is set before it finishes (the partial output is dropped)."""
+        """One generation; None when `cancelled` is set before it finishes (the partial output is dropped).
+        `engine` may instead be a server (lab/target.py), which makes the whole output itself."""
         profile = self.settings[cell].profile.model_copy(update={"seed": seed, "logprobs": True})
+        if not isinstance(engine, Engine):
+            return engine.generate(self, cell, prompt, profile)
         stream = engine.stream(prompt.text, profile=profile, max_tokens=self.max_tokens,
                                stop=[prompt.stop] if prompt.stop else None, system=prompt.system)
         for _event in stream:
@@ -118,7 +141,7 @@ class Experiment:
                 return None
         return make_output(cell, prompt, seed, stream.result)
 
-    def run(self, engine: Engine, on_output: Callable[[Output], None],
+    def run(self, engine: "Engine | Target", on_output: Callable[[Output], None],
             cancelled: threading.Event | None = None) -> bool:
         """Run every job, calling `on_output` after each; False when cancelled before the end.
         KeyboardInterrupt propagates (the engine's stream cancels itself when left early)."""

@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Button, DataTable, Footer, Input, ProgressBar, Select, Static
+from textual.widget import Widget
+from textual.widgets import Button, DataTable, Footer, Input, Label, ProgressBar, Select, Static
 
 from mlxchat.core import SamplingProfile
 
 from . import prompts as P
+from .report import verdict
 from .session import LabSession
 from .store import LabStore
 
@@ -35,13 +37,23 @@ def open_lab(engine: "Engine", data_dir: Path) -> "LabScreen":
     return LabScreen(engine, LabStore(data_dir / "lab.db"))
 
 
+def field(label: str, widget: Widget, id: str | None = None) -> Vertical:  # noqa: A002 - Textual's name
+    """A form field: its label above it."""
+    return Vertical(Label(label), widget, classes="field", id=id)
+
+
 class LabScreen(Screen):
     DEFAULT_CSS = """
-    LabScreen #form { height: auto; padding: 0 1; }
-    LabScreen #form Select { width: 20; }
-    LabScreen #form Input { width: 14; }
-    LabScreen #form #sweep { width: 28; }
-    LabScreen #status { height: 1; padding: 0 1; }
+    LabScreen .row { height: auto; padding: 0 1; }
+    LabScreen .field { width: auto; height: auto; margin-right: 1; }
+    LabScreen .field Label { color: $text-muted; }
+    LabScreen .field Select { width: 19; }
+    LabScreen .field Input { width: 13; }
+    LabScreen #sweep_field { width: 1fr; }
+    LabScreen #sweep_field Input { width: 1fr; }
+    LabScreen #run { margin-top: 1; }
+    LabScreen #hint { height: auto; padding: 0 1; color: $text-muted; }
+    LabScreen #status { height: auto; padding: 0 1; }
     LabScreen #metrics { height: auto; max-height: 8; }
     LabScreen #prompt { height: auto; padding: 0 1; background: $boost; }
     LabScreen #sides { height: 1fr; }
@@ -77,15 +89,21 @@ class LabScreen(Screen):
 
     def compose(self) -> ComposeResult:
         profiles = [(p, p) for p in SamplingProfile.presets()]
-        with Horizontal(id="form"):
-            yield Select([(s, s) for s in P.available()], value="chat", allow_blank=False, id="set")
-            yield Select(profiles, value="precise", allow_blank=False, id="profile_a")
-            yield Select(profiles, value="chat", allow_blank=False, id="profile_b")
-            yield Input(placeholder="or sweep: temperature=0,0.7", id="sweep")
-            yield Input("2", placeholder="seeds", id="seeds", type="integer")
-            yield Input("48", placeholder="max tokens", id="max_tokens", type="integer")
-            yield Input("4", placeholder="prompts", id="limit", type="integer")
+        # Two rows of labelled fields, so each label and hint reads whole in 80 columns.
+        with Horizontal(classes="row"):
+            yield field("prompt set", Select([(s, s) for s in P.available()], value="chat", allow_blank=False,
+                                             id="set"))
+            yield field("setting A", Select(profiles, value="precise", allow_blank=False, id="profile_a"))
+            yield field("setting B", Select(profiles, value="chat", allow_blank=False, id="profile_b"))
             yield Button("Run", id="run", variant="primary")
+        with Horizontal(classes="row"):
+            yield field("or a sweep instead of A and B", Input(placeholder="temperature=0,0.7", id="sweep"),
+                        id="sweep_field")
+            yield field("seeds", Input("2", id="seeds", type="integer"))
+            yield field("max tokens", Input("48", id="max_tokens", type="integer"))
+            yield field("prompts used", Input("4", id="limit", type="integer"))
+        yield Static("Ctrl+R run · Esc stop / back · [ ] browse prompts · Ctrl+B blind A/B (F1 left, F2 right, "
+                     "F3 tie, F4 skip)", id="hint")
         yield ProgressBar(id="progress", show_eta=True)
         yield Static("Choose a prompt set and two profiles (or a sweep), then Run.", id="status")
         yield DataTable(id="metrics", cursor_type="row", zebra_stripes=True)
@@ -149,8 +167,8 @@ class LabScreen(Screen):
         table.add_columns("setting", *COLUMNS, "finish")
         for cell in run.cells():
             m = cell["metrics"]
-            table.add_row(cell["label"], *(f"{m[c]['mean']:.3f}±{(m[c]['high'] - m[c]['low']) / 2:.3f}"
-                                           if m.get(c) else "–" for c in COLUMNS),
+            table.add_row(cell["label"], *(f"{m[c]['mean']:.2f} [{m[c]['low']:.2f}, {m[c]['high']:.2f}]"
+                                           if m.get(c) else "n/a" for c in COLUMNS),
                           " ".join(f"{k}:{v}" for k, v in sorted(m["finish_reasons"].items())))
         self.show_prompt()
 
@@ -161,7 +179,7 @@ class LabScreen(Screen):
         self.query_one("#prompt", Static).update(f"[{self.session.index + 1}/{len(self.session.run.prompts)}] "
                                                  f"{pid}: {text}")
         for side, (label, out) in zip(("#left", "#right"), cols):
-            body = "(no output)" if out is None else f"{out.text}\n\n— {out.finish_reason}, passed {out.passed}"
+            body = "(no output)" if out is None else f"{out.text}\n\n— {out.finish_reason}, {verdict(out.passed)}"
             self.query_one(side, Static).update(f"{label}\n\n{body}")
 
     def action_step(self, delta: int) -> None:

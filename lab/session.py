@@ -37,7 +37,7 @@ class LabSession:
         ps = experiment.prompt_set
         run_id = self.store.create(
             model=engine.name, prompt_set=ps.name, prompt_set_hash=ps.digest,
-            settings=[{"label": s.label, "setting": s.fields()} for s in experiment.settings],
+            settings=[s.record() for s in experiment.settings],
             prompts={p.id: p.text for p in ps.prompts}, seeds=len(experiment.seeds), max_tokens=experiment.max_tokens)
         total, done = len(experiment.jobs()), 0
 

@@ -43,7 +43,7 @@ def sweep_settings(spec: str, base_name: str | None) -> list[Setting]:
             msg = e.errors()[0]["msg"]
             raise ValueError(f"--sweep {field}={value}: {msg if msg.startswith(field) else f'{field}: {msg}'}") \
                 from None
-        settings.append(Setting(f"{field}={value}", profile))
+        settings.append(Setting(f"{field}={value}", profile, base_name or "default"))
     if len({s.label for s in settings}) != len(settings):
         raise ValueError(f"--sweep {spec!r}: a value is given twice")
     return settings

@@ -27,6 +27,12 @@ CREATE TABLE IF NOT EXISTS votes (
   run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE, prompt_id TEXT NOT NULL, seed INTEGER NOT NULL,
   cell_a INTEGER NOT NULL, cell_b INTEGER NOT NULL, a_on_left INTEGER NOT NULL, choice TEXT NOT NULL,
   created TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS judge_answers (
+  key TEXT PRIMARY KEY, judge TEXT NOT NULL, rubric_version TEXT NOT NULL, answer TEXT NOT NULL, created TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS judgements (
+  run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE, cell_a INTEGER NOT NULL, cell_b INTEGER NOT NULL,
+  prompt_id TEXT NOT NULL, seed INTEGER NOT NULL, judge TEXT NOT NULL, rubric_version TEXT NOT NULL,
+  data TEXT NOT NULL, PRIMARY KEY (run_id, cell_a, cell_b, prompt_id, seed, judge, rubric_version));
 """
 
 
@@ -123,6 +129,30 @@ class LabStore:
                                "WHERE run_id = ? ORDER BY rowid", (run_id,)).fetchall()
         return [{"prompt_id": r[0], "seed": r[1], "cell_a": r[2], "cell_b": r[3], "a_on_left": bool(r[4]),
                  "choice": r[5]} for r in rows]
+
+    # --- the judge (lab/judge.py): its raw answers by prompt, and each pair's verdict with the run ---------------
+
+    def cached_answer(self, key: str) -> str | None:
+        row = self.db.execute("SELECT answer FROM judge_answers WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def cache_answer(self, key: str, judge: str, rubric_version: str, answer: str) -> None:
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO judge_answers VALUES (?, ?, ?, ?, ?)",
+                            (key, judge, rubric_version, answer,
+                             datetime.now(timezone.utc).isoformat(timespec="seconds")))
+
+    def add_judgement(self, run_id: int, cell_a: int, cell_b: int, prompt_id: str, seed: int, judge: str,
+                      rubric_version: str, pair: dict[str, Any]) -> None:
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO judgements VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (run_id, cell_a, cell_b, prompt_id, seed, judge, rubric_version, json.dumps(pair)))
+
+    def judgements(self, run_id: int) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT cell_a, cell_b, prompt_id, seed, judge, rubric_version, data FROM judgements "
+                               "WHERE run_id = ? ORDER BY rowid", (run_id,)).fetchall()
+        return [{"cell_a": r[0], "cell_b": r[1], "prompt_id": r[2], "seed": r[3], "judge": r[4],
+                 "rubric_version": r[5], "verdict": json.loads(r[6])["verdict"]} for r in rows]
 
     def list(self) -> list[dict[str, Any]]:
         rows = self.db.execute(
