@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,26 +49,55 @@ class ServerConfig:
 
 
 class _Choice:
-    """One running choice: its scheduler request and the queue its events arrive on."""
+    """One running choice: its scheduler request and the events that arrived for it.
+
+    The inference thread appends to a deque and wakes the event loop only when no wake-up is pending, so a loop
+    that falls behind (8 streams, a step's tokens all at once) takes many events per wake-up instead of one
+    `call_soon_threadsafe` (a self-pipe write) per token. The choices of one request share `wake`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
-                 max_tokens: int | None, trace: int) -> None:
-        self.events: asyncio.Queue = asyncio.Queue()
+                 max_tokens: int | None, trace: int, wake: asyncio.Event | None = None) -> None:
+        self._ready: deque = deque()
+        self._pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._loop = loop
+        self.wake = wake or asyncio.Event()
         self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace)
 
     def _deliver(self, event: object) -> None:
-        """Called on the inference thread: hand the event to the event loop."""
+        """Called on the inference thread: queue the event; wake the loop unless a wake-up is on its way."""
+        self._ready.append(event)
+        if self._pending:
+            return
+        self._pending = True
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._signal)
         except RuntimeError:
             self.request.cancel()  # the loop has closed (the server is stopping): nobody is listening
 
+    def _signal(self) -> None:
+        self._pending = False  # before the set: an event appended from now on schedules its own wake-up
+        self.wake.set()
+
+    def take(self) -> list:
+        """Every event that has arrived, in order (an engine failure arrives as an exception)."""
+        events = []
+        while self._ready:
+            events.append(self._ready.popleft())
+        return events
+
     async def next(self) -> TokenEvent | Done:
-        event = await self.events.get()
+        while not self._ready:
+            self.wake.clear()
+            await self.wake.wait()
+        event = self._ready.popleft()
         if isinstance(event, BaseException):
             raise event
         return event
+
+
+def _sse(bodies: list[Any]) -> bytes:
+    """Server-sent events in one write (what sse-starlette would send for each, one after another)."""
+    return b"".join(b"data: " + (b if isinstance(b, bytes) else json.dumps(b).encode()) + b"\n\n" for b in bodies)
 
 
 def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> Starlette:
@@ -119,10 +149,11 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
     def start(req: protocol.Request, ids: list[int]) -> list[_Choice]:
         loop = asyncio.get_running_loop()
         choices = []
+        wake = asyncio.Event()  # one for the request: its stream waits on all its choices at once
         try:
             for i in range(req.n):
                 profile = req.profile.model_copy(update={"seed": (req.seed + i) % 2**64})
-                choice = _Choice(loop, ids, profile, req.max_tokens, req.trace)
+                choice = _Choice(loop, ids, profile, req.max_tokens, req.trace, wake)
                 scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:
@@ -233,49 +264,48 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return results
 
     async def stream(request: HttpRequest, req: protocol.Request, rid: str, choices: list[_Choice],
-                     started: float) -> AsyncIterator[str]:
+                     started: float) -> AsyncIterator[bytes]:
         results: list[GenerationResult | None] = [None] * len(choices)
         offsets = [0] * len(choices)
         status = 200
-        waiting: dict[asyncio.Future, int] = {}
+        wake = choices[0].wake
         try:
             if req.chat:
-                for i in range(len(choices)):
-                    yield json.dumps(chunk(req, rid, i, {"role": "assistant", "content": ""}))
-            # Choices run together in the batch: interleave their events as they come.
-            waiting.update({asyncio.ensure_future(c.next()): i for i, c in enumerate(choices)})
-            while waiting:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = waiting.pop(task)
-                    try:
-                        event = task.result()
-                    except Exception as e:  # noqa: BLE001 - in-stream errors are sent as an error event
-                        status = 500
-                        yield json.dumps(ApiError(500, f"generation failed: {e}", kind="server_error").body())
-                        return
-                    if isinstance(event, Done):
-                        results[i] = event.result
-                        final = chunk(req, rid, i, {} if req.chat else "", protocol.finish_reason(event.result))
-                        final["seed"] = choices[i].request.profile.seed
-                        final["timings"] = protocol.timings(event.result.metrics)
-                        yield json.dumps(final)
-                        continue
-                    # A split model's scheduler passes on prefill progress too: nothing to stream for it.
-                    if isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
-                        yield json.dumps(delta(req, rid, i, event, offsets))
-                    waiting[asyncio.ensure_future(choices[i].next())] = i
+                yield _sse([chunk(req, rid, i, {"role": "assistant", "content": ""}) for i in range(len(choices))])
+            # Choices run together in the batch: whatever arrived for any of them goes out in one write.
+            while None in results:
+                wake.clear()  # before taking: an event that arrives after the take wakes the wait below
+                bodies: list[Any] = []
+                for i, c in enumerate(choices):
+                    for event in c.take():
+                        if isinstance(event, BaseException):  # in-stream errors are sent as an error event
+                            status = 500
+                            bodies.append(ApiError(500, f"generation failed: {event}", kind="server_error").body())
+                            yield _sse(bodies)
+                            return
+                        if isinstance(event, Done):
+                            results[i] = event.result
+                            final = chunk(req, rid, i, {} if req.chat else "", protocol.finish_reason(event.result))
+                            final["seed"] = c.request.profile.seed
+                            final["timings"] = protocol.timings(event.result.metrics)
+                            bodies.append(final)
+                        # A split model's scheduler passes on prefill progress too: nothing to stream for it.
+                        elif isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
+                            bodies.append(delta(req, rid, i, event, offsets))
+                if bodies:
+                    yield _sse(bodies)
+                elif None in results:
+                    await wake.wait()
+            tail: list[Any] = []
             if req.include_usage:
                 body = protocol.envelope(rid, req.chat, name, chunk=True)
                 body["choices"] = []
                 body["usage"] = protocol.usage([r for r in results if r is not None])
-                yield json.dumps(body)
-            yield "[DONE]"
+                tail.append(body)
+            yield _sse([*tail, b"[DONE]"])
         finally:
             for c in choices:
                 c.request.cancel()
-            for task in waiting:
-                task.cancel()
             log_line(request, status, started, [r for r in results if r is not None])
 
     def chunk(req: protocol.Request, rid: str, index: int, content: Any,
