@@ -350,7 +350,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     async def health(request: HttpRequest) -> Response:
         running, waiting = scheduler.load
-        return JSONResponse({"status": "ok", "model": name, "running": running, "waiting": waiting})
+        return JSONResponse({"status": "ok", "model": name, "running": running, "waiting": waiting,
+                             "memory": scheduler.memory()})
 
     async def http_error(request: HttpRequest, exc: HTTPException) -> Response:
         log.info("%s %s %d", request.method, request.url.path, exc.status_code)
