@@ -138,17 +138,22 @@ def new_client_ttft(url: str, model: str, tag: str, repeats: int = 3) -> float:
     return statistics.median(ttfts)
 
 
-def resent_conversation_ttft(url: str, model: str, turns: int, reply_tokens: int = 16) -> list[float]:
-    """TTFT (ms, from the server's timings) of each turn of a chat whose client resends the whole conversation."""
-    messages: list[dict[str, str]] = []
-    ttfts = []
-    for turn in range(turns):
-        messages.append({"role": "user", "content": f"Turn {turn + 1}: tell me one more fact about lighthouses."})
-        r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-            "model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0}).json()
-        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
-        ttfts.append(r["timings"]["ttft_ms"])
-    return ttfts
+def resent_conversation_ttft(url: str, model: str, turns: int, reply_tokens: int = 16,
+                             repeats: int = 3) -> list[float]:
+    """TTFT (ms, from the server's timings) of each turn of a chat whose client resends the whole conversation: the
+    median per turn over `repeats` conversations (one TTFT is a single prefill, at the mercy of a busy machine)."""
+    per_turn: list[list[float]] = [[] for _ in range(turns)]
+    for k in range(repeats):
+        messages: list[dict[str, str]] = []
+        for turn in range(turns):
+            opener = f"Conversation {k + 1}. " if turn == 0 else ""
+            messages.append({"role": "user",
+                             "content": f"{opener}Turn {turn + 1}: tell me one more fact about lighthouses."})
+            r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+                "model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0}).json()
+            messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+            per_turn[turn].append(r["timings"]["ttft_ms"])
+    return [statistics.median(t) for t in per_turn]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:

@@ -243,7 +243,8 @@ def _held(memory: dict) -> int:
 
 
 def soak(base: str, *, clients: int, duration: float, max_body_bytes: int, seed: int = 0, health_ms: float = 100,
-         memory_slack: float = 0.10, questions: list[str] = QUESTIONS, max_tokens: tuple[int, ...] = MAX_TOKENS) -> dict:
+         memory_slack: float = 0.10, questions: list[str] = QUESTIONS,
+         max_tokens: tuple[int, ...] = MAX_TOKENS) -> dict:
     """Run the load on the server at `base` (http://127.0.0.1:PORT) and check it; returns the summary. Completions
     draw from `questions` x `max_tokens` (each distinct one is replayed alone at the end)."""
     tally = Tally()
@@ -329,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     p.add_argument("--max-concurrent", type=int, default=8, help="the server's batch")
-    p.add_argument("--max-body-mb", type=float, default=0.25, help="the server's body limit (oversize bodies exceed it)")
+    p.add_argument("--max-body-mb", type=float, default=0.25,
+                   help="the server's body limit (the oversize bodies exceed it)")
     p.add_argument("--health-ms", type=float, default=100.0)
     p.add_argument("--memory-slack", type=float, default=0.10)
     p.add_argument("--seed", type=int, default=0)
