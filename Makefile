@@ -19,5 +19,7 @@ test-fast: setup
 bench: setup
 	.venv/bin/mlxchat bench
 
+# The chat soak (a 20-turn conversation), then the server's: 32 clients with faults for 2 minutes.
 soak: setup
 	.venv/bin/python scripts/soak.py
+	.venv/bin/python scripts/soak.py server

@@ -54,7 +54,7 @@ class Config:
     kv_context: int = 4096  # the quantized-KV section (bench/kv.py): context length and greedy tokens decoded
     kv_decode: int = 128
     server_clients: tuple[int, ...] = (1, 2, 4, 8)  # the server section (bench/server.py): clients per run
-    server_turns: int = 10
+    server_turns: int = 5  # the target: turn 5 of a resent conversation
     split_tokens: int = 64  # the split section (bench/split.py): greedy tokens per reply, and replies
     split_repeats: int = 2
 

@@ -144,6 +144,20 @@ class BatchScheduler:
         with self._lock:
             return self._active, len(self._waiting)
 
+    @property
+    def idle(self) -> bool:
+        """Whether the scheduler's loop has ended: nothing runs or waits, and the last rows' caches are stored."""
+        with self._lock:
+            return not self._running
+
+    def memory(self) -> dict[str, int]:
+        """Bytes now: MLX's active memory (weights, KV caches, the prefix cache), the prefix cache's share of it
+        (bounded by `prefix_cache_bytes`), and the freed buffers MLX keeps for reuse. A server's /health reports it,
+        so a load test can see that what requests held is given back."""
+        return {"active_bytes": mx.get_active_memory(),
+                "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
+                "buffer_cache_bytes": mx.get_cache_memory()}
+
     # --- the inference thread ------------------------------------------------------------------------------
 
     def _run(self, job: Job) -> None:
@@ -284,6 +298,10 @@ class BatchScheduler:
                 cache = [c.extract(i) for c in self._batch]
                 ids = (seq.req.prompt + seq.read)[:cache[0].size()]
                 if len(ids) == cache[0].size():
+                    # The copies are lazy: until they run, each holds the whole batch buffer it was cut from
+                    # (every row, every position), which the prefix cache's byte bound does not see. Queued, not
+                    # waited for: they run after the step in flight.
+                    mx.async_eval([(c.keys, c.values) for c in cache])
                     self.prefix_cache.insert_cache(self.engine.name, ids, cache)
         self._rows = [self._rows[i] for i in keep]
         if not keep:

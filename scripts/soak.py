@@ -2,7 +2,7 @@
 """Soak: a scripted 20-turn conversation on the embedded model with the rotating KV cache, saved turn by turn
 through app/store.py, with every turn's speed and memory checked (issue 7). Too long for the default test run.
 
-    make soak                                   # = .venv/bin/python scripts/soak.py
+    make soak                                   # = this, then `scripts/soak.py server` (scripts/soak_server.py)
     .venv/bin/python scripts/soak.py --turns 20 --window 512 --max-tokens 64 --data-dir /tmp/soak --json out.json
 
 Each turn stores the user message (as the app does, before the reply), streams the reply through
@@ -115,6 +115,11 @@ def bytes_per_position(chat) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["server"]:  # `soak.py server [...]`: the server's load/fault soak (scripts/soak_server.py)
+        import soak_server
+
+        return soak_server.main(argv[1:])
     args = parse_args(argv)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="mlxchat-soak-"))

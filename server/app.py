@@ -45,6 +45,11 @@ class ServerConfig:
     profiles: dict[str, SamplingProfile] | None = None
 
 
+def _sse(bodies: list[Any]) -> bytes:
+    """Server-sent events in one write (what sse-starlette would send for each, one after another)."""
+    return b"".join(b"data: " + (b if isinstance(b, bytes) else json.dumps(b).encode()) + b"\n\n" for b in bodies)
+
+
 def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) -> Starlette:
     service = Service(engine, scheduler, config)
     base, profiles, name = service.base, service.profiles, service.name
@@ -110,49 +115,48 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return out
 
     async def stream(request: HttpRequest, req: protocol.Request, rid: str, choices: list[Choice],
-                     started: float) -> AsyncIterator[str]:
+                     started: float) -> AsyncIterator[bytes]:
         results: list[GenerationResult | None] = [None] * len(choices)
         offsets = [0] * len(choices)
         status = 200
-        waiting: dict[asyncio.Future, int] = {}
+        wake = choices[0].wake
         try:
             if req.chat:
-                for i in range(len(choices)):
-                    yield json.dumps(chunk(req, rid, i, {"role": "assistant", "content": ""}))
-            # Choices run together in the batch: interleave their events as they come.
-            waiting.update({asyncio.ensure_future(c.next()): i for i, c in enumerate(choices)})
-            while waiting:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = waiting.pop(task)
-                    try:
-                        event = task.result()
-                    except Exception as e:  # noqa: BLE001 - in-stream errors are sent as an error event
-                        status = 500
-                        yield json.dumps(ApiError(500, f"generation failed: {e}", kind="server_error").body())
-                        return
-                    if isinstance(event, Done):
-                        results[i] = event.result
-                        final = chunk(req, rid, i, {} if req.chat else "", protocol.finish_reason(event.result))
-                        final["seed"] = choices[i].request.profile.seed
-                        final["timings"] = protocol.timings(event.result.metrics)
-                        yield json.dumps(final)
-                        continue
-                    # A split model's scheduler passes on prefill progress too: nothing to stream for it.
-                    if isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
-                        yield json.dumps(delta(req, rid, i, event, offsets))
-                    waiting[asyncio.ensure_future(choices[i].next())] = i
+                yield _sse([chunk(req, rid, i, {"role": "assistant", "content": ""}) for i in range(len(choices))])
+            # Choices run together in the batch: whatever arrived for any of them goes out in one write.
+            while None in results:
+                wake.clear()  # before taking: an event that arrives after the take wakes the wait below
+                bodies: list[Any] = []
+                for i, c in enumerate(choices):
+                    for event in c.take():
+                        if isinstance(event, BaseException):  # in-stream errors are sent as an error event
+                            status = 500
+                            bodies.append(ApiError(500, f"generation failed: {event}", kind="server_error").body())
+                            yield _sse(bodies)
+                            return
+                        if isinstance(event, Done):
+                            results[i] = event.result
+                            final = chunk(req, rid, i, {} if req.chat else "", protocol.finish_reason(event.result))
+                            final["seed"] = c.request.profile.seed
+                            final["timings"] = protocol.timings(event.result.metrics)
+                            bodies.append(final)
+                        # A split model's scheduler passes on prefill progress too: nothing to stream for it.
+                        elif isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
+                            bodies.append(delta(req, rid, i, event, offsets))
+                if bodies:
+                    yield _sse(bodies)
+                elif None in results:
+                    await wake.wait()
+            tail: list[Any] = []
             if req.include_usage:
                 body = protocol.envelope(rid, req.chat, name, chunk=True)
                 body["choices"] = []
                 body["usage"] = protocol.usage([r for r in results if r is not None])
-                yield json.dumps(body)
-            yield "[DONE]"
+                tail.append(body)
+            yield _sse([*tail, b"[DONE]"])
         finally:
             for c in choices:
                 c.request.cancel()
-            for task in waiting:
-                task.cancel()
             log_line(request, status, started, [r for r in results if r is not None])
 
     def chunk(req: protocol.Request, rid: str, index: int, content: Any,
@@ -197,7 +201,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     async def health(request: HttpRequest) -> Response:
         running, waiting = scheduler.load
-        return JSONResponse({"status": "ok", "model": name, "running": running, "waiting": waiting})
+        return JSONResponse({"status": "ok", "model": name, "running": running, "waiting": waiting,
+                             "memory": scheduler.memory()})
 
     async def http_error(request: HttpRequest, exc: HTTPException) -> Response:
         log.info("%s %s %d", request.method, request.url.path, exc.status_code)

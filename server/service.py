@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,26 +37,51 @@ ErrorShape = Callable[[ApiError], dict[str, Any]]
 
 
 class Choice:
-    """One running choice: its scheduler request and the queue its events arrive on."""
+    """One running choice: its scheduler request and the events that arrived for it.
+
+    The inference thread appends to a deque and wakes the event loop only when no wake-up is pending, so a loop
+    that falls behind (8 streams, a step's tokens all at once) takes many events per wake-up instead of one
+    `call_soon_threadsafe` (a self-pipe write) per token. The choices of one request share `wake`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
-                 max_tokens: int | None, trace: int) -> None:
-        self.events: asyncio.Queue = asyncio.Queue()
+                 max_tokens: int | None, trace: int, wake: asyncio.Event | None = None) -> None:
+        self._ready: deque = deque()
+        self._pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._loop = loop
+        self.wake = wake or asyncio.Event()
         self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace)
 
     def _deliver(self, event: object) -> None:
-        """Called on the inference thread: hand the event to the event loop."""
+        """Called on the inference thread: queue the event; wake the loop unless a wake-up is on its way."""
+        self._ready.append(event)
+        if self._pending:
+            return
+        self._pending = True
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._signal)
         except RuntimeError:
             self.request.cancel()  # the loop has closed (the server is stopping): nobody is listening
 
+    def _signal(self) -> None:
+        self._pending = False  # before the set: an event appended from now on schedules its own wake-up
+        self.wake.set()
+
+    def take(self) -> list:
+        """Every event that has arrived, in order (an engine failure arrives as an exception)."""
+        events = []
+        while self._ready:
+            events.append(self._ready.popleft())
+        return events
+
     async def next(self) -> TokenEvent | Done:
-        event = await self.events.get()
+        while not self._ready:
+            self.wake.clear()
+            await self.wake.wait()
+        event = self._ready.popleft()
         if isinstance(event, BaseException):
             raise event
         return event
+
 
 
 class Service:
@@ -120,9 +146,10 @@ class Service:
         """Submit one choice per profile; all or none run."""
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
+        wake = asyncio.Event()  # one for the request: its stream waits on all its choices at once
         try:
             for profile in profiles:
-                choice = Choice(loop, ids, profile, max_tokens, trace)
+                choice = Choice(loop, ids, profile, max_tokens, trace, wake)
                 self.scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:

@@ -289,9 +289,14 @@ def test_server_targets_from_figures():
 
     section = {"figures": [fig("mlxchat serve", 1, 13.0), fig("mlxchat serve", 4, 38.0),
                            fig("mlx_lm.server", 1, 8.0), fig("mlx_lm.server", 4, 40.0)],
-               "resent_ttft_ms": [250.0, 260.0, 400.0]}
-    scale, versus, resent = server_targets(section)
+               "resent_ttft_ms": [250.0, 260.0, 400.0], "resent_busy_clients": 4,
+               "new_client_ttft_ms": {"alone_ms": 300.0, "busy_ms": 450.0}, "new_client_busy_clients": 7}
+    scale, scale8, versus, new_client, resent = server_targets(section)
     assert scale["passed"] is True and scale["value"] == pytest.approx(38 / 13)
+    assert scale8["passed"] is None and "8 clients" in scale8["name"]  # not measured in this section
     assert versus["passed"] is False and versus["value"] == pytest.approx(38 / 40)
+    assert new_client["passed"] is True and new_client["value"] == pytest.approx(1.5)
+    assert "7 others" in new_client["name"]
     assert resent["passed"] is False and resent["value"] == pytest.approx(1.6) and "turn-3" in resent["name"]
+    assert "4 others" in resent["name"]
     assert server_targets(None)[0]["passed"] is None

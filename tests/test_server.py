@@ -3,6 +3,7 @@ client and by raw httpx (for the SSE bytes). One server per purpose, started onc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -333,6 +334,20 @@ def test_four_concurrent_streams_each_equal_their_solo_greedy_text(server: str) 
         time.sleep(0.02)
     assert out == solo
     assert peak[0] >= 2  # they really ran together
+
+
+def test_a_short_soak_with_faults(server: str) -> None:
+    """scripts/soak_server.py for 2 s (`make soak` runs it for 2 minutes): clients that hang up, oversize and malformed
+    bodies among greedy completions; every completed reply equals the request alone, /health stays fast, and the
+    memory requests held is given back."""
+    spec = importlib.util.spec_from_file_location("soak_server", Path(__file__).parent.parent / "scripts" /
+                                                  "soak_server.py")
+    soak = sys.modules.setdefault("soak_server", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(soak)
+    summary = soak.soak(server, clients=4, duration=2, max_body_bytes=int(0.1 * 2**20), seed=1,
+                        questions=soak.QUESTIONS[:2], max_tokens=(6,))
+    assert summary["violations"] == [] and summary["completed"] >= 2
+    assert {"malformed", "oversize", "drop-stream", "stream"} <= set(summary["sent"])  # one first request each
 
 
 # --- CORS and flags ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ result, a cancelled row leaves at once, the queue is bounded."""
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 
@@ -124,3 +125,19 @@ def test_same_prompt_twice_at_once_is_prefilled_once(engine: Engine, greedy: Sam
     assert first.metrics.cached_tokens == 0
     assert second.metrics.cached_tokens == second.metrics.prompt_tokens - 1  # e.g. the choices of n=2
     assert second.token_ids == first.token_ids
+
+
+def test_finished_rows_give_their_batch_memory_back(engine: Engine, greedy: SamplingProfile) -> None:
+    # Rows of different lengths leave a batch of 4 at different steps; each one's KV rows go to the prefix cache.
+    # What the scheduler holds afterwards is the prefix cache (within its bound) and nothing else: a stored row
+    # that still pointed into the batch's buffers would keep every row of them alive.
+    s = BatchScheduler(engine, max_batch=4)
+    before = s.memory()
+    results = [_result(q) for q in [_submit(s, engine, p, greedy, max_tokens=8) for p in PROMPTS]]
+    assert len({len(r.token_ids) for r in results}) > 1  # the first reply ends after 7 tokens
+    deadline = time.monotonic() + 30
+    while not s.idle and time.monotonic() < deadline:  # a row's Done comes before it leaves the batch
+        time.sleep(0.01)
+    after = s.memory()
+    assert after["prefix_cache_bytes"] > 0
+    assert after["active_bytes"] - after["prefix_cache_bytes"] - before["active_bytes"] < 4 * 2**20

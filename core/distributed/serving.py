@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+import mlx.core as mx
+
 from ..batch import BatchRequest, QueueFull
 from ..cache import ConversationCache
 from ..engine import Engine
@@ -45,6 +47,11 @@ class SequentialScheduler:
     def load(self) -> tuple[int, int]:
         with self._lock:
             return self._running, len(self._waiting)
+
+    def memory(self) -> dict[str, int]:
+        """As BatchScheduler.memory (rank 0's share; no prefix cache here)."""
+        return {"active_bytes": mx.get_active_memory(), "prefix_cache_bytes": 0,
+                "buffer_cache_bytes": mx.get_cache_memory()}
 
     def _run(self, job: Job, req: BatchRequest) -> None:
         with self._lock:
