@@ -1,0 +1,108 @@
+"""Constrained decoding (issue 22): response formats validated at the edge, the constraint stage of the sampler chain
+on hand-made logits (greedy and the seeded draw only pick allowed tokens, end-of-turn only where the grammar ends),
+and on the embedded model (replies validate, the trace names the stage, a cut reply is "length")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.candidates import Candidates
+from mlxchat.core.constraint import constraint_for
+from mlxchat.core.profile import ProfileStore
+from mlxchat.core.sampling import Sampler
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+                         "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1, "maxItems": 2}}}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "response_format.json_schema.schema.type"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "zzz"}, "strict": True}},
+     "response_format.json_schema.schema: Unknown format: zzz"),
+    ({"type": "regex", "regex": "a(b"}, "response_format.regex: "),
+    ({"type": "grammar", "grammar": "start: foo"}, "response_format.grammar: "),
+    ({"type": "regex"}, "response_format.regex is required when type is 'regex'"),
+    ({"type": "json_object", "regex": "a"}, "response_format.regex is not allowed"),
+    ({"type": "xml"}, "response_format.type"),
+])
+def test_a_bad_format_is_one_error_naming_the_field(fmt: dict, words: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        SamplingProfile(response_format=fmt)
+    assert words in str(e.value)
+
+
+def test_formats_print_in_the_chain_and_round_trip_through_toml(tmp_path: Path) -> None:
+    assert SamplingProfile(response_format={"type": "text"}).response_format is None
+    p = SamplingProfile(name="people", top_p=0.9, temperature=0.7, response_format=PERSON_FORMAT)
+    assert p.describe_chain() == "JsonSchema(person) → TopP(0.9) → Temperature(0.7) → sample"
+    assert SamplingProfile(temperature=0, response_format={"type": "json_object"}).describe_chain() == \
+        "JsonObject → greedy"
+    assert SamplingProfile(response_format={"type": "regex", "regex": r"\d+"}).describe_chain() == r"Regex(\d+) → sample"
+    store = ProfileStore(tmp_path)
+    store.save(p)
+    loaded = store.load("people")
+    assert loaded == p and loaded.response_format.json_schema.schema_ == PERSON
+    assert "[response_format.json_schema.schema.properties.name]" in (tmp_path / "people.toml").read_text()
+    with pytest.raises(ValidationError, match="response_format cannot be used with beam search"):
+        SamplingProfile(beam_size=2, response_format={"type": "json_object"})
+
+
+def _allowed(engine: Engine, fmt: dict, prefix: list[int]) -> np.ndarray:
+    """The constraint's mask after `prefix`, as a bool vector."""
+    c = constraint_for(SamplingProfile(response_format=fmt).response_format, engine.model.tokenizer,
+                       engine.model.vocab_size)
+    c.replay(prefix)
+    return np.asarray(c(Candidates(mx.zeros(engine.model.vocab_size), None)).logits) == 0
+
+
+def test_the_stage_masks_before_the_transforms_for_greedy_and_the_draw(engine: Engine) -> None:
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    fmt = {"type": "regex", "regex": "(yes|no)"}
+    allowed = _allowed(engine, fmt, [])
+    assert 0 < allowed.sum() < 20 and not allowed[sorted(tok.eos_ids)].any()  # no end before the grammar can end
+    ended = _allowed(engine, fmt, tok.encode("yes"))
+    assert set(np.flatnonzero(ended)) == set(tok.eos_ids)  # complete: only an end-of-turn id may follow
+    # Logits that favour a disallowed token hugely: every path still picks an allowed one, and top-p renormalises
+    # over the allowed tokens only (so TopP(0.5) keeps a token although all allowed mass is tiny).
+    logits = np.random.default_rng(0).normal(0, 1, vocab).astype(np.float32)
+    logits[tok.encode(" maybe")[0]] = 50.0
+    for profile in (SamplingProfile(temperature=0, response_format=fmt),
+                    *(SamplingProfile(top_p=0.5, seed=s, response_format=fmt) for s in range(4))):
+        s = Sampler(profile, vocab_size=vocab, eos_ids=tok.eos_ids,
+                    constraint=constraint_for(profile.response_format, tok, vocab))
+        assert repr(s.constraint) == "Regex((yes|no))" and s.describe() == profile.describe_chain()
+        ids = []
+        for _ in range(4):
+            token, _ = s.step(mx.array(logits))
+            ids.append(token.item())
+            if ids[-1] in tok.eos_ids:
+                break
+        assert ids[-1] in tok.eos_ids and tok.decode(ids[:-1]) in ("yes", "no")
+
+
+def test_replies_validate_the_trace_names_the_stage_and_a_cut_reply_is_length(engine: Engine) -> None:
+    prompt = "Describe a person as JSON."
+    greedy = engine.generate(prompt, profile=SamplingProfile(temperature=0, response_format=PERSON_FORMAT),
+                             max_tokens=40, trace=5)
+    assert greedy.finish_reason == "stop" and greedy.sampler == "JsonSchema(person) → greedy"
+    jsonschema.validate(json.loads(greedy.text), PERSON)
+    removed = {c.removed_by for t in greedy.traces for c in t.candidates}
+    assert "JsonSchema(person)" in removed and greedy.traces[0].stages == ("processed", "JsonSchema(person)")
+    m = greedy.metrics
+    assert m.constraint_masks >= len(greedy.token_ids) and 0 < m.constraint_mask_s and m.constraint_compile_s > 0
+    sampled = engine.generate(prompt, profile=SamplingProfile(temperature=1.0, top_p=0.95, seed=7,
+                                                              response_format=PERSON_FORMAT), max_tokens=40)
+    assert sampled.finish_reason == "stop"
+    jsonschema.validate(json.loads(sampled.text), PERSON)
+    cut = engine.generate(prompt, profile=SamplingProfile(temperature=0, response_format=PERSON_FORMAT), max_tokens=4)
+    assert cut.finish_reason == "length" and cut.text == greedy.text[:len(cut.text)]
