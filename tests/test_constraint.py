@@ -4,7 +4,9 @@ and on the embedded model (replies validate, the trace names the stage, a cut re
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.candidates import Candidates
 from mlxchat.core.constraint import constraint_for
@@ -106,3 +109,41 @@ def test_replies_validate_the_trace_names_the_stage_and_a_cut_reply_is_length(en
     jsonschema.validate(json.loads(sampled.text), PERSON)
     cut = engine.generate(prompt, profile=SamplingProfile(temperature=0, response_format=PERSON_FORMAT), max_tokens=4)
     assert cut.finish_reason == "length" and cut.text == greedy.text[:len(cut.text)]
+
+
+# --- the CLI -----------------------------------------------------------------------------------------------------
+
+def _cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *argv: str, stdin: str = "") -> tuple:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return (rc, *capsys.readouterr())
+
+
+@pytest.mark.parametrize("argv, stdin, expected", [
+    (["--json-schema", "-"], '{"type": "strin"}', "--json-schema -: type: 'strin' is not valid"),
+    (["--json-schema", "-"], "{nope", "--json-schema -: not valid JSON: Expecting property name"),
+    (["--json-schema", "/nonexistent.json"], "", "--json-schema /nonexistent.json: cannot read it (No such file"),
+    (["--regex", "a("], "", "--regex: at 1(8): invalid regex"),
+    (["--grammar", "-"], "start: foo", "--grammar -: at 1(8): unknown name"),
+    (["--regex", "a", "--json-object"], "", "argument --json-object: not allowed with argument --regex"),
+])
+def test_bad_format_flags_are_one_line_before_the_model_loads(capsys, monkeypatch, argv, stdin, expected) -> None:
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("loaded the model for nothing")))
+    rc, out, err = _cli(capsys, monkeypatch, "generate", "hi", *argv, stdin=stdin)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_generate_with_format_flags(engine: Engine, capsys, monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: engine))
+    rc, out, _ = _cli(capsys, monkeypatch, "generate", "Is the sky blue?", "--regex", r"(Yes|No)\.", "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["text"] in ("Yes.", "No.") and result["sampler"] == r"Regex((Yes|No)\.) → sample"
+    assert result["metrics"]["constraint_masks"] >= 2
+    (tmp_path / "city.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"const": True}},
+                                                    "required": ["ok"], "additionalProperties": False}))
+    rc, out, _ = _cli(capsys, monkeypatch, "generate", "JSON please", "--json-schema", str(tmp_path / "city.json"),
+                      "--temperature", "0")
+    assert rc == 0 and out == '{"ok": true}\n'
