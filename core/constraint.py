@@ -58,7 +58,7 @@ class Constraint:
 
     def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int]) -> None:
         started = time.perf_counter()
-        self._matcher = LLMatcher(tokenizer, fmt.llg_grammar())
+        self._matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)  # errors are raised, not logged
         self.compile_s = time.perf_counter() - started
         if self._matcher.is_error():  # the profile validated it; a tokenizer-specific failure lands here
             raise ValueError(f"{fmt.field_name()}: {self._matcher.get_error()}")

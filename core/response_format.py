@@ -57,6 +57,8 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaSpec | None = None
     regex: str | None = None
     grammar: str | None = None
+    # What the chain prints for a regex or grammar (e.g. the server's tool calls: "Grammar(tool calls: f, g)").
+    name: str | None = Field(None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _compiles(self) -> "ResponseFormat":
@@ -97,7 +99,7 @@ class ResponseFormat(BaseModel):
             return f"JsonSchema({self.json_schema.name})"
         if self.type == "json_object":
             return "JsonObject"
-        text = self.regex if self.type == "regex" else self.grammar.strip().splitlines()[0]
+        text = self.name or (self.regex if self.type == "regex" else self.grammar.strip().splitlines()[0])
         short = text if len(text) <= 24 else text[:23] + "…"
         return f"{'Regex' if self.type == 'regex' else 'Grammar'}({short})"
 

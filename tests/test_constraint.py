@@ -103,10 +103,6 @@ def test_replies_validate_the_trace_names_the_stage_and_a_cut_reply_is_length(en
     assert "JsonSchema(person)" in removed and greedy.traces[0].stages == ("processed", "JsonSchema(person)")
     m = greedy.metrics
     assert m.constraint_masks >= len(greedy.token_ids) and 0 < m.constraint_mask_s and m.constraint_compile_s > 0
-    sampled = engine.generate(prompt, profile=SamplingProfile(temperature=1.0, top_p=0.95, seed=7,
-                                                              response_format=PERSON_FORMAT), max_tokens=40)
-    assert sampled.finish_reason == "stop"
-    jsonschema.validate(json.loads(sampled.text), PERSON)
     cut = engine.generate(prompt, profile=SamplingProfile(temperature=0, response_format=PERSON_FORMAT), max_tokens=4)
     assert cut.finish_reason == "length" and cut.text == greedy.text[:len(cut.text)]
 
