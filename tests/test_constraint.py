@@ -143,3 +143,27 @@ def test_generate_with_format_flags(engine: Engine, capsys, monkeypatch, tmp_pat
     rc, out, _ = _cli(capsys, monkeypatch, "generate", "JSON please", "--json-schema", str(tmp_path / "city.json"),
                       "--temperature", "0")
     assert rc == 0 and out == '{"ok": true}\n'
+
+
+# --- the TUI ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_the_profile_form_carries_a_response_format_and_the_stats_line_says_constrained(
+        tmp_path: Path, profile_app) -> None:
+    from textual.widgets import Input, Static
+
+    from mlxchat.app.formatting import stats_line
+
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
+    async with app.run_test(size=(160, 50)) as pilot:
+        picker = app.screen
+        field = picker.query_one("#field-response_format", Input)
+        field.value = '{"type": "regex", "regex": "a("}'
+        await pilot.pause()
+        assert str(picker.query_one("#error-response_format", Static).content).startswith("response_format.regex: ")
+        field.value = '{"type": "json_object"}'
+        await pilot.pause()
+        assert picker.edited.response_format.type == "json_object" and "response_format" not in picker.errors
+        assert str(picker.query_one("#profile-chain", Static).content).startswith("chain: JsonObject → ")
+    line = stats_line({"completion_tokens": 9, "constraint_masks": 10, "constraint_mask_s": 0.002})
+    assert "constrained (0.20 ms/mask)" in line and "constrained" not in stats_line({"completion_tokens": 9})
