@@ -18,7 +18,7 @@ from .prompts import Prompt, PromptSet
 RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
 # Per-output numbers averaged into a setting's metrics (each is first averaged over the seeds of one prompt).
 PER_OUTPUT = ("distinct_1", "distinct_2", "rep_4", "mean_logprob", "length", "words", "ttft_s", "tpot_s")
-METRICS = ("pass_rate", "self_bleu", *PER_OUTPUT)
+METRICS = ("pass_rate", "schema_valid", "self_bleu", *PER_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Output:
     distinct_1: float
     distinct_2: float
     rep_4: float
+    schema_valid: bool | None = None  # JSON valid under the prompt's schema (None: the prompt has none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,7 +60,8 @@ def make_output(cell: int, prompt: Prompt, seed: int, result: Any) -> Output:  #
                   length=result.metrics.completion_tokens, words=len(text.split()),
                   mean_logprob=M.mean_logprob([lp.logprob for lp in result.logprobs]),
                   ttft_s=result.metrics.ttft_s, tpot_s=result.metrics.tpot_s, passed=prompt.check(text),
-                  distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2), rep_4=M.seq_rep_n(text, 4))
+                  distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2), rep_4=M.seq_rep_n(text, 4),
+                  schema_valid=prompt.schema_valid(text))
 
 
 def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
@@ -74,11 +76,15 @@ def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
         est = M.mean_interval(per_prompt)
         return est.as_dict() if est else None
 
-    passed = over_prompts(lambda os: [float(o.passed) for o in os if o.passed is not None])
-    if passed:  # a rate's interval stays inside [0, 1]
-        passed.update(low=max(0.0, passed["low"]), high=min(1.0, passed["high"]))
+    def rate(flag: str) -> dict[str, float | int] | None:
+        r = over_prompts(lambda os: [float(getattr(o, flag)) for o in os if getattr(o, flag) is not None])
+        if r:  # a rate's interval stays inside [0, 1]
+            r.update(low=max(0.0, r["low"]), high=min(1.0, r["high"]))
+        return r
+
     out: dict[str, Any] = {
-        "pass_rate": passed,
+        "pass_rate": rate("passed"),
+        "schema_valid": rate("schema_valid"),
         "self_bleu": over_prompts(lambda os: [b] if (b := M.self_bleu([o.text for o in os])) is not None else []),
     }
     for name in PER_OUTPUT:
@@ -109,7 +115,10 @@ class Experiment:
     def generate(self, engine: Engine, cell: int, prompt: Prompt, seed: int,
                  cancelled: threading.Event | None = None) -> Output | None:
         """One generation; None when `cancelled` is set before it finishes (the partial output is dropped)."""
-        profile = self.settings[cell].profile.model_copy(update={"seed": seed, "logprobs": True})
+        update = {"seed": seed, "logprobs": True}
+        if prompt.response_format is not None:  # a prompt with a schema is generated under it
+            update["response_format"] = prompt.response_format
+        profile = SamplingProfile.model_validate({**self.settings[cell].profile.model_dump(), **update})
         stream = engine.stream(prompt.text, profile=profile, max_tokens=self.max_tokens,
                                stop=[prompt.stop] if prompt.stop else None, system=prompt.system)
         for _event in stream:

@@ -167,3 +167,35 @@ async def test_the_profile_form_carries_a_response_format_and_the_stats_line_say
         assert str(picker.query_one("#profile-chain", Static).content).startswith("chain: JsonObject → ")
     line = stats_line({"completion_tokens": 9, "constraint_masks": 10, "constraint_mask_s": 0.002})
     assert "constrained (0.20 ms/mask)" in line and "constrained" not in stats_line({"completion_tokens": 9})
+
+
+# --- the lab ------------------------------------------------------------------------------------------------------
+
+LAB_SET = """
+[[prompts]]
+id = "ok"
+text = "Is water wet? Answer in JSON."
+schema = { type = "object", properties = { ok = { type = "boolean" } }, required = ["ok"], additionalProperties = false }
+
+[[prompts]]
+id = "free"
+text = "Say hello."
+constrain = false
+schema = { type = "object", properties = { ok = { type = "boolean" } }, required = ["ok"] }
+"""
+
+
+def test_a_prompt_set_entry_carries_a_schema_and_schema_valid_counts(engine: Engine, tmp_path: Path) -> None:
+    from mlxchat.lab import prompts as P
+    from mlxchat.lab.runner import Experiment, Setting, cell_metrics
+
+    (tmp_path / "json.toml").write_text(LAB_SET)
+    prompt_set = P.load(str(tmp_path / "json.toml"))
+    outputs: list = []
+    Experiment(prompt_set, [Setting("greedy", SamplingProfile(temperature=0))], seeds=1, max_tokens=8).run(
+        engine, outputs.append)
+    assert [(o.prompt_id, o.schema_valid) for o in outputs] == [("ok", True), ("free", False)]
+    assert cell_metrics(outputs)["schema_valid"]["mean"] == 0.5
+    (tmp_path / "bad.toml").write_text(LAB_SET.replace('type = "boolean"', 'type = "bool"', 1))
+    with pytest.raises(P.PromptSetError, match="prompt 'ok': schema.properties.ok.type: 'bool' is not valid"):
+        P.load(str(tmp_path / "bad.toml"))
