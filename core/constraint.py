@@ -54,8 +54,6 @@ class Constraint:
     """One request's constraint stage: call it on the processed logits (over the whole vocabulary) to mask them;
     tell it each drawn token (`accept`, lazily) or forced token (`replay`)."""
 
-    name = "response_format"
-
     def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int]) -> None:
         started = time.perf_counter()
         self._matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)  # errors are raised, not logged
@@ -66,8 +64,11 @@ class Constraint:
         self._vocab = tokenizer.vocab_size
         self._bits = allocate_token_bitmask(1, self._vocab)
         self._eos = frozenset(eos_ids)
-        self._only_eos = np.zeros(self._vocab, bool)
-        self._only_eos[sorted(self._eos)] = True
+        # Once the grammar has ended the reply must end: the end-of-turn ids are all there is, whatever a processor
+        # did to their logits (min_tokens bans them; it cannot keep a finished JSON object going).
+        ended = np.full(self._vocab, -np.inf, np.float32)
+        ended[sorted(self._eos)] = 0.0
+        self._ended_logits = mx.array(ended)
         self._ended = False  # an end-of-turn id was drawn: nothing follows
         self._pending: mx.array | None = None  # the last drawn token, not yet read back
         self.mask_s = 0.0
@@ -80,8 +81,10 @@ class Constraint:
         if c.ids is not None:
             raise ValueError("the constraint stage masks the whole vocabulary: it must run before any transform")
         mx.async_eval(c.logits)  # this step's forward pass runs while the host reads the last token and masks
-        allowed = mx.array(self._next_mask())
-        return Candidates(mx.where(allowed, c.logits, NEG_INF), None)
+        allowed = self._next_mask()
+        if allowed is None:
+            return Candidates(self._ended_logits, None)
+        return Candidates(mx.where(mx.array(allowed), c.logits, NEG_INF), None)
 
     def accept(self, token: mx.array) -> None:
         """The chain drew `token` (lazy): the matcher takes it when the next mask is computed."""
@@ -93,12 +96,6 @@ class Constraint:
         self._take_pending()
         for token in token_ids:
             self._consume(token)
-
-    @property
-    def accepting(self) -> bool:
-        """Whether the text so far is a complete reply in the format."""
-        self._take_pending()
-        return self._ended or self._matcher.is_accepting()
 
     def _take_pending(self) -> None:
         if self._pending is not None:
@@ -114,12 +111,12 @@ class Constraint:
             raise ValueError(f"token {token} does not fit the response format {self._label}: "
                              f"{self._matcher.get_error()}")
 
-    def _next_mask(self) -> np.ndarray:
+    def _next_mask(self) -> np.ndarray | None:
+        """The allowed tokens of the next step, or None when only an end-of-turn id may follow."""
         self._take_pending()
         started = time.perf_counter()
-        if self._ended:
-            allowed = self._only_eos
-        else:
+        allowed = None
+        if not (self._ended or self._matcher.is_stopped()):
             fill_next_token_bitmask(self._matcher, self._bits)
             allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self._vocab].view(bool)
         self.mask_s += time.perf_counter() - started

@@ -357,7 +357,11 @@ class ProfileStore:
                                f"{self.free_name(profile.name)!r}")
         path = self._path(profile.name)
         self.folder.mkdir(parents=True, exist_ok=True)
-        text = tomli_w.dumps(profile.model_dump(mode="json", exclude_none=True))
+        try:
+            text = tomli_w.dumps(profile.model_dump(mode="json", exclude_none=True))
+        except TypeError as e:  # TOML has no null: a response_format schema with one (e.g. "const": null)
+            raise ProfileError(f"profile {profile.name!r} cannot be written as TOML ({e}): TOML has no null, so a "
+                               "response_format schema must not use one") from None
         # Write then rename, so a crash never leaves a half-written profile behind.
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{profile.name}.", suffix=".tmp")
         try:

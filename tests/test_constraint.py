@@ -19,7 +19,7 @@ from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.candidates import Candidates
 from mlxchat.core.constraint import constraint_for
-from mlxchat.core.profile import ProfileStore
+from mlxchat.core.profile import ProfileError, ProfileStore
 from mlxchat.core.sampling import Sampler
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
@@ -56,6 +56,9 @@ def test_formats_print_in_the_chain_and_round_trip_through_toml(tmp_path: Path) 
     loaded = store.load("people")
     assert loaded == p and loaded.response_format.json_schema.schema_ == PERSON
     assert "[response_format.json_schema.schema.properties.name]" in (tmp_path / "people.toml").read_text()
+    with pytest.raises(ProfileError, match="TOML has no null"):
+        store.save(SamplingProfile(name="nulls", response_format={"type": "json_schema", "json_schema": {
+            "schema": {"const": None}}}))
     with pytest.raises(ValidationError, match="response_format cannot be used with beam search"):
         SamplingProfile(beam_size=2, response_format={"type": "json_object"})
 
