@@ -119,8 +119,7 @@ class Request:
     include_usage: bool
     seed: int  # the base seed: choice i samples with seed + i
     trace: int = 0  # candidates per token in each choice's "trace" extension field (0 = none)
-    tools: list[Tool] | None = None  # shown to the model (none with tool_choice "none")
-    tool_choice: ToolChoice = ToolChoice("none")  # "none": replies are never parsed for calls
+    tools: list[Tool] | None = None  # shown to the model, and its replies parsed for calls (None: tool_choice "none")
 
 
 def _type_error(e: ValidationError) -> ApiError:
@@ -254,7 +253,7 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
         prompt = p
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
                    bool((req.stream_options or {}).get("include_usage")), seed, trace,
-                   tools if choice.mode != "none" else None, choice)
+                   tools if choice.mode != "none" else None)
 
 
 def _tools(req: _ChatTypes, fields: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
