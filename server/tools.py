@@ -252,10 +252,8 @@ def message_from_openai(m: dict[str, Any], i: int) -> dict[str, Any] | None:
 def tool_prompt(tools: list[Tool]) -> str:
     """The generic rendering's instructions, appended to the system prompt."""
     specs = "\n".join(json.dumps(t.as_openai()["function"]) for t in tools)
-    return ("You can call these functions (JSON: name, description, parameters as JSON Schema):\n<tools>\n"
-            f"{specs}\n</tools>\nTo call functions, reply with nothing but one "
-            f'{OPEN}{{"name": <function name>, "arguments": <arguments as JSON>}}{CLOSE} per call, one per line. '
-            "Each result comes back in <tool_response></tool_response>.")
+    return (f"You may call these functions:\n<tools>\n{specs}\n</tools>\nTo call one, reply with only "
+            f'{OPEN}{{"name": <name>, "arguments": <JSON>}}{CLOSE}; results come in <tool_response>.')
 
 
 def render_messages(messages: list[dict[str, Any]], tools: list[Tool], template_knows_tools: bool

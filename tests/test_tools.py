@@ -59,7 +59,7 @@ def test_choices_and_bad_specs_name_the_field() -> None:
 def test_generic_rendering_puts_specs_calls_and_results_into_plain_messages() -> None:
     messages, template_tools = tools.render_messages(HISTORY, [WEATHER], template_knows_tools=False)
     assert template_tools is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
-    assert messages[0]["content"].startswith("Be brief.\n\nYou can call these functions") and \
+    assert messages[0]["content"].startswith("Be brief.\n\nYou may call these functions") and \
         '"name": "get_weather"' in messages[0]["content"]
     assert messages[2]["content"] == CALL
     assert messages[3]["content"] == '<tool_response>{"tool_call_id": "call_1", "content": "sunny"}</tool_response>'
