@@ -1,4 +1,5 @@
-"""`mlxchat generate`'s constrained-decoding flags: --json-schema FILE|-, --json-object, --regex PATTERN, --grammar FILE.
+"""`mlxchat generate`'s constrained-decoding flags: --json-schema FILE|-, --json-object, --regex PATTERN and
+--grammar FILE.
 
 Each gives the profile's ``response_format`` (core/response_format.py); at most one may be given. A file that
 cannot be read, is not JSON, or a schema, regex or grammar that does not compile is one line naming the flag.

@@ -113,7 +113,8 @@ def cost(engine: Any, tokens: int, repeats: int) -> dict[str, Any]:
     return {"tokens": tokens, "repeats": repeats, "tpot_s": tpot, "median_tpot_s": med,
             "ratio": med["constrained"] / med["plain"] if med["plain"] else None,
             "best_ratio": best["constrained"] / best["plain"] if best["plain"] else None,
-            "cpu_s_per_token": cpu, "cpu_ratio": statistics.median(cpu["constrained"]) / statistics.median(cpu["plain"]),
+            "cpu_s_per_token": cpu,
+            "cpu_ratio": statistics.median(cpu["constrained"]) / statistics.median(cpu["plain"]),
             "mask_us_per_token": statistics.median(mask_us) if mask_us else None}
 
 
@@ -122,6 +123,28 @@ def constrained_case(engine: Any, seeds: int, max_tokens: int, cost_tokens: int,
     stops = sum(r["stop"] for r in rows)
     return {"schemas": rows, "stop_outputs": stops, "stop_valid": sum(r["valid"] for r in rows),
             "cost": cost(engine, cost_tokens, repeats)}
+
+
+TPOT_VS_GREEDY = 1.10
+
+
+def targets(c: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The issue's two targets, as bench/stats.py's target records (``passed`` None when not measured)."""
+    def target(name: str, value: float | None, threshold: float, passed: bool | None, detail: str,
+               unit: str) -> dict[str, Any]:
+        return {"name": name, "value": value, "threshold": threshold, "unit": unit, "passed": passed,
+                "detail": detail}
+
+    stops = (c or {}).get("stop_outputs") or 0
+    valid = c["stop_valid"] / stops if stops else None
+    k = (c or {}).get("cost") or {}
+    ratio = k.get("ratio")
+    return [target("constrained 'stop' outputs valid at T=1: 100%", valid, 1.0, None if valid is None else valid == 1,
+                   f"{c['stop_valid']}/{stops}" if stops else "not measured", ""),
+            target(f"TPOT with a JSON schema <= {TPOT_VS_GREEDY:g}x unconstrained greedy", ratio, TPOT_VS_GREEDY,
+                   None if ratio is None else ratio <= TPOT_VS_GREEDY,
+                   f"median {ratio:.2f}x, best {k['best_ratio']:.2f}x, CPU time per token {k['cpu_ratio']:.2f}x"
+                   if ratio is not None else "not measured", "x")]
 
 
 def summary_lines(c: dict[str, Any] | None) -> list[str]:
@@ -143,4 +166,4 @@ def summary_lines(c: dict[str, Any] | None) -> list[str]:
     return out
 
 
-__all__ = ["SCHEMAS", "constrained_case", "summary_lines"]
+__all__ = ["SCHEMAS", "constrained_case", "summary_lines", "targets"]

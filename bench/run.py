@@ -74,7 +74,7 @@ QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True,
                    kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
-                   split_repeats=1)
+                   split_repeats=1, constrained_seeds=2, constrained_tokens=64)
 
 
 def log(msg: str) -> None:
@@ -214,7 +214,8 @@ def summary_text(results: dict[str, Any]) -> str:
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
     out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])
-                                    + ((results.get("server") or {}).get("targets") or [])))
+                                    + ((results.get("server") or {}).get("targets") or [])
+                                    + ((results.get("constrained") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -321,6 +322,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         log("constrained decoding: JSON Schema validity at T=1, TPOT vs unconstrained greedy, mask and compile time")
         constrained = _guard(errors, "constrained", CD.constrained_case, engine, cfg.constrained_seeds,
                              cfg.constrained_tokens, cfg.constrained_tokens, cfg.repeats)
+        if constrained is not None:
+            constrained["targets"] = CD.targets(constrained)
     split = None
     if "split" not in cfg.skip:
         log("split: the model over 2 processes (ring on loopback) vs one process")

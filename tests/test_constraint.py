@@ -50,7 +50,8 @@ def test_formats_print_in_the_chain_and_round_trip_through_toml(tmp_path: Path) 
     assert p.describe_chain() == "JsonSchema(person) → TopP(0.9) → Temperature(0.7) → sample"
     assert SamplingProfile(temperature=0, response_format={"type": "json_object"}).describe_chain() == \
         "JsonObject → greedy"
-    assert SamplingProfile(response_format={"type": "regex", "regex": r"\d+"}).describe_chain() == r"Regex(\d+) → sample"
+    regex = SamplingProfile(response_format={"type": "regex", "regex": r"\d+"})
+    assert regex.describe_chain() == r"Regex(\d+) → sample"
     gbnf = SamplingProfile(response_format={"type": "grammar", "grammar": 'root ::= "yes" | "no"'})  # converted
     assert gbnf.describe_chain() == 'Grammar(root ::= "yes" | "no") → sample'
     store = ProfileStore(tmp_path)
@@ -178,7 +179,11 @@ LAB_SET = """
 [[prompts]]
 id = "ok"
 text = "Is water wet? Answer in JSON."
-schema = { type = "object", properties = { ok = { type = "boolean" } }, required = ["ok"], additionalProperties = false }
+[prompts.schema]
+type = "object"
+required = ["ok"]
+additionalProperties = false
+properties = { ok = { type = "boolean" } }
 
 [[prompts]]
 id = "free"
@@ -202,3 +207,17 @@ def test_a_prompt_set_entry_carries_a_schema_and_schema_valid_counts(engine: Eng
     (tmp_path / "bad.toml").write_text(LAB_SET.replace('type = "boolean"', 'type = "bool"', 1))
     with pytest.raises(P.PromptSetError, match="prompt 'ok': schema.properties.ok.type: 'bool' is not valid"):
         P.load(str(tmp_path / "bad.toml"))
+
+
+def test_the_bench_section_reports_its_targets() -> None:
+    from mlxchat.bench import constrained as CD
+
+    c = {
+        "schemas": [{"schema": "enums", "seeds": 2, "stop": 2, "valid": 2, "invalid": [], "compile_ms": 0.7,
+                     "mask_us_per_token": 400.0}], "stop_outputs": 2, "stop_valid": 2,
+        "cost": {"tokens": 64, "repeats": 3, "median_tpot_s": {"plain": 0.030, "constrained": 0.036}, "ratio": 1.2,
+                 "best_ratio": 1.05, "cpu_ratio": 1.04, "mask_us_per_token": 400.0}}
+    valid, tpot = CD.targets(c)
+    assert valid["passed"] is True and valid["detail"] == "2/2"
+    assert tpot["passed"] is False and tpot["detail"] == "median 1.20x, best 1.05x, CPU time per token 1.04x"
+    assert CD.targets(None)[0]["passed"] is None and "2/2 'stop' outputs valid" in CD.summary_lines(c)[0]
