@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
+from .format_flags import add_format_flags, response_format
 from .formatting import fmt_bytes
 from .split import add_split_arguments, add_worker_command, check_split, lost_a_peer, run_worker, start_split
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _reply_flags(gen, policy_default="error")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
+    add_format_flags(gen)
     add_split_arguments(gen)
     add_worker_command(sub)
 
@@ -155,7 +157,9 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
     # A saved profile that is corrupt is an error here (the file is named and left as it is): a script that asked
     # for a profile by name must not silently get other settings.
     base = SamplingProfile() if args.profile is None else ProfileStore().resolve(args.profile)
-    return SamplingProfile.model_validate({**base.model_dump(), **_sampler_flags(args)})
+    fmt = response_format(args)  # the constrained-decoding flags (app/format_flags.py)
+    return SamplingProfile.model_validate({**base.model_dump(), **_sampler_flags(args),
+                                           **({"response_format": fmt} if fmt else {})})
 
 
 def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics

@@ -22,6 +22,7 @@ from typing import Any
 import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imports MLX
 
 from . import cases as C
+from . import constrained as CD
 from . import kv as KV
 from . import native as N
 from . import server as S
@@ -29,7 +30,8 @@ from . import split as SP
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
-SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server", "split")
+SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server", "split",
+            "constrained")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Config:
     server_turns: int = 5  # the issue's target: turn 5 of a resent conversation
     split_tokens: int = 64  # the split section (bench/split.py): greedy tokens per reply, and replies
     split_repeats: int = 2
+    constrained_seeds: int = 4  # the constrained-decoding section (bench/constrained.py): seeds per schema at T=1
+    constrained_tokens: int = 128  # its cap per reply, and the greedy tokens of its TPOT comparison
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
@@ -70,7 +74,7 @@ QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True,
                    kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
-                   split_repeats=1)
+                   split_repeats=1, constrained_seeds=2, constrained_tokens=64)
 
 
 def log(msg: str) -> None:
@@ -203,13 +207,15 @@ def summary_text(results: dict[str, Any]) -> str:
                        + (f"; bandwidth allows {bwc:.0f} tok/s" if bwc else ""))
     out.extend(N.summary_lines(results.get("native")))
     out.extend(KV.summary_lines(results.get("kv")))
+    out.extend(CD.summary_lines(results.get("constrained")))
     out.extend(S.summary_lines(results.get("server")))
     out.extend(SP.summary_lines(results.get("split")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
     out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])
-                                    + ((results.get("server") or {}).get("targets") or [])))
+                                    + ((results.get("server") or {}).get("targets") or [])
+                                    + ((results.get("constrained") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -311,6 +317,13 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
                         cfg.server_turns)
         if server is not None:
             server["targets"] = S.server_targets(server)
+    constrained = None
+    if "constrained" not in cfg.skip:
+        log("constrained decoding: JSON Schema validity at T=1, TPOT vs unconstrained greedy, mask and compile time")
+        constrained = _guard(errors, "constrained", CD.constrained_case, engine, cfg.constrained_seeds,
+                             cfg.constrained_tokens, cfg.constrained_tokens, cfg.repeats)
+        if constrained is not None:
+            constrained["targets"] = CD.targets(constrained)
     split = None
     if "split" not in cfg.skip:
         log("split: the model over 2 processes (ring on loopback) vs one process")
@@ -353,7 +366,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         "cases": cases, "ratios": ratios, "chain_overhead": overhead, "trace": trace, "chat": chat,
         "rotating": rotating,
         "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
-        "split": split, "backend": backend,
+        "split": split, "backend": backend, "constrained": constrained,
         "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)

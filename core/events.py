@@ -25,6 +25,10 @@ class Metrics:
     context_tokens: int = 0  # tokens in the KV cache after this step
     context_limit: int = 0
     kv_window: int | None = None  # rotating window size, when the session uses one
+    # With a response_format (core/constraint.py): the host time spent on token masks, how many, and the compile.
+    constraint_mask_s: float = 0.0
+    constraint_masks: int = 0
+    constraint_compile_s: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -38,6 +38,7 @@ from pydantic_core import PydanticCustomError
 
 from .errors import MlxChatError
 from .locations import config_dir
+from .response_format import ResponseFormat, parse_response_format
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,8 @@ class SamplingProfile(BaseModel):
     # Beam search (non-streaming): beam_size 1 means sampling with the chain above.
     beam_size: Annotated[int, _range(1, 16, what=" (1 means no beam search)")] = 1
     length_penalty: Annotated[float, _range(0, 4)] = 1.0
+    # Constrained decoding (core/response_format.py, core/constraint.py): OpenAI's shapes, plus regex and grammar.
+    response_format: ResponseFormat | None = None
 
     @field_validator("name")
     @classmethod
@@ -189,6 +192,11 @@ class SamplingProfile(BaseModel):
                 raise PydanticCustomError("out_of_range", "logit_bias[{token}] must be between -100 and 100, "
                                           "got {value}", {"token": token, "value": bias})
         return v
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, v: Any) -> Any:
+        return parse_response_format(v)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -224,6 +232,9 @@ class SamplingProfile(BaseModel):
             raise PydanticCustomError(
                 "min_above_max", "min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
                 {"min_tokens": self.min_tokens, "max_tokens": self.max_tokens})
+        if self.response_format is not None and self.beam_size > 1:
+            raise PydanticCustomError("beam_format", "response_format cannot be used with beam search (beam_size "
+                                      "{beam_size}): use beam_size 1", {"beam_size": self.beam_size})
         return self
 
     # --- presets -------------------------------------------------------------------------------------------------
@@ -279,6 +290,8 @@ class SamplingProfile(BaseModel):
         """The printed steps that run, in order: processors, then transforms, then the draw. Each is printed by its
         registry entry, as the objects ``core.sampling.Sampler`` builds print themselves."""
         steps = [STEPS[n].describe(self) for n in PROCESSORS if self.active(n)]
+        if self.response_format is not None:  # the constraint stage: after the processors, before the transforms
+            steps.append(self.response_format.label())
         if self.greedy:
             return steps + ["greedy"]
         return steps + [STEPS[t].describe(self) for t in self.order() if self.active(t)] + ["sample"]
@@ -344,7 +357,11 @@ class ProfileStore:
                                f"{self.free_name(profile.name)!r}")
         path = self._path(profile.name)
         self.folder.mkdir(parents=True, exist_ok=True)
-        text = tomli_w.dumps(profile.model_dump(mode="json", exclude_none=True))
+        try:
+            text = tomli_w.dumps(profile.model_dump(mode="json", exclude_none=True))
+        except TypeError as e:  # TOML has no null: a response_format schema with one (e.g. "const": null)
+            raise ProfileError(f"profile {profile.name!r} cannot be written as TOML ({e}): TOML has no null, so a "
+                               "response_format schema must not use one") from None
         # Write then rename, so a crash never leaves a half-written profile behind.
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{profile.name}.", suffix=".tmp")
         try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from .constraint import constraint_for
 from .generate import Sample
 from .loader import LoadedModel
 from .profile import SamplingProfile
@@ -82,8 +83,9 @@ class Reply:
                  rotating: bool = False, kv_window: int | None = None) -> None:
         tok = model.tokenizer
         self._request = request
+        self._constraint = constraint_for(request.profile.response_format, tok, model.vocab_size)
         self._sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
-                               prompt_ids=list(prompt))
+                               prompt_ids=list(prompt), constraint=self._constraint)
         self._tracer = Tracer(self._sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None
         # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
         self.sample: Sample = self._tracer.step if self._tracer else self._sampler.step
@@ -201,6 +203,8 @@ class Reply:
             decode_s=last - first if first and last else 0.0,
             peak_memory_bytes=mx.get_peak_memory(),
             context_tokens=self._context(), context_limit=self._limit, kv_window=self._window,
+            **({"constraint_mask_s": self._constraint.mask_s, "constraint_masks": self._constraint.masks,
+                "constraint_compile_s": self._constraint.compile_s} if self._constraint is not None else {}),
         )
 
 

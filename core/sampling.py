@@ -13,6 +13,10 @@ banned until N tokens were generated). Bias comes after the penalties so that a 
 Penalties count generated tokens only, over the whole reply, unless the profile says otherwise
 (``penalty_window``, ``penalize_prompt``).
 
+**The constraint** (a profile's ``response_format``, core/constraint.py) runs between them: it sets every token the
+format does not allow to -inf, so the transforms renormalise over allowed tokens and greedy or the draw picks one.
+It prints first among the stages (``JsonSchema(person) → TopP(0.9) → sample``) and is traced as one.
+
 **Transforms** run in the profile's ``sampler_order``; the default is
 ``top_k → typical_p → top_p → min_p → xtc → temperature`` (close to llama.cpp's; mlx-lm applies
 top_p → min_p → xtc → top_k and shares only "temperature last" with it): filters cut the untempered distribution and temperature
@@ -47,6 +51,7 @@ import numpy as np
 
 from .candidates import (CANDIDATES, NEG_INF, Candidates, accurate_sum, log_softmax, nucleus, top_candidates,
                          top_index)
+from .constraint import Constraint
 from .draw import gumbel_argmax, step_words, uniform_at
 from .profile import PROCESSORS, STEPS, SamplingProfile
 
@@ -339,7 +344,7 @@ class Sampler:
     ``prompt_ids`` matter only with ``penalize_prompt``."""
 
     def __init__(self, profile: SamplingProfile, *, vocab_size: int, eos_ids: set[int] | frozenset[int],
-                 prompt_ids: list[int] | None = None) -> None:
+                 prompt_ids: list[int] | None = None, constraint: Constraint | None = None) -> None:
         for what, ids in (("logit_bias", profile.logit_bias), ("eos_ids", eos_ids), ("prompt_ids", prompt_ids or ())):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
@@ -353,6 +358,8 @@ class Sampler:
         build = lambda name: IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)  # noqa: E731
         self.processors: list[Any] = [build(n) for n in PROCESSORS if p.active(n)]
         self.transforms: list[Any] = [] if p.greedy else [build(t) for t in p.order() if p.active(t)]
+        # The profile's response format, built on the model's tokenizer by the caller (core/constraint.py).
+        self.constraint = constraint
         track = any(getattr(proc, "needs_history", False) for proc in self.processors)
         self.history = TokenHistory(vocab_size, p.penalty_window, list(prompt_ids or []) if p.penalize_prompt else [],
                                     track)
@@ -360,7 +367,12 @@ class Sampler:
     def describe(self) -> str:
         """The chain as built, printed by its objects (equal to ``SamplingProfile.describe_chain()``)."""
         tail = "greedy" if self.profile.greedy else "sample"
-        return " → ".join([repr(s) for s in self.processors + self.transforms] + [tail])
+        return " → ".join([repr(s) for s in self.processors + self.stages] + [tail])
+
+    @property
+    def stages(self) -> list[Any]:
+        """What narrows the processed distribution, in order: the constraint, then the transforms."""
+        return ([self.constraint] if self.constraint is not None else []) + self.transforms
 
     def step_keys(self) -> tuple[mx.array, mx.array]:
         """The next step's (draw words, transform words), from the seed and the reply's position (the tokens accepted
@@ -375,6 +387,8 @@ class Sampler:
         follow are drawn with the noise the original reply used at those positions."""
         for token in token_ids:
             self.history.accept(mx.array(token, mx.int32))
+        if self.constraint is not None:
+            self.constraint.replay(token_ids)
 
     def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """Choose the next token from the last position's logits (vocab,). Lazy: nothing is evaluated here."""
@@ -399,11 +413,15 @@ class Sampler:
         # normaliser NaN. The largest finite value keeps it the most likely token.
         logits = mx.minimum(logits, FLOAT_MAX)
         logprobs = log_softmax(logits)
+        c = Candidates(logits, None)
+        if self.constraint is not None:
+            c = self.constraint(c)
+            if stages is not None:
+                stages.append(c)
         if self.profile.greedy:
-            token = mx.argmax(logits)
+            token = mx.argmax(c.logits)
         else:
             draw_words, aux_words = self.step_keys()
-            c = Candidates(logits, None)
             for transform in self.transforms:
                 c = transform(c, aux_words)
                 if stages is not None:
@@ -411,6 +429,8 @@ class Sampler:
             token = gumbel_argmax(c, draw_words, self._vocab_ids)
         token = token.astype(mx.int32)
         self.history.accept(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         return token, logprobs, logits
 
     def traced_step(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array, StepRecord]:

@@ -41,16 +41,25 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders tool definitions and calls itself (its `tools` variable)."""
+        return "tools" in (self.chat_template or "")
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             # Base models have no template: plain concatenation is what llama.cpp's completion mode does.
-            return "\n\n".join(m["content"] for m in messages)
-        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+            return "\n\n".join(m["content"] or "" for m in messages)
+        # `tools` (OpenAI's function specs) only for a template that uses them (server/tools.py renders the rest).
+        extra = {"tools": tools} if tools else {}
+        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **extra)
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
         for m in messages:
-            _check_unicode(m["content"])
-        text = self.render(messages)
+            _check_unicode(m["content"] or "")  # an assistant message that only calls tools has no content
+        text = self.render(messages, tools=tools)
         # The template writes special tokens (BOS, <|im_start|>) itself as text; they must parse as specials.
         ids = list(self.hf.encode(text, add_special_tokens=False))
         bos = self.hf.bos_token_id

@@ -41,7 +41,7 @@ class Tracer:
         self.sampler = sampler
         self.k = min(check_trace(k), sampler.vocab_size)
         self.processors = tuple(repr(p) for p in sampler.processors)
-        self.stages = (PROCESSED, *(repr(t) for t in sampler.transforms))
+        self.stages = (PROCESSED, *(repr(t) for t in sampler.stages))
         self._token_text = token_text
         self._texts: dict[int, str] = {}
         self._pending: deque[StepRecord] = deque()

@@ -49,6 +49,8 @@ def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | No
     body.update({k: getattr(profile, k) for k, off in _EXTRA_OFF.items() if getattr(profile, k) != off})
     if profile.xtc_probability:
         body["xtc_threshold"] = profile.xtc_threshold
+    if profile.response_format is not None:  # a prompt with a schema (lab/prompts.py) asks the server to keep to it
+        body["response_format"] = profile.response_format.model_dump(mode="json", exclude_none=True)
     return body
 
 

@@ -4,21 +4,27 @@ A file holds ``description`` and ``[[prompts]]`` tables with ``id``, ``text`` an
 (the exact answer must appear as a whole word, case-insensitive), ``expect`` (a regex searched in the output,
 case-insensitive), ``max_words`` (the reply is at most that many words) and ``stop`` (a stop string passed to the
 engine, for completion items). An output passes when every check the prompt has passes.
+
+``schema`` (a table: a JSON Schema) asks for JSON: the reply is generated under it (a ``json_schema`` response format,
+core/response_format.py) unless ``constrain = false``, and the ``schema_valid`` metric counts the outputs that parse
+as JSON and validate under it (with the ``jsonschema`` package), constrained or not.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import json
 import re
 import tomllib
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 
 
 BUILTIN_DIR = importlib.resources.files("mlxchat.templates") / "prompts"
-_KEYS = {"id", "text", "system", "answer", "expect", "max_words", "stop"}
+_KEYS = {"id", "text", "system", "answer", "expect", "max_words", "stop", "schema", "constrain"}
 
 
 class PromptSetError(ValueError):
@@ -41,6 +47,27 @@ class Prompt:
     expect: str | None = None
     max_words: int | None = None
     stop: str | None = None
+    schema: dict[str, Any] | None = None
+    constrain: bool = True  # generate under `schema` (else only check the output against it)
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """The response format the prompt is generated under, if any."""
+        if self.schema is None or not self.constrain:
+            return None
+        return {"type": "json_schema", "json_schema": {"name": self.id[:64], "schema": self.schema, "strict": True}}
+
+    def schema_valid(self, output: str) -> bool | None:
+        """Whether `output` is JSON valid under the prompt's schema; None when the prompt has none."""
+        if self.schema is None:
+            return None
+        import jsonschema  # here: only sets with a schema need it
+
+        try:
+            jsonschema.validate(json.loads(output), self.schema)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+        return True
 
     @property
     def has_check(self) -> bool:
@@ -103,6 +130,10 @@ def _parse(name: str, raw: bytes, source: str) -> PromptSet:
                 raise bad(f"prompt {pid!r}: {key} must be a string")
         if "max_words" in item and (not isinstance(item["max_words"], int) or item["max_words"] < 1):
             raise bad(f"prompt {pid!r}: max_words must be a whole number of at least 1")
+        if "schema" in item:
+            _check_schema(item["schema"], pid, bad)
+        if "constrain" in item and not isinstance(item["constrain"], bool):
+            raise bad(f"prompt {pid!r}: constrain must be true or false")
         if "expect" in item:
             try:
                 re.compile(item["expect"])
@@ -111,6 +142,20 @@ def _parse(name: str, raw: bytes, source: str) -> PromptSet:
         prompts.append(Prompt(**item))
     return PromptSet(name, str(data.get("description", "")), tuple(prompts), hashlib.sha256(raw).hexdigest(),
                      source)
+
+
+def _check_schema(schema: Any, pid: str, bad: Any) -> None:
+    if not isinstance(schema, dict):
+        raise bad(f"prompt {pid!r}: schema must be a table (a JSON Schema)")
+    from pydantic import ValidationError
+
+    from mlxchat.core.response_format import ResponseFormat
+
+    try:
+        ResponseFormat(type="json_schema", json_schema={"name": "schema", "schema": schema, "strict": True})
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("response_format.json_schema.")
+        raise bad(f"prompt {pid!r}: {msg}") from None
 
 
 def _files() -> dict[str, Traversable | Path]:

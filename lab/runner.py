@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
 # Per-output numbers averaged into a setting's metrics (each is first averaged over the seeds of one prompt).
 PER_OUTPUT = ("distinct_1", "distinct_2", "rep_4", "mean_logprob", "length", "words", "ttft_s", "tpot_s")
-METRICS = ("pass_rate", "self_bleu", *PER_OUTPUT)
+METRICS = ("pass_rate", "schema_valid", "self_bleu", *PER_OUTPUT)
 # The values each metric can take: its interval is clipped to them (a t-interval over few prompts runs past them).
-RANGES = {"pass_rate": (0.0, 1.0), "self_bleu": (0.0, 1.0), "distinct_1": (0.0, 1.0), "distinct_2": (0.0, 1.0),
+RANGES = {"pass_rate": (0.0, 1.0), "schema_valid": (0.0, 1.0), "self_bleu": (0.0, 1.0), "distinct_1": (0.0, 1.0), "distinct_2": (0.0, 1.0),
           "rep_4": (0.0, 1.0), "mean_logprob": (-math.inf, 0.0), "length": (0.0, math.inf), "words": (0.0, math.inf),
           "ttft_s": (0.0, math.inf), "tpot_s": (0.0, math.inf)}
 
@@ -61,6 +61,7 @@ class Output:
     distinct_1: float
     distinct_2: float
     rep_4: float
+    schema_valid: bool | None = None  # JSON valid under the prompt's schema (None: the prompt has none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +78,7 @@ def scored_output(cell: int, prompt: Prompt, seed: int, text: str, finish_reason
     return Output(cell=cell, prompt_id=prompt.id, seed=seed, text=text, finish_reason=finish_reason, length=length,
                   words=len(text.split()), mean_logprob=M.mean_logprob(logprobs), ttft_s=ttft_s, tpot_s=tpot_s,
                   passed=prompt.check(text), distinct_1=M.distinct_n(text, 1), distinct_2=M.distinct_n(text, 2),
-                  rep_4=M.seq_rep_n(text, 4))
+                  rep_4=M.seq_rep_n(text, 4), schema_valid=prompt.schema_valid(text))
 
 
 def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
@@ -97,6 +98,8 @@ def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "pass_rate": over_prompts("pass_rate", lambda os: [float(o.passed) for o in os if o.passed is not None]),
+        "schema_valid": over_prompts("schema_valid", lambda os: [float(o.schema_valid) for o in os
+                                                                 if o.schema_valid is not None]),
         "self_bleu": over_prompts("self_bleu", lambda os: [b] if (b := M.self_bleu([o.text for o in os])) is not None
                                   else []),
     }
@@ -130,7 +133,10 @@ class Experiment:
                  cancelled: threading.Event | None = None) -> Output | None:
         """One generation; None when `cancelled` is set before it finishes (the partial output is dropped).
         `engine` may instead be a server (lab/target.py), which makes the whole output itself."""
-        profile = self.settings[cell].profile.model_copy(update={"seed": seed, "logprobs": True})
+        update = {"seed": seed, "logprobs": True}
+        if prompt.response_format is not None:  # a prompt with a schema is generated under it
+            update["response_format"] = prompt.response_format
+        profile = SamplingProfile.model_validate({**self.settings[cell].profile.model_dump(), **update})
         if not isinstance(engine, Engine):
             return engine.generate(self, cell, prompt, profile)
         stream = engine.stream(prompt.text, profile=profile, max_tokens=self.max_tokens,

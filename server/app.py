@@ -30,6 +30,7 @@ from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
 
 from . import anthropic, ollama, protocol
+from . import tools as tool_calls
 from .protocol import ApiError
 from .service import Choice, ErrorShape, Service
 
@@ -60,7 +61,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         tok = engine.model.tokenizer
         try:
             if req.chat:
-                ids = tok.encode_chat(req.messages)
+                messages, tools = tool_calls.render_messages(req.messages, req.tools or [], tok.knows_tools)
+                ids = tok.encode_chat(messages, tools=tools)
             else:
                 ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
         except ValueError as e:
@@ -101,11 +103,15 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return JSONResponse(body)
 
     def answer(req: protocol.Request, index: int, r: GenerationResult) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": index, "finish_reason": protocol.finish_reason(r), "logprobs": None}
+        content, calls = tool_calls.parse_calls(r.text) if req.tools and r.finish_reason == "stop" else (r.text, [])
+        out: dict[str, Any] = {"index": index, "finish_reason": protocol.finish_reason(r, bool(calls)),
+                               "logprobs": None}
         if req.trace:
             out["traces"] = [t.as_dict() for t in r.traces]  # one per generated token, in order
         if req.chat:
-            out["message"] = {"role": "assistant", "content": r.text}
+            out["message"] = {"role": "assistant", "content": content}
+            if calls:
+                out["message"]["tool_calls"] = [c.as_openai() for c in calls]
             if req.profile.logprobs:
                 out["logprobs"] = protocol.chat_logprobs(r.logprobs, token_text)
         else:
@@ -118,6 +124,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                      started: float) -> AsyncIterator[bytes]:
         results: list[GenerationResult | None] = [None] * len(choices)
         offsets = [0] * len(choices)
+        # With tools, each choice's text goes through a CallStream: content passes, calls go out whole.
+        calls = [tool_calls.CallStream() for _ in choices] if req.tools else None
         status = 200
         wake = choices[0].wake
         try:
@@ -136,10 +144,16 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                             return
                         if isinstance(event, Done):
                             results[i] = event.result
-                            final = chunk(req, rid, i, {} if req.chat else "", protocol.finish_reason(event.result))
+                            rest = calls[i].finish() if calls else ()
+                            bodies += [chunk(req, rid, i, {"content": text}) for text in rest]
+                            called = bool(calls and calls[i].calls)
+                            final = chunk(req, rid, i, {} if req.chat else "",
+                                          protocol.finish_reason(event.result, called))
                             final["seed"] = c.request.profile.seed
                             final["timings"] = protocol.timings(event.result.metrics)
                             bodies.append(final)
+                        elif calls and isinstance(event, TokenEvent):
+                            bodies += [tool_delta(req, rid, i, piece, calls[i]) for piece in calls[i].feed(event.text)]
                         # A split model's scheduler passes on prefill progress too: nothing to stream for it.
                         elif isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
                             bodies.append(delta(req, rid, i, event, offsets))
@@ -180,6 +194,13 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
             body["choices"][0]["trace"] = event.trace.as_dict()  # the server emits one token per event
         offsets[index] += len(event.text)
         return body
+
+    def tool_delta(req: protocol.Request, rid: str, index: int, piece: str | tool_calls.ToolCall,
+                   stream: tool_calls.CallStream) -> dict[str, Any]:
+        """A streamed piece of a reply with tools: content, or one whole call (OpenAI's `delta.tool_calls`)."""
+        if isinstance(piece, str):
+            return chunk(req, rid, index, {"content": piece})
+        return chunk(req, rid, index, {"tool_calls": [{"index": stream.calls.index(piece), **piece.as_openai()}]})
 
     async def chat_completions(request: HttpRequest) -> Response:
         return await completions(request, chat=True)

@@ -21,10 +21,12 @@ from mlxchat.core import GenerationResult, SamplingProfile
 from mlxchat.core.events import Metrics, TokenLogprob
 from mlxchat.core.tracing import check_trace
 
+from . import tools as tool_calls
+from .tools import Tool, ToolChoice, ToolError
+
 # Fields of OpenAI's API that are not implemented; each is refused by name unless it carries its neutral value.
 UNSUPPORTED = {
-    "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
-    "parallel_tool_calls": (None,), "response_format": ({"type": "text"}, None), "audio": (None,),
+    "functions": ([], None), "function_call": ("none", None), "audio": (None,),
     "modalities": (["text"], None), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
     "store": (False, None), "metadata": (None,), "service_tier": ("auto", "default", None), "suffix": (None,),
     "echo": (False, None), "best_of": (1, None),
@@ -86,12 +88,16 @@ class _Types(BaseModel):
     penalty_window: int | None = None
     penalize_prompt: bool | None = None
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
+    response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
 
 
 class _ChatTypes(_Types):
     messages: list[dict[str, Any]]
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Any] | None = None  # server/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class _CompletionTypes(_Types):
@@ -113,6 +119,7 @@ class Request:
     include_usage: bool
     seed: int  # the base seed: choice i samples with seed + i
     trace: int = 0  # candidates per token in each choice's "trace" extension field (0 = none)
+    tools: list[Tool] | None = None  # shown to the model, and its replies parsed for calls (None: tool_choice "none")
 
 
 def _type_error(e: ValidationError) -> ApiError:
@@ -141,11 +148,18 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
         raise ApiError(400, "messages must not be empty: send at least one user message", "messages")
     out = []
     for i, m in enumerate(raw):
+        try:
+            tool_message = tool_calls.message_from_openai(m, i)  # a tool result, or an assistant's calls
+        except ToolError as e:
+            raise ApiError(400, str(e), "messages") from None
+        if tool_message is not None:
+            out.append(tool_message)
+            continue
         role, content = m.get("role"), m.get("content")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r}",
+            raise ApiError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}",
                            "messages")
         if isinstance(content, list):
             parts = []
@@ -157,7 +171,7 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         out.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in out if m["role"] != "system"):
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out if m["role"] != "system"):
         raise ApiError(400, "messages have no user content: send a non-empty user message", "messages")
     return out
 
@@ -203,6 +217,9 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
         fields["max_tokens"] = max_tokens
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     fields["seed"] = seed
+    if req.response_format is not None:
+        fields["response_format"] = req.response_format
+    tools, choice = _tools(req, fields) if chat else ([], ToolChoice("none"))
     try:
         profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
     except ValidationError as e:
@@ -235,7 +252,24 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
             raise ApiError(400, "prompt must not be empty", "prompt")
         prompt = p
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
-                   bool((req.stream_options or {}).get("include_usage")), seed, trace)
+                   bool((req.stream_options or {}).get("include_usage")), seed, trace,
+                   tools if choice.mode != "none" else None)
+
+
+def _tools(req: _ChatTypes, fields: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
+    """The request's tools and choice; a choice that calls constrains the reply (the profile's response_format)."""
+    try:
+        tools = tool_calls.parse_tools(req.tools)
+        choice = tool_calls.parse_tool_choice(req.tool_choice, tools)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.field.split("[")[0].split(".")[0]) from None
+    grammar = tool_calls.response_format(tools, choice, req.parallel_tool_calls is not False)
+    if grammar is not None:
+        if "response_format" in fields and fields["response_format"].get("type") != "text":
+            raise ApiError(400, f"response_format and tool_choice {choice.mode!r} both constrain the reply: use one "
+                                "(or tool_choice \"none\")", "response_format")
+        fields["response_format"] = grammar
+    return tools, choice
 
 
 # --- responses ---------------------------------------------------------------------------------------------------
@@ -266,8 +300,11 @@ def timings(m: Metrics) -> dict[str, float | int]:
     }
 
 
-def finish_reason(result: GenerationResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
+def finish_reason(result: GenerationResult, called: bool = False) -> str:
+    """OpenAI's finish reason; `called`: the reply is tool calls (a reply cut by max_tokens stays "length")."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def chat_logprobs(lps: tuple[TokenLogprob, ...], token_text) -> dict[str, Any]:  # noqa: ANN001 - id -> str

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -243,12 +244,20 @@ def test_resent_conversation_prefills_only_the_suffix(client: openai.OpenAI) -> 
     (json.dumps({"messages": _msgs("hi"), "logit_bias": {"5": 200}}).encode(), 400, "between -100 and 100"),
     (json.dumps({"messages": _msgs("hi"), "logit_bias": {"99999999": 1}}).encode(), 400, "outside the vocabulary"),
     (json.dumps({"messages": _msgs("hi"), "n": 0}).encode(), 400, "n must be between"),
-    (json.dumps({"messages": _msgs("hi"), "tools": [{"type": "function"}]}).encode(), 400, "tools is not supported"),
-    (json.dumps({"messages": _msgs("hi"), "response_format": {"type": "json_object"}}).encode(), 400,
-     "response_format is not supported"),
+    (json.dumps({"messages": _msgs("hi"), "tools": [{"type": "function"}]}).encode(), 400, "tools[0]: must be"),
+    (json.dumps({"messages": _msgs("hi"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}).encode(), 400, "response_format.json_schema.schema.type: 'strin'"),
+    (json.dumps({"messages": _msgs("hi"), "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}}}]}).encode(), 400,
+     "tools[0].function.parameters: "),
+    (json.dumps({"messages": _msgs("hi"), "tools": [{"type": "function", "function": {"name": "f"}}],
+                 "tool_choice": {"type": "function", "function": {"name": "g"}}}).encode(), 400,
+     "tool_choice.function.name: 'g' is not one of the tools: f"),
+    (json.dumps({"messages": _msgs("hi"), "functions": [{"name": "f"}]}).encode(), 400, "functions is not supported"),
     (json.dumps({"messages": _msgs("hi"), "frobnicate": 1}).encode(), 400, "unrecognized request field: frobnicate"),
     (json.dumps({"messages": _msgs("hi"), "profile": "nope"}).encode(), 400, "unknown profile"),
-    (json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "role"),
+    (json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages[0].tool_call_id: a tool"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "role"),
     (json.dumps({"messages": _msgs("x" * 200_000)}).encode(), 413, "over"),
 ])
 def test_bad_requests_get_one_clear_400(server: str, body: bytes, status: int, words: str) -> None:
@@ -412,3 +421,45 @@ def test_trace_extension_field_streams_and_round_trips(server: str) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "trace"
         assert r.json()["error"]["message"].startswith("trace")
     assert "between 0 and 100" in _chat(server, {**body, "trace": 101}).json()["error"]["message"]
+
+
+# --- constrained decoding and tool calls (issue 22) -------------------------------------------------------------
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "sunny"],
+           "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}}}
+CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"enum": ["Paris", "Rome"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": CITY}}]
+
+
+def test_response_format_and_tool_calls_with_the_openai_client(client: openai.OpenAI) -> None:
+    # Two choices are two rows of the batch, each with its own constraint; sampled at temperature 1.
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("The weather in Rome?"), n=2, seed=3, max_tokens=24,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "weather", "schema": WEATHER, "strict": True}})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), WEATHER)
+    ask = _msgs("What is the weather in Paris?")
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=40, **GREEDY)
+    message, finish = r.choices[0].message, r.choices[0].finish_reason
+    call = message.tool_calls[0]
+    assert finish == "tool_calls" and message.content is None and len(message.tool_calls) == 1
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), CITY)
+    # Streamed: the call arrives as delta.tool_calls, the same call, and the stream ends with "tool_calls".
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ask, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False, max_tokens=40, stream=True, **GREEDY))
+    streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == \
+        [(0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The call and its result go back through the chat template (the same tools: the prefix is cached).
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"sunny": true}'}]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=1, **GREEDY)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens + 20  # the call and the result were rendered
+    assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 8

@@ -36,6 +36,7 @@ FIELDS: list[tuple[str, str]] = [
     ("max_tokens", "empty = no limit"),
     ("seed", "empty = random"),
     ("stop", 'e.g. ["\\n\\n"]'),
+    ("response_format", 'JSON, e.g. {"type": "json_object"}; empty = text'),
 ]
 OPTIONAL = {"seed", "max_tokens"}
 
@@ -64,6 +65,8 @@ def field_text(profile: SamplingProfile, name: str) -> str:
         return ""
     if name == "stop":
         return json.dumps(value) if value else ""
+    if name == "response_format":
+        return json.dumps(value.model_dump(mode="json", exclude_none=True))
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -78,6 +81,11 @@ def parse_field(name: str, text: str) -> Any:
             except json.JSONDecodeError as e:
                 raise ValueError(f"stop: not a JSON list ({e.msg})") from None
         return [text]
+    if name == "response_format":  # OpenAI's shape as JSON (core/response_format.py)
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"response_format: not JSON ({e.msg})") from None
     if name in OPTIONAL and not text:
         return None
     return text  # pydantic turns "0.8" into 0.8 and says what is wrong otherwise
@@ -85,7 +93,9 @@ def parse_field(name: str, text: str) -> Any:
 
 def error_text(error: dict[str, Any]) -> str:
     field = ".".join(str(p) for p in error["loc"])
-    return error["msg"] if error["type"] in ("out_of_range", "bad_name", "empty_stop") else f"{field}: {error['msg']}"
+    # These messages name their field themselves (a response format's names the part: response_format.regex).
+    own = ("out_of_range", "bad_name", "empty_stop", "bad_format", "bad_schema", "beam_format")
+    return error["msg"] if error["type"] in own else f"{field}: {error['msg']}"
 
 
 class ProfilePicker(ModalScreen[SamplingProfile | None]):

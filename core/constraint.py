@@ -1,0 +1,134 @@
+"""Constrained decoding: the sampler chain's stage that masks every token a response format does not allow.
+
+A `Constraint` holds one llguidance matcher (the compiled grammar of a `core.response_format.ResponseFormat`) over
+the llguidance tokenizer built from the model's own (`llg_tokenizer`: the GGUF vocabulary or the HF tokenizer, both
+a fast HF tokenizer in `ChatTokenizer.hf`). In the chain it runs after the processors and before the transforms::
+
+    logits ─▶ processors ─▶ Constraint (disallowed ─▶ -inf) ─▶ transforms (top-p ... renormalise over allowed) ─▶ draw
+
+so the filters and the draw (greedy argmax or the seeded Gumbel-max of core/draw.py) only ever see allowed tokens.
+End-of-turn ids are allowed only where the grammar may end, and once it has ended (a closed JSON object) they are the
+only tokens allowed; a reply cut by ``max_tokens`` before that ends with "length", never as if it were complete.
+
+**The mask needs the previous token, and decode is pipelined** (core/generate.py: step n+1 is queued before token n
+is read). The stage keeps step n's token as the lazy array the chain drew (`accept`), and reads it only when step
+n+1 needs its mask: it first queues step n+1's forward pass (`mx.async_eval` of the logits it was given), then waits
+for token n (already computed: it is the forward pass's input), advances the matcher and computes the mask on the
+host while the device runs the forward pass. `mask_s` is that host time, reported as `Metrics.constraint_mask_s`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from .candidates import NEG_INF, Candidates
+from .response_format import ResponseFormat
+from .tokenizer import ChatTokenizer
+
+# Building an llguidance tokenizer walks the whole vocabulary (~0.6 s for 49k tokens): once per model's tokenizer.
+_TOKENIZERS: weakref.WeakKeyDictionary[ChatTokenizer, LLTokenizer] = weakref.WeakKeyDictionary()
+
+
+def llg_tokenizer(tokenizer: ChatTokenizer, vocab_size: int) -> LLTokenizer:
+    """The llguidance tokenizer of a model's tokenizer, masks `vocab_size` long (the logits' length), with every
+    end-of-turn id as an end of sequence. Cached per tokenizer."""
+    cached = _TOKENIZERS.get(tokenizer)
+    if cached is None or cached.vocab_size != vocab_size:
+        try:
+            cached = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_ids))
+        except ValueError as e:  # a slow (Python) tokenizer: llguidance reads the fast one's vocabulary
+            raise ValueError(f"response_format needs a fast Hugging Face tokenizer: {e}") from None
+        _TOKENIZERS[tokenizer] = cached
+    return cached
+
+
+class Constraint:
+    """One request's constraint stage: call it on the processed logits (over the whole vocabulary) to mask them;
+    tell it each drawn token (`accept`, lazily) or forced token (`replay`)."""
+
+    def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int]) -> None:
+        started = time.perf_counter()
+        self._matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)  # errors are raised, not logged
+        self.compile_s = time.perf_counter() - started
+        if self._matcher.is_error():  # the profile validated it; a tokenizer-specific failure lands here
+            raise ValueError(f"{fmt.field_name()}: {self._matcher.get_error()}")
+        self._label = fmt.label()
+        self._vocab = tokenizer.vocab_size
+        self._bits = allocate_token_bitmask(1, self._vocab)
+        self._eos = frozenset(eos_ids)
+        # Once the grammar has ended the reply must end: the end-of-turn ids are all there is, whatever a processor
+        # did to their logits (min_tokens bans them; it cannot keep a finished JSON object going).
+        ended = np.full(self._vocab, -np.inf, np.float32)
+        ended[sorted(self._eos)] = 0.0
+        self._ended_logits = mx.array(ended)
+        self._ended = False  # an end-of-turn id was drawn: nothing follows
+        self._pending: mx.array | None = None  # the last drawn token, not yet read back
+        self.mask_s = 0.0
+        self.masks = 0
+
+    def __repr__(self) -> str:
+        return self._label
+
+    def __call__(self, c: Candidates) -> Candidates:
+        if c.ids is not None:
+            raise ValueError("the constraint stage masks the whole vocabulary: it must run before any transform")
+        mx.async_eval(c.logits)  # this step's forward pass runs while the host reads the last token and masks
+        allowed = self._next_mask()
+        if allowed is None:
+            return Candidates(self._ended_logits, None)
+        return Candidates(mx.where(mx.array(allowed), c.logits, NEG_INF), None)
+
+    def accept(self, token: mx.array) -> None:
+        """The chain drew `token` (lazy): the matcher takes it when the next mask is computed."""
+        self._take_pending()
+        self._pending = token
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Tokens chosen outside the chain (a branch's forced tokens): the matcher takes them now."""
+        self._take_pending()
+        for token in token_ids:
+            self._consume(token)
+
+    def _take_pending(self) -> None:
+        if self._pending is not None:
+            token, self._pending = self._pending.item(), None
+            self._consume(token)
+
+    def _consume(self, token: int) -> None:
+        if self._ended:
+            return
+        if token in self._eos:
+            self._ended = True
+        elif not self._matcher.consume_token(token):
+            raise ValueError(f"token {token} does not fit the response format {self._label}: "
+                             f"{self._matcher.get_error()}")
+
+    def _next_mask(self) -> np.ndarray | None:
+        """The allowed tokens of the next step, or None when only an end-of-turn id may follow."""
+        self._take_pending()
+        started = time.perf_counter()
+        allowed = None
+        if not (self._ended or self._matcher.is_stopped()):
+            fill_next_token_bitmask(self._matcher, self._bits)
+            allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self._vocab].view(bool)
+        self.mask_s += time.perf_counter() - started
+        self.masks += 1
+        return allowed
+
+
+def constraint_for(fmt: ResponseFormat | None, tokenizer: ChatTokenizer, vocab_size: int) -> Constraint | None:
+    """The constraint stage of a profile's response format on this model, or None without one."""
+    if fmt is None:
+        return None
+    return Constraint(fmt, llg_tokenizer(tokenizer, vocab_size), tokenizer.eos_ids)
+
+
+__all__ = ["Constraint", "constraint_for", "llg_tokenizer"]

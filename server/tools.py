@@ -1,0 +1,286 @@
+"""Tool calls, independent of any one API: tool specs, the grammar their calls must follow, the calls parsed back out
+of a reply (whole or streamed), and tool messages rendered for the model's chat template.
+
+OpenAI's shapes come in through `Tool.from_openai`, `parse_tool_choice` and `message_from_openai`; another API
+(Anthropic's ``tools``/``tool_use``, Ollama's ``tools``) maps its own shapes onto the same `Tool`, `ToolChoice` and
+message dicts and reuses everything else.
+
+**What the model writes**: each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, calls separated
+by a newline (the Hermes/Qwen convention, which chat templates with a ``tools`` variable commonly teach). How a
+choice constrains it (`response_format`, a Lark grammar for the sampler's constraint stage, core/constraint.py):
+
+* ``required`` / a named function: the reply is one call (or several, with ``parallel_tool_calls``) and nothing
+  else; each call's ``name`` is one of the tools' (or the named one) and its ``arguments`` are valid under that
+  tool's ``parameters`` schema, so the calls always parse and validate.
+* ``auto``: the reply is either text that does not start with ``<``, or calls as above: free text until the model
+  starts a call, constrained from its first character on.
+* ``none``: no constraint, and the tools are not shown to the model.
+
+**Rendering** (`render_messages`): a chat template that has a ``tools`` variable gets the specs through it and the
+messages in Hugging Face's shape (an assistant message's ``tool_calls`` with arguments as objects, ``role: "tool"``
+messages with their ``tool_call_id``). Any other template gets a documented generic rendering: the specs and the
+call syntax appended to the system prompt (`tool_prompt`), an assistant's calls written as the ``<tool_call>`` text
+above, and each tool result as a user message ``<tool_response>{"tool_call_id": ..., "content": ...}</tool_response>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from mlxchat.core.response_format import ResponseFormat
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# JSON inside a call: compact, as core/response_format.py writes every schema.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+
+
+class ToolError(ValueError):
+    """A bad tool spec, choice or message: `field` is where (``tools[1].function.parameters``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    @classmethod
+    def from_openai(cls, raw: Any, i: int) -> "Tool":
+        """One entry of OpenAI's ``tools``: ``{"type": "function", "function": {"name", "description",
+        "parameters", "strict"}}``; its parameters must be a JSON Schema that compiles."""
+        where = f"tools[{i}]"
+        if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("function"), dict):
+            raise ToolError(where, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        fn = raw["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ToolError(f"{where}.function.name", f"must be 1-64 letters, digits, '_' or '-', got {name!r}")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ToolError(f"{where}.function.description", "must be a string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ToolError(f"{where}.function.parameters", "must be a JSON Schema object")
+        try:
+            ResponseFormat(type="json_schema", json_schema={"name": name, "schema": params,
+                                                            "strict": bool(fn.get("strict"))})
+        except ValidationError as e:
+            msg = e.errors()[0]["msg"].removeprefix("response_format.json_schema.schema")
+            raise ToolError(f"{where}.function.parameters", msg.removeprefix(": ").removeprefix(".")) from None
+        return cls(name, description, params)
+
+    def as_openai(self) -> dict[str, Any]:
+        """The spec as OpenAI writes it (what chat templates' ``tools`` variable expects)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+def parse_tools(raw: Any) -> list[Tool]:
+    """OpenAI's ``tools`` list; names must be unique."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ToolError("tools", "must be a list of function tools")
+    tools = [Tool.from_openai(t, i) for i, t in enumerate(raw)]
+    names = [t.name for t in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ToolError(f"tools[{i}].function.name", f"{name!r} is given twice")
+    return tools
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: Literal["none", "auto", "required"]
+    name: str | None = None  # with "required": the one function to call
+
+
+def parse_tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
+    """OpenAI's ``tool_choice``: "none", "auto" (the default with tools), "required", or
+    ``{"type": "function", "function": {"name": ...}}``."""
+    if raw is None:
+        return ToolChoice("auto" if tools else "none")
+    if raw in ("none", "auto", "required"):
+        choice = ToolChoice(raw)
+    elif isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("function"), dict):
+        choice = ToolChoice("required", raw["function"].get("name"))
+        if choice.name not in {t.name for t in tools}:
+            raise ToolError("tool_choice.function.name", f"{choice.name!r} is not one of the tools: "
+                                                         f"{', '.join(t.name for t in tools) or 'none given'}")
+    else:
+        raise ToolError("tool_choice", 'must be "none", "auto", "required" or '
+                                       '{"type": "function", "function": {"name": ...}}')
+    if choice.mode != "none" and not tools:
+        raise ToolError("tool_choice", f"{choice.mode!r} needs tools: give them in tools")
+    return choice
+
+
+def response_format(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> dict[str, Any] | None:
+    """The sampler's response format for this choice (see the module docstring), or None for "none"."""
+    if choice.mode == "none":
+        return None
+    allowed = [t for t in tools if choice.name in (None, t.name)]
+    call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                       "properties": {"name": {"const": t.name}, "arguments": t.parameters}} for t in allowed],
+            "x-guidance": {**_JSON_OPTIONS, "lenient": True}}
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    lines = [f"start: {'calls | TEXT' if choice.mode == 'auto' else 'calls'}", f"calls: {calls}",
+             f'call: "{OPEN}" json_call "{CLOSE}"', f"json_call: %json {json.dumps(call)}"]
+    if choice.mode == "auto":
+        lines.append(r"TEXT: /[^<][\s\S]*/")
+    label = "tool calls: " + ", ".join(t.name for t in allowed)
+    return {"type": "grammar", "grammar": "\n".join(lines) + "\n",
+            "name": label if len(label) <= 64 else label[:63] + "…"}
+
+
+# --- calls out of a reply ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call(body: str) -> ToolCall | None:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    return ToolCall("call_" + uuid.uuid4().hex[:24], data["name"], json.dumps(data.get("arguments", {})))
+
+
+def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply's text before its first call (None when empty) and its calls, in order. A call that does not
+    parse (only possible without a constraint, or cut by max_tokens) leaves the reply as plain text."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    calls = [_call(m.group(1)) for m in _CALL_RE.finditer(text, start)]
+    if not calls or None in calls:
+        return text, []
+    return text[:start].strip() or None, calls  # type: ignore[return-value]
+
+
+class CallStream:
+    """A reply's calls as it streams: `feed` each text delta, get back content deltas (str) to send on and each
+    `ToolCall` once its closing tag has arrived; `finish` at the end gives what is left. Content is held back only
+    while it may still be the start of a call."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._calling: bool | None = None  # None until the reply's first characters decide it
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buffer += text
+        if self._calling is None:
+            head = self._buffer.lstrip()
+            if not head or OPEN.startswith(head):
+                return []
+            self._calling = head.startswith(OPEN)
+        if not self._calling:
+            out, self._buffer = self._buffer, ""
+            return [out] if out else []
+        found: list[str | ToolCall] = []
+        while (end := self._buffer.find(CLOSE)) >= 0:
+            body = self._buffer[:end].strip().removeprefix(OPEN)
+            self._buffer = self._buffer[end + len(CLOSE):]
+            call = _call(body)
+            if call is None:  # not a call after all: the text goes out as it was
+                found.append(OPEN + body + CLOSE)
+                continue
+            self.calls.append(call)
+            found.append(call)
+        return found
+
+    def finish(self) -> list[str]:
+        """What is left (an unfinished call cut by max_tokens, or text that only looked like one's start)."""
+        rest, self._buffer = self._buffer, ""
+        return [rest] if rest.strip() else []
+
+
+# --- messages into the chat template -----------------------------------------------------------------------------
+
+def message_from_openai(m: dict[str, Any], i: int) -> dict[str, Any] | None:
+    """An OpenAI message that involves tools, in Hugging Face's shape: an assistant message with ``tool_calls`` (its
+    arguments parsed to objects) or a ``role: "tool"`` result. None for any other message."""
+    where = f"messages[{i}]"
+    if m.get("role") == "tool":
+        call_id, content = m.get("tool_call_id"), m.get("content")
+        if not isinstance(call_id, str) or not call_id:
+            raise ToolError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise ToolError(f"{where}.content", "must be a string (the tool's result)")
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+    if m.get("role") != "assistant" or not m.get("tool_calls"):
+        return None
+    calls = []
+    for j, c in enumerate(m["tool_calls"] if isinstance(m["tool_calls"], list) else [None]):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ToolError(f"{where}.tool_calls[{j}]", 'must be {"id": ..., "type": "function", "function": '
+                                                        '{"name": ..., "arguments": "<JSON>"}}')
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            raise ToolError(f"{where}.tool_calls[{j}].function.arguments", "must be a JSON object's text") from None
+        calls.append({"id": c.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    content = m.get("content")
+    return {"role": "assistant", "content": content if isinstance(content, str) else "", "tool_calls": calls}
+
+
+def tool_prompt(tools: list[Tool]) -> str:
+    """The generic rendering's instructions, appended to the system prompt."""
+    specs = "\n".join(json.dumps(t.as_openai()["function"]) for t in tools)
+    return (f"You may call these functions:\n<tools>\n{specs}\n</tools>\nTo call one, reply with only "
+            f'{OPEN}{{"name": <name>, "arguments": <JSON>}}{CLOSE}; results come in <tool_response>.')
+
+
+def render_messages(messages: list[dict[str, Any]], tools: list[Tool], template_knows_tools: bool
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and the ``tools`` variable to hand the chat template (see the module docstring). `tools` are
+    the ones to show (none with tool_choice "none")."""
+    if template_knows_tools:
+        return messages, [t.as_openai() for t in tools] or None
+    out = [_generic(m) for m in messages]
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tool_prompt(tools)}"}
+        else:
+            out.insert(0, {"role": "system", "content": tool_prompt(tools)})
+    return out, None
+
+
+def _generic(m: dict[str, Any]) -> dict[str, Any]:
+    if m["role"] == "tool":
+        body = json.dumps({"tool_call_id": m["tool_call_id"], "content": m["content"]}, ensure_ascii=False)
+        return {"role": "user", "content": f"<tool_response>{body}</tool_response>"}
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        calls = "\n".join(OPEN + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                            ensure_ascii=False) + CLOSE for c in m["tool_calls"])
+        return {"role": "assistant", "content": f"{m['content']}\n{calls}".lstrip("\n")}
+    return m
+
+
+__all__ = ["CallStream", "Tool", "ToolCall", "ToolChoice", "ToolError", "message_from_openai", "parse_calls",
+           "parse_tool_choice", "parse_tools", "render_messages", "response_format", "tool_prompt"]

@@ -1,0 +1,223 @@
+"""Constrained decoding (issue 22): response formats validated at the edge, the constraint stage of the sampler chain
+on hand-made logits (greedy and the seeded draw only pick allowed tokens, end-of-turn only where the grammar ends),
+and on the embedded model (replies validate, the trace names the stage, a cut reply is "length")."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from mlxchat.app.cli import main
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.candidates import Candidates
+from mlxchat.core.constraint import constraint_for
+from mlxchat.core.profile import ProfileError, ProfileStore
+from mlxchat.core.sampling import Sampler
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+                         "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1, "maxItems": 2}}}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "response_format.json_schema.schema.type"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "zzz"}, "strict": True}},
+     "response_format.json_schema.schema: Unknown format: zzz"),
+    ({"type": "regex", "regex": "a(b"}, "response_format.regex: "),
+    ({"type": "grammar", "grammar": "start: foo"}, "response_format.grammar: "),
+    ({"type": "regex"}, "response_format.regex is required when type is 'regex'"),
+    ({"type": "json_object", "regex": "a"}, "response_format.regex is not allowed"),
+    ({"type": "xml"}, "response_format.type"),
+])
+def test_a_bad_format_is_one_error_naming_the_field(fmt: dict, words: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        SamplingProfile(response_format=fmt)
+    assert words in str(e.value)
+
+
+def test_formats_print_in_the_chain_and_round_trip_through_toml(tmp_path: Path) -> None:
+    assert SamplingProfile(response_format={"type": "text"}).response_format is None
+    p = SamplingProfile(name="people", top_p=0.9, temperature=0.7, response_format=PERSON_FORMAT)
+    assert p.describe_chain() == "JsonSchema(person) → TopP(0.9) → Temperature(0.7) → sample"
+    assert SamplingProfile(temperature=0, response_format={"type": "json_object"}).describe_chain() == \
+        "JsonObject → greedy"
+    regex = SamplingProfile(response_format={"type": "regex", "regex": r"\d+"})
+    assert regex.describe_chain() == r"Regex(\d+) → sample"
+    gbnf = SamplingProfile(response_format={"type": "grammar", "grammar": 'root ::= "yes" | "no"'})  # converted
+    assert gbnf.describe_chain() == 'Grammar(root ::= "yes" | "no") → sample'
+    store = ProfileStore(tmp_path)
+    store.save(p)
+    loaded = store.load("people")
+    assert loaded == p and loaded.response_format.json_schema.schema_ == PERSON
+    assert "[response_format.json_schema.schema.properties.name]" in (tmp_path / "people.toml").read_text()
+    with pytest.raises(ProfileError, match="TOML has no null"):
+        store.save(SamplingProfile(name="nulls", response_format={"type": "json_schema", "json_schema": {
+            "schema": {"const": None}}}))
+    with pytest.raises(ValidationError, match="response_format cannot be used with beam search"):
+        SamplingProfile(beam_size=2, response_format={"type": "json_object"})
+
+
+def _allowed(engine: Engine, fmt: dict, prefix: list[int]) -> np.ndarray:
+    """The constraint's mask after `prefix`, as a bool vector."""
+    c = constraint_for(SamplingProfile(response_format=fmt).response_format, engine.model.tokenizer,
+                       engine.model.vocab_size)
+    c.replay(prefix)
+    return np.asarray(c(Candidates(mx.zeros(engine.model.vocab_size), None)).logits) == 0
+
+
+def test_the_stage_masks_before_the_transforms_for_greedy_and_the_draw(engine: Engine) -> None:
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    fmt = {"type": "regex", "regex": "(yes|no)"}
+    allowed = _allowed(engine, fmt, [])
+    assert 0 < allowed.sum() < 20 and not allowed[sorted(tok.eos_ids)].any()  # no end before the grammar can end
+    ended = _allowed(engine, fmt, tok.encode("yes"))
+    assert set(np.flatnonzero(ended)) == set(tok.eos_ids)  # complete: only an end-of-turn id may follow
+    # Logits that favour a disallowed token hugely: every path still picks an allowed one, and top-p renormalises
+    # over the allowed tokens only (so TopP(0.5) keeps a token although all allowed mass is tiny).
+    logits = np.random.default_rng(0).normal(0, 1, vocab).astype(np.float32)
+    logits[tok.encode(" maybe")[0]] = 50.0
+    for profile in (SamplingProfile(temperature=0, response_format=fmt),
+                    *(SamplingProfile(top_p=0.5, seed=s, response_format=fmt) for s in range(4))):
+        s = Sampler(profile, vocab_size=vocab, eos_ids=tok.eos_ids,
+                    constraint=constraint_for(profile.response_format, tok, vocab))
+        assert repr(s.constraint) == "Regex((yes|no))" and s.describe() == profile.describe_chain()
+        ids = []
+        for _ in range(4):
+            token, _ = s.step(mx.array(logits))
+            ids.append(token.item())
+            if ids[-1] in tok.eos_ids:
+                break
+        assert ids[-1] in tok.eos_ids and tok.decode(ids[:-1]) in ("yes", "no")
+
+
+def test_replies_validate_the_trace_names_the_stage_and_a_cut_reply_is_length(engine: Engine) -> None:
+    prompt = "Describe a person as JSON."
+    greedy = engine.generate(prompt, profile=SamplingProfile(temperature=0, response_format=PERSON_FORMAT),
+                             max_tokens=40, trace=5)
+    assert greedy.finish_reason == "stop" and greedy.sampler == "JsonSchema(person) → greedy"
+    jsonschema.validate(json.loads(greedy.text), PERSON)
+    removed = {c.removed_by for t in greedy.traces for c in t.candidates}
+    assert "JsonSchema(person)" in removed and greedy.traces[0].stages == ("processed", "JsonSchema(person)")
+    m = greedy.metrics
+    assert m.constraint_masks >= len(greedy.token_ids) and 0 < m.constraint_mask_s and m.constraint_compile_s > 0
+    cut = engine.generate(prompt, profile=SamplingProfile(temperature=0, response_format=PERSON_FORMAT), max_tokens=2)
+    assert cut.finish_reason == "length" and cut.text == greedy.text[:len(cut.text)]
+
+
+# --- the CLI -----------------------------------------------------------------------------------------------------
+
+def _cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *argv: str, stdin: str = "") -> tuple:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return (rc, *capsys.readouterr())
+
+
+@pytest.mark.parametrize("argv, stdin, expected", [
+    (["--json-schema", "-"], '{"type": "strin"}', "--json-schema -: type: 'strin' is not valid"),
+    (["--json-schema", "-"], "{nope", "--json-schema -: not valid JSON: Expecting property name"),
+    (["--json-schema", "/nonexistent.json"], "", "--json-schema /nonexistent.json: cannot read it (No such file"),
+    (["--regex", "a("], "", "--regex: at 1(8): invalid regex"),
+    (["--grammar", "-"], "start: foo", "--grammar -: at 1(8): unknown name"),
+    (["--regex", "a", "--json-object"], "", "argument --json-object: not allowed with argument --regex"),
+])
+def test_bad_format_flags_are_one_line_before_the_model_loads(capsys, monkeypatch, argv, stdin, expected) -> None:
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("loaded the model for nothing")))
+    rc, out, err = _cli(capsys, monkeypatch, "generate", "hi", *argv, stdin=stdin)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_generate_with_format_flags(engine: Engine, capsys, monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: engine))
+    (tmp_path / "city.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"const": True}},
+                                                    "required": ["ok"], "additionalProperties": False}))
+    rc, out, _ = _cli(capsys, monkeypatch, "generate", "JSON please", "--json-schema", str(tmp_path / "city.json"),
+                      "--temperature", "0", "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["text"] == '{"ok": true}' and result["sampler"] == "JsonSchema(city) → greedy"
+    assert result["finish_reason"] == "stop" and result["metrics"]["constraint_masks"] >= 4
+
+
+# --- the TUI ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_the_profile_form_carries_a_response_format_and_the_stats_line_says_constrained(
+        tmp_path: Path, profile_app) -> None:
+    from textual.widgets import Input, Static
+
+    from mlxchat.app.formatting import stats_line
+
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
+    async with app.run_test(size=(160, 50)) as pilot:
+        picker = app.screen
+        field = picker.query_one("#field-response_format", Input)
+        field.value = '{"type": "regex", "regex": "a("}'
+        await pilot.pause()
+        assert str(picker.query_one("#error-response_format", Static).content).startswith("response_format.regex: ")
+        field.value = '{"type": "json_object"}'
+        await pilot.pause()
+        assert picker.edited.response_format.type == "json_object" and "response_format" not in picker.errors
+        assert str(picker.query_one("#profile-chain", Static).content).startswith("chain: JsonObject → ")
+    line = stats_line({"completion_tokens": 9, "constraint_masks": 10, "constraint_mask_s": 0.002})
+    assert "constrained (0.20 ms/mask)" in line and "constrained" not in stats_line({"completion_tokens": 9})
+
+
+# --- the lab ------------------------------------------------------------------------------------------------------
+
+LAB_SET = """
+[[prompts]]
+id = "ok"
+text = "Is water wet? Answer in JSON."
+[prompts.schema]
+type = "object"
+required = ["ok"]
+additionalProperties = false
+properties = { ok = { type = "boolean" } }
+
+[[prompts]]
+id = "free"
+text = "Say hello."
+constrain = false
+schema = { type = "object", properties = { ok = { type = "boolean" } }, required = ["ok"] }
+"""
+
+
+def test_a_prompt_set_entry_carries_a_schema_and_schema_valid_counts(engine: Engine, tmp_path: Path) -> None:
+    from mlxchat.lab import prompts as P
+    from mlxchat.lab.runner import Experiment, Setting, cell_metrics
+
+    (tmp_path / "json.toml").write_text(LAB_SET)
+    prompt_set = P.load(str(tmp_path / "json.toml"))
+    outputs: list = []
+    Experiment(prompt_set, [Setting("greedy", SamplingProfile(temperature=0))], seeds=1, max_tokens=6).run(
+        engine, outputs.append)
+    assert [(o.prompt_id, o.schema_valid) for o in outputs] == [("ok", True), ("free", False)]
+    assert cell_metrics(outputs)["schema_valid"]["mean"] == 0.5
+    (tmp_path / "bad.toml").write_text(LAB_SET.replace('type = "boolean"', 'type = "bool"', 1))
+    with pytest.raises(P.PromptSetError, match="prompt 'ok': schema.properties.ok.type: 'bool' is not valid"):
+        P.load(str(tmp_path / "bad.toml"))
+
+
+def test_the_bench_section_reports_its_targets() -> None:
+    from mlxchat.bench import constrained as CD
+
+    c = {
+        "schemas": [{"schema": "enums", "seeds": 2, "stop": 2, "valid": 2, "invalid": [], "compile_ms": 0.7,
+                     "mask_us_per_token": 400.0}], "stop_outputs": 2, "stop_valid": 2,
+        "cost": {"tokens": 64, "repeats": 3, "median_tpot_s": {"plain": 0.030, "constrained": 0.036}, "ratio": 1.2,
+                 "best_ratio": 1.05, "cpu_ratio": 1.04, "mask_us_per_token": 400.0}}
+    valid, tpot = CD.targets(c)
+    assert valid["passed"] is True and valid["detail"] == "2/2"
+    assert tpot["passed"] is False and tpot["detail"] == "median 1.20x, best 1.05x, CPU time per token 1.04x"
+    assert CD.targets(None)[0]["passed"] is None and "2/2 'stop' outputs valid" in CD.summary_lines(c)[0]
