@@ -11,8 +11,8 @@ window: 0 turns the penalties off, -1 means all tokens), presence/frequency_pena
 num_predict (-1 or -2: until the context is full), num_ctx (prompt and reply together stay within it), stop. The
 options that say how Ollama runs a model (num_gpu, num_thread, use_mmap, ...) have no meaning here and are ignored;
 mirostat and tfs_z are refused unless neutral. `keep_alive` is accepted: the model stays loaded while the server runs.
-`format` needs constrained decoding: `response_format` maps it to OpenAI's shape, and until the sampler has it a
-request with a format is a 400.
+`format` ("json" or a JSON schema) becomes the profile's `response_format` (OpenAI's shape; constrained decoding,
+core/constraint.py), so the reply is valid JSON when it ends with "stop".
 """
 
 from __future__ import annotations
@@ -171,12 +171,21 @@ def parse_options(raw: dict[str, Any] | None, base: SamplingProfile) -> OptionSe
     return OptionSettings(profile, opts.num_predict, opts.num_ctx)
 
 
+def with_format(settings: OptionSettings, fmt: str | dict[str, Any] | None) -> OptionSettings:
+    """The settings with Ollama's `format` as the profile's response format (a bad schema is a 400 naming format)."""
+    wanted = response_format(fmt)
+    if wanted is None:
+        return settings
+    try:
+        profile = SamplingProfile.model_validate({**settings.profile.model_dump(), "response_format": wanted})
+    except ValidationError as e:
+        message = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"format: {message}", "format") from None
+    return OptionSettings(profile, settings.num_predict, settings.num_ctx)
+
+
 def _refuse(req: _Common, **fields: Any) -> None:
     """Fields of Ollama's API this server does not implement: a 400 that names the field unless it is neutral."""
-    if req.format not in (None, ""):
-        response_format(req.format)  # a malformed format says so first
-        raise ApiError(400, "format needs constrained decoding, which this server does not have yet; leave format "
-                            "out and ask for JSON in the prompt")
     if req.think not in (None, False):
         raise ApiError(400, "think is not supported: this server does not separate a model's thinking; leave it out")
     if req.logprobs or req.top_logprobs:
@@ -344,7 +353,7 @@ def routes(service: Service) -> list[Route]:
         req: _Chat = await body_of(request, _Chat)
         model = check_model(req.model)
         _refuse(req, tools=req.tools)
-        settings = parse_options(req.options, service.base)
+        settings = with_format(parse_options(req.options, service.base), req.format)
 
         def piece(text: str) -> dict[str, Any]:
             return {"message": {"role": "assistant", "content": text}}
@@ -358,7 +367,7 @@ def routes(service: Service) -> list[Route]:
         req: _Generate = await body_of(request, _Generate)
         model = check_model(req.model)
         _refuse(req, template=req.template, suffix=req.suffix, context=req.context, images=req.images)
-        settings = parse_options(req.options, service.base)
+        settings = with_format(parse_options(req.options, service.base), req.format)
 
         def piece(text: str) -> dict[str, Any]:
             return {"response": text}

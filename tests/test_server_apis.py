@@ -61,9 +61,15 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.show("llama3.2")
     assert e.value.status_code == 404 and "not found" in e.value.error
+    # format: a JSON schema constrains the reply (the sampler's response_format); a bad one is a 400 naming format.
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    shaped = client.chat(model=name, messages=[{"role": "user", "content": "Pick a colour, as JSON."}],
+                         format=schema, options={"temperature": 0, "num_predict": 24})
+    assert shaped.done_reason == "stop" and json.loads(shaped.message.content)["colour"] in ("red", "blue")
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model=name, messages=[{"role": "user", "content": "Hi"}], format="json")
-    assert e.value.status_code == 400 and e.value.error.startswith("format needs constrained decoding")
+        client.chat(model=name, messages=[{"role": "user", "content": "Hi"}], format={"type": "strin"})
+    assert e.value.status_code == 400 and e.value.error.startswith("format: ")
     with pytest.raises(ollama.ResponseError, match="tools need constrained decoding"):
         client.chat(model=name, messages=[{"role": "user", "content": "Hi"}],
                     tools=[{"type": "function", "function": {"name": "clock"}}])
