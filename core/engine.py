@@ -458,10 +458,10 @@ class ChatSession:
             with self._lock:
                 if branch and (len(self._tree.path) <= branch[0] or self._tree.path[branch[0]] is not branch[1]):
                     raise ValueError("the conversation changed before the branch started: branch again")
-                rendered = [m.as_prompt() for m in [*self._tree.path[:branch[0] if branch else None],
-                                                    *([lead] if lead else [])]]
+                answered = [*self._tree.path[:branch[0] if branch else None], *([lead] if lead else [])]
+            rendered = [m.as_prompt() for m in answered]
             try:
-                prompt = self._fitted_prompt(rendered, request)
+                prompt = self._fitted_prompt(rendered, [m.token_ids for m in answered], request)
                 # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done
                 # finds it.
                 engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None, record)
@@ -479,20 +479,22 @@ class ChatSession:
 
         return engine.submit(run)
 
-    def _fitted_prompt(self, rendered: list[dict[str, str]], request: Request) -> list[int]:
-        """The conversation's token ids; under "truncate", without its oldest turns if it would not fit with room for
-        a reply (a quarter of the context at most)."""
+    def _fitted_prompt(self, rendered: list[dict[str, str]], replies: list[tuple[int, ...]],
+                       request: Request) -> list[int]:
+        """The conversation's token ids, each reply as the ids it was generated as (`ChatTokenizer.encode_chat`);
+        under "truncate", without its oldest turns if it would not fit with room for a reply (a quarter of the
+        context at most)."""
         encode = self.engine.model.tokenizer.encode_chat
-        prompt = encode(rendered)
+        prompt = encode(rendered, replies)
         if self.context_policy != "truncate" or self.max_kv_size is not None:
             return prompt
         limit = self.engine.context_length
         room = min(request.max_tokens, limit // 4)
-        system = rendered[:1] if rendered and rendered[0]["role"] == "system" else []
-        turns = rendered[len(system):]
-        while len(prompt) + room > limit and len(turns) > 1:
-            turns = turns[1:]
-            while len(turns) > 1 and turns[0]["role"] != "user":  # a prompt starts with a user turn
-                turns = turns[1:]
-            prompt = encode(system + turns)
+        system = 1 if rendered and rendered[0]["role"] == "system" else 0
+        first = system  # the oldest turn kept
+        while len(prompt) + room > limit and len(rendered) - first > 1:
+            first += 1
+            while len(rendered) - first > 1 and rendered[first]["role"] != "user":  # a prompt starts with a user turn
+                first += 1
+            prompt = encode(rendered[:system] + rendered[first:], replies[:system] + replies[first:])
         return prompt
