@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import (KVCache, LRUPromptCache, PromptTrie, QuantizedKVCache, load_prompt_cache,
+                                 save_prompt_cache)
 
 from .backend import KVOptions
 from .cache import ConversationCache
@@ -184,11 +185,12 @@ class KVStore:
                 best, length = e, n
         return best, length
 
-    def load(self, prompt: Sequence[int]) -> tuple[list, int] | None:
+    def load(self, prompt: Sequence[int], longer_than: int = 0) -> tuple[list, int] | None:
         """On the inference thread: the caches of the longest saved prefix of `prompt`, trimmed to it, and its
-        length; None when nothing is saved for it. A file that cannot be read is removed (one warning)."""
+        length; None when none is longer than `longer_than` ids (what a cache in memory holds already). A file that
+        cannot be read is removed (one warning)."""
         entry, length = self.best(prompt)
-        if entry is None:
+        if entry is None or length <= longer_than:
             return None
         if not entry.path.exists():  # another process evicted it
             with self._lock:
@@ -212,7 +214,7 @@ class KVStore:
     def warm(self, cache: ConversationCache, prompt: Sequence[int]) -> int:
         """On the inference thread: when a saved file holds a longer prefix of `prompt` than `cache` does, load it
         into `cache`; return how many ids were loaded (0 when the cache holds as much already)."""
-        if self.best(prompt)[1] <= cache.matched(prompt) or (loaded := self.load(prompt)) is None:
+        if (loaded := self.load(prompt, cache.matched(prompt))) is None:
             return 0
         layers, n = loaded
         cache.adopt(layers, prompt[:n])
@@ -291,6 +293,46 @@ class KVStore:
                 self._entries.pop(path, None)
             path.unlink(missing_ok=True)
             total -= size
+
+
+class SpillingPromptCache(LRUPromptCache):
+    """mlx-lm's in-memory prefix cache (the server's, core/batch.py) whose evicted entries are saved to a `KVStore`,
+    as are all of them at shutdown (`spill_all`), so a conversation resent after a restart is loaded from disk.
+
+    mlx-lm has no eviction callback, but an entry leaves its trie only through `PromptTrie.pop` (evicted for room,
+    or by `trim_to`; a prefix superseded by a longer entry leaves through `pop_prefixes`, and the longer one holds
+    it): the trie is one that reports those pops. mlx-lm is pinned (pyproject.toml); the test of the spill fails
+    if a version stops evicting this way."""
+
+    def __init__(self, store: KVStore, max_size: int, max_bytes: int) -> None:
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.store = store
+        self._trie = _ReportingTrie(self._spill)
+
+    def _spill(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
+        self.store.save(tokens, entry.prompt_cache)  # copied here (the inference thread), written in the background
+
+    def spill_all(self) -> None:
+        """On the inference thread: save every entry to disk (the server is stopping)."""
+        self.trim_to(n_sequences=0)
+
+
+class _ReportingTrie(PromptTrie):
+    def __init__(self, popped: Callable[[list[int], LRUPromptCache.CacheEntry], None]) -> None:
+        super().__init__()
+        self._popped = popped
+
+    def pop(self, model: object, tokens: list[int]) -> LRUPromptCache.CacheEntry:
+        entry = super().pop(model, tokens)
+        self._popped(tokens, entry)
+        return entry
+
+
+def prefix_cache(store: KVStore | None, max_bytes: int) -> LRUPromptCache:
+    """The server's in-memory prefix cache, spilling to `store` when there is one."""
+    if store is None:
+        return LRUPromptCache(max_size=1 << 30, max_bytes=max_bytes)
+    return SpillingPromptCache(store, max_size=1 << 30, max_bytes=max_bytes)
 
 
 def _cut(state: object, n: int) -> object:

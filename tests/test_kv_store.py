@@ -123,3 +123,76 @@ def test_the_folder_keeps_to_its_budget_least_recently_used_first(engine: Engine
     assert len(store) == 2 and store.best([2, *range(100, 140)])[1] == 0
     assert store.best([1, *range(100, 140)])[1] == 40 and store.best([3, *range(100, 140)])[1] == 40
     assert any("evicted" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stored_chat_reopened_warms_its_cache_before_the_next_message(engine: Engine, tmp_path: Path):
+    from mlxchat.app.conversation import ChatController
+    from mlxchat.app.formatting import stats_line
+    from mlxchat.app.store import Store
+
+    def controller(store: Store, disk: Engine) -> ChatController:
+        c = ChatController(store, default_profile=lambda: SamplingProfile(temperature=0), default_system=SYSTEM,
+                           max_tokens=6, exports=tmp_path / "exports")
+        c.engine_ready(disk, None, owned=False)
+        return c
+
+    def answer(c: ChatController, text: str):  # noqa: ANN202 - GenerationResult
+        reply = c.send(text)
+        result = reply.stream.wait()
+        c.on_finished(reply.stream, result)  # what the chat screen does with the bridge thread's Finished
+        return result
+
+    store = Store(tmp_path / "conversations.db")
+    first = engine.with_kv_cache(tmp_path / "kv")
+    before = controller(store, first)
+    answer(before, "Name a fruit.")
+    first.flush_kv_cache()
+
+    # Another controller on a fresh engine (a restart) opens the stored chat: its cache is loaded before any message.
+    later = engine.with_kv_cache(tmp_path / "kv")
+    after = controller(store, later)
+    after.open(before.record.id)
+    later.run(lambda: None)  # the warm-up queued on the inference thread is done
+    loaded = after.session.cache.from_disk
+    assert loaded > 0
+    result = answer(after, "Name a colour.")
+    assert result.metrics.disk_tokens == loaded and result.metrics.cached_tokens >= loaded
+    assert f"{loaded:,} tokens from disk" in stats_line(result.metrics)
+    assert "from disk" not in stats_line({**result.metrics.as_dict(), "disk_tokens": 0})
+    store.close()
+
+
+def test_the_servers_prefix_cache_spills_to_disk_and_a_restarted_one_serves_from_it(engine: Engine,
+                                                                                    greedy: SamplingProfile,
+                                                                                    tmp_path: Path):
+    import queue
+
+    from mlxchat.core.batch import BatchRequest, BatchScheduler
+    from mlxchat.core.events import Done
+
+    def answer(s: BatchScheduler, messages: list[dict[str, str]]):  # noqa: ANN202 - GenerationResult
+        q: queue.Queue = queue.Queue()
+        s.submit(BatchRequest(engine.model.tokenizer.encode_chat(messages), greedy, q.put, max_tokens=4))
+        while not isinstance(event := q.get(timeout=120), Done):
+            assert not isinstance(event, BaseException), event
+        return event.result
+
+    turn1 = [{"role": "user", "content": "Tell me about cats in one sentence."}]
+    # A prefix cache of 64 KiB evicts (and so spills) every entry as soon as it is stored.
+    small = engine.with_kv_cache(tmp_path)
+    first = answer(BatchScheduler(small, prefix_cache_bytes=64 * 2**10), turn1)
+    small.flush_kv_cache()
+    assert len(_files(tmp_path)) == 1
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And dogs?"}]
+
+    # After a restart (a fresh store, an empty prefix cache) the resent conversation is loaded from disk.
+    restarted = BatchScheduler(engine.with_kv_cache(tmp_path))
+    second = answer(restarted, turn2)
+    assert second.metrics.disk_tokens == second.metrics.cached_tokens >= first.metrics.prompt_tokens + 3
+    assert second.token_ids == answer(BatchScheduler(engine, prefix_cache_bytes=0), turn2).token_ids
+    # What the prefix cache holds in memory is saved when the server stops (`mlxchat serve` calls spill_all): the
+    # longer conversation supersedes the file of its first turn.
+    engine.run(restarted.prefix_cache.spill_all)
+    restarted.disk.flush()
+    [saved] = _files(tmp_path)
+    assert len(restarted.disk.best(engine.model.tokenizer.encode_chat(turn2))[0].ids) > second.metrics.cached_tokens
