@@ -9,10 +9,10 @@ become (text, stops, metrics, the result) is core/reply.py's `Reply`, shared wit
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -77,6 +77,8 @@ class Engine:
         self.prefill_step = prefill_step
         self.backend = Backend.current()
         self._generation_stream: mx.Stream | None = None  # made on the inference thread, on a GPU only
+        if kv_cache_mb < 0:
+            raise ValueError(f"kv_cache_mb must be at least 0, got {kv_cache_mb:g}")
         # KV caches saved to disk (core/kv_store.py), one store per KV setting, made when first used.
         self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
         self.kv_cache_mb = kv_cache_mb
@@ -91,7 +93,7 @@ class Engine:
         it (core/kv_store.py)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
-        if kv_cache_mb < 0:
+        if kv_cache_mb < 0:  # checked again by the constructor; here before a model loads for nothing
             raise ValueError(f"kv_cache_mb must be at least 0, got {kv_cache_mb:g}")
         worker = InferenceThread()
         try:
@@ -200,8 +202,6 @@ class Engine:
     def with_kv_cache(self, folder: str | Path | None, mb: float = DEFAULT_BUDGET_MB) -> "Engine":
         """The same model on the same inference thread, saving chat sessions' KV caches in `folder` (None: not at
         all); an engine loaded elsewhere (e.g. handed to the TUI) gets the app's disk cache this way."""
-        if mb < 0:
-            raise ValueError(f"kv_cache_mb must be at least 0, got {mb:g}")
         return Engine(self.model, self._worker, self.prefill_step, kv_cache_dir=folder, kv_cache_mb=mb)
 
     def flush_kv_cache(self, timeout: float = 60.0) -> None:
@@ -212,8 +212,9 @@ class Engine:
             store.flush(timeout)
 
     def kv_store(self, kv: KVOptions = KVOptions()) -> KVStore | None:
-        """The disk store of this model's KV caches with these options (None without a `kv_cache_dir`)."""
-        if self.kv_cache_dir is None:
+        """The disk store of this model's KV caches with these options (None without a `kv_cache_dir`, or with a
+        budget of 0 MB)."""
+        if self.kv_cache_dir is None or self.kv_cache_mb == 0:
             return None
         if kv not in self._kv_stores:
             self._kv_stores[kv] = KVStore(self.kv_cache_dir, self.model, kv, int(self.kv_cache_mb * 2**20))

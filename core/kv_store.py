@@ -192,10 +192,6 @@ class KVStore:
         entry, length = self.best(prompt)
         if entry is None or length <= longer_than:
             return None
-        if not entry.path.exists():  # another process evicted it
-            with self._lock:
-                self._entries.pop(entry.path, None)
-            return None
         try:
             _header(entry.path)  # truncated since it was indexed?
             layers = load_prompt_cache(str(entry.path))
@@ -203,6 +199,10 @@ class KVStore:
                     any(c.offset != len(entry.ids) for c in layers):
                 raise ValueError("its caches do not match the model or its token ids")
             mx.eval([c.state for c in layers])
+        except FileNotFoundError:  # evicted meanwhile (by another store on this folder, or another process)
+            with self._lock:
+                self._entries.pop(entry.path, None)
+            return None
         except Exception as e:  # noqa: BLE001 - whatever is wrong with the file, the prompt is prefilled instead
             self._discard(entry.path, e)
             return None

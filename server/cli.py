@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from .app import ServerConfig, create_app
 
     # A SIGINT meanwhile leaves at once (mlxchat.app.cli.main's handler).
-    engine = Engine.load(args.model, **_kv_cache(args)) if args.hosts is None else start_split(args.model, args)
+    engine = Engine.load(args.model, **kv_cache_options(args)) if args.hosts is None else start_split(args.model, args)
     # From here uvicorn handles SIGINT: it shuts down gracefully, then raises the signal again, for the except below.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     scheduler = None
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_cache(args: argparse.Namespace) -> dict:
+def kv_cache_options(args: argparse.Namespace) -> dict:
     """`Engine.load`'s KV disk cache options from the flags."""
     from mlxchat.core.kv_store import DEFAULT_BUDGET_MB
     from mlxchat.core.locations import kv_cache_dir
@@ -165,4 +165,4 @@ def _split_scheduler(engine, args: argparse.Namespace):  # noqa: ANN001, ANN202 
     return SequentialScheduler(engine, max_queue=args.max_queue)
 
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "kv_cache_options", "run"]

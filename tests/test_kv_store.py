@@ -196,3 +196,24 @@ def test_the_servers_prefix_cache_spills_to_disk_and_a_restarted_one_serves_from
     restarted.disk.flush()
     [saved] = _files(tmp_path)
     assert len(restarted.disk.best(engine.model.tokenizer.encode_chat(turn2))[0].ids) > second.metrics.cached_tokens
+
+
+def test_flags_and_config_keys_set_the_folder_and_budget(tmp_path: Path):
+    from mlxchat.app.cli import build_parser, chat_options
+    from mlxchat.app.config import ConfigError, Settings
+    from mlxchat.server.cli import kv_cache_options
+
+    default = Path(os.environ["MLXCHAT_CACHE_DIR"]) / "kv"  # tests/conftest.py: a temporary cache folder
+    parse = build_parser().parse_args
+    settings = chat_options(parse(["chat", "--kv-cache-dir", str(tmp_path), "--kv-cache-mb", "10"]))["settings"]
+    assert settings == {"kv_cache_dir": str(tmp_path), "kv_cache_mb": 10.0}
+    assert Settings(**settings).engine_options() == {"kv_cache_dir": tmp_path, "kv_cache_mb": 10.0}
+    assert Settings().engine_options() == {"kv_cache_dir": default, "kv_cache_mb": 4096}
+    assert Settings(kv_cache_mb=0).engine_options() == {"kv_cache_dir": None}
+    with pytest.raises(ValueError, match="--kv-cache-mb must be at least 0"):
+        chat_options(parse(["chat", "--kv-cache-mb", "-1"]))
+    (tmp_path / "config.toml").write_text("kv_cache_mb = -5\n")
+    with pytest.raises(ConfigError, match="kv_cache_mb"):
+        Settings.load(tmp_path / "config.toml")
+    assert kv_cache_options(parse(["serve"])) == {"kv_cache_dir": default, "kv_cache_mb": 4096}
+    assert kv_cache_options(parse(["serve", "--kv-cache-dir", str(tmp_path), "--kv-cache-mb", "0"])) == {}
