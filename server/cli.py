@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model, **kv_cache_options(args)) if args.hosts is None else start_split(args.model, args)
     # From here uvicorn handles SIGINT: it shuts down gracefully, then raises the signal again, for the except below.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # So does SIGTERM (a service manager's stop); raised again, it leaves through the `finally` below, which saves
+    # the prefix cache to disk, instead of killing the process there.
+    signal.signal(signal.SIGTERM, _terminated)
     scheduler = None
     try:
         scheduler = BatchScheduler(engine, max_batch=args.max_concurrent, max_queue=args.max_queue,
@@ -135,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         _spill(engine, scheduler)
         engine.close()
     return 0
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def kv_cache_options(args: argparse.Namespace) -> dict:

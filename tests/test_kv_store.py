@@ -5,6 +5,7 @@ used; broken files are removed with one warning; the folder keeps to its budget.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -217,3 +218,40 @@ def test_flags_and_config_keys_set_the_folder_and_budget(tmp_path: Path):
         Settings.load(tmp_path / "config.toml")
     assert kv_cache_options(parse(["serve"])) == {"kv_cache_dir": default, "kv_cache_mb": 4096}
     assert kv_cache_options(parse(["serve", "--kv-cache-dir", str(tmp_path), "--kv-cache-mb", "0"])) == {}
+
+
+
+@pytest.mark.skipif(not os.environ.get("MLXCHAT_SLOW"), reason="two server starts: past the suite's time budget; "
+                                                              "MLXCHAT_SLOW=1 runs it")
+@pytest.mark.slow
+def test_mlxchat_serve_restarted_serves_a_resent_conversation_from_disk(tmp_path: Path):
+    """SIGTERM (a service manager's stop) ends `mlxchat serve` through its shutdown, which spills the prefix cache
+    to the KV cache folder; a new server process answers the resent conversation from it."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    def serve_once(messages: list[dict[str, str]]) -> dict:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "serve", "--port", "0", "--kv-cache-dir",
+                                 str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            url = next(m.group(1) for line in proc.stdout
+                       if (m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)))
+            body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+            request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 128 + signal.SIGTERM
+        finally:
+            proc.kill()
+        return answer
+
+    turn1 = [{"role": "user", "content": "Tell me about the history of Rome. " * 10}]
+    first = serve_once(turn1)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and len(_files(tmp_path)) == 1
+    turn2 = turn1 + [first["choices"][0]["message"], {"role": "user", "content": "Shorter."}]
+    cached = serve_once(turn2)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"]
