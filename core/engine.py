@@ -516,7 +516,7 @@ class ChatSession:
                         self._tree.path.pop()
                 raise
             if (store := self._kv_store()) is not None:
-                store.save(cache.tokens, cache.layers)  # copied here, written by the store's own thread
+                store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
 
         return engine.submit(run)
 

@@ -9,9 +9,9 @@ any other way are never loaded. Each file's header also holds the fingerprint an
 the folder is its own index: `KVStore` reads the headers (a few KiB each) once and matches a prompt against them,
 a longer conversation reusing a shorter saved prefix and a shorter one trimming a longer file.
 
-Saving never blocks the inference thread for long: there the cache is cut to what it holds and made contiguous (one
-copy, as the server's prefix cache does), and a writer thread of its own writes it to a temporary file, fsyncs it
-and renames it into place, so a crash (kill -9) loses at most the save in progress. A file that is truncated,
+Saving never blocks the inference thread: there the cache is cut to what it holds (views, about a millisecond), and
+a writer thread of its own writes it to a temporary file, fsyncs it and renames it into place, so a crash (kill -9)
+loses at most the save in progress. A file that is truncated,
 corrupt or unreadable is removed with one warning, and the prompt is prefilled as if there were none. The folder is
 kept under a byte budget by removing the least recently used files (each load or save touches its file).
 
@@ -221,15 +221,17 @@ class KVStore:
         return n
 
     def snapshot(self, ids: Sequence[int], layers: list) -> list | None:
-        """On the inference thread: a copy of `layers` holding exactly `ids`, contiguous and evaluated, that the
-        writer can save while the conversation goes on (None when there is nothing worth saving)."""
+        """On the inference thread: `layers` cut to exactly `ids`, evaluated, that the writer can save while the
+        conversation goes on (None when there is nothing worth saving)."""
         if not ids or not persistable(layers) or any(c.offset != len(ids) for c in layers):
             return None
         n = len(ids)
         with self._lock:
             if any(e.ids[:n] == tuple(ids) for e in self._entries.values()):
                 return None  # a saved file holds it already (e.g. a conversation loaded and not taken further)
-        # The caches' buffers grow in steps of 256 positions, and a turn writes into them in place: cut a copy.
+        # The caches' buffers grow in steps of 256 positions: save what they hold. The cut is a view of them; a turn
+        # that writes into a buffer while the writer still holds its view writes to a copy (MLX never writes in
+        # place into a buffer another array shares), so the file holds the ids it names.
         copy = [type(c).from_state(_cut(c.state, n)) for c in layers]
         mx.eval([c.state for c in copy])
         return copy
@@ -310,7 +312,7 @@ class SpillingPromptCache(LRUPromptCache):
         self._trie = _ReportingTrie(self._spill)
 
     def _spill(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
-        self.store.save(tokens, entry.prompt_cache)  # copied here (the inference thread), written in the background
+        self.store.save(tokens, entry.prompt_cache)  # cut here (the inference thread), written in the background
 
     def spill_all(self) -> None:
         """On the inference thread: save every entry to disk (the server is stopping)."""
@@ -336,10 +338,10 @@ def prefix_cache(store: KVStore | None, max_bytes: int) -> LRUPromptCache:
 
 
 def _cut(state: object, n: int) -> object:
-    """A cache state (KVCache's or QuantizedKVCache's) with its arrays cut to the first `n` positions, copied."""
+    """A cache state (KVCache's or QuantizedKVCache's) with its arrays cut to the first `n` positions."""
     if isinstance(state, (tuple, list)):
         return type(state)(_cut(x, n) for x in state)
-    return mx.contiguous(state[..., :n, :]) if isinstance(state, mx.array) else state
+    return state[..., :n, :] if isinstance(state, mx.array) else state
 
 
 def _remove_if_orphaned(tmp: Path) -> None:

@@ -48,6 +48,9 @@ def test_a_conversation_saved_by_one_engine_is_loaded_by_a_fresh_one(engine: Eng
     assert cold.metrics.cached_tokens == 0 and cold.token_ids == warm.token_ids
     fresh.flush_kv_cache()
     assert _files(tmp_path) != [saved] and len(_files(tmp_path)) == 1  # the longer save supersedes the shorter
+    # A one-off prompt loads a saved prefix too (and saves nothing).
+    one_off = fresh.generate([m.as_prompt() for m in reopened.messages], profile=greedy, max_tokens=1)
+    assert one_off.metrics.disk_tokens > held
 
     # Another KV setting never reads these files, and a rotating window saves nothing.
     quantized = fresh.chat(system=SYSTEM, profile=greedy, kv_bits=8)
