@@ -48,7 +48,7 @@ DEFAULT_BUDGET_MB = 4096
 SUFFIX = ".safetensors"
 HEADER_BYTES = 1 << 20  # of each model file hashed into the fingerprint: a GGUF's or safetensors' header
 SAVEABLE = (KVCache, QuantizedKVCache)
-EXIT_WAIT_S = 10.0  # how long interpreter exit waits for the file being written (the rest are dropped)
+EXIT_WAIT_S = 10.0  # how long interpreter exit waits for the queued writes (then for the one being written)
 
 
 def fingerprint(model: LoadedModel, kv: KVOptions) -> str:
@@ -364,8 +364,9 @@ def _touch(path: Path) -> None:
 
 class _Writer:
     """One background thread for every store's writes, in order. Like the inference thread it never exits (a
-    thread that ran MLX must not end before the interpreter: core/worker.py); at interpreter exit the file being
-    written is finished (it is a rename away from done) and the queued ones are dropped."""
+    thread that ran MLX must not end before the interpreter: core/worker.py). At interpreter exit the queued writes
+    get EXIT_WAIT_S to finish (a chat's last reply is often the last one queued); then the one being written is
+    finished and the rest are dropped, so the thread is not inside MLX when the interpreter finalises."""
 
     _shared: "_Writer | None" = None
     _made = threading.Lock()
@@ -406,5 +407,6 @@ class _Writer:
 
     def _halt(self) -> None:
         with self._done:
+            self._done.wait_for(lambda: self._pending == 0, EXIT_WAIT_S)
             self._closing = True
             self._done.wait_for(lambda: self._pending == 0, EXIT_WAIT_S)
