@@ -11,9 +11,9 @@ a longer conversation reusing a shorter saved prefix and a shorter one trimming 
 
 Saving never blocks the inference thread: there the cache is cut to what it holds (views, about a millisecond), and
 a writer thread of its own writes it to a temporary file, fsyncs it and renames it into place, so a crash (kill -9)
-loses at most the save in progress. A file that is truncated,
-corrupt or unreadable is removed with one warning, and the prompt is prefilled as if there were none. The folder is
-kept under a byte budget by removing the least recently used files (each load or save touches its file).
+loses at most the save in progress. A file that is truncated, corrupt or unreadable is removed with one warning, and
+the prompt is prefilled as if there were none. The folder is kept under a byte budget by removing the least
+recently used files (each load or save touches its file). docs/architecture.md §11 has the whole picture.
 
 Only plain and quantized caches are saved: a rotating window forgets the middle of the conversation, so its ids no
 longer say what it holds (`persistable`).
