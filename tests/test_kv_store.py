@@ -227,6 +227,7 @@ def test_flags_and_config_keys_set_the_folder_and_budget(tmp_path: Path):
 @pytest.mark.skipif(not os.environ.get("MLXCHAT_SLOW"), reason="two server starts: past the suite's time budget; "
                                                               "MLXCHAT_SLOW=1 runs it")
 @pytest.mark.slow
+@pytest.mark.model
 def test_mlxchat_serve_restarted_serves_a_resent_conversation_from_disk(tmp_path: Path):
     """SIGTERM (a service manager's stop) ends `mlxchat serve` through its shutdown, which spills the prefix cache
     to the KV cache folder; a new server process answers the resent conversation from it."""
