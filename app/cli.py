@@ -87,6 +87,11 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
     p.add_argument("--kv-window", "--max-kv-size", dest="kv_window", type=int,
                    help="tokens kept in a rotating KV cache (implies --context-policy rotate; default with rotate: "
                         "the context)")
+    p.add_argument("--kv-cache-dir", help="save conversations' KV caches here and load a saved prefix instead of "
+                                          "prefilling it (chat default: config.toml's kv_cache_dir, else the cache "
+                                          "folder's kv/)")
+    p.add_argument("--kv-cache-mb", type=float, help="the most the KV cache folder may hold, least recently used "
+                                                     "files removed first; 0 turns the disk cache off (default 4096)")
 
 
 def _check_reply_flags(args: argparse.Namespace) -> None:
@@ -101,6 +106,8 @@ def _check_reply_flags(args: argparse.Namespace) -> None:
         if args.kv_window < 16:
             raise ValueError(f"--kv-window must be at least 16 tokens, got {args.kv_window}")
         args.context_policy = "rotate"
+    if args.kv_cache_mb is not None and args.kv_cache_mb < 0:
+        raise ValueError(f"--kv-cache-mb must be at least 0 (0 turns the disk cache off), got {args.kv_cache_mb:g}")
 
 
 def _sampler_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,7 +170,8 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
 
 
 def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
-    return (f"prompt {m.prompt_tokens} tok ({m.cached_tokens} cached) · TTFT {m.ttft_s:.2f} s · "
+    disk = f", {m.disk_tokens} from disk" if m.disk_tokens else ""
+    return (f"prompt {m.prompt_tokens} tok ({m.cached_tokens} cached{disk}) · TTFT {m.ttft_s:.2f} s · "
             f"prefill {m.prefill_tokens_per_s:.0f} tok/s · decode {m.decode_tokens_per_s:.1f} tok/s "
             f"(TPOT {m.tpot_s * 1000:.0f} ms) · {m.completion_tokens} tok out · "
             f"peak {m.peak_memory_bytes / 2**20:.0f} MiB")
@@ -239,7 +247,10 @@ def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # n
         return start_split(spec, args)
     from mlxchat.core import Engine
 
-    return Engine.load(spec)
+    disk = {}  # `generate` uses a KV cache folder only when asked (a one-off prompt saves nothing, it may load)
+    if args is not None and getattr(args, "kv_cache_dir", None) and args.kv_cache_mb != 0:
+        disk = {"kv_cache_dir": args.kv_cache_dir} | ({"kv_cache_mb": args.kv_cache_mb} if args.kv_cache_mb else {})
+    return Engine.load(spec, **disk)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -276,7 +287,8 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
     SamplingProfile.model_validate(sampling)  # each flag's range, before the app opens
     if args.profile is not None:
         ProfileStore().resolve(args.profile)  # an unknown name is an error, as in generate
-    settings = {k: v for k, v in (("context_policy", args.context_policy), ("kv_window", args.kv_window))
+    settings = {k: v for k, v in (("context_policy", args.context_policy), ("kv_window", args.kv_window),
+                                  ("kv_cache_dir", args.kv_cache_dir), ("kv_cache_mb", args.kv_cache_mb))
                 if v is not None}
     if args.new or sampling or args.profile or args.system is not None:
         settings["reopen_last"] = False

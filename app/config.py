@@ -12,6 +12,8 @@ Example ``~/.config/mlxchat/config.toml``::
     models = ["~/models/qwen2.5-0.5b-instruct-q4.gguf"]
     trace = 8                        # trace every reply as it is written (costs decode speed; see the README)
     reopen_last = true               # start where you left off: the last chat, not a new one (`mlxchat chat --new`)
+    kv_cache_dir = "~/.cache/mlxchat/kv"  # where chats' KV caches are saved, so a reopened chat starts warm
+    kv_cache_mb = 4096               # the most that folder may hold (least recently used files go first); 0: off
 
     [keys]                           # binding id = keys (comma-separated); see the help screen (F1) for the ids
     regenerate = "ctrl+r,f9"
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mlxchat.core.kv_store import DEFAULT_BUDGET_MB
 from mlxchat.core.messages import ContextPolicy
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -55,6 +59,9 @@ class Settings(BaseModel):
     trace: int = Field(default=0, ge=0, le=100)
     models: list[str] = Field(default_factory=list)
     reopen_last: bool = False
+    # KV caches saved to disk (core/kv_store.py): None is the cache folder's kv/ (core/locations.py); 0 MB: off.
+    kv_cache_dir: str | None = None
+    kv_cache_mb: float = Field(default=DEFAULT_BUDGET_MB, ge=0)
     keys: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("keys")
@@ -74,6 +81,15 @@ class Settings(BaseModel):
             elif self.context_policy != "rotate":
                 raise ValueError(f'kv_window goes with context_policy = "rotate", not "{self.context_policy}"')
         return self
+
+    def engine_options(self) -> dict[str, Any]:
+        """What `Engine.load` takes for the KV caches saved to disk (none when kv_cache_mb is 0)."""
+        from mlxchat.core.locations import kv_cache_dir
+
+        if self.kv_cache_mb == 0:
+            return {"kv_cache_dir": None}
+        folder = Path(self.kv_cache_dir).expanduser() if self.kv_cache_dir else kv_cache_dir()
+        return {"kv_cache_dir": folder, "kv_cache_mb": self.kv_cache_mb}
 
     @classmethod
     def load(cls, path: Path) -> "Settings":

@@ -64,6 +64,8 @@ class ChatController(ChatState):
         if reply is not None:
             assert self.session is not None and reply.answers is not None
             self._start(reply, lambda chat: chat.send(reply.answers.content, **self.limits()))
+        elif self.record is not None and self.session is not None:
+            self.session.warm()  # a chat opened before the model was ready: its saved KV cache, in the background
         return old, reply
 
     def load_failed(self) -> Reply | None:
@@ -307,6 +309,8 @@ class ChatController(ChatState):
         self.system_prompt = changes[-1] if changes else (record.system_prompt or "")
         self.session = None
         self._new_session()
+        if self.session is not None:
+            self.session.warm()  # its KV cache saved on disk is loaded in the background: the next turn starts warm
 
     def clear(self) -> None:
         """Delete the messages of this chat (the conversation and its settings stay)."""

@@ -109,8 +109,10 @@ class EngineWorker:
         stream: "Stream"
         error: BaseException
 
-    def __init__(self, target: Target, *, batch_s: float = BATCH_S) -> None:
+    def __init__(self, target: Target, *, batch_s: float = BATCH_S,
+                 engine_options: dict[str, Any] | None = None) -> None:
         self.target = target
+        self.engine_options = engine_options or {}  # what Engine.load takes besides the model (the KV disk cache)
         # How old a batch may get before it is posted. The UI raises it when drawing each batch costs more CPU
         # than its budget (a float written by the UI thread, read here: no lock needed).
         self.batch_s = batch_s
@@ -171,7 +173,7 @@ class EngineWorker:
         try:
             from mlxchat.core import Engine  # imports MLX (via core) on this thread, not the UI's
 
-            engine = Engine.load(spec)
+            engine = Engine.load(spec, **self.engine_options)
         except Exception as e:  # noqa: BLE001 - shown in the app, which stays usable
             self._post(self.LoadFailed(spec, e))
             return

@@ -106,7 +106,10 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
             prefill += f" ({cached} cached)"
         if rate := prefill_rate(m):
             prefill += f" at {rate:.0f} tok/s"
-    parts += [prefill, context(m), f"peak {fmt_bytes(_get(m, 'peak_memory_bytes'))}"]
+    parts.append(prefill)
+    if disk := _get(m, "disk_tokens"):  # where the context came from: the KV cache saved on disk
+        parts.append(f"{disk:,} tokens from disk")
+    parts += [context(m), f"peak {fmt_bytes(_get(m, 'peak_memory_bytes'))}"]
     if masks := _get(m, "constraint_masks"):  # a response_format held the reply to its grammar
         parts.append(f"constrained ({_get(m, 'constraint_mask_s', 0.0) / masks * 1000:.2f} ms/mask)")
     if profile_name:

@@ -24,6 +24,7 @@ import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imp
 from . import cases as C
 from . import constrained as CD
 from . import kv as KV
+from . import kv_disk as KD
 from . import native as N
 from . import server as S
 from . import split as SP
@@ -31,7 +32,7 @@ from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
 SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server", "split",
-            "constrained")
+            "constrained", "kv_disk")
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,13 @@ class Config:
     split_repeats: int = 2
     constrained_seeds: int = 4  # the constrained-decoding section (bench/constrained.py): seeds per schema at T=1
     constrained_tokens: int = 128  # its cap per reply, and the greedy tokens of its TPOT comparison
+    kv_disk: bool = False  # the disk KV cache (bench/kv_disk.py): a 3,000-token chat prefilled 4 times, so opt-in here
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
                   full_chain_lengths=(32, 512, 2048), chat_turns=20, chat_reply_tokens=32,
                   rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=3, tui_tokens=128,
-                  format_repeats=5, native=True)
+                  format_repeats=5, native=True, kv_disk=True)
 # --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
 # chain runs at 32 tokens only (mlxchat's penalties count generated tokens, so the prompt length hardly matters),
 # and the rotating run is 2.6k tokens through a 512-token window.
@@ -208,6 +210,7 @@ def summary_text(results: dict[str, Any]) -> str:
     out.extend(N.summary_lines(results.get("native")))
     out.extend(KV.summary_lines(results.get("kv")))
     out.extend(CD.summary_lines(results.get("constrained")))
+    out.extend(KD.summary_lines(results.get("kv_disk")))
     out.extend(S.summary_lines(results.get("server")))
     out.extend(SP.summary_lines(results.get("split")))
     if results.get("errors"):
@@ -215,7 +218,8 @@ def summary_text(results: dict[str, Any]) -> str:
     out.append("Targets:")
     out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])
                                     + ((results.get("server") or {}).get("targets") or [])
-                                    + ((results.get("constrained") or {}).get("targets") or [])))
+                                    + ((results.get("constrained") or {}).get("targets") or [])
+                                    + ((results.get("kv_disk") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -310,6 +314,12 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     if "kv" not in cfg.skip:
         log("KV cache: plain vs 8-bit vs 4-bit")
         kv = _guard(errors, "kv", KV.kv_case, engine, cfg.kv_context, cfg.kv_decode)
+    kv_disk = None
+    if cfg.kv_disk and "kv_disk" not in cfg.skip:
+        log("KV cache on disk: a 3,000-token chat reopened in a new process, cold vs from disk")
+        kv_disk = _guard(errors, "kv_disk", KD.kv_disk_case, engine, model, repeats=cfg.repeats)
+        if kv_disk is not None:
+            kv_disk["targets"] = KD.targets(kv_disk)
     server = None
     if "server" not in cfg.skip:
         log("server: mlxchat serve vs mlx_lm.server, concurrent streaming clients")
@@ -366,7 +376,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         "cases": cases, "ratios": ratios, "chain_overhead": overhead, "trace": trace, "chat": chat,
         "rotating": rotating,
         "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
-        "split": split, "backend": backend, "constrained": constrained,
+        "split": split, "backend": backend, "constrained": constrained, "kv_disk": kv_disk,
         "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)

@@ -16,7 +16,8 @@ idles the device.
 
 The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a finished sequence's KV
 cache is stored under the ids it holds, and a new prompt starts from the longest cached prefix, so a client that
-resends a whole conversation prefills only what is new. `Metrics.cached_tokens` reports what was reused.
+resends a whole conversation prefills only what is new. `Metrics.cached_tokens` reports what was reused. With the
+engine's KV cache folder, evicted entries spill to disk and a prompt falls back to it (core/kv_store.py).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import (KVCache, LRUPromptCache, can_trim_prompt_cache, make_prompt_cache,
-                                 trim_prompt_cache)
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .cache import prefill_chunk
 from .engine import Engine
+from .kv_store import prefix_cache
 from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
@@ -87,10 +88,10 @@ class _Sequence:
         self.todo: list[int] = []  # prefilled before joining; the last prompt id is the first decode input
         self.read: list[int] = []  # every id read back, end-of-sequence included: the cache holds prompt + these
 
-    def begin(self, cache: list, reused: int) -> None:
+    def begin(self, cache: list, reused: int, disk: int = 0) -> None:
         self.cache = cache
         self.todo = self.req.prompt[reused:-1]
-        self.reply.begin_prefill(len(self.req.prompt), reused)
+        self.reply.begin_prefill(len(self.req.prompt), reused, disk)
 
 
 class BatchScheduler:
@@ -108,8 +109,10 @@ class BatchScheduler:
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step = prefill_step or engine.prefill_step
-        self.prefix_cache = LRUPromptCache(max_size=1 << 30, max_bytes=prefix_cache_bytes) \
-            if prefix_cache_bytes > 0 else None
+        # KV caches saved to disk (core/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
+        # saved there loads it, and the prefix cache's evicted entries (all of them at shutdown) are saved there.
+        self.disk = engine.kv_store()
+        self.prefix_cache = prefix_cache(self.disk, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._lock = threading.Lock()
         self._waiting: deque[BatchRequest] = deque()
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
@@ -210,6 +213,12 @@ class BatchScheduler:
             reused = len(prompt) - 1
         return cache, reused
 
+    def _from_disk(self, prompt: list[int], cache: list, reused: int) -> tuple[list, int, int]:
+        """The cache saved on disk instead of `cache` when it holds a longer prefix of `prompt`; and how many ids came
+        from disk."""
+        found = self.disk.load(prompt, longer_than=reused) if self.disk is not None else None
+        return (cache, reused, 0) if found is None else (found[0], found[1], found[1])
+
     def _prefill_chunk(self) -> None:
         seq = self._prefilling[0]
         if seq.req.cancelled.is_set():
@@ -220,7 +229,7 @@ class BatchScheduler:
         if seq.cache is None:
             # Looked up when its prefill starts, not at admission: a prompt prefilled just before (the other
             # choices of an n > 1 request, a shared system prompt) is in the prefix cache by then.
-            seq.begin(*self._cache_for(seq.req.prompt))
+            seq.begin(*self._from_disk(seq.req.prompt, *self._cache_for(seq.req.prompt)))
         chunk = seq.todo[:self.prefill_step if not self._rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
         if chunk:
             prefill_chunk(self.engine.model.model, seq.cache, chunk)

@@ -28,6 +28,7 @@ class ConversationCache:
         self.model, self.max_kv_size, self.keep, self.kv = model, max_kv_size, keep, kv
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.layers = self._fresh()
+        self.from_disk = 0  # ids loaded from disk (core/kv_store.py) that no request has reused yet
 
     def _fresh(self) -> list:
         if self.kv.quantized:
@@ -48,6 +49,26 @@ class ConversationCache:
     def reset(self) -> None:
         self.tokens = []
         self.layers = self._fresh()
+        self.from_disk = 0
+
+    def adopt(self, layers: list, ids: Sequence[int]) -> None:
+        """Hold `layers` (caches loaded from disk) and the ids they hold, in place of what the cache held."""
+        self.layers, self.tokens, self.from_disk = layers, list(ids), len(ids)
+
+    def take_from_disk(self) -> int:
+        """How many of the held ids were loaded from disk since a request last asked (a request reports them)."""
+        n, self.from_disk = self.from_disk, 0
+        return min(n, len(self.tokens))
+
+    def matched(self, prompt: Sequence[int]) -> int:
+        """How many ids of `prompt` the cache holds already: the common prefix, all but the prompt's last id at most
+        (its logits give the first token)."""
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        return min(common, len(prompt) - 1)
 
     def reuse(self, prompt: Sequence[int]) -> int:
         """Keep the longest cached prefix of `prompt`; return how many of its ids need no prefill.
@@ -55,12 +76,7 @@ class ConversationCache:
         At least one prompt id is always left to run, because its logits give the first token. A
         rotating cache that has wrapped cannot be trimmed: then everything is prefilled again.
         """
-        common = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)
+        common = self.matched(prompt)
         extra = len(self.tokens) - common
         if extra > 0:
             if all(c.is_trimmable() for c in self.layers):

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -26,6 +27,7 @@ from .cache import ConversationCache
 from .errors import ContextLengthError
 from .events import GenerationResult, PrefillProgress
 from .generate import generate_step
+from .kv_store import DEFAULT_BUDGET_MB, KVStore
 from .messages import ChatMessage, ContextPolicy, Fork, ReplyTree
 from .profile import SamplingProfile
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
@@ -68,25 +70,38 @@ class Forced:
 class Engine:
     """A loaded model and its inference thread. See docs/architecture.md §7 for the surface scripts rely on."""
 
-    def __init__(self, model: loader.LoadedModel, worker: InferenceThread, prefill_step: int) -> None:
+    def __init__(self, model: loader.LoadedModel, worker: InferenceThread, prefill_step: int, *,
+                 kv_cache_dir: str | Path | None = None, kv_cache_mb: float = DEFAULT_BUDGET_MB) -> None:
         self.model = model
         self._worker = worker
         self.prefill_step = prefill_step
         self.backend = Backend.current()
         self._generation_stream: mx.Stream | None = None  # made on the inference thread, on a GPU only
+        if kv_cache_mb < 0:
+            raise ValueError(f"kv_cache_mb must be at least 0, got {kv_cache_mb:g}")
+        # KV caches saved to disk (core/kv_store.py), one store per KV setting, made when first used.
+        self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
+        self.kv_cache_mb = kv_cache_mb
+        self._kv_stores: dict[KVOptions, KVStore] = {}
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
-             prefill_step: int = DEFAULT_PREFILL_STEP) -> "Engine":
+             prefill_step: int = DEFAULT_PREFILL_STEP, kv_cache_dir: str | Path | None = None,
+             kv_cache_mb: float = DEFAULT_BUDGET_MB) -> "Engine":
+        """Load a model. With `kv_cache_dir`, chat sessions save their KV cache there after each reply (kept under
+        `kv_cache_mb` in all), and a prompt that starts with a saved conversation loads it instead of prefilling
+        it (core/kv_store.py)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
+        if kv_cache_mb < 0:  # checked again by the constructor; here before a model loads for nothing
+            raise ValueError(f"kv_cache_mb must be at least 0, got {kv_cache_mb:g}")
         worker = InferenceThread()
         try:
             loaded = worker.run(lambda: loader.load(model, weights))
         except BaseException:
             worker.stop()
             raise
-        engine = cls(loaded, worker, prefill_step)
+        engine = cls(loaded, worker, prefill_step, kv_cache_dir=kv_cache_dir, kv_cache_mb=kv_cache_mb)
         if warning := memory_warning(engine.backend, loaded.weight_bytes):
             log.warning("%s", warning)
         return engine
@@ -176,11 +191,34 @@ class Engine:
         """The same model on the same inference thread, prefilling in chunks of at most `prefill_step` ids."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
-        return Engine(self.model, self._worker, prefill_step)
+        return Engine(self.model, self._worker, prefill_step, kv_cache_dir=self.kv_cache_dir,
+                      kv_cache_mb=self.kv_cache_mb)
 
     def with_model(self, model: loader.LoadedModel) -> "Engine":
         """Another loaded model served by this engine's inference thread (closing either engine stops it)."""
-        return Engine(model, self._worker, self.prefill_step)
+        return Engine(model, self._worker, self.prefill_step, kv_cache_dir=self.kv_cache_dir,
+                      kv_cache_mb=self.kv_cache_mb)
+
+    def with_kv_cache(self, folder: str | Path | None, mb: float = DEFAULT_BUDGET_MB) -> "Engine":
+        """The same model on the same inference thread, saving chat sessions' KV caches in `folder` (None: not at
+        all); an engine loaded elsewhere (e.g. handed to the TUI) gets the app's disk cache this way."""
+        return Engine(self.model, self._worker, self.prefill_step, kv_cache_dir=folder, kv_cache_mb=mb)
+
+    def flush_kv_cache(self, timeout: float = 60.0) -> None:
+        """Wait until the KV caches of the replies finished so far are written to disk (a process about to end, the
+        bench): their copies are queued on the inference thread after each reply, then written in the background."""
+        self.run(lambda: None)
+        for store in list(self._kv_stores.values()):
+            store.flush(timeout)
+
+    def kv_store(self, kv: KVOptions = KVOptions()) -> KVStore | None:
+        """The disk store of this model's KV caches with these options (None without a `kv_cache_dir`, or with a
+        budget of 0 MB)."""
+        if self.kv_cache_dir is None or self.kv_cache_mb == 0:
+            return None
+        if kv not in self._kv_stores:
+            self._kv_stores[kv] = KVStore(self.kv_cache_dir, self.model, kv, int(self.kv_cache_mb * 2**20))
+        return self._kv_stores[kv]
 
     # --- requests (run on the inference thread; the text layer is core/reply.py) ------------------------------
 
@@ -211,8 +249,10 @@ class Engine:
         reply = Reply(m, req, prompt, job.emit, job.cancelled.is_set, accepted=job.accepted,
                       context=lambda: cache.size, rotating=cache.rotating, kv_window=cache.max_kv_size)
         mx.reset_peak_memory()
+        if not cache.rotating and (store := self.kv_store(cache.kv)) is not None:
+            store.warm(cache, feed)  # a longer prefix saved on disk than the cache holds is loaded
         reused = cache.reuse(feed)
-        reply.begin_prefill(len(feed), reused)
+        reply.begin_prefill(len(feed), reused, min(cache.take_from_disk(), reused))
         job.emit(PrefillProgress(reused, len(feed)))
         reason = reply.force(head, forced.traces) if forced else None
         if reason is None:
@@ -453,18 +493,17 @@ class ChatSession:
                     self._tree.path.append(message)
 
         def run(job: Job) -> None:
-            if self._cache is None:
-                self._cache = ConversationCache(engine.model.model, self.max_kv_size, self.keep, self.kv)
+            cache = self._conversation_cache()
             with self._lock:
                 if branch and (len(self._tree.path) <= branch[0] or self._tree.path[branch[0]] is not branch[1]):
                     raise ValueError("the conversation changed before the branch started: branch again")
-                rendered = [m.as_prompt() for m in [*self._tree.path[:branch[0] if branch else None],
-                                                    *([lead] if lead else [])]]
+                answered = [*self._tree.path[:branch[0] if branch else None], *([lead] if lead else [])]
+            rendered = [m.as_prompt() for m in answered]
             try:
-                prompt = self._fitted_prompt(rendered, request)
+                prompt = self._fitted_prompt(rendered, [m.token_ids for m in answered], request)
                 # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done
                 # finds it.
-                engine.run_request(job, self._cache, prompt, request, branch[2] if branch else None, record)
+                engine.run_request(job, cache, prompt, request, branch[2] if branch else None, record)
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
@@ -476,23 +515,61 @@ class ChatSession:
                     if sent is not None and self._tree.path and self._tree.path[-1] is sent:
                         self._tree.path.pop()
                 raise
+            if (store := self._kv_store()) is not None:
+                store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
 
         return engine.submit(run)
 
-    def _fitted_prompt(self, rendered: list[dict[str, str]], request: Request) -> list[int]:
-        """The conversation's token ids; under "truncate", without its oldest turns if it would not fit with room for
-        a reply (a quarter of the context at most)."""
+    def _conversation_cache(self) -> ConversationCache:
+        if self._cache is None:
+            self._cache = ConversationCache(self.engine.model.model, self.max_kv_size, self.keep, self.kv)
+        return self._cache
+
+    def _kv_store(self) -> KVStore | None:
+        """Where this conversation's KV cache is saved on disk: none for a rotating window (core/kv_store.py)."""
+        return None if self.max_kv_size is not None else self.engine.kv_store(self.kv)
+
+    def warm(self) -> "Future[int]":
+        """Load this conversation's KV cache from disk, in the background (e.g. a stored chat reopened), so that the
+        next turn prefills only its new message; the future gives how many ids were loaded (0: nothing saved for
+        it, no disk cache, or a rotating window). The next reply counts them in `metrics.disk_tokens`."""
+        loaded: Future[int] = Future()
+
+        def run(_: Job) -> None:
+            try:
+                loaded.set_result(self._warm())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                loaded.set_exception(e)
+
+        self.engine.submit(run)
+        return loaded
+
+    def _warm(self) -> int:
+        store = self._kv_store()
+        with self._lock:
+            messages = list(self._tree.path)
+        if store is None or not any(m.role != "system" for m in messages):
+            return 0
+        ids = self.engine.model.tokenizer.encode_chat([m.as_prompt() for m in messages],
+                                                      [m.token_ids for m in messages])
+        return store.warm(self._conversation_cache(), ids)
+
+    def _fitted_prompt(self, rendered: list[dict[str, str]], replies: list[tuple[int, ...]],
+                       request: Request) -> list[int]:
+        """The conversation's token ids, each reply as the ids it was generated as (`ChatTokenizer.encode_chat`);
+        under "truncate", without its oldest turns if it would not fit with room for a reply (a quarter of the
+        context at most)."""
         encode = self.engine.model.tokenizer.encode_chat
-        prompt = encode(rendered)
+        prompt = encode(rendered, replies)
         if self.context_policy != "truncate" or self.max_kv_size is not None:
             return prompt
         limit = self.engine.context_length
         room = min(request.max_tokens, limit // 4)
-        system = rendered[:1] if rendered and rendered[0]["role"] == "system" else []
-        turns = rendered[len(system):]
-        while len(prompt) + room > limit and len(turns) > 1:
-            turns = turns[1:]
-            while len(turns) > 1 and turns[0]["role"] != "user":  # a prompt starts with a user turn
-                turns = turns[1:]
-            prompt = encode(system + turns)
+        system = 1 if rendered and rendered[0]["role"] == "system" else 0
+        first = system  # the oldest turn kept
+        while len(prompt) + room > limit and len(rendered) - first > 1:
+            first += 1
+            while len(rendered) - first > 1 and rendered[first]["role"] != "user":  # a prompt starts with a user turn
+                first += 1
+            prompt = encode(rendered[:system] + rendered[first:], replies[:system] + replies[first:])
         return prompt

@@ -1,8 +1,9 @@
 """Where mlxchat keeps the user's things: XDG-style data and config folders (platformdirs). One module for the CLI,
 the TUI and the profile store, so they all read the same folders.
 
-``XDG_DATA_HOME`` / ``XDG_CONFIG_HOME`` are honoured on every platform (platformdirs honours them on Linux only),
-and ``MLXCHAT_DATA_DIR`` / ``MLXCHAT_CONFIG_DIR`` override both, for tests and portable installs.
+``XDG_DATA_HOME`` / ``XDG_CONFIG_HOME`` / ``XDG_CACHE_HOME`` are honoured on every platform (platformdirs honours
+them on Linux only), and ``MLXCHAT_DATA_DIR`` / ``MLXCHAT_CONFIG_DIR`` / ``MLXCHAT_CACHE_DIR`` override them, for
+tests and portable installs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def data_dir() -> Path:
 def config_dir() -> Path:
     """``config.toml`` and user sampling profiles (``$XDG_CONFIG_HOME/mlxchat``, usually ``~/.config/mlxchat``)."""
     return _from_env("MLXCHAT_CONFIG_DIR", "XDG_CONFIG_HOME") or platformdirs.user_config_path(APP_NAME)
+
+
+def cache_dir() -> Path:
+    """What can be made again, e.g. saved KV caches (``$XDG_CACHE_HOME/mlxchat``, usually ``~/.cache/mlxchat``)."""
+    return _from_env("MLXCHAT_CACHE_DIR", "XDG_CACHE_HOME") or platformdirs.user_cache_path(APP_NAME)
+
+
+def kv_cache_dir() -> Path:
+    """Where the TUI and `mlxchat serve` save conversations' KV caches by default (core/kv_store.py)."""
+    return cache_dir() / "kv"
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class Reply:
         self._first: float | None = None
         self._last: float | None = None
         self._generated = 0  # tokens drawn, forced ones not counted
-        self._prompt_tokens, self._cached = len(prompt), 0
+        self._prompt_tokens, self._cached, self._disk = len(prompt), 0, 0
         self._context, self._limit, self._window = context, model.context_length, kv_window
 
     @property
@@ -112,9 +112,10 @@ class Reply:
         """How many more tokens the reply may take (at least one, even after a branch forced past the cap)."""
         return max(1, self._cap - len(self._ids))
 
-    def begin_prefill(self, total: int, cached: int) -> None:
-        """The prefill starts now: `total` ids to answer (prompt and forced ids), `cached` of them already cached."""
-        self._started, self._prompt_tokens, self._cached = time.perf_counter(), total, cached
+    def begin_prefill(self, total: int, cached: int, disk: int = 0) -> None:
+        """The prefill starts now: `total` ids to answer (prompt and forced ids), `cached` of them already cached,
+        `disk` of those loaded from disk."""
+        self._started, self._prompt_tokens, self._cached, self._disk = time.perf_counter(), total, cached, disk
 
     def force(self, ids: Sequence[int], traces: Sequence[TokenTrace] = ()) -> FinishReason | None:
         """Start the reply with tokens already decided (a branch): the sampler counts them as drawn, and they go out
@@ -196,7 +197,8 @@ class Reply:
         """A snapshot of the clock and the sizes now."""
         first, last, n = self._first, self._last, self._generated
         return Metrics(
-            prompt_tokens=self._prompt_tokens, cached_tokens=self._cached, completion_tokens=n,
+            prompt_tokens=self._prompt_tokens, cached_tokens=self._cached, disk_tokens=self._disk,
+            completion_tokens=n,
             ttft_s=first - self._accepted if first else 0.0,
             tpot_s=(last - first) / (n - 1) if first and last and n > 1 else 0.0,
             prefill_s=(first or time.perf_counter()) - self._started,

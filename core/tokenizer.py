@@ -56,16 +56,46 @@ class ChatTokenizer:
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **extra)
 
-    def encode_chat(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], replies: Sequence[Sequence[int] | None] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's prompt ids. `replies` (aligned with `messages`) may give an assistant message's own
+        token ids, the ones the model generated: they are used as they are wherever they decode to the message's
+        text and the template writes that text verbatim after the message's generation prompt. A sampled reply is
+        often not the tokenizer's own split of its text ("F" "TR" where encoding gives "FT" "R"), and the KV cache
+        holds the generated ids: re-encoded, the prompt would part from the cache there and the rest of the
+        conversation would be prefilled again (issue 25). `tools`: OpenAI's function specs, for a template that
+        renders them (server/tools.py)."""
         for m in messages:
             _check_unicode(m["content"] or "")  # an assistant message that only calls tools has no content
         text = self.render(messages, tools=tools)
         # The template writes special tokens (BOS, <|im_start|>) itself as text; they must parse as specials.
-        ids = list(self.hf.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        done = 0  # characters of `text` tokenized so far
+        for i, own in enumerate(replies or ()):
+            start = self._reply_start(messages, i, own, text, done)
+            if start is not None:
+                ids += self.hf.encode(text[done:start], add_special_tokens=False)
+                ids += own
+                done = start + len(messages[i]["content"])
+        ids += self.hf.encode(text[done:], add_special_tokens=False)
         bos = self.hf.bos_token_id
         if getattr(self.hf, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def _reply_start(self, messages: Sequence[Message], i: int, own: Sequence[int] | None, text: str,
+                     done: int) -> int | None:
+        """Where assistant message `i`'s text starts in the rendered `text` if its ids `own` can stand for it, else
+        None: the ids decode to its text, and the conversation up to it, rendered with a generation prompt (what
+        the reply was generated after), is how `text` begins, followed by the message's text."""
+        content = messages[i]["content"]
+        if not own or not content or messages[i]["role"] != "assistant" or not self.chat_template \
+                or self.decode(own) != content:
+            return None
+        head = self.render(messages[:i])
+        if len(head) < done or not text.startswith(head) or not text.startswith(content, len(head)):
+            return None
+        return len(head)
 
 
 def _check_unicode(text: str) -> None:

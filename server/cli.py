@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-mb", type=float, default=512.0,
                         help="memory for reused prompt prefixes, least recently used dropped first "
                              "(default: 512 MiB; 0 disables)")
+    parser.add_argument("--kv-cache-dir", help="save prompt prefixes evicted from memory (and all of them at "
+                                               "shutdown) here, and load a saved prefix instead of prefilling it "
+                                               "(default: the cache folder's kv/, e.g. ~/.cache/mlxchat/kv)")
+    parser.add_argument("--kv-cache-mb", type=float, default=None,
+                        help="the most that folder may hold, least recently used files removed first "
+                             "(default: 4096; 0 turns the disk cache off)")
     add_split_arguments(parser)  # --hosts: a split model, served one request at a time
 
 
@@ -68,6 +74,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-body-mb must be greater than 0, got {args.max_body_mb}")
     if args.prefix_cache_mb < 0:
         raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
+    if args.kv_cache_mb is not None and args.kv_cache_mb < 0:
+        raise ValueError(f"--kv-cache-mb must be at least 0 (0 turns the disk cache off), got {args.kv_cache_mb:g}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
     check_split(args)
@@ -104,9 +112,13 @@ def run(args: argparse.Namespace) -> int:
     from .app import ServerConfig, create_app
 
     # A SIGINT meanwhile leaves at once (mlxchat.app.cli.main's handler).
-    engine = Engine.load(args.model) if args.hosts is None else start_split(args.model, args)
+    engine = Engine.load(args.model, **kv_cache_options(args)) if args.hosts is None else start_split(args.model, args)
     # From here uvicorn handles SIGINT: it shuts down gracefully, then raises the signal again, for the except below.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # So does SIGTERM (a service manager's stop); raised again, it leaves through the `finally` below, which saves
+    # the prefix cache to disk, instead of killing the process there.
+    signal.signal(signal.SIGTERM, _terminated)
+    scheduler = None
     try:
         scheduler = BatchScheduler(engine, max_batch=args.max_concurrent, max_queue=args.max_queue,
                                    prefix_cache_bytes=int(args.prefix_cache_mb * 2**20)) \
@@ -123,8 +135,35 @@ def run(args: argparse.Namespace) -> int:
         print("mlxchat: stopped", file=sys.stderr)
         return 130
     finally:
+        _spill(engine, scheduler)
         engine.close()
     return 0
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def kv_cache_options(args: argparse.Namespace) -> dict:
+    """`Engine.load`'s KV disk cache options from the flags."""
+    from mlxchat.core.kv_store import DEFAULT_BUDGET_MB
+    from mlxchat.core.locations import kv_cache_dir
+
+    mb = DEFAULT_BUDGET_MB if args.kv_cache_mb is None else args.kv_cache_mb
+    if mb == 0:
+        return {}
+    return {"kv_cache_dir": args.kv_cache_dir or kv_cache_dir(), "kv_cache_mb": mb}
+
+
+def _spill(engine, scheduler) -> None:  # noqa: ANN001 - core types, imported late
+    """Save the prefix cache's entries to the KV cache folder before the process ends: a client resending a
+    conversation after a restart is then served from disk."""
+    from mlxchat.core.kv_store import SpillingPromptCache
+
+    cache = getattr(scheduler, "prefix_cache", None)  # a split model's scheduler has none
+    if isinstance(cache, SpillingPromptCache):
+        engine.run(cache.spill_all)
+        engine.flush_kv_cache()
 
 def _split_scheduler(engine, args: argparse.Namespace):  # noqa: ANN001, ANN202 - core types, imported late
     """A split model serves one request at a time (core/distributed/serving.py says why)."""
@@ -133,4 +172,4 @@ def _split_scheduler(engine, args: argparse.Namespace):  # noqa: ANN001, ANN202 
     return SequentialScheduler(engine, max_queue=args.max_queue)
 
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "kv_cache_options", "run"]

@@ -21,6 +21,19 @@ import mlxchat.core  # noqa: F401 - loads the optimized BLAS before anything imp
 from mlxchat.core import Engine, SamplingProfile
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The cache folder (saved KV caches: the TUI and `mlxchat serve` use one by default) is a temporary one for the
+    whole run, subprocesses included: tests never write to the user's ~/.cache."""
+    previous = os.environ.get("MLXCHAT_CACHE_DIR")
+    os.environ["MLXCHAT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if previous is None:
+        os.environ.pop("MLXCHAT_CACHE_DIR", None)
+    else:
+        os.environ["MLXCHAT_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
     e = Engine.load()

@@ -121,6 +121,22 @@ def test_chat_cache_reuse_gives_the_same_tokens_as_a_fresh_prefill(engine: Engin
     assert second.token_ids == fresh.token_ids
 
 
+def test_a_reply_tokenized_unlike_its_text_is_reused_as_generated(engine: Engine):
+    """A sampled reply is often not the tokenizer's own split of its text ("F" "TR" where encoding gives "FT" "R"):
+    the next turn's prompt must hold the reply's ids, or everything from that token on is prefilled again (issue 25:
+    "prompt 167 tok (40 cached)" on a plain second turn). The logit bias makes the model write "F" four times; its
+    text "FFFF" encodes as one token."""
+    f = engine.model.tokenizer.encode("F")[0]
+    assert engine.model.tokenizer.encode("FFFF") != [f] * 4
+    chat = engine.chat(profile=SamplingProfile(temperature=0, logit_bias={f: 100}))
+    first = chat.send("Say F.", max_tokens=4).wait()
+    assert first.token_ids == (f,) * 4 and first.text == "FFFF"
+    second = chat.send("Again.", max_tokens=1).wait()
+    # The first turn's prompt and reply are reused (the last id of a reply cut by max_tokens is never fed).
+    assert second.metrics.cached_tokens == first.metrics.prompt_tokens + 3
+    assert chat.cache.tokens[first.metrics.prompt_tokens:][:4] == [f] * 4
+
+
 def test_regenerate_and_edit_trim_the_cache(engine: Engine, greedy: SamplingProfile):
     chat = engine.chat(profile=greedy)
     first = chat.send("Say hello.", max_tokens=8).wait()

@@ -122,7 +122,7 @@ class ChatScreen(Screen):
             notify=lambda message, severity: self.notify(message, severity=severity,
                                                          timeout=10 if severity == "error" else 5))
         self._panel = InspectionPanel(self, Inspection(self._controller))
-        self._feed = ReplyFeed(self, EngineWorker(self))
+        self._feed = ReplyFeed(self, EngineWorker(self, engine_options=app.settings.engine_options()))
         self.query_one("#sidebar").display = app.settings.sidebar
         self.title = "mlxchat"
         self._show_chat_header()
