@@ -64,7 +64,7 @@ class Speculation:
 
     mode: Mode = "off"
     ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
     draft_tokens: int = 5
 
     @classmethod
@@ -248,47 +248,54 @@ def load_draft(spec: str | Path, target: loader.LoadedModel, weights: loader.Wei
 # --- the governor -------------------------------------------------------------------------------------------------
 
 class Governor:
-    """When and how much to guess. Fixed modes guess `draft_tokens` whenever the drafter has a guess. `adaptive`
-    (auto) compares the time per token of verified steps with that of plain steps and backs off to plain decode
-    while speculation does not pay."""
+    """When to verify and how much to guess.
 
-    PROBE_STEPS = 4  # verified steps before speculation is judged
-    PLAIN_RUN = 8  # plain tokens timed when no plain rate is known yet
-    MAX_BACKOFF = 256
+    Decode runs plainly (pipelined) and *peeks*: after each token it asks the drafter for one guess and, when there
+    is one, compares it with the token the pipeline already drew. Only a confirmed guess starts verified steps, so a
+    wrong guess costs a host wait, never a pass of several rows. Verified steps go on while their guesses are
+    accepted; one that keeps none returns to plain decode. A draft model ("draft") verifies every step instead: its
+    guesses are not free. `adaptive` (auto) also sizes the guess by acceptance (longer after a fully accepted one,
+    shorter after a rejection), and when verified steps yield tokens more slowly than plain ones it stops peeking
+    for a while that doubles each time."""
+
+    MAX_COOLDOWN = 512
 
     def __init__(self, spec: Speculation, adaptive: bool) -> None:
-        self.max_k, self.adaptive = spec.draft_tokens, adaptive
-        self.k = spec.draft_tokens if not adaptive else min(2, spec.draft_tokens)
+        self.max_k, self.adaptive, self.always = spec.draft_tokens, adaptive, spec.mode == "draft"
+        self.k = min(2, spec.draft_tokens) if adaptive else spec.draft_tokens
         self.plain_s: float | None = None  # seconds per token, plain pipelined decode
         self.spec_s: float | None = None  # seconds per token, verified steps
-        self.probes = 0
-        self.backoff = 16
+        self.cooldown, self.backoff, self.skip = 0, 16, 0
 
-    def guess_length(self) -> int:
-        return self.k
+    def peek(self) -> bool:
+        """Whether plain decode should look for a guess after this token."""
+        if self.cooldown:
+            self.cooldown -= 1
+            return False
+        return True
+
+    def peeked(self, confirmed: bool) -> None:
+        """A peek cost the pipeline's overlap for one token: under `adaptive`, after a wrong guess the next peeks
+        wait 1, 2, 4, then 8 tokens, until a guess is confirmed."""
+        if self.adaptive:
+            self.skip = 0 if confirmed else min(8, max(1, 2 * self.skip))
+            self.cooldown = max(self.cooldown, self.skip)
 
     def verified(self, k: int, accepted: int, seconds: float) -> None:
         """One verified step of `k` guesses, `accepted` kept, in `seconds` (emitting accepted + 1 tokens)."""
         if self.adaptive:
             self.k = min(self.max_k, self.k + 1 if accepted == k else max(1, accepted + 1))
         self.spec_s = _ema(self.spec_s, seconds / (accepted + 1))
-        self.probes += 1
 
-    def plain_run(self) -> int:
-        """How many tokens to decode plainly now (0: speculate)."""
-        if not self.adaptive or self.probes < self.PROBE_STEPS:
-            return 0
-        if self.plain_s is None:
-            return self.PLAIN_RUN
-        if self.spec_s is not None and self.spec_s > self.plain_s:
-            run, self.backoff = self.backoff, min(self.MAX_BACKOFF, 2 * self.backoff)
-            self.probes, self.spec_s = self.PROBE_STEPS - 2, None  # a short probe after the back-off
-            return run
-        return 0
+    def plain(self, seconds: float) -> None:
+        """One plain token took `seconds`."""
+        self.plain_s = _ema(self.plain_s, seconds, 0.1)
 
-    def plain(self, tokens: int, seconds: float) -> None:
-        if tokens:
-            self.plain_s = _ema(self.plain_s, seconds / tokens)
+    def episode_done(self) -> None:
+        """Verified steps ended: if they were slower per token than plain decode, stop peeking for a while."""
+        if self.adaptive and self.spec_s is not None and self.plain_s is not None and self.spec_s > self.plain_s:
+            self.cooldown, self.backoff = self.backoff, min(self.MAX_COOLDOWN, 2 * self.backoff)
+        self.spec_s = None
 
 
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
@@ -296,6 +303,91 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
 
 
 # --- the token layer ----------------------------------------------------------------------------------------------
+
+class _Decoder:
+    """One reply's decode state: the model and cache, the sampler, the context (prompt then accepted tokens, the
+    last one pending: not in the cache yet), and how many tokens are still allowed."""
+
+    def __init__(self, model: nn.Module, layers: list, sample: Sample, context: list[int], fed: list[int],
+                 drafter: Drafter, governor: Governor, stats: SpeculationStats, room: int, logprobs: bool) -> None:
+        self.model, self.layers, self.sample, self.context, self.fed = model, layers, sample, context, fed
+        self.drafter, self.governor, self.stats, self.room, self.logprobs = drafter, governor, stats, room, logprobs
+
+    def _forward(self, token: mx.array | int) -> tuple[mx.array, mx.array]:
+        ids = token.reshape(1) if isinstance(token, mx.array) else mx.array([token])
+        y, lp = self.sample(self.model(ids[None], cache=self.layers)[0, -1])
+        mx.async_eval(y, lp) if self.logprobs else mx.async_eval(y)
+        return y, lp
+
+    def plain(self) -> Iterator[tuple[int, mx.array]]:
+        """Pipelined decode (as `generate_step`) from the pending token until the room is used up or a guess is
+        confirmed: then the confirmed token is yielded and left pending (drawn, not in the cache)."""
+        g = self.governor
+        y, lp = self._forward(self.context[-1])
+        self.fed.append(self.context[-1])
+        began = time.perf_counter()
+        while True:
+            self.room -= 1
+            token = None
+            if self.room and g.peek() and (guess := self.drafter.propose(self.context, 1)):
+                token = y.item()  # waits for the step already queued, with nothing queued behind it
+                g.peeked(token == guess[0])
+                if token == guess[0]:
+                    self._take(token)
+                    yield token, lp
+                    return
+            if self.room:
+                next_y, next_lp = self._forward(y)  # queued before waiting on this token
+            token = y.item() if token is None else token
+            self._take(token)
+            if self.room:
+                self.fed.append(token)  # in the cache (lazily) once the next step is queued
+            now = time.perf_counter()
+            g.plain(now - began)
+            began = now
+            yield token, lp
+            if not self.room:
+                return
+            y, lp = next_y, next_lp
+
+    def verify(self) -> Iterator[tuple[int, mx.array]]:
+        """Verified steps from the pending token while their guesses are accepted (and there is room)."""
+        g = self.governor
+        while self.room:
+            began = time.perf_counter()
+            guess = self.drafter.propose(self.context, min(g.k, self.room - 1))
+            if not guess and not g.always:
+                break
+            rows = [self.context[-1], *guess]
+            logits = self.model(mx.array(rows)[None], cache=self.layers)[0]
+            self.fed.extend(rows)
+            self.stats.draft_tokens += len(guess)
+            for i in range(len(rows)):
+                y, lp = self.sample(logits[i])
+                mx.eval(y, lp) if self.logprobs else mx.eval(y)
+                token = y.item()
+                self.room -= 1
+                self._take(token, steps=i == 0)
+                if i < len(guess) and token == guess[i]:
+                    self.stats.accepted_tokens += 1
+                    yield token, lp
+                    continue
+                if rejected := len(guess) - i:  # the rows after this one were computed for guesses that lost
+                    for c in self.layers:
+                        c.trim(rejected)
+                    del self.fed[-rejected:]
+                if guess:
+                    g.verified(len(guess), i, time.perf_counter() - began)
+                yield token, lp
+                break
+            if guess and i == 0 and not g.always:
+                break
+        g.episode_done()
+
+    def _take(self, token: int, steps: bool = True) -> None:
+        self.context.append(token)
+        self.stats.steps += steps
+
 
 def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, context: list[int],
                      drafter: Drafter, governor: Governor, stats: SpeculationStats, max_tokens: int,
@@ -313,45 +405,11 @@ def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], samp
             on_prefill(len(chunk))
     if cancelled():
         return
-    produced = 0
-    while produced < max_tokens:
-        room = max_tokens - produced
-        run = min(governor.plain_run(), room)
-        if run:
-            began = time.perf_counter()
-            for token, lp in generate_step(model, layers, context[-1:], sample, max_tokens=run, fed=fed,
-                                           logprobs=logprobs):
-                context.append(token)
-                produced += 1
-                stats.steps += 1
-                yield token, lp
-            governor.plain(run, time.perf_counter() - began)
-            continue
-        began = time.perf_counter()
-        guess = drafter.propose(context, min(governor.guess_length(), room - 1)) if room > 1 else []
-        rows = [context[-1], *guess]
-        logits = model(mx.array(rows)[None], cache=layers)[0]
-        fed.extend(rows)
-        stats.steps += 1
-        stats.draft_tokens += len(guess)
-        for i in range(len(rows)):
-            token, lp = sample(logits[i])
-            mx.eval(token, lp) if logprobs else mx.eval(token)
-            t = token.item()
-            context.append(t)
-            produced += 1
-            if i < len(guess) and t == guess[i]:
-                stats.accepted_tokens += 1
-                yield t, lp
-                continue
-            if rejected := len(guess) - i:  # the rows after this one were computed for guesses that lost
-                for c in layers:
-                    c.trim(rejected)
-                del fed[-rejected:]
-            if guess:
-                governor.verified(len(guess), i, time.perf_counter() - began)
-            yield t, lp
-            break
+    d = _Decoder(model, layers, sample, context, fed, drafter, governor, stats, max_tokens, logprobs)
+    while d.room:
+        yield from d.verify()  # the prompt's end may already continue a run of the prompt
+        if d.room:
+            yield from d.plain()
 
 
 def plan(spec: Speculation, cache: ConversationCache, draft: DraftModel | None) -> tuple[str, Drafter | None]:

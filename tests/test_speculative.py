@@ -26,6 +26,7 @@ def test_ngram_guesses_what_followed_the_latest_occurrence() -> None:
     assert d.propose([1, 2, 3, 4, 9, 1, 2, 3, 7, 2, 3], 2) == [7, 2]  # the latest "2 3" is followed by 7
     assert d.propose([1, 2, 3, 4, 9, 1, 2, 3, 7, 2, 3, 5], 4) == []  # 5 never occurred before
     assert NgramDrafter(max_n=2, min_n=2).propose([5, 6, 7, 6], 2) == []  # "7 6" is new, 1-grams are not tried
+    assert NgramDrafter(max_n=2, min_n=1).propose([5, 6, 7, 6], 2) == [7, 6]
 
 
 def test_speculation_settings_and_refusals() -> None:
@@ -43,23 +44,27 @@ def test_speculation_settings_and_refusals() -> None:
 
 
 def test_governor_backs_off_when_speculation_does_not_pay_and_stays_when_it_does() -> None:
-    slow = Governor(Speculation("auto", draft_tokens=6), adaptive=True)
-    for _ in range(Governor.PROBE_STEPS):
-        assert slow.plain_run() == 0
-        slow.verified(2, 0, 0.030)  # one token per 30 ms step
-    assert slow.plain_run() == Governor.PLAIN_RUN  # first time plain decode for a rate to compare with
-    slow.plain(8, 8 * 0.020)
-    assert slow.plain_run() == 16 and slow.guess_length() == 1
-    slow.verified(1, 0, 0.030), slow.verified(1, 0, 0.030)
-    assert slow.plain_run() == 32  # failed again: a back-off twice as long
-    fast = Governor(Speculation("auto", draft_tokens=6), adaptive=True)
-    for _ in range(Governor.PROBE_STEPS):
-        fast.verified(fast.guess_length(), fast.guess_length(), 0.040)
-    fast.plain(8, 8 * 0.020)
-    assert fast.plain_run() == 0 and fast.guess_length() == 6
+    auto = Governor(Speculation("auto", draft_tokens=6), adaptive=True)
+    assert auto.peek() and auto.k == 2
+    auto.peeked(False)  # a wrong guess: the next peek waits a token, then 2, 4, 8
+    assert [auto.peek() for _ in range(2)] == [False, True]
+    auto.peeked(False)
+    assert [auto.peek() for _ in range(3)] == [False, False, True]
+    auto.peeked(True)
+    assert auto.peek()
+    for _ in range(4):  # fully accepted guesses grow the guess up to draft_tokens
+        auto.verified(auto.k, auto.k, 0.040)
+    assert auto.k == 6
+    auto.verified(6, 1, 0.040)
+    assert auto.k == 2
+    auto.plain(0.010)  # plain decode: 10 ms a token; the episode made 20 ms a token: stop peeking for 16 tokens
+    auto.episode_done()
+    assert [auto.peek() for _ in range(17)] == [False] * 16 + [True]
+    auto.verified(2, 0, 0.020), auto.episode_done()
+    assert auto.cooldown == 32  # failed again: twice as long
     fixed = Governor(Speculation("ngram", draft_tokens=4), adaptive=False)
-    fixed.verified(4, 0, 1.0), fixed.plain(1, 0.001)
-    assert fixed.plain_run() == 0 and fixed.guess_length() == 4
+    fixed.verified(4, 0, 1.0), fixed.plain(0.001), fixed.peeked(False), fixed.episode_done()
+    assert fixed.peek() and fixed.k == 4
 
 
 def test_same_text_with_ngram_greedy_seeded_chat_turns_and_draft_models(engine, tmp_path: Path) -> None:  # noqa: ANN001
