@@ -250,9 +250,9 @@ def load_draft(spec: str | Path, target: loader.LoadedModel, weights: loader.Wei
 class Governor:
     """When to verify and how much to guess.
 
-    Decode runs plainly (pipelined) and *peeks*: after each token it asks the drafter for one guess and, when there
-    is one, compares it with the token the pipeline already drew. Only a confirmed guess starts verified steps, so a
-    wrong guess costs a host wait, never a pass of several rows. Verified steps go on while their guesses are
+    Decode runs plainly (pipelined) and *peeks*: after each token it asks the drafter for a guess of the next one
+    and compares it with that token when the pipeline reads it. Only a confirmed guess starts verified steps, so a
+    wrong guess costs nothing but the lookup, never a pass of several rows. Verified steps go on while their guesses are
     accepted; one that keeps none returns to plain decode. A draft model ("draft") verifies every step instead: its
     guesses are not free. `adaptive` (auto) also sizes the guess by acceptance (longer after a fully accepted one,
     shorter after a rejection), and when verified steps yield tokens more slowly than plain ones it stops peeking
@@ -265,7 +265,7 @@ class Governor:
         self.k = min(2, spec.draft_tokens) if adaptive else spec.draft_tokens
         self.plain_s: float | None = None  # seconds per token, plain pipelined decode
         self.spec_s: float | None = None  # seconds per token, verified steps
-        self.cooldown, self.backoff, self.skip = 0, 16, 0
+        self.cooldown, self.backoff = 0, 16
 
     def peek(self) -> bool:
         """Whether plain decode should look for a guess after this token."""
@@ -274,12 +274,6 @@ class Governor:
             return False
         return True
 
-    def peeked(self, confirmed: bool) -> None:
-        """A peek cost the pipeline's overlap for one token: under `adaptive`, after a wrong guess the next peeks
-        wait 1, 2, 4, then 8 tokens, until a guess is confirmed."""
-        if self.adaptive:
-            self.skip = 0 if confirmed else min(8, max(1, 2 * self.skip))
-            self.cooldown = max(self.cooldown, self.skip)
 
     def verified(self, k: int, accepted: int, seconds: float) -> None:
         """One verified step of `k` guesses, `accepted` kept, in `seconds` (emitting accepted + 1 tokens)."""
@@ -320,25 +314,20 @@ class _Decoder:
         return y, lp
 
     def plain(self) -> Iterator[tuple[int, mx.array]]:
-        """Pipelined decode (as `generate_step`) from the pending token until the room is used up or a guess is
-        confirmed: then the confirmed token is yielded and left pending (drawn, not in the cache)."""
+        """Pipelined decode (as `generate_step`) from the pending token until the room is used up or the drafter's
+        guess for a token equals the token drawn. The guess is checked when the token is read, a step after it was
+        made, so checking costs nothing; on a match the token after it (already drawn) is yielded too and left
+        pending (not in the cache) for the verified steps."""
         g = self.governor
         y, lp = self._forward(self.context[-1])
         self.fed.append(self.context[-1])
+        guess: int | None = None
         began = time.perf_counter()
         while True:
             self.room -= 1
-            token = None
-            if self.room and g.peek() and (guess := self.drafter.propose(self.context, 1)):
-                token = y.item()  # waits for the step already queued, with nothing queued behind it
-                g.peeked(token == guess[0])
-                if token == guess[0]:
-                    self._take(token)
-                    yield token, lp
-                    return
             if self.room:
                 next_y, next_lp = self._forward(y)  # queued before waiting on this token
-            token = y.item() if token is None else token
+            token = y.item()
             self._take(token)
             if self.room:
                 self.fed.append(token)  # in the cache (lazily) once the next step is queued
@@ -348,6 +337,13 @@ class _Decoder:
             yield token, lp
             if not self.room:
                 return
+            if guess == token:
+                self.room -= 1
+                token = next_y.item()
+                self._take(token)
+                yield token, next_lp
+                return
+            guess = (self.drafter.propose(self.context, 1) or [None])[0] if g.peek() else None
             y, lp = next_y, next_lp
 
     def verify(self) -> Iterator[tuple[int, mx.array]]:

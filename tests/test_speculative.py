@@ -46,12 +46,6 @@ def test_speculation_settings_and_refusals() -> None:
 def test_governor_backs_off_when_speculation_does_not_pay_and_stays_when_it_does() -> None:
     auto = Governor(Speculation("auto", draft_tokens=6), adaptive=True)
     assert auto.peek() and auto.k == 2
-    auto.peeked(False)  # a wrong guess: the next peek waits a token, then 2, 4, 8
-    assert [auto.peek() for _ in range(2)] == [False, True]
-    auto.peeked(False)
-    assert [auto.peek() for _ in range(3)] == [False, False, True]
-    auto.peeked(True)
-    assert auto.peek()
     for _ in range(4):  # fully accepted guesses grow the guess up to draft_tokens
         auto.verified(auto.k, auto.k, 0.040)
     assert auto.k == 6
@@ -63,7 +57,7 @@ def test_governor_backs_off_when_speculation_does_not_pay_and_stays_when_it_does
     auto.verified(2, 0, 0.020), auto.episode_done()
     assert auto.cooldown == 32  # failed again: twice as long
     fixed = Governor(Speculation("ngram", draft_tokens=4), adaptive=False)
-    fixed.verified(4, 0, 1.0), fixed.plain(0.001), fixed.peeked(False), fixed.episode_done()
+    fixed.verified(4, 0, 1.0), fixed.plain(0.001), fixed.episode_done()
     assert fixed.peek() and fixed.k == 4
 
 
@@ -115,3 +109,28 @@ def test_same_text_with_ngram_greedy_seeded_chat_turns_and_draft_models(engine, 
         engine.run(lambda: load_draft(other, engine.model))
     with pytest.raises(ValueError, match="self:N"):
         engine.run(lambda: load_draft("self:99", engine.model))
+
+
+def test_the_stats_line_shows_acceptance_and_tokens_per_step() -> None:
+    from mlxchat.app.formatting import stats_line
+
+    m = {"completion_tokens": 16, "speculative": "ngram", "draft_tokens": 10, "accepted_tokens": 6,
+         "decode_steps": 8}
+    assert stats_line(m).endswith(" · speculative ngram: 60% accepted, 2.0 tok/step")
+    assert "speculative" not in stats_line({**m, "speculative": "off"})
+
+
+def test_cli_speculative_flags(engine, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from mlxchat.app.cli import main
+    from mlxchat.core import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: engine))
+    assert main(["generate", EDIT, "--temperature", "0", "--max-tokens", "12", "--speculative", "ngram",
+                 "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "speculative ngram: " in err and " tok/step" in err and "guesses accepted" in err
+    for argv, expected in ((["generate", "hi", "--speculative", "draft"], "--speculative draft needs --draft-model"),
+                           (["chat", "--speculative", "draft"], "only `mlxchat generate --draft-model` loads")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mlxchat: error: ") and expected in err and len(err.splitlines()) == 1
