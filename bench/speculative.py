@@ -92,9 +92,9 @@ def _prompt_rows(engine: Any, prompts_: dict[str, str], kind: str, modes: tuple[
     return rows
 
 
-def verify_cost(engine: Any, repeats: int, context: int = 300) -> list[dict[str, Any]]:
+def verify_cost(engine: Any, rounds: int, context: int = 300) -> list[dict[str, Any]]:
     """Seconds of one forward pass of M rows over `context` cached tokens, as a verify step runs it (then trimmed
-    back), against M = 1: what a guess costs when it is rejected."""
+    back), against M = 1: what a guess costs when it is rejected. Medians of `rounds` alternating rounds."""
     import mlx.core as mx
 
     from mlxchat.core.cache import ConversationCache, prefill
@@ -105,7 +105,7 @@ def verify_cost(engine: Any, repeats: int, context: int = 300) -> list[dict[str,
         ids = engine.model.tokenizer.encode(TEXT * 4)[:context]
         list(prefill(model, cache.layers, ids, 512))
         times: dict[int, list[float]] = {m: [] for m in ROWS}
-        for r in range(repeats * 3):
+        for r in range(rounds):
             for m in ROWS if r % 2 == 0 else ROWS[::-1]:
                 began = time.perf_counter()
                 mx.eval(model(mx.array(ids[:m])[None], cache=cache.layers))
@@ -148,7 +148,7 @@ def speculative_case(engine: Any, max_tokens: int, repeats: int, self_layers: tu
         "max_tokens": max_tokens, "repeats": repeats,
         "prompts": (_prompt_rows(engine, GROUNDED, "grounded", MODES, max_tokens, repeats)
                     + _prompt_rows(engine, FREE, "free", ("off", "auto"), max_tokens, repeats)),
-        "verify_cost": verify_cost(engine, repeats),
+        "verify_cost": verify_cost(engine, 3 * repeats),
         "self_speculation": self_speculation(engine, self_layers, max_tokens, repeats) if self_layers else [],
     }
 

@@ -397,3 +397,12 @@ def test_trace_extension_field_streams_and_round_trips(server: str) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "trace"
         assert r.json()["error"]["message"].startswith("trace")
     assert "between 0 and 100" in _chat(server, {**body, "trace": 101}).json()["error"]["message"]
+
+
+def test_speculative_field_is_validated_and_the_timings_say_what_ran(server: str) -> None:
+    body = _chat(server, {"messages": _msgs("Say hello."), "max_tokens": 4, "speculative": "ngram", **GREEDY}).json()
+    t = body["timings"]
+    assert (t["speculative"], t["draft_n"], t["draft_n_accepted"]) == ("off", 0, 0)  # the batch decodes plainly
+    for mode, words in (("draft", "needs a draft model"), ("fast", "speculative must be one of off, ngram, auto")):
+        err = _chat(server, {"messages": _msgs("hi"), "speculative": mode}).json()["error"]
+        assert err["param"] == "speculative" and words in err["message"]

@@ -134,3 +134,17 @@ def test_cli_speculative_flags(engine, capsys: pytest.CaptureFixture, monkeypatc
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("mlxchat: error: ") and expected in err and len(err.splitlines()) == 1
+
+
+def test_bench_section_rows_verify_cost_and_targets(engine) -> None:  # noqa: ANN001
+    from mlxchat.bench import speculative as SB
+
+    rows = SB._prompt_rows(engine, {"edit code": "Say 1 2 3 1 2 3 1 2 3"}, "grounded", ("off", "ngram"), 6, 1)
+    assert rows[0]["ngram"]["exact"] and rows[0]["ngram"]["tokens_per_step"] >= 1
+    cost = SB.verify_cost(engine, 1, context=16)
+    assert [c["rows"] for c in cost] == list(SB.ROWS) and cost[0]["vs_one_row"] == 1.0
+    spec = {"max_tokens": 6, "repeats": 1, "prompts": [*rows, {**rows[0], "kind": "free", "auto": rows[0]["ngram"]}],
+            "verify_cost": cost, "self_speculation": []}
+    assert "edit code (grounded" in "\n".join(SB.summary_lines(spec))
+    assert [t["passed"] for t in SB.targets(spec)] == [rows[0]["ngram"]["speedup"] >= 2,
+                                                       rows[0]["ngram"]["speedup"] >= 0.97]
