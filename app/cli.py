@@ -90,8 +90,7 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                         "the context)")
     p.add_argument("--speculative", choices=("ngram", "draft", "auto", "off"),
                    help="guess tokens and verify them in one pass; the text is the same (ngram: from the prompt and "
-                        "the reply so far; draft: a --draft-model; auto: ngram or the draft model, only while it pays;"
-                        " default: off)")
+                        "the reply so far; draft: a --draft-model; auto: ngram, only while it pays; default: off)")
 
 
 def _check_reply_flags(args: argparse.Namespace) -> None:

@@ -79,8 +79,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
              prefill_step: int = DEFAULT_PREFILL_STEP, draft_model: str | Path | None = None) -> "Engine":
-        """Load `model`; `draft_model` is speculative="draft"'s guesser: a model with the same vocabulary, or
-        "self:N", the first N layers of the model itself (see core/speculative.py)."""
+        """Load `model`, and `draft_model` for speculative="draft" (core/speculative.py `load_draft`)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
         worker = InferenceThread()
@@ -120,8 +119,7 @@ class Engine:
                speculative: str | Speculation = "off") -> Stream:
         """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
         (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`.
-        `speculative` ("off", "ngram", "draft", "auto") guesses tokens and verifies them; the text is the same
-        (core/speculative.py)."""
+        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py)."""
         messages = _messages(prompt, system)
         request = self.request(profile, max_tokens, stop, trace, speculative)
 
@@ -153,8 +151,7 @@ class Engine:
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
              kv_group_size: int = 64, speculative: str | Speculation = "off") -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
-        memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
-        `speculative` is its turns' default (see `stream`)."""
+        memory for long contexts, small numeric drift); it cannot be combined with a rotating window."""
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
                            context_policy=context_policy,
                            kv=kv_options(kv_bits, kv_group_size,
@@ -200,8 +197,7 @@ class Engine:
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                 stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
                 *, rotating: bool = False, quantized: bool = False) -> Request:
-        """Validate a request (`Request.make`: the max_tokens default, stop strings, limits), and that its
-        speculation can run on this engine and a cache of that kind."""
+        """Validate a request (`Request.make`: the max_tokens default, stop strings, limits; its speculation)."""
         req = Request.make(profile, max_tokens, stop, trace, speculative)
         check(req.speculative, rotating=rotating, quantized=quantized, draft=self.draft is not None)
         return req
@@ -215,10 +211,10 @@ class Engine:
                     forced: Forced | None = None,
                     before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Tokens come from `core.generate.generate_step` (or, speculating, from
-        `core.speculative`); the text, stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a branch): it is fed
-        to the model after the prompt, and the reply continues from it. `before_done(result)` runs just before the
-        Done is emitted."""
+        and a final Done on `job`. Tokens come from `core.generate.generate_step` (or `core.speculative`); the text,
+        stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a
+        branch): it is fed to the model after the prompt, and the reply continues from it. `before_done(result)`
+        runs just before the Done is emitted."""
         m = self.model
         if not prompt:
             raise ValueError("the prompt is empty: type a message first")
@@ -351,8 +347,7 @@ class ChatSession:
 
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
              trace: int = 0, speculative: str | Speculation | None = None) -> Stream:
-        """Answer `text`; `trace=K` traces each token's K candidates, `speculative` overrides the session's
-        (see `Engine.stream`)."""
+        """Answer `text`; `trace=K` traces each token's K candidates (see `Engine.stream`)."""
         _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
         request = self._request(max_tokens, stop, trace, speculative)
         message = ChatMessage("user", text)

@@ -126,7 +126,7 @@ class NgramDrafter:
     `min_n`). The index maps each n-gram to where its latest continuation starts; it is extended as the context
     grows, so a lookup costs O(max_n), not a scan."""
 
-    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
         self.sizes = range(max_n, min_n - 1, -1)
         self._index: dict[tuple[int, ...], int] = {}
         self._seen = 0
@@ -410,12 +410,12 @@ def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], samp
 
 def plan(spec: Speculation, cache: ConversationCache, draft: DraftModel | None) -> tuple[str, Drafter | None]:
     """What a reply into `cache` runs: ("off", None), or the mode and its drafter. A mode asked for by name that
-    cannot run raises (`check`); "auto" uses the draft model when one is loaded, else prompt lookup, and turns off
-    where speculation cannot run."""
+    cannot run raises (`check`); "auto" is prompt lookup (its guesses are free to check: a draft model's are not),
+    and turns off where speculation cannot run."""
     check(spec, rotating=cache.rotating, quantized=cache.kv.quantized, draft=draft is not None)
     if not spec.on or unavailable(cache.rotating, cache.kv.quantized):
         return "off", None
-    if spec.mode == "draft" or (spec.mode == "auto" and draft is not None):
+    if spec.mode == "draft":
         return spec.mode, draft.drafter(cache)
     return spec.mode, NgramDrafter(spec.ngram, spec.min_ngram)
 

@@ -120,7 +120,8 @@ def test_the_stats_line_shows_acceptance_and_tokens_per_step() -> None:
     assert "speculative" not in stats_line({**m, "speculative": "off"})
 
 
-def test_cli_speculative_flags(engine, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_cli_speculative_flags(engine, capsys: pytest.CaptureFixture,  # noqa: ANN001
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     from mlxchat.app.cli import main
     from mlxchat.core import Engine
 
