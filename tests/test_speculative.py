@@ -149,3 +149,15 @@ def test_bench_section_rows_verify_cost_and_targets(engine) -> None:  # noqa: AN
     assert "edit code (grounded" in "\n".join(SB.summary_lines(spec))
     assert [t["passed"] for t in SB.targets(spec)] == [rows[0]["ngram"]["speedup"] >= 2,
                                                        rows[0]["ngram"]["speedup"] >= 0.97]
+
+
+def test_chat_flag_and_config_setting() -> None:
+    from pydantic import ValidationError
+
+    from mlxchat.app.cli import build_parser, chat_options
+    from mlxchat.app.config import Settings
+
+    options = chat_options(build_parser().parse_args(["chat", "--speculative", "auto"]))
+    assert options["settings"]["speculative"] == "auto" and Settings(**options["settings"]).speculative == "auto"
+    with pytest.raises(ValidationError, match="speculative"):
+        Settings(speculative="draft")  # the chat loads no draft model
