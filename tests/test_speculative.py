@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlxchat.core import SamplingProfile
+from mlxchat.core.events import TokenEvent
 from mlxchat.core.speculative import Governor, NgramDrafter, Speculation, check, load_draft
 
 # An edit of a code block: the reply copies long runs of its input, which prompt lookup guesses.
@@ -77,6 +78,14 @@ def test_same_text_with_ngram_greedy_seeded_chat_turns_and_draft_models(engine, 
     assert second.metrics.cached_tokens > 0
     history = [{"role": m.role, "content": m.content} for m in chat.messages[:-1]]
     assert second.token_ids == engine.generate(history, profile=greedy, max_tokens=8).token_ids
+    # A cancel lands at the next token, even inside a verified step.
+    stream = engine.stream(EDIT, profile=greedy, max_tokens=32, speculative="ngram")
+    for event in stream:
+        if isinstance(event, TokenEvent) and len(event.token_ids) and event.metrics.completion_tokens >= 3:
+            stream.cancel()
+    cut = stream.result
+    assert cut.finish_reason == "cancelled" and 3 <= len(cut.token_ids) < 32  # the thread may be a step ahead
+    assert cut.token_ids == off.token_ids[:len(cut.token_ids)]
     # Sampling: the same seed, penalties (counting accepted tokens only), a stop string and a trace.
     sampled = SamplingProfile(temperature=0.7, top_p=0.95, seed=11, repetition_penalty=1.05, frequency_penalty=0.2)
     a = engine.generate(EDIT, profile=sampled, max_tokens=20, stop=["0xC2"], trace=2)
