@@ -26,10 +26,11 @@ count) the rows may differ in the last bits, and a draw moves only where two can
 and the ids it holds (`fed`) stay exact. A cache that cannot be trimmed (a rotating window) or whose attention differs
 with the row count (quantized keys and values) does not speculate (`unavailable`).
 
-**Adaptive (`auto`)**: `Governor` times the steps. Speculation continues while a verified step yields tokens faster
-than plain decode does; when it does not, the reply decodes plainly (pipelined, as `generate_step`) for a back-off
-that doubles each time speculation fails again, so free-form chat pays a few probes, not a slower reply. The guess
-length follows acceptance: it grows after a fully accepted guess and drops after an early rejection.
+**When (`Governor`)**: decode runs plainly, pipelined as `generate_step`, and peeks: a guess for the next token is
+checked when the pipeline reads that token, so a wrong guess costs only the lookup; a confirmed one starts verified
+steps, which go on while they keep guesses. `auto` also sizes the guess by acceptance and, when its verified steps
+yield tokens more slowly than plain ones (both timed), stops peeking for a back-off that doubles each time, so
+free-form chat is not slowed.
 """
 
 from __future__ import annotations
