@@ -33,9 +33,11 @@ class ChatState:
     def __init__(self, store: Store, *, default_profile: Callable[[], SamplingProfile], default_system: str,
                  max_tokens: int | None = None, kv_window: int | None = None,
                  context_policy: ContextPolicy = "truncate", exports: Path | None = None,
-                 notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0) -> None:
+                 notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0,
+                 speculative: str = "off") -> None:
         self.store = store
         self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
+        self.speculative = speculative  # speculative decoding of the replies (config.toml's speculative)
         self.default_profile, self.default_system = default_profile, default_system
         self.max_tokens, self.kv_window, self.context_policy = max_tokens, kv_window, context_policy
         self.exports = exports or Path("exports")
@@ -89,7 +91,9 @@ class ChatState:
             forks = self.saved.forks(self.turns)
         self.session = self.engine.chat(system=self.system_prompt or None, profile=self.profile,
                                         max_kv_size=self.kv_window if self.context_policy == "rotate" else None,
-                                        context_policy=self.context_policy)
+                                        context_policy=self.context_policy,
+                                        # A rotating window cannot be trimmed: its replies decode plainly.
+                                        speculative="off" if self.context_policy == "rotate" else self.speculative)
         self.session.replace_history(history, forks)
 
     def index_of(self, turn: Turn) -> int | None:

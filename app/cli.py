@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
     add_format_flags(gen)
+    gen.add_argument("--draft-model", metavar="SPEC",
+                     help="the draft model of --speculative draft: a model with the same vocabulary, or self:N (the "
+                          "first N layers of --model)")
     add_split_arguments(gen)
     add_worker_command(sub)
 
@@ -92,6 +95,9 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                                           "folder's kv/)")
     p.add_argument("--kv-cache-mb", type=float, help="the most the KV cache folder may hold, least recently used "
                                                      "files removed first; 0 turns the disk cache off (default 4096)")
+    p.add_argument("--speculative", choices=("ngram", "draft", "auto", "off"),
+                   help="guess tokens and verify them in one pass; the text is the same (ngram: from the prompt and "
+                        "the reply so far; draft: a --draft-model; auto: ngram, only while it pays; default: off)")
 
 
 def _check_reply_flags(args: argparse.Namespace) -> None:
@@ -170,11 +176,13 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
 
 
 def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
+    spec = (f" · speculative {m.speculative}: {m.accepted_tokens}/{m.draft_tokens} guesses accepted "
+            f"({m.acceptance:.0%}), {m.tokens_per_step:.2f} tok/step" if m.speculative != "off" else "")
     disk = f", {m.disk_tokens} from disk" if m.disk_tokens else ""
     return (f"prompt {m.prompt_tokens} tok ({m.cached_tokens} cached{disk}) · TTFT {m.ttft_s:.2f} s · "
             f"prefill {m.prefill_tokens_per_s:.0f} tok/s · decode {m.decode_tokens_per_s:.1f} tok/s "
             f"(TPOT {m.tpot_s * 1000:.0f} ms) · {m.completion_tokens} tok out · "
-            f"peak {m.peak_memory_bytes / 2**20:.0f} MiB")
+            f"peak {m.peak_memory_bytes / 2**20:.0f} MiB{spec}")
 
 
 class _Interrupts:
@@ -250,7 +258,7 @@ def _load(spec: str | None, args: argparse.Namespace | None = None) -> Any:  # n
     disk = {}  # `generate` uses a KV cache folder only when asked (a one-off prompt saves nothing, it may load)
     if args is not None and getattr(args, "kv_cache_dir", None) and args.kv_cache_mb != 0:
         disk = {"kv_cache_dir": args.kv_cache_dir} | ({"kv_cache_mb": args.kv_cache_mb} if args.kv_cache_mb else {})
-    return Engine.load(spec, **disk)
+    return Engine.load(spec, draft_model=getattr(args, "draft_model", None), **disk)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -287,9 +295,12 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
     SamplingProfile.model_validate(sampling)  # each flag's range, before the app opens
     if args.profile is not None:
         ProfileStore().resolve(args.profile)  # an unknown name is an error, as in generate
+    if args.speculative == "draft":
+        raise ValueError("--speculative draft needs a draft model, which only `mlxchat generate --draft-model` "
+                         "loads: use --speculative ngram or auto in the chat")
     settings = {k: v for k, v in (("context_policy", args.context_policy), ("kv_window", args.kv_window),
-                                  ("kv_cache_dir", args.kv_cache_dir), ("kv_cache_mb", args.kv_cache_mb))
-                if v is not None}
+                                  ("speculative", args.speculative), ("kv_cache_dir", args.kv_cache_dir),
+                                  ("kv_cache_mb", args.kv_cache_mb)) if v is not None}
     if args.new or sampling or args.profile or args.system is not None:
         settings["reopen_last"] = False
     return {"max_tokens": args.max_tokens, "profile": args.profile, "system_prompt": args.system,
@@ -302,6 +313,12 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         raise ValueError("the prompt is empty: type a message first")
     _check_reply_flags(args)
     args.context_policy = args.context_policy or "error"
+    if args.draft_model is not None:
+        if getattr(args, "hosts", None) is not None:
+            raise ValueError("--draft-model does not work with a model split across machines (--hosts)")
+        args.speculative = args.speculative or "draft"
+    elif args.speculative == "draft":
+        raise ValueError("--speculative draft needs --draft-model SPEC (a model with the same vocabulary, or self:N)")
     _import_core()
     check_split(args)
     profile = _profile(args)
@@ -390,7 +407,8 @@ def _start(engine: Any, prompt: str, profile: Any, args: argparse.Namespace) -> 
     apply here, cut to its end (the system prompt stays), or run through a rotating KV window."""
     limit = engine.context_length
     if args.context_policy == "rotate":
-        chat = engine.chat(system=args.system, profile=profile, max_kv_size=args.kv_window or limit)
+        chat = engine.chat(system=args.system, profile=profile, max_kv_size=args.kv_window or limit,
+                           speculative=args.speculative or "off")
         return chat.send(prompt, max_tokens=args.max_tokens, stop=args.stop)
     size = engine.count_tokens(prompt, args.system)
     if size >= limit:
@@ -402,7 +420,8 @@ def _start(engine: Any, prompt: str, profile: Any, args: argparse.Namespace) -> 
         print(f"mlxchat: note: the prompt ({size} tokens) was cut to its last "
               f"{engine.count_tokens(prompt, args.system)} tokens to fit the context of {limit} "
               "(--context-policy truncate)", file=sys.stderr)
-    return engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system)
+    return engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system,
+                         speculative=args.speculative or "off")
 
 
 def _keep_end(engine: Any, prompt: str, system: str | None, budget: int) -> str:  # noqa: ANN401 - core.Engine

@@ -11,6 +11,7 @@ Example ``~/.config/mlxchat/config.toml``::
     kv_window = 2048                 # the rotating window's size (with context_policy = "rotate"; default: the context)
     models = ["~/models/qwen2.5-0.5b-instruct-q4.gguf"]
     trace = 8                        # trace every reply as it is written (costs decode speed; see the README)
+    speculative = "auto"             # guess tokens and verify them in one pass, same text: "ngram", "auto" or "off"
     reopen_last = true               # start where you left off: the last chat, not a new one (`mlxchat chat --new`)
     kv_cache_dir = "~/.cache/mlxchat/kv"  # where chats' KV caches are saved, so a reopened chat starts warm
     kv_cache_mb = 4096               # the most that folder may hold (least recently used files go first); 0: off
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -57,6 +58,9 @@ class Settings(BaseModel):
     # Candidates recorded per token of every reply as it is written. 0 (the default): replies cost what they cost,
     # and F7 traces a reply only when asked (by writing it again with its seed).
     trace: int = Field(default=0, ge=0, le=100)
+    # Speculative decoding for the chat's replies (core/speculative.py); "draft" needs a draft model, which the chat
+    # does not load. A rotating window (context_policy "rotate") cannot speculate: its replies decode plainly.
+    speculative: Literal["ngram", "auto", "off"] = "off"
     models: list[str] = Field(default_factory=list)
     reopen_last: bool = False
     # KV caches saved to disk (core/kv_store.py): None is the cache folder's kv/ (core/locations.py); 0 MB: off.

@@ -86,6 +86,18 @@ def prefill_progress(done: int, total: int, cached: int = 0) -> tuple[int, str]:
     return pct, text
 
 
+def speculation(m: Any) -> str | None:
+    """What speculative decoding did in a reply ("speculative ngram: 62% accepted, 2.4 tok/step"), or None when it
+    did not run (core/speculative.py)."""
+    mode = _get(m, "speculative", "off")
+    if mode == "off":
+        return None
+    drafted, accepted, steps = _get(m, "draft_tokens"), _get(m, "accepted_tokens"), _get(m, "decode_steps")
+    rate = f"{accepted / drafted:.0%} accepted" if drafted else "no guesses"
+    per_step = f", {_get(m, 'completion_tokens') / steps:.1f} tok/step" if steps else ""
+    return f"speculative {mode}: {rate}{per_step}"
+
+
 def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = None,
                profile_name: str | None = None) -> str:
     """The line under a finished assistant message."""
@@ -112,6 +124,8 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
     parts += [context(m), f"peak {fmt_bytes(_get(m, 'peak_memory_bytes'))}"]
     if masks := _get(m, "constraint_masks"):  # a response_format held the reply to its grammar
         parts.append(f"constrained ({_get(m, 'constraint_mask_s', 0.0) / masks * 1000:.2f} ms/mask)")
+    if (spec := speculation(m)) is not None:
+        parts.append(spec)
     if profile_name:
         parts.append(f"profile {profile_name}")
     return FIELD_SEP.join(parts)

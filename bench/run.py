@@ -27,12 +27,13 @@ from . import kv as KV
 from . import kv_disk as KD
 from . import native as N
 from . import server as S
+from . import speculative as SB
 from . import split as SP
 from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
 SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server", "split",
-            "constrained", "kv_disk")
+            "constrained", "kv_disk", "speculative")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Config:
     constrained_seeds: int = 4  # the constrained-decoding section (bench/constrained.py): seeds per schema at T=1
     constrained_tokens: int = 128  # its cap per reply, and the greedy tokens of its TPOT comparison
     kv_disk: bool = False  # the disk KV cache (bench/kv_disk.py): a 3,000-token chat prefilled 4 times, so opt-in here
+    spec_tokens: int = 128  # the speculative section (bench/speculative.py): greedy tokens per reply, and repeats
+    spec_repeats: int = 4
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
@@ -76,7 +79,7 @@ QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=1, tui_tokens=32, format_repeats=3, native=True,
                    kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
-                   split_repeats=1, constrained_seeds=2, constrained_tokens=64)
+                   split_repeats=1, constrained_seeds=2, constrained_tokens=64, spec_tokens=64, spec_repeats=2)
 
 
 def log(msg: str) -> None:
@@ -213,13 +216,16 @@ def summary_text(results: dict[str, Any]) -> str:
     out.extend(KD.summary_lines(results.get("kv_disk")))
     out.extend(S.summary_lines(results.get("server")))
     out.extend(SP.summary_lines(results.get("split")))
+    out.extend(SB.summary_lines(results.get("speculative")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
     out.append(stats.format_targets(results["targets"] + ((results.get("native") or {}).get("targets") or [])
                                     + ((results.get("server") or {}).get("targets") or [])
                                     + ((results.get("constrained") or {}).get("targets") or [])
-                                    + ((results.get("kv_disk") or {}).get("targets") or [])))
+                                    + ((results.get("kv_disk") or {}).get("targets") or [])
+
+                                    + ((results.get("speculative") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -338,6 +344,12 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     if "split" not in cfg.skip:
         log("split: the model over 2 processes (ring on loopback) vs one process")
         split = _guard(errors, "split", SP.split_case, engine, model, cfg.split_tokens, cfg.split_repeats)
+    speculative = None
+    if "speculative" not in cfg.skip:
+        log("speculative decoding: ngram and auto vs plain, verify cost against rows, self-speculation")
+        speculative = _guard(errors, "speculative", SB.speculative_case, engine, cfg.spec_tokens, cfg.spec_repeats)
+        if speculative is not None:
+            speculative["targets"] = SB.targets(speculative)
     backend = {**engine.backend.as_dict(), "line": engine.describe()}
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
@@ -377,6 +389,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         "rotating": rotating,
         "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
         "split": split, "backend": backend, "constrained": constrained, "kv_disk": kv_disk,
+        "speculative": speculative,
         "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)
@@ -468,7 +481,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer prompt lengths, tokens and repeats: about 5 minutes on an idle 2-core machine")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer prompt lengths, tokens and repeats: about 5 minutes on an idle 2-core machine")
     p.add_argument("--model", help="GGUF file (default: the embedded model)")
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: bench/results)")
     add_arguments(p)

@@ -26,11 +26,11 @@ from .beam import Beam, beam_search
 from .cache import ConversationCache
 from .errors import ContextLengthError
 from .events import GenerationResult, PrefillProgress
-from .generate import generate_step
 from .kv_store import DEFAULT_BUDGET_MB, KVStore
 from .messages import ChatMessage, ContextPolicy, Fork, ReplyTree
 from .profile import SamplingProfile
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
+from .speculative import DraftModel, Speculation, check, decode, load_draft, plan
 from .trace import TokenTrace
 from .worker import InferenceThread, Job, Stream
 
@@ -83,14 +83,16 @@ class Engine:
         self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
         self.kv_cache_mb = kv_cache_mb
         self._kv_stores: dict[KVOptions, KVStore] = {}
+        self.draft: DraftModel | None = None  # the draft model of speculative="draft" (core/speculative.py)
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
              prefill_step: int = DEFAULT_PREFILL_STEP, kv_cache_dir: str | Path | None = None,
-             kv_cache_mb: float = DEFAULT_BUDGET_MB) -> "Engine":
+             kv_cache_mb: float = DEFAULT_BUDGET_MB, draft_model: str | Path | None = None) -> "Engine":
         """Load a model. With `kv_cache_dir`, chat sessions save their KV cache there after each reply (kept under
         `kv_cache_mb` in all), and a prompt that starts with a saved conversation loads it instead of prefilling
-        it (core/kv_store.py)."""
+        it (core/kv_store.py). `draft_model` is the draft of speculative="draft" (core/speculative.py
+        `load_draft`)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
         if kv_cache_mb < 0:  # checked again by the constructor; here before a model loads for nothing
@@ -98,10 +100,12 @@ class Engine:
         worker = InferenceThread()
         try:
             loaded = worker.run(lambda: loader.load(model, weights))
+            draft = worker.run(lambda: load_draft(draft_model, loaded, weights)) if draft_model is not None else None
         except BaseException:
             worker.stop()
             raise
         engine = cls(loaded, worker, prefill_step, kv_cache_dir=kv_cache_dir, kv_cache_mb=kv_cache_mb)
+        engine.draft = draft
         if warning := memory_warning(engine.backend, loaded.weight_bytes):
             log.warning("%s", warning)
         return engine
@@ -126,11 +130,13 @@ class Engine:
         return f"{self.backend.line()} · weights {self.model.weights_path}"
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-               stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0) -> Stream:
+               stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0,
+               speculative: str | Speculation = "off") -> Stream:
         """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
-        (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`."""
+        (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`.
+        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py)."""
         messages = _messages(prompt, system)
-        request = self.request(profile, max_tokens, stop, trace)
+        request = self.request(profile, max_tokens, stop, trace, speculative)
 
         def run(job: Job) -> None:
             self.run_request(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages),
@@ -140,9 +146,10 @@ class Engine:
 
     def generate(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                  stop: Sequence[str] | None = None, system: str | None = None,
-                 progress: Callable[[int, int], None] | None = None, trace: int = 0) -> GenerationResult:
+                 progress: Callable[[int, int], None] | None = None, trace: int = 0,
+                 speculative: str | Speculation = "off") -> GenerationResult:
         return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system,
-                           trace=trace).wait(progress)
+                           trace=trace, speculative=speculative).wait(progress)
 
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                     system: str | None = None) -> list[Beam]:
@@ -157,13 +164,14 @@ class Engine:
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4,
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
-             kv_group_size: int = 64) -> "ChatSession":
+             kv_group_size: int = 64, speculative: str | Speculation = "off") -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
         memory for long contexts, small numeric drift); it cannot be combined with a rotating window."""
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
                            context_policy=context_policy,
                            kv=kv_options(kv_bits, kv_group_size,
-                                         rotating=max_kv_size is not None or context_policy == "rotate"))
+                                         rotating=max_kv_size is not None or context_policy == "rotate"),
+                           speculative=speculative)
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(_messages(prompt, system)))
@@ -191,8 +199,10 @@ class Engine:
         """The same model on the same inference thread, prefilling in chunks of at most `prefill_step` ids."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
-        return Engine(self.model, self._worker, prefill_step, kv_cache_dir=self.kv_cache_dir,
-                      kv_cache_mb=self.kv_cache_mb)
+        engine = Engine(self.model, self._worker, prefill_step, kv_cache_dir=self.kv_cache_dir,
+                        kv_cache_mb=self.kv_cache_mb)
+        engine.draft = self.draft
+        return engine
 
     def with_model(self, model: loader.LoadedModel) -> "Engine":
         """Another loaded model served by this engine's inference thread (closing either engine stops it)."""
@@ -223,9 +233,12 @@ class Engine:
     # --- requests (run on the inference thread; the text layer is core/reply.py) ------------------------------
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-                stop: Sequence[str] | None = None, trace: int = 0) -> Request:
-        """Validate a request (`Request.make`: the max_tokens default, stop strings, limits)."""
-        return Request.make(profile, max_tokens, stop, trace)
+                stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
+                *, rotating: bool = False, quantized: bool = False) -> Request:
+        """Validate a request (`Request.make`: the max_tokens default, stop strings, limits; its speculation)."""
+        req = Request.make(profile, max_tokens, stop, trace, speculative)
+        check(req.speculative, rotating=rotating, quantized=quantized, draft=self.draft is not None)
+        return req
 
     def check_fits(self, prompt_tokens: int, rotating: bool = False) -> None:
         """Raise ContextLengthError if a prompt of this many tokens leaves no room for a reply."""
@@ -236,10 +249,10 @@ class Engine:
                     forced: Forced | None = None,
                     before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Tokens come from `core.generate.generate_step`; the text, stops, metrics and
-        result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a branch): it is fed
-        to the model after the prompt, and the reply continues from it. `before_done(result)` runs just before the
-        Done is emitted."""
+        and a final Done on `job`. Tokens come from `core.generate.generate_step` (or `core.speculative`); the text,
+        stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a
+        branch): it is fed to the model after the prompt, and the reply continues from it. `before_done(result)`
+        runs just before the Done is emitted."""
         m = self.model
         if not prompt:
             raise ValueError("the prompt is empty: type a message first")
@@ -256,8 +269,10 @@ class Engine:
         job.emit(PrefillProgress(reused, len(feed)))
         reason = reply.force(head, forced.traces) if forced else None
         if reason is None:
-            tokens = generate_step(
+            reply.speculative, drafter = plan(req.speculative, cache, self.draft)
+            tokens = decode(
                 m.model, cache.layers, feed[reused:], reply.sample, max_tokens=reply.room, fed=cache.tokens,
+                context=feed, spec=req.speculative, drafter=drafter, stats=reply.speculation,
                 logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
                 on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed))))
             with self._device_practices():
@@ -303,7 +318,7 @@ class ChatSession:
 
     def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
                  max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate",
-                 kv: KVOptions = KVOptions()) -> None:
+                 kv: KVOptions = KVOptions(), speculative: str | Speculation = "off") -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
@@ -313,6 +328,10 @@ class ChatSession:
         if max_kv_size is None and context_policy == "rotate":
             max_kv_size = engine.context_length
         self.max_kv_size, self.keep, self.kv = max_kv_size, keep, kv
+        self.speculative = speculative  # each turn's default; a turn's own `speculative=` wins
+        # A mode that cannot run with this cache is refused now, not at the first turn.
+        check(Speculation.make(speculative), rotating=max_kv_size is not None, quantized=kv.quantized,
+              draft=engine.draft is not None)
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
 
@@ -360,21 +379,27 @@ class ChatSession:
         """The conversation's KV cache (None before the first turn), for size and memory readouts."""
         return self._cache
 
+    def _request(self, max_tokens: int | None, stop: Sequence[str] | None, trace: int,
+                 speculative: str | Speculation | None = None, profile: SamplingProfile | None = None) -> Request:
+        return self.engine.request(profile or self.profile, max_tokens, stop, trace,
+                                   self.speculative if speculative is None else speculative,
+                                   rotating=self.max_kv_size is not None, quantized=self.kv.quantized)
+
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-             trace: int = 0) -> Stream:
+             trace: int = 0, speculative: str | Speculation | None = None) -> Stream:
         """Answer `text`; `trace=K` traces each token's K candidates (see `Engine.stream`)."""
         _messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
-        request = self.engine.request(self.profile, max_tokens, stop, trace)
+        request = self._request(max_tokens, stop, trace, speculative)
         message = ChatMessage("user", text)
         with self._lock:
             self._tree.path.append(message)
         return self._reply(request, message)
 
     def regenerate(self, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-                   trace: int = 0, keep: bool = False) -> Stream:
+                   trace: int = 0, keep: bool = False, speculative: str | Speculation | None = None) -> Stream:
         """Answer the last user message again. The last reply is dropped, or with `keep` it stays an alternative:
         the new reply becomes the active one at its place once it is done (see `alternatives`)."""
-        request = self.engine.request(self.profile, max_tokens, stop, trace)
+        request = self._request(max_tokens, stop, trace, speculative)
         with self._lock:
             path = self._tree.path
             last = len(path) - 1
@@ -387,12 +412,12 @@ class ChatSession:
         return self._reply(request, branch=branch)
 
     def edit_last(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-                  trace: int = 0, keep: bool = False) -> Stream:
+                  trace: int = 0, keep: bool = False, speculative: str | Speculation | None = None) -> Stream:
         """Replace the last user message (dropping what followed it) and answer it. With `keep` the old message and
         what followed it stay an alternative: the new message and its reply take its place once the reply is done
         (see `alternatives`); a reply stopped before its first token or failed changes nothing."""
         _messages(text, None)
-        request = self.engine.request(self.profile, max_tokens, stop, trace)
+        request = self._request(max_tokens, stop, trace, speculative)
         message = ChatMessage("user", text)
         with self._lock:
             last = max((i for i, m in enumerate(self._tree.path) if m.role == "user"), default=None)
@@ -414,7 +439,8 @@ class ChatSession:
             self._cache = None
 
     def branch(self, reply_index: int, token_index: int, token_id: int, *, max_tokens: int | None = None,
-               stop: Sequence[str] | None = None, trace: int = 0) -> Stream:
+               stop: Sequence[str] | None = None, trace: int = 0,
+               speculative: str | Speculation | None = None) -> Stream:
         """Continue a reply from one of its tokens with another token: a new alternative of that reply.
 
         `reply_index` is the reply's index in `messages` (negative counts from the end); the new reply keeps the
@@ -448,7 +474,7 @@ class ChatSession:
         profile = SamplingProfile.model_validate(reply.profile) if reply.profile else self.profile
         if reply.seed is not None:
             profile = profile.model_copy(update={"seed": reply.seed})
-        request = self.engine.request(profile, max_tokens, stop, trace)
+        request = self._request(max_tokens, stop, trace, speculative, profile)
         traced = len(reply.traces) == len(ids) and token_index < len(ids)
         chosen = reply.traces[token_index].choose(token_id) if traced else None
         forced = Forced((*ids[:token_index], token_id), (*reply.traces[:token_index], chosen) if chosen else ())

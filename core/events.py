@@ -30,6 +30,12 @@ class Metrics:
     constraint_mask_s: float = 0.0
     constraint_masks: int = 0
     constraint_compile_s: float = 0.0
+    # Speculative decoding (core/speculative.py): what ran ("off", "ngram", "draft", "auto"), the tokens guessed,
+    # the guesses kept, and the decode forward passes (completion_tokens / decode_steps = tokens per step).
+    speculative: str = "off"
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_steps: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -39,6 +45,14 @@ class Metrics:
     @property
     def decode_tokens_per_s(self) -> float:
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.completion_tokens / self.decode_steps if self.decode_steps else 0.0
 
     def as_dict(self) -> dict[str, float | int | None]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -31,6 +31,7 @@ from .generate import Sample
 from .loader import LoadedModel
 from .profile import SamplingProfile
 from .sampling import Sampler
+from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
 from .trace import TokenTrace
 from .tracing import Tracer, check_trace
@@ -44,16 +45,18 @@ DEFAULT_MAX_TOKENS = 1024
 @dataclass(frozen=True)
 class Request:
     """One validated generation request: the profile, the reply's length cap, every stop string, and how many
-    candidates to trace per token (0 = no trace; see core/tracing.py)."""
+    candidates to trace per token (0 = no trace; see core/tracing.py), and how to speculate (core/speculative.py)."""
 
     profile: SamplingProfile
     max_tokens: int
     stop: list[str]
     trace: int = 0
+    speculative: Speculation = Speculation()
 
     @classmethod
     def make(cls, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-             stop: Sequence[str] | None = None, trace: int = 0) -> "Request":
+             stop: Sequence[str] | None = None, trace: int = 0,
+             speculative: str | Speculation | None = None) -> "Request":
         """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
         DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings; `trace` is the
         number of candidates to trace per token (0-100, 0 = off)."""
@@ -67,7 +70,7 @@ class Request:
         cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
         if profile.min_tokens > cap:
             raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
-        return cls(profile, cap, [*profile.stop, *(stop or [])], trace)
+        return cls(profile, cap, [*profile.stop, *(stop or [])], trace, Speculation.make(speculative))
 
 
 class Reply:
@@ -106,6 +109,9 @@ class Reply:
         self._generated = 0  # tokens drawn, forced ones not counted
         self._prompt_tokens, self._cached, self._disk = len(prompt), 0, 0
         self._context, self._limit, self._window = context, model.context_length, kv_window
+        # Filled by the token layer when the reply speculates (core/speculative.py); "off" otherwise.
+        self.speculative = "off"
+        self.speculation = SpeculationStats()
 
     @property
     def room(self) -> int:
@@ -196,6 +202,7 @@ class Reply:
     def metrics(self) -> Metrics:
         """A snapshot of the clock and the sizes now."""
         first, last, n = self._first, self._last, self._generated
+        spec = self.speculation
         return Metrics(
             prompt_tokens=self._prompt_tokens, cached_tokens=self._cached, disk_tokens=self._disk,
             completion_tokens=n,
@@ -207,6 +214,8 @@ class Reply:
             context_tokens=self._context(), context_limit=self._limit, kv_window=self._window,
             **({"constraint_mask_s": self._constraint.mask_s, "constraint_masks": self._constraint.masks,
                 "constraint_compile_s": self._constraint.compile_s} if self._constraint is not None else {}),
+            speculative=self.speculative, draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens,
+            decode_steps=spec.steps if self.speculative != "off" else n,
         )
 
 

@@ -89,6 +89,7 @@ class _Types(BaseModel):
     penalize_prompt: bool | None = None
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
     response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
+    speculative: str | None = None  # mlxchat's extension: "off", "ngram", "auto" (see `check_speculative`)
 
 
 class _ChatTypes(_Types):
@@ -237,6 +238,7 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
         check_trace(trace)
     except ValueError as e:
         raise ApiError(400, str(e), "trace") from None
+    check_speculative(req.speculative)
 
     prompt: str | list[int] | None = None
     messages = None
@@ -272,6 +274,19 @@ def _tools(req: _ChatTypes, fields: dict[str, Any]) -> tuple[list[Tool], ToolCho
     return tools, choice
 
 
+def check_speculative(mode: str | None) -> None:
+    """The `speculative` field. The server decodes every request in one continuous batch (core/batch.py), which
+    steps each row one token at a time: speculation does not run there, so "ngram" and "auto" are accepted and
+    decode plainly (the text is the same either way), and the response's `timings.speculative` says what ran.
+    "draft" is refused: the server loads no draft model."""
+    if mode is None or mode in ("off", "ngram", "auto"):
+        return
+    if mode == "draft":
+        raise ApiError(400, "speculative 'draft' needs a draft model, which the server does not load: use 'ngram', "
+                            "'auto' or 'off'", "speculative")
+    raise ApiError(400, f"speculative must be one of off, ngram, auto, got {mode!r}", "speculative")
+
+
 # --- responses ---------------------------------------------------------------------------------------------------
 
 def new_id(chat: bool) -> str:
@@ -297,6 +312,8 @@ def timings(m: Metrics) -> dict[str, float | int]:
         "predicted_n": m.completion_tokens, "predicted_ms": predicted_ms,
         "predicted_per_second": decoded / m.decode_s if m.decode_s > 0 else 0.0,
         "ttft_ms": m.ttft_s * 1000,
+        # Speculative decoding as it ran (llama.cpp's draft_n / draft_n_accepted): "off" in the batch.
+        "speculative": m.speculative, "draft_n": m.draft_tokens, "draft_n_accepted": m.accepted_tokens,
     }
 
 

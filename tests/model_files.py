@@ -37,11 +37,15 @@ def _mx_metadata(meta: dict) -> dict:
     return out
 
 
-def tiny_llama_gguf(path: Path, *, dtype: mx.Dtype = mx.float16, architecture: str = "llama") -> Path:
-    """A 2-layer llama GGUF in F16 or F32 with the embedded model's tokenizer."""
+def tiny_llama_gguf(path: Path, *, dtype: mx.Dtype = mx.float16, architecture: str = "llama",
+                    renamed: dict[int, str] | None = None) -> Path:
+    """A 2-layer llama GGUF in F16 or F32 with the embedded model's tokenizer (with `renamed` tokens replaced: another
+    vocabulary of the same size)."""
     src = embedded_metadata()
     vocab = len(src["tokenizer.ggml.tokens"])
     meta = {k: v for k, v in src.items() if k.startswith(("tokenizer.", "general.name"))}
+    if renamed:
+        meta["tokenizer.ggml.tokens"] = [renamed.get(i, t) for i, t in enumerate(src["tokenizer.ggml.tokens"])]
     a = architecture
     meta.update({"general.architecture": a, f"{a}.block_count": LAYERS, f"{a}.embedding_length": HIDDEN,
                  f"{a}.feed_forward_length": FFN, f"{a}.attention.head_count": HEADS,

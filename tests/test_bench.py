@@ -254,7 +254,7 @@ def test_tiny_run_end_to_end(engine, tmp_path):
     cfg = Config(quick=True, prompt_lengths=(32,), max_tokens=3, repeats=1, full_chain_lengths=(32,), chat_turns=2,
                  chat_reply_tokens=2, rotating_context=160, rotating_decode=4, rotating_window=64, tui_repeats=1,
                  tui_tokens=3, format_repeats=1, bandwidth_bytes=1 << 24,
-                 skip=frozenset({"tui", "formats", "server", "split", "constrained"}),
+                 skip=frozenset({"tui", "formats", "server", "split", "constrained", "speculative"}),
                  kv_context=128, kv_decode=4)  # contexts past the 64-token window and the KV groups, no longer
     results = run(cfg, out_dir=tmp_path, engine=engine)
     saved = json.loads((tmp_path / "latest.json").read_text())

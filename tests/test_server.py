@@ -463,3 +463,12 @@ def test_response_format_and_tool_calls_with_the_openai_client(client: openai.Op
     again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=1, **GREEDY)
     assert again.usage.prompt_tokens > r.usage.prompt_tokens + 20  # the call and the result were rendered
     assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 8
+
+
+def test_speculative_field_is_validated_and_the_timings_say_what_ran(server: str) -> None:
+    body = _chat(server, {"messages": _msgs("Say hello."), "max_tokens": 4, "speculative": "ngram", **GREEDY}).json()
+    t = body["timings"]
+    assert (t["speculative"], t["draft_n"], t["draft_n_accepted"]) == ("off", 0, 0)  # the batch decodes plainly
+    for mode, words in (("draft", "needs a draft model"), ("fast", "speculative must be one of off, ngram, auto")):
+        err = _chat(server, {"messages": _msgs("hi"), "speculative": mode}).json()["error"]
+        assert err["param"] == "speculative" and words in err["message"]

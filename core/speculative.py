@@ -1,0 +1,437 @@
+"""Speculative decoding: guess several tokens, check them in one forward pass, keep the ones the model agrees with.
+
+Decode is serial: one forward pass per token. Here a *drafter* proposes the next k tokens and the model runs the
+pending token and the k guesses as one pass of k + 1 rows; on the CPU's native kernel that costs far less than k + 1
+passes (docs/architecture.md §15). Two drafters:
+
+* `NgramDrafter` (prompt lookup, no second model): the last n tokens are looked up in the prompt and the reply so far,
+  and what followed their latest earlier occurrence is the guess. Copying, rewriting, extracting and code edits
+  repeat long runs of their input.
+* `ModelDrafter`: a smaller model sharing the vocabulary proposes greedily; `self:N` is the first N layers of the
+  model itself (sharing its KV cache, so nothing extra is prefilled or stored).
+
+**Exactness: sample-and-compare.** At each verified row the request's own sampler draws the target's token exactly
+as the plain path would at that position: the same processors over the same accepted history, and the same seeded
+draw keyed by (seed, position, token id) (core/draw.py). The guess is kept only if it equals that token; the first
+row that differs gives its own token (the correction), and a fully accepted guess gives the row after it (the bonus).
+The sampler runs row by row and only past rows that matched, so every draw it makes is a token of the reply:
+penalties count only accepted tokens and a trace has one record per token. Hence greedy text is identical with and
+without speculation, and a seeded sampled reply is the same text, provided the verify pass computes each row's
+logits bit for bit as a one-row step does. On the native CPU kernel it does up to `MAX_ROWS` rows (measured: rows of
+a pass of up to 8 equal single steps exactly; from 9 rows attention takes the BLAS path and differs in the last
+bits), so a draft is at most `MAX_ROWS - 1` tokens. On other backends (a GPU's quantized matmul picks kernels by row
+count) the rows may differ in the last bits, and a draw moves only where two candidates tie to within that.
+
+**Cache**: the verify pass writes all k + 1 rows; the rejected guesses are trimmed off (`KVCache.trim`), so the cache
+and the ids it holds (`fed`) stay exact. A cache that cannot be trimmed (a rotating window) or whose attention differs
+with the row count (quantized keys and values) does not speculate (`unavailable`).
+
+**When (`Governor`)**: decode runs plainly, pipelined as `generate_step`, and peeks: a guess for the next token is
+checked when the pipeline reads that token, so a wrong guess costs only the lookup; a confirmed one starts verified
+steps, which go on while they keep guesses. `auto` also sizes the guess by acceptance and, when its verified steps
+yield tokens more slowly than plain ones (both timed), stops peeking for a back-off that doubles each time, so
+free-form chat is not slowed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, get_args
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+from . import loader
+from .cache import ConversationCache, prefill
+from .generate import Sample, generate_step
+from .native_blocks import WHOLE_ATTENTION_QUERIES
+
+Mode = Literal["off", "ngram", "draft", "auto"]
+MODES: tuple[str, ...] = get_args(Mode)
+# Rows of one verify pass: up to here each row's logits equal a single step's bit for bit on the native kernel.
+MAX_ROWS = WHOLE_ATTENTION_QUERIES
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a request speculates: `mode`, the longest n-gram looked up (`ngram`, down to `min_ngram`) and the most
+    tokens guessed per step (`draft_tokens`, 1..MAX_ROWS - 1)."""
+
+    mode: Mode = "off"
+    ngram: int = 3
+    min_ngram: int = 2
+    draft_tokens: int = 5
+
+    @classmethod
+    def make(cls, value: "str | Speculation | None") -> "Speculation":
+        """A validated Speculation from a mode name (or None: off); bad values raise one line naming the field."""
+        spec = value if isinstance(value, Speculation) else cls(value or "off")  # type: ignore[arg-type]
+        if spec.mode not in MODES:
+            raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {spec.mode!r}")
+        if not 1 <= spec.min_ngram <= spec.ngram <= 16:
+            raise ValueError(f"speculative ngram sizes must satisfy 1 <= min_ngram <= ngram <= 16, got "
+                             f"{spec.min_ngram}..{spec.ngram}")
+        if not 1 <= spec.draft_tokens < MAX_ROWS:
+            raise ValueError(f"speculative draft_tokens must be between 1 and {MAX_ROWS - 1} (one verify pass of at "
+                             f"most {MAX_ROWS} rows stays exact), got {spec.draft_tokens}")
+        return spec
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did in one reply, for `Metrics`: tokens guessed, guesses kept, decode forward passes."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+
+
+def unavailable(rotating: bool, quantized: bool) -> str | None:
+    """Why a KV cache of this kind cannot speculate, or None when it can."""
+    if rotating:
+        return "a rotating KV window cannot be trimmed once it wraps"
+    if quantized:
+        return "quantized keys and values attend differently with several rows, so the text would not be exact"
+    return None
+
+
+def check(spec: Speculation, *, rotating: bool = False, quantized: bool = False, draft: bool = True) -> None:
+    """Refuse, in one line, a mode asked for by name that cannot run here ("auto" falls back to plain decode)."""
+    if spec.mode in ("ngram", "draft") and (why := unavailable(rotating, quantized)):
+        raise ValueError(f"speculative={spec.mode!r} cannot run here: {why}; use speculative='auto' or 'off'")
+    if spec.mode == "draft" and not draft:
+        raise ValueError("speculative='draft' needs a draft model: Engine.load(..., draft_model=SPEC) or "
+                         "--draft-model SPEC")
+
+
+# --- drafters -----------------------------------------------------------------------------------------------------
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to `k` guesses of the ids that follow `context` (the prompt and the reply so far; it only grows
+        between calls, and its last id is not in the model's cache yet)."""
+
+
+class NgramDrafter:
+    """Prompt lookup: what followed the latest earlier occurrence of the context's last n ids (n from `max_n` down to
+    `min_n`). The index maps each n-gram to where its latest continuation starts; it is extended as the context
+    grows, so a lookup costs O(max_n), not a scan."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)
+        self._index: dict[tuple[int, ...], int] = {}
+        self._seen = 0
+
+    def _extend(self, context: Sequence[int]) -> None:
+        for i in range(max(self._seen, 1), len(context)):
+            for n in self.sizes:
+                if i >= n:
+                    self._index[tuple(context[i - n:i])] = i
+        self._seen = len(context)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        self._extend(context)
+        for n in self.sizes:
+            if len(context) > n and (start := self._index.get(tuple(context[-n:]))) is not None:
+                return list(context[start:start + k])
+        return []
+
+
+class EarlyExit(nn.Module):
+    """The first `n` layers of a llama-style model, then its final norm and output head: a draft that shares the
+    model's weights and the first `n` layers of its KV cache (self-speculation)."""
+
+    def __init__(self, model: nn.Module, n: int) -> None:
+        super().__init__()
+        inner = getattr(model, "model", None)
+        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+            raise ValueError("draft_model 'self:N' needs a llama-style model (embed_tokens, layers, norm)")
+        if not 1 <= n <= len(inner.layers):
+            raise ValueError(f"draft_model 'self:N' needs 1 <= N <= {len(inner.layers)} (the model's layers), got {n}")
+        self.full, self.n = model, n
+
+    @property
+    def layers(self) -> list:
+        return self.full.model.layers[:self.n]
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        inner = self.full.model
+        h = inner.embed_tokens(inputs)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        h = inner.norm(h)
+        if getattr(self.full, "lm_head", None) is not None:
+            return self.full.lm_head(h)
+        return inner.embed_tokens.as_linear(h)
+
+
+class ModelDrafter:
+    """Greedy guesses from a draft model. With `cache` (its own, for a separate model) the draft keeps the context
+    in it; without, it runs on the first layers of the target's cache (`layers`, an `EarlyExit`) and trims what it
+    wrote there, so the target's cache is as it was."""
+
+    def __init__(self, model: nn.Module, layers: list, cache: ConversationCache | None = None) -> None:
+        self.model, self.layers, self.cache = model, layers, cache
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        if k < 1:
+            return []
+        if self.cache is None:
+            feed, layers = list(context[-1:]), self.layers
+        else:
+            reused = self.cache.reuse(context)
+            for chunk in prefill(self.model, self.cache.layers, context[reused:-1], 512):
+                self.cache.tokens.extend(chunk)
+            feed, layers = list(context[-1:]), self.cache.layers
+        x, guesses = mx.array(feed), []
+        for _ in range(k):
+            x = mx.argmax(self.model(x[None], cache=layers)[0, -1:], axis=-1)
+            guesses.append(x)
+        ids = mx.concatenate(guesses).tolist() if guesses else []
+        if self.cache is None:
+            for c in layers[:len(self.model.layers)]:
+                c.trim(k)
+        else:
+            self.cache.tokens.extend([*feed, *ids[:-1]])
+        return ids
+
+
+@dataclass
+class DraftModel:
+    """A loaded draft model (`Engine.load(..., draft_model=SPEC)`): its model, its name, and whether it runs on the
+    target's KV cache (`self:N`) or keeps one of its own next to each of the target's caches."""
+
+    model: nn.Module
+    name: str
+    shares_cache: bool
+    _caches: "weakref.WeakKeyDictionary[ConversationCache, ConversationCache]" = field(
+        default_factory=weakref.WeakKeyDictionary)
+
+    def drafter(self, cache: ConversationCache) -> ModelDrafter:
+        """The drafter for a reply into `cache`; a separate draft model's own cache lives as long as `cache`, so a
+        chat's next turn prefills the draft only with what is new."""
+        if self.shares_cache:
+            return ModelDrafter(self.model, cache.layers)
+        own = self._caches.get(cache)
+        if own is None:
+            own = self._caches[cache] = ConversationCache(self.model)
+        return ModelDrafter(self.model, cache.layers, own)
+
+
+def load_draft(spec: str | Path, target: loader.LoadedModel, weights: loader.WeightPolicy | None = None) -> DraftModel:
+    """`self` (the model itself: every guess is accepted greedily; for tests), `self:N` (its first N layers), or
+    any model spec `loader.load` takes, whose tokenizer must have the target's vocabulary."""
+    text = str(spec)
+    if text == "self" or text.startswith("self:"):
+        m = re.fullmatch(r"self(?::(\d+))?", text)
+        if m is None:
+            raise ValueError(f"draft_model must be self, self:N (the first N layers) or a model, got {text!r}")
+        n = int(m[1]) if m[1] else target.num_layers
+        return DraftModel(EarlyExit(target.model, n), f"{target.name} (first {n} layers)", True)
+    draft = loader.load(spec, weights)
+    if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
+        raise ValueError(f"draft_model {draft.name} does not share the vocabulary of {target.name}: pick a model "
+                         "with the same tokenizer (the same family)")
+    return DraftModel(draft.model, draft.name, False)
+
+
+# --- the governor -------------------------------------------------------------------------------------------------
+
+class Governor:
+    """When to verify and how much to guess.
+
+    Decode runs plainly (pipelined) and *peeks*: after each token it asks the drafter for a guess of the next one
+    and compares it with that token when the pipeline reads it. Only a confirmed guess starts verified steps, so a
+    wrong guess costs nothing but the lookup, never a pass of several rows. Verified steps go on while their guesses are
+    accepted; one that keeps none returns to plain decode. A draft model ("draft") verifies every step instead: its
+    guesses are not free. `adaptive` (auto) also sizes the guess by acceptance (longer after a fully accepted one,
+    shorter after a rejection), and when verified steps yield tokens more slowly than plain ones it stops peeking
+    for a while that doubles each time."""
+
+    MAX_COOLDOWN = 512
+
+    def __init__(self, spec: Speculation, adaptive: bool) -> None:
+        self.max_k, self.adaptive, self.always = spec.draft_tokens, adaptive, spec.mode == "draft"
+        self.k = min(2, spec.draft_tokens) if adaptive else spec.draft_tokens
+        self.plain_s: float | None = None  # seconds per token, plain pipelined decode
+        self.spec_s: float | None = None  # seconds per token, verified steps
+        self.cooldown, self.backoff = 0, 16
+
+    def peek(self) -> bool:
+        """Whether plain decode should look for a guess after this token."""
+        if self.cooldown:
+            self.cooldown -= 1
+            return False
+        return True
+
+
+    def verified(self, k: int, accepted: int, seconds: float) -> None:
+        """One verified step of `k` guesses, `accepted` kept, in `seconds` (emitting accepted + 1 tokens)."""
+        if self.adaptive:
+            self.k = min(self.max_k, self.k + 1 if accepted == k else max(1, accepted + 1))
+        self.spec_s = _ema(self.spec_s, seconds / (accepted + 1))
+
+    def plain(self, seconds: float) -> None:
+        """One plain token took `seconds`."""
+        self.plain_s = _ema(self.plain_s, seconds, 0.1)
+
+    def episode_done(self) -> None:
+        """Verified steps ended: if they were slower per token than plain decode, stop peeking for a while."""
+        if self.adaptive and self.spec_s is not None and self.plain_s is not None and self.spec_s > self.plain_s:
+            self.cooldown, self.backoff = self.backoff, min(self.MAX_COOLDOWN, 2 * self.backoff)
+        self.spec_s = None
+
+
+def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+# --- the token layer ----------------------------------------------------------------------------------------------
+
+class _Decoder:
+    """One reply's decode state: the model and cache, the sampler, the context (prompt then accepted tokens, the
+    last one pending: not in the cache yet), and how many tokens are still allowed."""
+
+    def __init__(self, model: nn.Module, layers: list, sample: Sample, context: list[int], fed: list[int],
+                 drafter: Drafter, governor: Governor, stats: SpeculationStats, room: int, logprobs: bool) -> None:
+        self.model, self.layers, self.sample, self.context, self.fed = model, layers, sample, context, fed
+        self.drafter, self.governor, self.stats, self.room, self.logprobs = drafter, governor, stats, room, logprobs
+
+    def _forward(self, token: mx.array | int) -> tuple[mx.array, mx.array]:
+        ids = token.reshape(1) if isinstance(token, mx.array) else mx.array([token])
+        y, lp = self.sample(self.model(ids[None], cache=self.layers)[0, -1])
+        mx.async_eval(y, lp) if self.logprobs else mx.async_eval(y)
+        return y, lp
+
+    def plain(self) -> Iterator[tuple[int, mx.array]]:
+        """Pipelined decode (as `generate_step`) from the pending token until the room is used up or the drafter's
+        guess for a token equals the token drawn. The guess is checked when the token is read, a step after it was
+        made, so checking costs nothing; on a match the token after it (already drawn) is yielded too and left
+        pending (not in the cache) for the verified steps."""
+        g = self.governor
+        y, lp = self._forward(self.context[-1])
+        self.fed.append(self.context[-1])
+        guess: int | None = None
+        began = time.perf_counter()
+        while True:
+            self.room -= 1
+            if self.room:
+                next_y, next_lp = self._forward(y)  # queued before waiting on this token
+            token = y.item()
+            self._take(token)
+            if self.room:
+                self.fed.append(token)  # in the cache (lazily) once the next step is queued
+            now = time.perf_counter()
+            g.plain(now - began)
+            began = now
+            yield token, lp
+            if not self.room:
+                return
+            if guess == token:
+                self.room -= 1
+                token = next_y.item()
+                self._take(token)
+                yield token, next_lp
+                return
+            guess = (self.drafter.propose(self.context, 1) or [None])[0] if g.peek() else None
+            y, lp = next_y, next_lp
+
+    def verify(self) -> Iterator[tuple[int, mx.array]]:
+        """Verified steps from the pending token while their guesses are accepted (and there is room)."""
+        g = self.governor
+        while self.room:
+            began = time.perf_counter()
+            guess = self.drafter.propose(self.context, min(g.k, self.room - 1))
+            if not guess and not g.always:
+                break
+            rows = [self.context[-1], *guess]
+            logits = self.model(mx.array(rows)[None], cache=self.layers)[0]
+            self.fed.extend(rows)
+            self.stats.draft_tokens += len(guess)
+            for i in range(len(rows)):
+                y, lp = self.sample(logits[i])
+                mx.eval(y, lp) if self.logprobs else mx.eval(y)
+                token = y.item()
+                self.room -= 1
+                self._take(token, steps=i == 0)
+                if i < len(guess) and token == guess[i]:
+                    self.stats.accepted_tokens += 1
+                    yield token, lp
+                    continue
+                if rejected := len(guess) - i:  # the rows after this one were computed for guesses that lost
+                    for c in self.layers:
+                        c.trim(rejected)
+                    del self.fed[-rejected:]
+                if guess:
+                    g.verified(len(guess), i, time.perf_counter() - began)
+                yield token, lp
+                break
+            if guess and i == 0 and not g.always:
+                break
+        g.episode_done()
+
+    def _take(self, token: int, steps: bool = True) -> None:
+        self.context.append(token)
+        self.stats.steps += steps
+
+
+def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, context: list[int],
+                     drafter: Drafter, governor: Governor, stats: SpeculationStats, max_tokens: int,
+                     fed: list[int], logprobs: bool = False, prefill_step: int = 512,
+                     on_prefill: Callable[[int], None] | None = None,
+                     cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, mx.array]]:
+    """`core.generate.generate_step` with speculation: yields `(token_id, logprobs)` the same way and keeps `fed`
+    equal to the ids in `layers` whenever it yields. `context` is every id before the reply (the cached prefix,
+    then `prompt`, the ids not in the cache yet); the accepted tokens are appended to it."""
+    if not prompt or max_tokens < 1:
+        raise ValueError(f"speculative_step needs a prompt and max_tokens >= 1, got {len(prompt)} ids, {max_tokens}")
+    for chunk in prefill(model, layers, prompt[:-1], prefill_step, cancelled):
+        fed.extend(chunk)
+        if on_prefill:
+            on_prefill(len(chunk))
+    if cancelled():
+        return
+    d = _Decoder(model, layers, sample, context, fed, drafter, governor, stats, max_tokens, logprobs)
+    while d.room:
+        yield from d.verify()  # the prompt's end may already continue a run of the prompt
+        if d.room:
+            yield from d.plain()
+
+
+def plan(spec: Speculation, cache: ConversationCache, draft: DraftModel | None) -> tuple[str, Drafter | None]:
+    """What a reply into `cache` runs: ("off", None), or the mode and its drafter. A mode asked for by name that
+    cannot run raises (`check`); "auto" is prompt lookup (its guesses are free to check: a draft model's are not),
+    and turns off where speculation cannot run."""
+    check(spec, rotating=cache.rotating, quantized=cache.kv.quantized, draft=draft is not None)
+    if not spec.on or unavailable(cache.rotating, cache.kv.quantized):
+        return "off", None
+    if spec.mode == "draft":
+        return spec.mode, draft.drafter(cache)
+    return spec.mode, NgramDrafter(spec.ngram, spec.min_ngram)
+
+
+def decode(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, max_tokens: int,
+           fed: list[int], context: Sequence[int], spec: Speculation, drafter: Drafter | None,
+           stats: SpeculationStats, **kwargs: object) -> Iterator[tuple[int, mx.array]]:
+    """The token layer for one reply: `generate_step`, or `speculative_step` when `drafter` is given."""
+    if drafter is None:
+        return generate_step(model, layers, prompt, sample, max_tokens=max_tokens, fed=fed, **kwargs)
+    return speculative_step(model, layers, prompt, sample, context=list(context), drafter=drafter,
+                            governor=Governor(spec, adaptive=spec.mode == "auto"), stats=stats,
+                            max_tokens=max_tokens, fed=fed, **kwargs)
+
+
+__all__ = ["MAX_ROWS", "MODES", "DraftModel", "Drafter", "EarlyExit", "Governor", "Mode", "ModelDrafter",
+           "NgramDrafter", "Speculation", "SpeculationStats", "check", "decode", "load_draft", "plan",
+           "speculative_step", "unavailable"]
