@@ -170,3 +170,16 @@ def test_chat_flag_and_config_setting() -> None:
     assert options["settings"]["speculative"] == "auto" and Settings(**options["settings"]).speculative == "auto"
     with pytest.raises(ValidationError, match="speculative"):
         Settings(speculative="draft")  # the chat loads no draft model
+
+
+def test_a_constrained_reply_speculates_to_the_same_text(engine) -> None:  # noqa: ANN001
+    # The constraint stage (core/constraint.py) sees only the tokens speculation accepts, in order.
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    prompt = 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 42}. Again: {"name": "Alice Smith", "age": 42}'
+    for temperature in (0.0, 1.0):
+        p = SamplingProfile(temperature=temperature, seed=7, max_tokens=40,
+                            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        plain, guessed = (engine.generate(prompt, profile=p, speculative=mode) for mode in ("off", "ngram"))
+        assert guessed.text == plain.text and guessed.finish_reason == plain.finish_reason == "stop"
+        assert guessed.metrics.draft_tokens > 0
