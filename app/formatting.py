@@ -94,7 +94,8 @@ def speculation(m: Any) -> str | None:
         return None
     drafted, accepted, steps = _get(m, "draft_tokens"), _get(m, "accepted_tokens"), _get(m, "decode_steps")
     rate = f"{accepted / drafted:.0%} accepted" if drafted else "no guesses"
-    per_step = f", {_get(m, 'completion_tokens') / steps:.1f} tok/step" if steps else ""
+    # Without a guess every step made one token (the end-of-turn step counts a pass but no token): nothing to say.
+    per_step = f", {_get(m, 'completion_tokens') / steps:.1f} tok/step" if steps and drafted else ""
     return f"speculative {mode}: {rate}{per_step}"
 
 
