@@ -29,6 +29,17 @@ from .cache import prefill
 Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
 
 
+def prefill_all_but_last(model: nn.Module, layers: list, prompt: Sequence[int], fed: list[int], prefill_step: int,
+                         cancelled: Callable[[], bool], on_prefill: Callable[[int], None] | None) -> bool:
+    """Prefill every prompt id but the last (decode's first forward pass takes it), in chunks, appending each chunk to
+    `fed` as the cache takes it. False when cancelled."""
+    for chunk in prefill(model, layers, prompt[:-1], prefill_step, cancelled):
+        fed.extend(chunk)
+        if on_prefill:
+            on_prefill(len(chunk))
+    return not cancelled()
+
+
 def generate_step(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, max_tokens: int,
                   fed: list[int] | None = None, logprobs: bool = False, prefill_step: int = 512,
                   on_prefill: Callable[[int], None] | None = None,
@@ -48,11 +59,7 @@ def generate_step(model: nn.Module, layers: list, prompt: Sequence[int], sample:
         mx.async_eval(token, lp) if logprobs else mx.async_eval(token)
         return token, lp
 
-    for chunk in prefill(model, layers, prompt[:-1], prefill_step, cancelled):
-        fed.extend(chunk)
-        if on_prefill:
-            on_prefill(len(chunk))
-    if cancelled():
+    if not prefill_all_but_last(model, layers, prompt, fed, prefill_step, cancelled, on_prefill):
         return
     y, lp = forward(mx.array(prompt[-1:]))
     fed.append(prompt[-1])

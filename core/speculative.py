@@ -49,7 +49,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from . import loader
 from .cache import ConversationCache, prefill
-from .generate import Sample, generate_step
+from .generate import Sample, generate_step, prefill_all_but_last
 from .native_blocks import WHOLE_ATTENTION_QUERIES
 
 Mode = Literal["off", "ngram", "draft", "auto"]
@@ -396,11 +396,7 @@ def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], samp
     then `prompt`, the ids not in the cache yet); the accepted tokens are appended to it."""
     if not prompt or max_tokens < 1:
         raise ValueError(f"speculative_step needs a prompt and max_tokens >= 1, got {len(prompt)} ids, {max_tokens}")
-    for chunk in prefill(model, layers, prompt[:-1], prefill_step, cancelled):
-        fed.extend(chunk)
-        if on_prefill:
-            on_prefill(len(chunk))
-    if cancelled():
+    if not prefill_all_but_last(model, layers, prompt, fed, prefill_step, cancelled, on_prefill):
         return
     d = _Decoder(model, layers, sample, context, fed, drafter, governor, stats, max_tokens, logprobs)
     while d.room:
