@@ -112,11 +112,22 @@ class MlxChatApp(App[None]):
         self.set_keymap({k: v for k, v in self.settings.keys.items() if k in known})
         for problem in self.problems:
             self.notify(problem, severity="error", timeout=15)
+
+    def on_load(self) -> None:
         # `kill -INT` (the terminal's ctrl+c is a key here, not a signal) quits as ctrl+q does, saving a reply in
         # flight, with the shell's exit status for an interrupt; Python's default raised KeyboardInterrupt wherever
-        # the main thread happened to be, or nowhere useful while Textual waited.
+        # the main thread happened to be, or nowhere useful while Textual waited. From Load on, before Textual takes
+        # the terminal: the command line's handler leaves at once, which would leave it in the app's modes.
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self.exit, None, INTERRUPTED)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._interrupted)
+
+    def _interrupted(self) -> None:
+        # Quitting while the chat screen mounts removed its widgets under its on_mount (NoMatches, exit status 1):
+        # quit once it is up.
+        if not self.chat_screen.is_mounted:
+            self.set_timer(0.05, self._interrupted)
+            return
+        self.exit(None, INTERRUPTED)
 
     def on_unmount(self) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
