@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -10,7 +10,7 @@ from .events import FinishReason
 from .trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
-# What a conversation does once it no longer fits the model's context (see core.engine.ChatSession).
+# What a conversation does once it no longer fits the model's context (see core.chat_session.ChatSession).
 ContextPolicy = Literal["truncate", "rotate", "error"]
 
 
@@ -141,3 +141,29 @@ class ReplyTree:
         del self.path[position:]
         self.forks = {p: f for p, f in self.forks.items() if p <= position}
         return tail
+
+
+Prompt = str | Sequence[dict[str, str] | ChatMessage]
+
+
+def prompt_messages(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
+    """A one-off prompt (a string, or messages) as the chat template's messages, checked, with `system` first."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        m.as_prompt() if isinstance(m, ChatMessage) else dict(m) for m in prompt]
+    for m in messages:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError("each message needs a string 'role' and a string 'content'")
+    if not messages or not any(m["content"].strip() for m in messages if m["role"] != "system"):
+        raise ValueError("the prompt is empty: type a message first")
+    if system is not None and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+@dataclass(frozen=True)
+class Forced:
+    """The start of a reply already decided (`ChatSession.branch`): its token ids, and their traces (aligned with
+    the ids, or empty)."""
+
+    ids: tuple[int, ...]
+    traces: tuple[TokenTrace, ...] = ()
