@@ -8,9 +8,14 @@ text blocks; a last assistant turn is a prefill the reply continues), `max_token
 sequence: message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta (the
 stop reason and usage), message_stop. `usage` counts as Anthropic does: `input_tokens` are the prompt tokens
 computed for this request, `cache_read_input_tokens` those reused from the prefix cache. `metadata`,
-`service_tier`, `cache_control` and the other tags of Anthropic's platform are accepted and ignored. Tools and a
-JSON output format need constrained decoding and are a 400 until the sampler has it; so are extended thinking,
-images and documents.
+`service_tier`, `cache_control` and the other tags of Anthropic's platform are accepted and ignored.
+
+Tools (server/tools.py does the work): custom `tools` (name, description, input_schema) and `tool_choice` ("auto",
+"any", "tool" with its name, "none"; `disable_parallel_tool_use`) constrain the reply as OpenAI's do; calls come back
+as `tool_use` blocks (`stop_reason: "tool_use"`), streamed as a whole block each (one `input_json_delta`). History's
+`tool_use` blocks and `tool_result` blocks (string or text content; `is_error` prefixes "Error: ") go through the
+chat template as tool calls and tool messages. Anthropic's server tools (web search, bash, ...), a JSON
+`output_config.format`, extended thinking, images and documents are a 400.
 
 Errors are Anthropic's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`; a stream that fails
 ends with an `error` event.
@@ -35,8 +40,10 @@ from starlette.routing import Route
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done, Metrics
 
+from . import tools as tool_calls
 from .protocol import ApiError, profile_error
 from .service import Choice, Service
+from .tools import Tool, ToolCall, ToolChoice, ToolError
 
 # Anthropic's error type for each status this server answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -81,11 +88,12 @@ class _Types(BaseModel):
 class MessagesRequest:
     """A validated Messages request: the conversation, what the reply continues, and how to sample it."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     prefill: str  # a last assistant turn's text: the reply continues it
     profile: SamplingProfile
     max_tokens: int | None
     stream: bool
+    tools: list[Tool]  # shown to the model, and its replies parsed for calls (none with tool_choice "none")
 
 
 def _text(content: Any, where: str) -> str:
@@ -98,11 +106,83 @@ def _text(content: Any, where: str) -> str:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text" or not isinstance(block.get("text"), str):
-            raise ApiError(400, f"{where}[{j}]: only text blocks are supported, got {kind or 'no type'!r}"
-                           + (" (tools need constrained decoding, which this server does not have yet)"
-                              if kind in ("tool_use", "tool_result") else ""))
+            raise ApiError(400, f"{where}.{j}: only text blocks are supported here, got {kind or 'no type'!r}")
         parts.append(block["text"])
     return "".join(parts)
+
+
+def _turn(m: Any, i: int) -> list[dict[str, Any]]:
+    """One turn as chat-template messages: an assistant's text and `tool_use` blocks become one message with its
+    calls; a user's `tool_result` blocks become tool messages, before the user text that follows them."""
+    role = m.get("role") if isinstance(m, dict) else None
+    if role not in ("user", "assistant"):
+        raise ApiError(400, f"messages.{i}.role must be user or assistant (the system prompt is `system`), "
+                            f"got {role!r}")
+    content, where = m.get("content"), f"messages.{i}.content"
+    if not isinstance(content, list):
+        return [{"role": role, "content": _text(content, where)}]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, f"{where}.{j}"))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, f"{where}.{j}"))
+        elif kind == "text":
+            texts.append(_text([block], where))
+        else:
+            wanted = "text or tool_use" if role == "assistant" else "text or tool_result"
+            raise ApiError(400, f"{where}.{j}: only {wanted} blocks are supported in a {role} turn, "
+                                f"got {kind or 'no type'!r}")
+    if role == "assistant":
+        return [{"role": role, "content": "".join(texts), **({"tool_calls": calls} if calls else {})}]
+    return results + ([{"role": role, "content": "".join(texts)}] if texts or not results else [])
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise ApiError(400, f"{where}: a tool_use block needs its id and name")
+    if not isinstance(block.get("input", {}), dict):
+        raise ApiError(400, f"{where}.input: must be an object (the call's arguments)")
+    return tool_calls.call_entry(block["id"], block["name"], block.get("input", {}))
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+        raise ApiError(400, f"{where}.tool_use_id: a tool_result block needs the id of the tool_use it answers")
+    content = _text(block.get("content", ""), f"{where}.content")
+    return tool_calls.result_message(block["tool_use_id"], "Error: " + content if block.get("is_error") else content)
+
+
+def _tool(raw: Any, i: int) -> Tool:
+    """One custom tool: name, description, input_schema (Anthropic's server tools run on its platform only)."""
+    if not isinstance(raw, dict):
+        raise ToolError(f"tools.{i}", 'must be {"name": ..., "description": ..., "input_schema": {...}}')
+    if raw.get("type", "custom") != "custom":
+        raise ToolError(f"tools.{i}.type", f"{raw['type']!r} is a server tool of Anthropic's platform; this "
+                                           "server takes custom tools (name, description, input_schema)")
+    if "input_schema" not in raw:
+        raise ToolError(f"tools.{i}.input_schema", "field required")
+    return Tool.checked(raw.get("name"), raw.get("description"), raw["input_schema"], f"tools.{i}.", "input_schema",
+                        strict=bool(raw.get("strict")))
+
+
+def _tool_choice(raw: dict[str, Any] | None, tools: list[Tool]) -> tuple[ToolChoice, bool]:
+    """Anthropic's tool_choice as the shared `ToolChoice` ("any" and "tool" must call), and whether several calls
+    may come in one reply."""
+    modes = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}
+    if raw is None:
+        return ToolChoice("auto" if tools else "none"), True
+    kind = raw.get("type")
+    if kind not in modes:
+        raise ToolError("tool_choice.type", f'must be "auto", "any", "tool" or "none", got {kind!r}')
+    name = raw.get("name") if kind == "tool" else None
+    if kind == "tool" and name not in {t.name for t in tools}:
+        raise ToolError("tool_choice.name", f"{name!r} is not one of the tools: "
+                                            f"{', '.join(t.name for t in tools) or 'none given'}")
+    if kind != "none" and not tools:
+        raise ToolError("tool_choice", f"{kind!r} needs tools: give them in tools")
+    return ToolChoice(modes[kind], name), not raw.get("disable_parallel_tool_use", False)  # type: ignore[arg-type]
 
 
 def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = False) -> MessagesRequest:
@@ -122,9 +202,11 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
         raise ApiError(400, "model: field required")
     if req.model != served:
         raise ApiError(404, f"model: {req.model!r} is not served here; this server serves {served!r}")
-    if req.tools or req.tool_choice:
-        raise ApiError(400, "tools need constrained decoding, which this server does not have yet; leave tools and "
-                            "tool_choice out")
+    try:
+        tools = tool_calls.parse_tools(req.tools, _tool, "tools.{}.name")
+        choice, parallel = _tool_choice(req.tool_choice, tools)
+    except ToolError as e:
+        raise ApiError(400, str(e)) from None
     if (req.output_config or {}).get("format"):
         raise ApiError(400, "output_config.format needs constrained decoding, which this server does not have yet; "
                             "leave it out")
@@ -135,13 +217,12 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
 
     messages = [{"role": "system", "content": _text(req.system, "system")}] if req.system else []
     for i, m in enumerate(req.messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise ApiError(400, f"messages.{i}.role must be user or assistant (the system prompt is `system`), "
-                                f"got {role!r}")
-        messages.append({"role": role, "content": _text(m.get("content"), f"messages.{i}.content")})
-    if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+        messages += _turn(m, i)
+    if not any(m["content"].strip() for m in messages if m["role"] in ("user", "tool")):
         raise ApiError(400, "messages: send at least one user message with text")
+    if messages[-1].get("tool_calls"):
+        raise ApiError(400, f"messages.{len(req.messages) - 1}: the reply continues a final assistant turn, so it "
+                            "cannot hold tool_use blocks; answer them with tool_result blocks in a user turn")
     prefill = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
     if prefill != prefill.rstrip():
         raise ApiError(400, "messages: the final assistant content cannot end with whitespace")
@@ -152,13 +233,16 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
     if req.max_tokens is not None:
         fields["max_tokens"] = req.max_tokens
     fields["seed"] = secrets.randbits(63)  # Anthropic's API has no seed: every request samples afresh
+    if (grammar := tool_calls.response_format(tools, choice, parallel)) is not None:
+        fields["response_format"] = grammar
     try:
         profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
     except ValidationError as e:
         err = profile_error(e)
         raise ApiError(400, err.message.replace("stop", "stop_sequences", 1) if err.param == "stop"
                        else err.message) from None
-    return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream))
+    return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream),
+                           tools if choice.mode != "none" else [])
 
 
 def usage(m: Metrics) -> dict[str, int]:
@@ -166,17 +250,66 @@ def usage(m: Metrics) -> dict[str, int]:
             "cache_read_input_tokens": m.cached_tokens, "output_tokens": m.completion_tokens}
 
 
-def stop_reason(result: GenerationResult, max_tokens: int | None) -> str:
+def stop_reason(result: GenerationResult, max_tokens: int | None, called: bool = False) -> str:
+    """Anthropic's stop reason; `called`: the reply made tool calls (one cut by max_tokens stays "max_tokens")."""
     if result.finish_reason == "length":
         return "max_tokens" if result.metrics.completion_tokens == max_tokens else "model_context_window_exceeded"
+    if called:
+        return "tool_use"
     return "stop_sequence" if result.stop_sequence is not None else "end_turn"
+
+
+def tool_use(call: ToolCall) -> dict[str, Any]:
+    """A call as Anthropic's `tool_use` block (ids "toolu_...", as Anthropic's)."""
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": call.input()}
+
+
+def _event(kind: str, data: dict[str, Any]) -> dict[str, str]:
+    return {"event": kind, "data": json.dumps({"type": kind, **data})}
+
+
+class Blocks:
+    """A streamed reply's content blocks, as events: text goes into an open text block (opened by its first delta),
+    each call is a whole tool_use block of its own (start, one input_json_delta, stop)."""
+
+    def __init__(self) -> None:
+        self.index = -1  # the last block opened
+        self.text_open = False
+        self.called = False
+
+    def text(self, text: str) -> list[dict[str, str]]:
+        out = []
+        if not self.text_open:
+            self.index, self.text_open = self.index + 1, True
+            out.append(_event("content_block_start", {"index": self.index, "content_block": {"type": "text",
+                                                                                              "text": ""}}))
+        if text:
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta",
+                                                                                      "text": text}}))
+        return out
+
+    def call(self, call: ToolCall) -> list[dict[str, str]]:
+        out = self.close()
+        self.index, self.called = self.index + 1, True
+        block = {**tool_use(call), "input": {}}  # the input arrives as JSON text in the delta
+        return [*out, _event("content_block_start", {"index": self.index, "content_block": block}),
+                _event("content_block_delta", {"index": self.index, "delta": {"type": "input_json_delta",
+                                                                              "partial_json": call.arguments}}),
+                _event("content_block_stop", {"index": self.index})]
+
+    def close(self) -> list[dict[str, str]]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_event("content_block_stop", {"index": self.index})]
 
 
 def routes(service: Service) -> list[Route]:
     """The Messages routes over `service`, each answering errors in Anthropic's shape."""
 
     def encode(req: MessagesRequest) -> list[int]:
-        ids = service.encode_chat(req.messages)
+        ids = service.encode_chat(req.messages, tools=req.tools)
         if req.prefill:
             ids += service.engine.model.tokenizer.encode(req.prefill)
             service.check_fits(ids, "messages")
@@ -199,41 +332,48 @@ def routes(service: Service) -> list[Route]:
             return Response(status_code=499)
         request.state.results = results
         r = results[0]
-        return JSONResponse(message(rid, [{"type": "text", "text": r.text}], stop_reason(r, req.max_tokens),
-                                    r.stop_sequence, r.metrics))
-
-    def event(kind: str, data: dict[str, Any]) -> dict[str, str]:
-        return {"event": kind, "data": json.dumps({"type": kind, **data})}
+        pieces = tool_calls.split_reply(r.text) if req.tools else [r.text]
+        content = [{"type": "text", "text": p} if isinstance(p, str) else tool_use(p) for p in pieces or [""]]
+        called = any(block["type"] == "tool_use" for block in content)
+        return JSONResponse(message(rid, content, stop_reason(r, req.max_tokens, called), r.stop_sequence,
+                                    r.metrics))
 
     async def events(request: HttpRequest, req: MessagesRequest, rid: str, choice: Choice,
                      started: float) -> AsyncIterator[dict]:
         results: list[GenerationResult] = []
         status, opened = 200, False
+        blocks = Blocks()
+        calls = tool_calls.CallStream() if req.tools else None  # with tools, calls leave the text as tool_use blocks
         try:
             while True:
                 try:
                     got = await choice.next()
                 except Exception as e:  # noqa: BLE001 - an in-stream error is the stream's last event
                     status = 500
-                    yield event("error", error_body(ApiError(500, f"generation failed: {e}")))
+                    yield _event("error", error_body(ApiError(500, f"generation failed: {e}")))
                     return
                 metrics = got.result.metrics if isinstance(got, Done) else getattr(got, "metrics", None)
                 if not opened and metrics is not None:  # the usage is known once the prompt is in the cache
                     opened = True
-                    yield event("message_start", {"message": message(rid, [], None, None, metrics)})
-                    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                    yield event("ping", {})
+                    yield _event("message_start", {"message": message(rid, [], None, None, metrics)})
+                    for e in [] if calls else blocks.text(""):  # no tools: the reply is one text block
+                        yield e
+                    yield _event("ping", {})
                 if isinstance(got, TokenEvent) and got.text:
-                    yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                                              "text": got.text}})
+                    for piece in calls.feed(got.text) if calls else [got.text]:
+                        for e in blocks.text(piece) if isinstance(piece, str) else blocks.call(piece):
+                            yield e
                 if isinstance(got, Done):
                     r = got.result
                     results.append(r)
-                    yield event("content_block_stop", {"index": 0})
-                    yield event("message_delta", {"delta": {"stop_reason": stop_reason(r, req.max_tokens),
-                                                            "stop_sequence": r.stop_sequence},
-                                                  "usage": usage(r.metrics)})
-                    yield event("message_stop", {})
+                    rest = calls.finish() if calls else []  # a call cut by max_tokens goes out as text
+                    for e in [*(e for text in rest for e in blocks.text(text)), *blocks.close()]:
+                        yield e
+                    yield _event("message_delta", {"delta": {"stop_reason": stop_reason(r, req.max_tokens,
+                                                                                        blocks.called),
+                                                             "stop_sequence": r.stop_sequence},
+                                                   "usage": usage(r.metrics)})
+                    yield _event("message_stop", {})
                     return
         finally:
             choice.request.cancel()
@@ -249,4 +389,4 @@ def routes(service: Service) -> list[Route]:
     return [route("/v1/messages", messages), route("/v1/messages/count_tokens", count_tokens)]
 
 
-__all__ = ["MessagesRequest", "error_body", "parse", "routes", "stop_reason", "usage"]
+__all__ = ["Blocks", "MessagesRequest", "error_body", "parse", "routes", "stop_reason", "tool_use", "usage"]

@@ -13,6 +13,11 @@ options that say how Ollama runs a model (num_gpu, num_thread, use_mmap, ...) ha
 mirostat and tfs_z are refused unless neutral. `keep_alive` is accepted: the model stays loaded while the server runs.
 `format` ("json" or a JSON schema) becomes the profile's `response_format` (OpenAI's shape; constrained decoding,
 core/constraint.py), so the reply is valid JSON when it ends with "stop".
+
+`/api/chat`'s `tools` are OpenAI's function tools, chosen as OpenAI's tool_choice "auto" (Ollama has no choice):
+server/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
+(`[{"function": {"name", "arguments": {...}}}]`; streamed, each call a line of its own). History's assistant
+`tool_calls` and `role: "tool"` results (`tool_name` says whose) go through the chat template.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -36,8 +41,10 @@ from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
 
+from . import tools as tool_calls
 from .protocol import ApiError, profile_error
 from .service import Choice, Service
+from .tools import Tool, ToolCall, ToolChoice, ToolError
 
 # Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
 IGNORED_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
@@ -191,31 +198,69 @@ def _refuse(req: _Common, **fields: Any) -> None:
     if req.logprobs or req.top_logprobs:
         raise ApiError(400, "logprobs are not supported on /api routes; use /v1/chat/completions for them")
     for name, value in fields.items():
-        if value and name == "tools":
-            raise ApiError(400, "tools need constrained decoding, which this server does not have yet; leave tools out")
         if value:
             raise ApiError(400, f"{name} is not supported by this server; leave it out")
 
 
-def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object with role and content")
         role, content = m.get("role"), m.get("content", "")
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be system, user or assistant, got {role!r}")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role must be system, user, assistant or tool, got {role!r}")
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string")
-        if m.get("images") or m.get("tool_calls"):
-            raise ApiError(400, f"messages[{i}]: images and tool calls are not supported; send text only")
-        extra = set(m) - {"role", "content", "images", "tool_calls", "thinking"}  # a reply's thinking is dropped
+        if m.get("images"):
+            raise ApiError(400, f"messages[{i}].images: images are not supported; send text only")
+        # A reply's thinking is dropped; tool_call_id is what newer clients send with a tool's result.
+        extra = set(m) - {"role", "content", "images", "tool_calls", "thinking", "tool_name", "tool_call_id"}
         if extra:
             raise ApiError(400, f"messages[{i}] has an unknown field: {sorted(extra)[0]}")
-        out.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in out if m["role"] != "system"):
+        if role == "tool":
+            out.append(tool_calls.result_message(m.get("tool_call_id") or "", content, m.get("tool_name")))
+        elif m.get("tool_calls") and role == "assistant":
+            out.append({"role": role, "content": content, "tool_calls": _calls(m["tool_calls"], i)})
+        elif m.get("tool_calls"):
+            raise ApiError(400, f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+        else:
+            out.append({"role": role, "content": content})
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out if m["role"] != "system"):
         raise ApiError(400, "messages have no user content: send a non-empty user message")
     return out
+
+
+def _calls(raw: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` (`[{"function": {"name", "arguments": {...}}}]`) for the template."""
+    calls = []
+    for j, c in enumerate(raw if isinstance(raw, list) else [None]):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", {}), dict):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}] must be "
+                                '{"function": {"name": ..., "arguments": {...}}}')
+        calls.append(tool_calls.call_entry(c.get("id", ""), fn["name"], fn.get("arguments", {})))
+    return calls
+
+
+def _tools(raw: list[dict[str, Any]] | None, settings: OptionSettings) -> tuple[list[Tool], OptionSettings]:
+    """The request's tools and the settings with their constraint (a call, once the model starts one)."""
+    try:
+        tools = tool_calls.parse_tools(raw)
+    except ToolError as e:
+        raise ApiError(400, str(e)) from None
+    if not tools:
+        return tools, settings
+    if settings.profile.response_format is not None:
+        raise ApiError(400, "format and tools both constrain the reply: use one")
+    grammar = tool_calls.response_format(tools, ToolChoice("auto"))
+    profile = SamplingProfile.model_validate({**settings.profile.model_dump(), "response_format": grammar})
+    return tools, OptionSettings(profile, settings.num_predict, settings.num_ctx)
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"function": {"name": call.name, "arguments": call.input()}}
 
 
 def _parameters(profile: SamplingProfile) -> str:
@@ -296,7 +341,7 @@ def routes(service: Service) -> list[Route]:
             "template": service.engine.model.tokenizer.chat_template or "", "details": details(),
             "model_info": {"general.architecture": family, "general.basename": service.name,
                            f"{family}.context_length": service.engine.context_length},
-            "capabilities": ["completion"], "modified_at": modified_at()})
+            "capabilities": ["completion", "tools"], "modified_at": modified_at()})
 
     def finish(result: GenerationResult, started: float) -> dict[str, Any]:
         m = result.metrics
@@ -306,25 +351,35 @@ def routes(service: Service) -> list[Route]:
                 "eval_count": m.completion_tokens, "eval_duration": _nanoseconds(m.decode_s)}
 
     async def reply(request: HttpRequest, model: str, ids: list[int], settings: OptionSettings, stream: bool,
-                    piece: Callable[[str], dict[str, Any]]) -> Response:
-        """Run one choice; `piece(text)` is the part of a line that carries text (message or response)."""
+                    piece: Callable[..., dict[str, Any]], tools: bool = False) -> Response:
+        """Run one choice; `piece(text)` is the part of a line that carries text (message or response), and with
+        `tools` `piece(text, calls)` also the calls the reply made."""
         started = time.perf_counter()
         max_tokens = settings.max_tokens(len(ids), service.engine.context_length)
         [choice] = service.start(ids, [settings.profile], max_tokens)
         if stream:
-            return StreamingResponse(lines(request, model, choice, piece, started),
+            return StreamingResponse(lines(request, model, choice, piece, started, tools),
                                      media_type="application/x-ndjson")
         results = await service.collect(request, [choice])
         if results is None:  # the client went away
             return Response(status_code=499)
         request.state.results = results
-        return JSONResponse({"model": model, "created_at": _now(), **piece(results[0].text),
-                             **finish(results[0], started)})
+        r = results[0]
+        pieces = tool_calls.split_reply(r.text) if tools else [r.text]
+        text = "".join(p for p in pieces if isinstance(p, str))
+        said = piece(text, [p for p in pieces if isinstance(p, ToolCall)]) if tools else piece(text)
+        return JSONResponse({"model": model, "created_at": _now(), **said, **finish(r, started)})
 
-    async def lines(request: HttpRequest, model: str, choice: Choice, piece: Callable[[str], dict[str, Any]],
-                    started: float) -> AsyncIterator[str]:
+    async def lines(request: HttpRequest, model: str, choice: Choice, piece: Callable[..., dict[str, Any]],
+                    started: float, tools: bool) -> AsyncIterator[str]:
         results: list[GenerationResult] = []
         status = 200
+        calls = tool_calls.CallStream() if tools else None  # with tools, each call goes out as a line of its own
+
+        def line(text: str | ToolCall) -> str:
+            part = piece("", [text]) if isinstance(text, ToolCall) else piece(text)
+            return json.dumps({"model": model, "created_at": _now(), **part, "done": False}) + "\n"
+
         try:
             while True:
                 try:
@@ -335,12 +390,13 @@ def routes(service: Service) -> list[Route]:
                     return
                 if isinstance(event, Done):
                     results.append(event.result)
-                    yield json.dumps({"model": model, "created_at": _now(), **piece(""),
-                                      **finish(event.result, started)}) + "\n"
+                    rest = "".join(line(text) for text in (calls.finish() if calls else []))
+                    yield rest + json.dumps({"model": model, "created_at": _now(), **piece(""),
+                                             **finish(event.result, started)}) + "\n"
                     return
                 if isinstance(event, TokenEvent) and event.text:
-                    yield json.dumps({"model": model, "created_at": _now(), **piece(event.text),
-                                      "done": False}) + "\n"
+                    if out := "".join(line(text) for text in (calls.feed(event.text) if calls else [event.text])):
+                        yield out
         finally:
             choice.request.cancel()
             service.log_line(request, status, started, results)
@@ -352,16 +408,17 @@ def routes(service: Service) -> list[Route]:
     async def chat(request: HttpRequest) -> Response:
         req: _Chat = await body_of(request, _Chat)
         model = check_model(req.model)
-        _refuse(req, tools=req.tools)
-        settings = with_format(parse_options(req.options, service.base), req.format)
+        _refuse(req)
+        tools, settings = _tools(req.tools, with_format(parse_options(req.options, service.base), req.format))
 
-        def piece(text: str) -> dict[str, Any]:
-            return {"message": {"role": "assistant", "content": text}}
+        def piece(text: str, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+            said = {"tool_calls": [_tool_call(c) for c in calls]} if calls else {}
+            return {"message": {"role": "assistant", "content": text, **said}}
 
         if not req.messages:
             return loaded(model, piece(""))
-        ids = service.encode_chat(_messages(req.messages))
-        return await reply(request, model, ids, settings, req.stream is not False, piece)
+        ids = service.encode_chat(_messages(req.messages), tools=tools)
+        return await reply(request, model, ids, settings, req.stream is not False, piece, bool(tools))
 
     async def generate(request: HttpRequest) -> Response:
         req: _Generate = await body_of(request, _Generate)

@@ -26,7 +26,9 @@ from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
 from mlxchat.core.errors import ContextLengthError
 from mlxchat.core.events import Done
 
+from . import tools as tool_calls
 from .protocol import ApiError
+from .tools import Tool
 
 if TYPE_CHECKING:
     from .app import ServerConfig
@@ -123,10 +125,14 @@ class Service:
             raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
                                 f"{self.engine.context_length}: shorten it", field)
 
-    def encode_chat(self, messages: list[dict[str, str]], field: str = "messages") -> list[int]:
-        """The conversation through the model's chat template, ready for a reply; it must fit the context."""
+    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", tools: Sequence[Tool] = ()
+                    ) -> list[int]:
+        """The conversation through the model's chat template, ready for a reply; it must fit the context. `tools`
+        are shown to the model, and tool messages rendered, as server/tools.py says."""
+        tok = self.engine.model.tokenizer
+        rendered, shown = tool_calls.render_messages(messages, list(tools), tok.knows_tools)
         try:
-            ids = self.engine.model.tokenizer.encode_chat(messages)
+            ids = tok.encode_chat(rendered, tools=shown)
         except ValueError as e:
             raise ApiError(400, str(e), field) from None
         self.check_fits(ids, field)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,22 +65,28 @@ class Tool:
         if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("function"), dict):
             raise ToolError(where, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
         fn = raw["function"]
-        name = fn.get("name")
+        return cls.checked(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function.",
+                           "parameters", strict=bool(fn.get("strict")))
+
+    @classmethod
+    def checked(cls, name: Any, description: Any, params: Any, where: str, params_key: str,
+                strict: bool = False) -> "Tool":
+        """A tool from any API's fields, each checked; `where` prefixes the field an error names (``tools[0].function.``,
+        ``tools.0.``) and `params_key` is the API's name for the schema (``parameters``, ``input_schema``)."""
         if not isinstance(name, str) or not NAME_RE.match(name):
-            raise ToolError(f"{where}.function.name", f"must be 1-64 letters, digits, '_' or '-', got {name!r}")
-        description = fn.get("description") or ""
-        if not isinstance(description, str):
-            raise ToolError(f"{where}.function.description", "must be a string")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+            raise ToolError(f"{where}name", f"must be 1-64 letters, digits, '_' or '-', got {name!r}")
+        if not isinstance(description or "", str):
+            raise ToolError(f"{where}description", "must be a string")
+        if params is None:
+            params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise ToolError(f"{where}.function.parameters", "must be a JSON Schema object")
+            raise ToolError(f"{where}{params_key}", "must be a JSON Schema object")
         try:
-            ResponseFormat(type="json_schema", json_schema={"name": name, "schema": params,
-                                                            "strict": bool(fn.get("strict"))})
+            ResponseFormat(type="json_schema", json_schema={"name": name, "schema": params, "strict": strict})
         except ValidationError as e:
             msg = e.errors()[0]["msg"].removeprefix("response_format.json_schema.schema")
-            raise ToolError(f"{where}.function.parameters", msg.removeprefix(": ").removeprefix(".")) from None
-        return cls(name, description, params)
+            raise ToolError(f"{where}{params_key}", msg.removeprefix(": ").removeprefix(".")) from None
+        return cls(name, description or "", params)
 
     def as_openai(self) -> dict[str, Any]:
         """The spec as OpenAI writes it (what chat templates' ``tools`` variable expects)."""
@@ -87,17 +94,19 @@ class Tool:
                                                  "parameters": self.parameters}}
 
 
-def parse_tools(raw: Any) -> list[Tool]:
-    """OpenAI's ``tools`` list; names must be unique."""
+def parse_tools(raw: Any, one: Callable[[Any, int], Tool] = Tool.from_openai,
+                name_at: str = "tools[{}].function.name") -> list[Tool]:
+    """A ``tools`` list, each entry through `one` (OpenAI's shape unless another API's); names must be unique
+    (`name_at` is where entry i's name sits, for the error)."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ToolError("tools", "must be a list of function tools")
-    tools = [Tool.from_openai(t, i) for i, t in enumerate(raw)]
+        raise ToolError("tools", "must be a list of tools")
+    tools = [one(t, i) for i, t in enumerate(raw)]
     names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise ToolError(f"tools[{i}].function.name", f"{name!r} is given twice")
+            raise ToolError(name_at.format(i), f"{name!r} is given twice")
     return tools
 
 
@@ -155,6 +164,10 @@ class ToolCall:
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def input(self) -> dict[str, Any]:
+        """The arguments as an object (how Anthropic's ``tool_use`` and Ollama's ``tool_calls`` send them)."""
+        return json.loads(self.arguments)
 
 
 def _call(body: str) -> ToolCall | None:
@@ -217,6 +230,13 @@ class CallStream:
         return [rest] if rest.strip() else []
 
 
+def split_reply(text: str) -> list[str | ToolCall]:
+    """A whole reply split as a stream of it is (`CallStream`): each call that closed, and text; so a reply cut by
+    max_tokens keeps the calls it finished, and the unfinished one stays text, streamed or not."""
+    stream = CallStream()
+    return [*stream.feed(text), *stream.finish()]
+
+
 # --- messages into the chat template -----------------------------------------------------------------------------
 
 def message_from_openai(m: dict[str, Any], i: int) -> dict[str, Any] | None:
@@ -231,7 +251,7 @@ def message_from_openai(m: dict[str, Any], i: int) -> dict[str, Any] | None:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if not isinstance(content, str):
             raise ToolError(f"{where}.content", "must be a string (the tool's result)")
-        return {"role": "tool", "tool_call_id": call_id, "content": content}
+        return result_message(call_id, content)
     if m.get("role") != "assistant" or not m.get("tool_calls"):
         return None
     calls = []
@@ -244,9 +264,20 @@ def message_from_openai(m: dict[str, Any], i: int) -> dict[str, Any] | None:
             args = json.loads(fn.get("arguments") or "{}")
         except (TypeError, json.JSONDecodeError):
             raise ToolError(f"{where}.tool_calls[{j}].function.arguments", "must be a JSON object's text") from None
-        calls.append({"id": c.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        calls.append(call_entry(c.get("id", ""), fn["name"], args))
     content = m.get("content")
     return {"role": "assistant", "content": content if isinstance(content, str) else "", "tool_calls": calls}
+
+
+def call_entry(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """One call of an assistant message, in Hugging Face's shape (arguments as an object), from any API."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def result_message(call_id: str, content: str, name: str | None = None) -> dict[str, Any]:
+    """A tool's result, in Hugging Face's shape; `call_id` or `name` (Ollama's results carry only the tool's name)
+    says which call it answers."""
+    return {"role": "tool", "tool_call_id": call_id, "content": content, **({"name": name} if name else {})}
 
 
 def tool_prompt(tools: list[Tool]) -> str:
@@ -273,7 +304,8 @@ def render_messages(messages: list[dict[str, Any]], tools: list[Tool], template_
 
 def _generic(m: dict[str, Any]) -> dict[str, Any]:
     if m["role"] == "tool":
-        body = json.dumps({"tool_call_id": m["tool_call_id"], "content": m["content"]}, ensure_ascii=False)
+        said = {k: m[k] for k in ("tool_call_id", "name") if m.get(k)}
+        body = json.dumps({**said, "content": m["content"]}, ensure_ascii=False)
         return {"role": "user", "content": f"<tool_response>{body}</tool_response>"}
     if m["role"] == "assistant" and m.get("tool_calls"):
         calls = "\n".join(OPEN + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
@@ -282,5 +314,6 @@ def _generic(m: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-__all__ = ["CallStream", "Tool", "ToolCall", "ToolChoice", "ToolError", "message_from_openai", "parse_calls",
-           "parse_tool_choice", "parse_tools", "render_messages", "response_format", "tool_prompt"]
+__all__ = ["CallStream", "Tool", "ToolCall", "ToolChoice", "ToolError", "call_entry", "message_from_openai",
+           "parse_calls", "parse_tool_choice", "parse_tools", "render_messages", "response_format", "result_message",
+           "split_reply", "tool_prompt"]

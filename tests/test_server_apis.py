@@ -33,7 +33,7 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     name = card.model
     assert name == MODEL and card.size > 0 and card.details.family == "llama"
     info = client.show(name)
-    assert info.capabilities == ["completion"] and info.modelinfo["llama.context_length"] >= 2048
+    assert info.capabilities == ["completion", "tools"] and info.modelinfo["llama.context_length"] >= 2048
 
     # Streamed chat and a plain generate of the same user message run the same prompt: the same greedy text.
     options = {"temperature": 0, "num_predict": 6}
@@ -70,9 +70,6 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=name, messages=[{"role": "user", "content": "Hi"}], format={"type": "strin"})
     assert e.value.status_code == 400 and e.value.error.startswith("format: ")
-    with pytest.raises(ollama.ResponseError, match="tools need constrained decoding"):
-        client.chat(model=name, messages=[{"role": "user", "content": "Hi"}],
-                    tools=[{"type": "function", "function": {"name": "clock"}}])
     with pytest.raises(ollama.ResponseError) as e:
         ollama.Client(host=url).list()
     assert e.value.status_code == 401 and "API key" in e.value.error
@@ -150,9 +147,6 @@ def test_anthropic_sdk_creates_streams_stops_and_counts(url: str) -> None:
     # Errors in Anthropic's shape, which the SDK turns into its exception classes.
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
-    with pytest.raises(anthropic.BadRequestError, match="tools need constrained decoding"):
-        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
-                               tools=[{"name": "clock", "input_schema": {"type": "object"}}])
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}])
@@ -173,7 +167,7 @@ def test_anthropic_requests_map_onto_the_profile() -> None:
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.stop, p.max_tokens) == (0.2, 0.8, 5, 0.1, ["END"], 9)
     assert req.messages == [{"role": "system", "content": "Sys."}, {"role": "user", "content": "Hi"}]
     assert req.prefill == "Hel"  # a last assistant turn is continued
-    for body, message in (({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content[0]"),
+    for body, message in (({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0"),
                           ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
                           ({"messages": [{"role": "user", "content": "Hi"}], "temperature": 3}, "temperature"),
                           ({"messages": [{"role": "user", "content": "Hi"}], "top_n": 3}, "top_n: unrecognized"),
@@ -182,3 +176,129 @@ def test_anthropic_requests_map_onto_the_profile() -> None:
         with pytest.raises(ApiError) as e:
             messages_api.parse({"model": "m", "max_tokens": 9, **body}, served="m", base=base)
         assert e.value.message.startswith(message) and e.value.status == 400
+
+
+# --- tools (server/tools.py behind each API's shapes) --------------------------------------------------------------
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"enum": ["Paris", "Rome"]}}}
+WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city", "input_schema": CITY}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_anthropic_sdk_calls_tools_streams_them_and_takes_their_results(url: str) -> None:
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    one_call = {"type": "any", "disable_parallel_tool_use": True}
+    r = client.messages.create(model=MODEL, max_tokens=40, messages=ASK, tools=[WEATHER_TOOL], tool_choice=one_call,
+                               extra_body=GREEDY)
+    [use] = r.content
+    assert r.stop_reason == "tool_use" and use.type == "tool_use" and use.id.startswith("toolu_")
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}
+    # Streamed: a tool_use block whose input arrives as input_json_delta; the SDK's final message has the same call.
+    with client.messages.stream(model=MODEL, max_tokens=40, messages=ASK, tools=[WEATHER_TOOL], extra_body=GREEDY,
+                                tool_choice={"type": "tool", "name": "get_weather",
+                                             "disable_parallel_tool_use": True}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["tool_use"] and starts[0].input == {}
+    assert [e.delta.type for e in events if e.type == "content_block_delta"] == ["input_json_delta"]
+    assert [e.type for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert final.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in final.content] == \
+        [("tool_use", "get_weather", {"city": "Paris"})]
+
+    # The call and its result (text blocks, an error) go through the chat template: counted, and cached as a prefix.
+    history = [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, use.model_dump()]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "is_error": True,
+                                             "content": [{"type": "text", "text": "station offline"}]},
+                                            {"type": "text", "text": "And now?"}]}]
+    counted = client.messages.count_tokens(model=MODEL, messages=ASK, tools=[WEATHER_TOOL]).input_tokens
+    assert counted > client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens + 20  # the tool's spec
+    again = client.messages.create(model=MODEL, max_tokens=1, messages=history, tools=[WEATHER_TOOL],
+                                   extra_body=GREEDY)
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens > counted + 20
+    assert again.usage.cache_read_input_tokens >= counted - 8 and again.stop_reason == "max_tokens"
+
+    # Bad tools are Anthropic's invalid_request_error naming the field.
+    for kwargs, message in (
+            ({"tools": [{**WEATHER_TOOL, "input_schema": {"type": "strin"}}]}, "tools.0.input_schema: "),
+            ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "clock"}}, "tool_choice.name: 'clock'"),
+            ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type: "),
+            ({"tool_choice": {"type": "any"}}, "tool_choice: 'any' needs tools")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL, max_tokens=4, messages=ASK, **kwargs)
+        error = e.value.body["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(message), error
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+      city: The city
+    """
+    return "sunny"
+
+
+def test_ollama_client_calls_tools_streams_them_and_takes_their_results(url: str) -> None:
+    client = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"})
+    ask = [{"role": "system", "content": "You answer only with <tool_call>."},
+           {"role": "user", "content": "Call get_weather for Paris."}]
+    options = {"temperature": 0, "num_predict": 30}  # one call's worth: the model would go on calling
+    r = client.chat(model=MODEL, messages=ask, tools=[get_weather], options=options)  # a Python function as a tool
+    [call] = r.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Paris"})
+    spec = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": CITY}}
+    parts = list(client.chat(model=MODEL, messages=ask, tools=[spec], options=options, stream=True))
+    streamed = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", {"city": "Paris"})]
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+
+    # The call and the tool's result (named by tool_name) go through the template, after the cached prefix.
+    history = [*ask, r.message, {"role": "tool", "tool_name": "get_weather", "content": "sunny"}]
+    again = client.chat(model=MODEL, messages=history, tools=[get_weather], options={"temperature": 0,
+                                                                                     "num_predict": 1})
+    assert again.prompt_eval_count > r.prompt_eval_count + 25
+
+    for kwargs, message in (({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+                             "tools[0].function.name: "),
+                            ({"tools": [spec], "format": "json"}, "format and tools both constrain")):
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model=MODEL, messages=ask, **kwargs)
+        assert e.value.status_code == 400 and e.value.error.startswith(message)
+
+
+def test_anthropic_tool_blocks_become_template_messages_and_choices_constrain() -> None:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome"}}
+    req = messages_api.parse({"model": "m", "max_tokens": 9, "tools": [WEATHER_TOOL], "messages": [
+        *ASK, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain",
+                                      "is_error": True}, {"type": "text", "text": "So?"}]}]},
+        served="m", base=SamplingProfile())
+    assert req.messages[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: rain"}, {"role": "user", "content": "So?"}]
+    assert [t.name for t in req.tools] == ["get_weather"] and req.profile.response_format.type == "grammar"
+    grammar = req.profile.response_format.grammar
+    assert "calls | TEXT" in grammar and 'call ("\\n" call)*' in grammar  # auto: text or calls, several allowed
+
+    def parsed(**body: object) -> messages_api.MessagesRequest:
+        return messages_api.parse({"model": "m", "max_tokens": 9, "messages": ASK, "tools": [WEATHER_TOOL], **body},
+                                  served="m", base=SamplingProfile())
+    one = parsed(tool_choice={"type": "any", "disable_parallel_tool_use": True}).profile.response_format.grammar
+    assert "start: calls\n" in one and "calls: call\n" in one
+    assert parsed(tool_choice={"type": "none"}).tools == [] and parsed(tool_choice={"type": "none"}).profile \
+        .response_format is None
+    for body, message in (
+            ({"messages": [*ASK, {"role": "assistant", "content": [use]}]}, "messages.1: the reply continues"),
+            ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}, *ASK]},
+             "messages.0.content.0: only text or tool_use blocks"),
+            ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages.0.content.0.tool_use_id"),
+            ({"tools": [{"name": "f"}]}, "tools.0.input_schema: field required"),
+            ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools.1.name: 'get_weather' is given twice"),
+            ({"tool_choice": {"type": "some"}}, "tool_choice.type: must be")):
+        with pytest.raises(ApiError) as e:
+            parsed(**body)
+        assert e.value.message.startswith(message) and e.value.status == 400, e.value.message
