@@ -14,8 +14,9 @@ Tools (server/tools.py does the work): custom `tools` (name, description, input_
 "any", "tool" with its name, "none"; `disable_parallel_tool_use`) constrain the reply as OpenAI's do; calls come back
 as `tool_use` blocks (`stop_reason: "tool_use"`), streamed as a whole block each (one `input_json_delta`). History's
 `tool_use` blocks and `tool_result` blocks (string or text content; `is_error` prefixes "Error: ") go through the
-chat template as tool calls and tool messages. Anthropic's server tools (web search, bash, ...), a JSON
-`output_config.format`, extended thinking, images and documents are a 400.
+chat template as tool calls and tool messages. Structured output, `output_config.format` (a JSON schema), constrains
+the reply the same way. Anthropic's server tools (web search, bash, ...), extended thinking, images and documents
+are a 400.
 
 Errors are Anthropic's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`; a stream that fails
 ends with an `error` event.
@@ -73,7 +74,7 @@ class _Types(BaseModel):
     diagnostics: dict[str, Any] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
-    output_config: dict[str, Any] | None = None  # its effort is a hint for thinking models; its format is refused
+    output_config: dict[str, Any] | None = None  # its effort is a hint for thinking models; format: a schema
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = None
@@ -207,9 +208,6 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
         choice, parallel = _tool_choice(req.tool_choice, tools)
     except ToolError as e:
         raise ApiError(400, str(e)) from None
-    if (req.output_config or {}).get("format"):
-        raise ApiError(400, "output_config.format needs constrained decoding, which this server does not have yet; "
-                            "leave it out")
     if req.thinking and req.thinking.get("type") != "disabled":
         raise ApiError(400, "thinking is not supported by this server; leave it out")
     if req.max_tokens is None and not counting:
@@ -235,14 +233,29 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
     fields["seed"] = secrets.randbits(63)  # Anthropic's API has no seed: every request samples afresh
     if (grammar := tool_calls.response_format(tools, choice, parallel)) is not None:
         fields["response_format"] = grammar
+    if (fmt := (req.output_config or {}).get("format")) is not None:
+        if grammar is not None:
+            raise ApiError(400, 'output_config.format and tools both constrain the reply: use one (or tool_choice '
+                                '{"type": "none"})')
+        fields["response_format"] = _output_format(fmt)
     try:
         profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
     except ValidationError as e:
         err = profile_error(e)
+        if err.param == "response_format":  # the sampler's name for it; the client sent output_config.format
+            raise ApiError(400, err.message.replace("response_format.json_schema", "output_config.format")) from None
         raise ApiError(400, err.message.replace("stop", "stop_sequences", 1) if err.param == "stop"
                        else err.message) from None
     return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream),
                            tools if choice.mode != "none" else [])
+
+
+def _output_format(fmt: Any) -> dict[str, Any]:
+    """Structured output, `output_config.format` = {"type": "json_schema", "schema": {...}}: the reply is JSON valid
+    under the schema (the sampler's constraint stage, core/constraint.py)."""
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def usage(m: Metrics) -> dict[str, int]:

@@ -40,7 +40,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # JSON inside a call: compact, as core/response_format.py writes every schema.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
 
 class ToolError(ValueError):
@@ -180,18 +179,6 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall("call_" + uuid.uuid4().hex[:24], data["name"], json.dumps(data.get("arguments", {})))
 
 
-def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's text before its first call (None when empty) and its calls, in order. A call that does not
-    parse (only possible without a constraint, or cut by max_tokens) leaves the reply as plain text."""
-    start = text.find(OPEN)
-    if start < 0:
-        return text, []
-    calls = [_call(m.group(1)) for m in _CALL_RE.finditer(text, start)]
-    if not calls or None in calls:
-        return text, []
-    return text[:start].strip() or None, calls  # type: ignore[return-value]
-
-
 class CallStream:
     """A reply's calls as it streams: `feed` each text delta, get back content deltas (str) to send on and each
     `ToolCall` once its closing tag has arrived; `finish` at the end gives what is left. Content is held back only
@@ -315,5 +302,5 @@ def _generic(m: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["CallStream", "Tool", "ToolCall", "ToolChoice", "ToolError", "call_entry", "message_from_openai",
-           "parse_calls", "parse_tool_choice", "parse_tools", "render_messages", "response_format", "result_message",
+           "parse_tool_choice", "parse_tools", "render_messages", "response_format", "result_message",
            "split_reply", "tool_prompt"]

@@ -135,6 +135,14 @@ def test_anthropic_sdk_creates_streams_stops_and_counts(url: str) -> None:
     assert counting.stop_reason == "stop_sequence" and counting.stop_sequence == "Three"
     assert "Two" in counting.content[0].text and "Three" not in counting.content[0].text
 
+    # Structured output: the reply is JSON valid under output_config.format's schema (the SDK's own parameter).
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    shaped = client.messages.create(model=MODEL, max_tokens=40, extra_body=GREEDY,
+                                    output_config={"format": {"type": "json_schema", "schema": person}},
+                                    messages=[{"role": "user", "content": "Invent a person."}])
+    assert shaped.stop_reason == "end_turn" and set(json.loads(shaped.content[0].text)) == {"name", "age"}
+
     # The documented event sequence, on the wire.
     with httpx.stream("POST", f"{url}/v1/messages", headers={"x-api-key": KEY}, timeout=60,
                       json={"model": MODEL, "max_tokens": 3, "stream": True, **GREEDY,
@@ -172,7 +180,12 @@ def test_anthropic_requests_map_onto_the_profile() -> None:
                           ({"messages": [{"role": "user", "content": "Hi"}], "temperature": 3}, "temperature"),
                           ({"messages": [{"role": "user", "content": "Hi"}], "top_n": 3}, "top_n: unrecognized"),
                           ({"messages": [{"role": "user", "content": "Hi"}], "thinking": {"type": "enabled"}},
-                           "thinking is not supported")):
+                           "thinking is not supported"),
+                          ({"messages": [{"role": "user", "content": "Hi"}],
+                            "output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+                           "output_config.format.schema"),
+                          ({"messages": [{"role": "user", "content": "Hi"}], "output_config": {"format": "json"}},
+                           "output_config.format must be")):
         with pytest.raises(ApiError) as e:
             messages_api.parse({"model": "m", "max_tokens": 9, **body}, served="m", base=base)
         assert e.value.message.startswith(message) and e.value.status == 400

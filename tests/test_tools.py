@@ -26,10 +26,12 @@ HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content
 
 
 def test_calls_parse_whole_and_streamed_and_text_streams_at_once() -> None:
-    assert tools.parse_calls("Hello") == ("Hello", [])
-    content, calls = tools.parse_calls(CALL + "\n" + CALL.replace("Paris", "Rome"))
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == \
+    assert tools.split_reply("Hello") == ["Hello"]
+    calls = tools.split_reply(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
         [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    cut = tools.split_reply(CALL + "\n" + CALL[:30])  # max_tokens in the second call: the first still counts
+    assert isinstance(cut[0], ToolCall) and cut[1:] == ["\n" + CALL[:30]]
     stream = CallStream()
     pieces = [p for ch in CALL + "\n" + CALL for p in stream.feed(ch)] + stream.finish()
     assert [type(p) for p in pieces] == [ToolCall, ToolCall] and pieces[0].id != pieces[1].id
