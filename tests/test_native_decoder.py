@@ -78,6 +78,17 @@ def test_tiny_llama_fused_equals_todays_path(rope: dict, monkeypatch, tmp_path):
     rotating = lambda: [RotatingKVCache(max_size=64, keep=4) for _ in range(2)]  # noqa: E731
     assert _greedy(model, prompt[:80], 4, rotating, monkeypatch, fused=True)[0] == \
         _greedy(model, prompt[:80], 4, rotating, monkeypatch, fused=False)[0]
+    # The fused op writes a cache buffer in place only when nothing else holds it: a kept reference sees no change
+    # (MLX's own SliceUpdate, today's path, wrote into it here), and the step's result is the same.
+    step = {}
+    for fused in (False, True):
+        monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1" if fused else "0")
+        cache = caches()
+        mx.eval(model(mx.array([prompt[:20]]), cache=cache))
+        held, before = cache[0].keys, np.array(cache[0].keys)
+        step[fused] = np.array(model(mx.array([[5]]), cache=cache))
+    np.testing.assert_array_equal(np.array(held), before)
+    np.testing.assert_allclose(step[True], step[False], rtol=0, atol=1e-4)
     # One op per layer on a decode step, not the ~110 MLX nodes of today's path (the rest: embedding, norm, head).
     monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1")
     cache = caches()

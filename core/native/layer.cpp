@@ -48,9 +48,7 @@ void rope_rows(float* x, int L, int heads, int head_dim, const LayerShape& s, co
 
 // A cache buffer as the output: the input's own memory when nothing else holds it (an in-place append, as MLX's
 // SliceUpdate does; returns false), else fresh memory that the task fills with the input's valid positions (returns
-// true; the copy must wait for the task, as the input may be the result of a task queued before this one). Each of
-// the op's three outputs holds the inputs, so in practice the input is held thrice and copied: O(offset) per step, as
-// much as attention reads.
+// true; the copy must wait for the task, as the input may be the result of a task queued before this one).
 bool take_cache(const mx::array& in, mx::array& out) {
   if (in.flags().row_contiguous && in.is_donatable()) {
     out.copy_shared_buffer(in);
@@ -60,15 +58,9 @@ bool take_cache(const mx::array& in, mx::array& out) {
   return true;
 }
 
-// Positions 0 .. offset - 1 of a [1, H_kv, C, head_dim] buffer; the rest is never read (KVCache.state and attention
-// stop at the offset).
-void copy_cache(const mx::array& in, mx::array& out, int offset) {
+void copy_cache(const mx::array& in, mx::array& out) {
   std::vector<float> copy;
-  const float* from = rows_of(in, copy);
-  const size_t head = size_t(in.shape(2)) * in.shape(3), valid = size_t(offset) * in.shape(3);
-  for (int g = 0; g < in.shape(1); ++g) {
-    std::memcpy(out.data<float>() + g * head, from + g * head, valid * sizeof(float));
-  }
+  std::memcpy(out.data<float>(), rows_of(in, copy), out.nbytes());
 }
 
 class NativeDecoderLayer : public mx::Primitive {
@@ -80,6 +72,12 @@ class NativeDecoderLayer : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    // Each output holds a copy of the op's inputs until MLX detaches them after this eval; the siblings' copies
+    // would count as holders of the cache buffers (is_donatable counts them) and force a copy every step. All inputs
+    // are evaluated by now, so the siblings can let go early; `inputs` itself (the evaluated output's) is kept.
+    for (auto& o : outputs) {
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    }
     const bool copy_keys = take_cache(inputs[1], outputs[1]), copy_values = take_cache(inputs[2], outputs[2]);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
@@ -89,8 +87,8 @@ class NativeDecoderLayer : public mx::Primitive {
     for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
     encoder.dispatch([in = std::move(in), out = std::move(out), gs = group_sizes_, bits = bits_, s = shape_,
                       offset = offset_, causal = causal_, copy_keys, copy_values]() mutable {
-      if (copy_keys) copy_cache(in[1], out[1], offset);
-      if (copy_values) copy_cache(in[2], out[2], offset);
+      if (copy_keys) copy_cache(in[1], out[1]);
+      if (copy_values) copy_cache(in[2], out[2]);
       run(in, out, gs, bits, s, offset, causal);
     });
   }
