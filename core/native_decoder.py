@@ -3,11 +3,11 @@
 On MLX's CPU backend every graph node costs ~20-40 us of dispatch, and a llama layer in MLX ops is ~110 nodes (RMSNorm
 and RoPE are composed of small ops on the CPU, the KV cache update is four more): measured on the embedded model, a
 decode step was 26 ms of which 11 ms in the native kernels, the rest mostly dispatch. `use_fused_layers(model)`
-re-classes each mlx-lm llama `TransformerBlock` (mistral loads as llama) in place to a subclass whose call is one
+re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama) in place to a subclass whose call is one
 `native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache, attention,
 o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it can compute exactly what the block computes:
 float32 activations, at most `FUSED_ROWS` rows of one sequence, mlx-lm's plain `KVCache`, no mask or "causal", all
-seven projections on the native kernel without bias, and `nn.RoPE`. Anything else (a prefill chunk, a rotating or
+seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's), and `nn.RoPE`. Anything else (a prefill chunk, a rotating or
 quantized cache, a batch, other RoPE variants, Metal) takes the block's own call, i.e. today's path.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import KVCache
 
 from . import native
@@ -37,6 +37,7 @@ class _Plan:
     """What a block's fused call needs besides its parameters (which are read at each call, so updates show)."""
 
     shape: Any  # native LayerShape
+    head_dim: int
     inv_freqs: mx.array  # RoPE's frequencies, computed by the ops mx.fast.rope composes on the CPU
     group_sizes: list[int]
     bits: list[int]
@@ -52,17 +53,21 @@ def _plan(block: nn.Module) -> _Plan | None:
     attn, rope = block.self_attn, block.self_attn.rope
     projections = _projections(block)
     norms = (block.input_layernorm, block.post_attention_layernorm)
-    if (type(rope) is not nn.RoPE or rope.dims > attn.head_dim
-            or not all(type(p) is NativeQuantizedLinear and "bias" not in p for p in projections)
+    head_dim = attn.q_proj["weight"].shape[0] // attn.n_heads  # qwen2's Attention keeps no head_dim
+    qkv_bias = ["bias" in p for p in projections[:3]]
+    if (type(rope) is not nn.RoPE or rope.dims > head_dim or qkv_bias not in ([False] * 3, [True] * 3)
+            or not all(p["bias"].dtype == mx.float32 for p in projections[:3] if "bias" in p)
+            or not all(type(p) is NativeQuantizedLinear for p in projections)
+            or any("bias" in p for p in projections[3:])
             or not all(type(n) is nn.RMSNorm and n.weight.dtype == mx.float32 for n in norms)
             or norms[0].eps != norms[1].eps):
         return None
     inv_freqs = native.rope_inv_freqs(rope.dims, rope.base)
     mx.eval(inv_freqs)
-    shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim,
+    shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim,
                                norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
                                rope_scale=rope.scale, attention_scale=attn.scale)
-    return _Plan(shape, inv_freqs, [p.group_size for p in projections], [p.bits for p in projections])
+    return _Plan(shape, head_dim, inv_freqs, [p.group_size for p in projections], [p.bits for p in projections])
 
 
 def _reserve(cache: KVCache, rows: int, kv_heads: int, head_dim: int) -> None:
@@ -91,7 +96,7 @@ def _fits(x: mx.array, mask: Any, cache: Any) -> bool:
 
 
 class FusedTransformerBlock:
-    """The call of mlx-lm's llama `TransformerBlock`, as one native op where `_plan` and the call's arguments allow."""
+    """The call of mlx-lm's llama/qwen2 `TransformerBlock` (the two are the same), as one native op where `_plan` and the call's arguments allow."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan = self.__dict__.get("_mlxchat_plan")
@@ -102,10 +107,12 @@ class FusedTransformerBlock:
         # them in float32 (RMSNorm casts, the residual promotes), so the exact cast here changes nothing.
         x = x.astype(mx.float32)
         attn = self.self_attn
-        _reserve(cache, rows, attn.n_kv_heads, attn.head_dim)
+        _reserve(cache, rows, attn.n_kv_heads, plan.head_dim)
         weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight, plan.inv_freqs]
-        for p in _projections(self):
+        projections = _projections(self)
+        for p in projections:
             weights += [p["weight"], p["scales"], p["biases"]]
+        weights += [p["bias"] for p in projections[:3] if "bias" in p]
         out, cache.keys, cache.values = native.decoder_layer(
             x, cache.keys, cache.values, weights, plan.group_sizes, plan.bits, plan.shape, offset=cache.offset,
             causal=mask is not None)
@@ -119,17 +126,20 @@ def enabled() -> bool:
     return native.available() and not off
 
 
-_FUSED = type("FusedLlamaTransformerBlock", (FusedTransformerBlock, llama.TransformerBlock), {})
+# Exactly these classes (not subclasses, whose calls may differ): their calls are the one above.
+_FUSED = {cls: type(f"Fused{name}TransformerBlock", (FusedTransformerBlock, cls), {})
+          for name, cls in (("Llama", llama.TransformerBlock), ("Qwen2", qwen2.TransformerBlock))}
 
 
 def use_fused_layers(model: nn.Module) -> int:
-    """Re-class the model's llama decoder layers that the fused op computes exactly; returns how many."""
+    """Re-class the model's llama/qwen2 decoder layers that the fused op computes exactly; returns how many."""
     changed = 0
     for _, module in model.named_modules():
-        if type(module) is llama.TransformerBlock:
+        fused = _FUSED.get(type(module))
+        if fused is not None:
             plan = _plan(module)
             if plan is not None:
-                module.__class__ = _FUSED
+                module.__class__ = fused
                 object.__setattr__(module, "_mlxchat_plan", plan)
                 changed += 1
     return changed
@@ -137,6 +147,6 @@ def use_fused_layers(model: nn.Module) -> int:
 
 def describe(model: nn.Module) -> str:
     """Which decode path runs, for --stats and the bench: "decode: 30/30 layers fused" ("" when none would)."""
-    layers = [m for _, m in model.named_modules() if isinstance(m, llama.TransformerBlock)]
+    layers = [m for _, m in model.named_modules() if isinstance(m, (llama.TransformerBlock, qwen2.TransformerBlock))]
     fused = sum(isinstance(m, FusedTransformerBlock) for m in layers)
     return f"decode: {fused}/{len(layers)} layers fused" if fused and enabled() else ""

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxchat.core import Engine, native_linear
@@ -47,20 +47,22 @@ def _greedy(model: nn.Module, prompt: list[int], steps: int, make_cache, monkeyp
     return tokens, rows, cache
 
 
-def _tiny_quantized_llama(**rope) -> llama.Model:
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64, **rope)
+def _tiny_quantized(arch, **rope) -> nn.Module:
+    args = arch.ModelArgs(model_type=arch.__name__.rsplit(".", 1)[-1], hidden_size=128, num_hidden_layers=2,
+                          intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                          vocab_size=64, **rope)
     mx.random.seed(1)
-    model = llama.Model(args)
+    model = arch.Model(args)
     nn.quantize(model, group_size=32, bits=4)
     native_linear.use_native(model)
     mx.eval(model.parameters())
     return model
 
 
-@pytest.mark.parametrize("rope", [{}, {"rope_traditional": True, "rope_theta": 500.0}])
-def test_tiny_llama_fused_equals_todays_path(rope: dict, monkeypatch, tmp_path):
-    model = _tiny_quantized_llama(**rope)
+@pytest.mark.parametrize("arch, rope", [(llama, {}), (llama, {"rope_traditional": True, "rope_theta": 500.0}),
+                                        (qwen2, {"rope_theta": 1e6})])  # qwen2: q/k/v biases
+def test_tiny_models_fused_equal_todays_path(arch, rope: dict, monkeypatch, tmp_path):
+    model = _tiny_quantized(arch, **rope)
     assert use_fused_layers(model) == 2 and isinstance(model.model.layers[0], FusedTransformerBlock)
     # 300 positions: the caches grow past their first 256-step buffer inside the fused path.
     prompt = [int(i) for i in np.random.default_rng(0).integers(0, 64, 250)]

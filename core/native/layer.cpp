@@ -129,6 +129,17 @@ class NativeDecoderLayer : public mx::Primitive {
     matmul(0, xn.data(), L, q.data());
     matmul(1, xn.data(), L, k.data());
     matmul(2, xn.data(), L, v.data());
+    if (in.size() > kFirstProjection + 3 * kProjections) {  // q, k and v biases (qwen2), added as MLX adds them
+      float* rows[3] = {q.data(), k.data(), v.data()};
+      for (int p = 0; p < 3; ++p) {
+        const mx::array& bias = in[kFirstProjection + 3 * kProjections + p];
+        const float* b = bias.data<float>();
+        const int N = bias.shape(0);
+        for (int i = 0; i < L; ++i) {
+          for (int j = 0; j < N; ++j) rows[p][size_t(i) * N + j] += b[j];
+        }
+      }
+    }
     rope_rows(q.data(), L, H, hd, s, in[5].data<float>(), offset);
     rope_rows(k.data(), L, KVH, hd, s, in[5].data<float>(), offset);
     float* keys = out[1].data<float>();
@@ -192,8 +203,11 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
   check_float32(h, "h");
   check_float32(keys, "keys");
   check_float32(values, "values");
-  if (weights.size() != 3 + 3 * kProjections || group_sizes.size() != kProjections || bits.size() != kProjections) {
-    throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs and 7 (w, scales, biases) triples");
+  const size_t plain = 3 + 3 * kProjections;
+  if ((weights.size() != plain && weights.size() != plain + 3) || group_sizes.size() != kProjections ||
+      bits.size() != kProjections) {
+    throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs, 7 (w, scales, biases) triples and "
+                                "optionally the q, k and v biases");
   }
   const int D = h.shape(-1), L = int(h.size() / D);
   const mx::Shape cache_shape{1, shape.n_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, shape.head_dim};
@@ -212,6 +226,16 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
     const auto& w = weights[3 + 3 * p];
     check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p]);
     for (int j = 0; j < 3; ++j) inputs.push_back(dense(weights[3 + 3 * p + j], s));
+  }
+  const int qkv_rows[3] = {shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim,
+                           shape.n_kv_heads * shape.head_dim};
+  for (size_t p = 0; plain + p < weights.size(); ++p) {
+    const auto& bias = weights[plain + p];
+    check_float32(bias, "q/k/v biases");
+    if (bias.ndim() != 1 || bias.shape(0) != qkv_rows[p]) {
+      throw std::invalid_argument("decoder_layer: the q, k and v biases must match their projections' outputs");
+    }
+    inputs.push_back(dense(bias, s));
   }
   auto shapes = std::vector<mx::Shape>{h.shape(), keys.shape(), values.shape()};
   return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32},
