@@ -123,7 +123,7 @@ class FusedTransformerBlock:
 def enabled() -> bool:
     """Whether fused layers run (read at each call): MLXCHAT_NATIVE_LAYERS=0 switches them off, e.g. to compare."""
     off = os.environ.get("MLXCHAT_NATIVE_LAYERS", "1").strip().lower() in ("0", "false", "no", "off")
-    return native.available() and not off
+    return native.has_layer_op() and not off
 
 
 # Exactly these classes (not subclasses, whose calls may differ): their calls are the one above.
@@ -133,6 +133,8 @@ _FUSED = {cls: type(f"Fused{name}TransformerBlock", (FusedTransformerBlock, cls)
 
 def use_fused_layers(model: nn.Module) -> int:
     """Re-class the model's llama/qwen2 decoder layers that the fused op computes exactly; returns how many."""
+    if not native.has_layer_op():
+        return 0
     changed = 0
     for _, module in model.named_modules():
         fused = _FUSED.get(type(module))

@@ -44,6 +44,12 @@ def available() -> bool:
     return _ext is not None and not _disabled()
 
 
+def has_layer_op() -> bool:
+    """Whether the fused decoder-layer op can run (an extension built before it was added lacks it until setup runs
+    again; the layers then keep their MLX-op path)."""
+    return available() and hasattr(_ext, "decoder_layer")
+
+
 def unavailable_reason() -> str:
     """Why `available()` is False ("" when it is True)."""
     if _disabled():

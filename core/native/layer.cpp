@@ -16,7 +16,8 @@ namespace {
 constexpr int kProjections = 7;  // q, k, v, o, gate, up, down
 constexpr int kFirstProjection = 6;  // inputs before the projections: h, keys, values, two norm weights, inv_freqs
 
-// out = (x * rsqrt(mean(x^2) + eps)) * w per row, rounded as MLX's CPU fallback of mx.fast.rms_norm rounds it.
+// out = (x * rsqrt(mean(x^2) + eps)) * w per row, in the order of operations of mx.fast.rms_norm's CPU fallback
+// (its sum of squares may round differently: logits move by ~1e-5).
 void rms_norm_rows(const float* x, const float* w, float* out, int rows, int D, float eps) {
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + size_t(r) * D;
@@ -47,8 +48,8 @@ void rope_rows(float* x, int L, int heads, int head_dim, const LayerShape& s, co
 }
 
 // A cache buffer as the output: the input's own memory when nothing else holds it (an in-place append, as MLX's
-// SliceUpdate does; returns false), else fresh memory that the task fills with the input's valid positions (returns
-// true; the copy must wait for the task, as the input may be the result of a task queued before this one).
+// SliceUpdate does; returns false), else fresh memory that the task fills with a copy of the input (returns true;
+// the copy must wait for the task, as the input may be the result of a task queued before this one).
 bool take_cache(const mx::array& in, mx::array& out) {
   if (in.flags().row_contiguous && in.is_donatable()) {
     out.copy_shared_buffer(in);
