@@ -3,12 +3,13 @@
 On MLX's CPU backend every graph node costs ~20-40 us of dispatch, and a llama layer in MLX ops is ~110 nodes (RMSNorm
 and RoPE are composed of small ops on the CPU, the KV cache update is four more): measured on the embedded model, a
 decode step was 26 ms of which 11 ms in the native kernels, the rest mostly dispatch. `use_fused_layers(model)`
-re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama) in place to a subclass whose call is one
-`native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache, attention,
-o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it can compute exactly what the block computes:
+re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama) in place to a subclass whose call
+is one `native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache,
+attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the block computes:
 float32 activations, at most `FUSED_ROWS` rows of one sequence, mlx-lm's plain `KVCache`, no mask or "causal", all
-seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's), and `nn.RoPE`. Anything else (a prefill chunk, a rotating or
-quantized cache, a batch, other RoPE variants, Metal) takes the block's own call, i.e. today's path.
+seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's), and `nn.RoPE`. Anything
+else (a prefill chunk, a rotating or quantized cache, a batch, other RoPE variants, Metal) takes the block's own
+call, i.e. the MLX-op path.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _fits(x: mx.array, mask: Any, cache: Any) -> bool:
 
 
 class FusedTransformerBlock:
-    """The call of mlx-lm's llama/qwen2 `TransformerBlock` (the two are the same), as one native op where `_plan` and the call's arguments allow."""
+    """The call of mlx-lm's llama/qwen2 `TransformerBlock` (the two are the same), as one native op where `_plan`
+    and the call's arguments allow."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan = self.__dict__.get("_mlxchat_plan")

@@ -26,8 +26,8 @@ struct LayerShape {
 // weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
 // (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
 // group_sizes / bits: the 7 projections'.
-// Computes what mlx-lm's llama and qwen2 TransformerBlocks compute, in fp32, with the native matmul/attention/SwiGLU kernels;
-// `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
+// Computes what mlx-lm's llama and qwen2 TransformerBlocks compute, in fp32, with the native matmul, attention and
+// SwiGLU kernels; `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
 // mx.fast.rope's frequencies [dims / 2] for `base`, by the very ops its CPU fallback composes (so they are equal).
 mx::array rope_inv_freqs(int dims, float base);
 
