@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -168,11 +169,29 @@ def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[
     return engine.run(job)
 
 
+class MlxOpLayersRunner(EngineRunner):
+    """The native engine with its fused decoder layers switched off (MLXCHAT_NATIVE_LAYERS=0): each layer in MLX ops
+    around the native matmul, attention and SwiGLU, the path before core/native_decoder.py."""
+
+    def run(self, messages: list[dict[str, str]], ids: list[int], spec: Any, max_tokens: int) -> dict:
+        before = os.environ.get("MLXCHAT_NATIVE_LAYERS")
+        os.environ["MLXCHAT_NATIVE_LAYERS"] = "0"
+        try:
+            return super().run(messages, ids, spec, max_tokens)
+        finally:
+            if before is None:
+                del os.environ["MLXCHAT_NATIVE_LAYERS"]
+            else:
+                os.environ["MLXCHAT_NATIVE_LAYERS"] = before
+
+
 def decode_compare(native_engine: Any, fp32_engine: Any, lengths: tuple[int, ...], max_tokens: int,
                    repeats: int) -> list[dict[str, Any]]:
-    """Interleaved repeats of: mlxchat native, mlxchat fp32, mlx-lm stream_generate on the fp32 model."""
-    runners = {"mlxchat native": EngineRunner(native_engine), "mlxchat fp32": EngineRunner(fp32_engine),
-               "mlx-lm fp32": MlxLmRunner(fp32_engine)}
+    """Interleaved repeats of: mlxchat native (fused layers), the same with MLX-op layers, mlxchat fp32, mlx-lm
+    stream_generate on the fp32 model."""
+    runners = {"mlxchat native": EngineRunner(native_engine),
+               "mlxchat native, MLX-op layers": MlxOpLayersRunner(native_engine),
+               "mlxchat fp32": EngineRunner(fp32_engine), "mlx-lm fp32": MlxLmRunner(fp32_engine)}
     rows = []
     for n in lengths:
         messages, ids = prompts.exact_prompt(native_engine.model.tokenizer, n)
@@ -188,13 +207,13 @@ def decode_compare(native_engine: Any, fp32_engine: Any, lengths: tuple[int, ...
     return rows
 
 
-def per_token_breakdown(engine: Any, tokens: int) -> dict[str, float]:
+def per_token_breakdown(engine: Any, tokens: int, runner: EngineRunner | None = None) -> dict[str, float]:
     """One decode step in a real generation (32-token prompt), in ms: the wall time per token and the time spent
     inside the native ops (the kernel's own clock), from a 1-token run subtracted from a ``tokens``-token run."""
     from mlxchat.core import native
 
     messages, ids = prompts.exact_prompt(engine.model.tokenizer, 32)
-    runner = EngineRunner(engine)
+    runner = runner or EngineRunner(engine)
     runs = {}
     for n in (1, tokens):
         k0 = native.kernel_seconds()
@@ -262,6 +281,8 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32
         out["decode"] = decode_compare(own, fp32, (32, 512), max_tokens, repeats)
         out["gemv"] = gemv_breakdown(own, 3 if quick else 7)
         out["per_token_ms"] = per_token_breakdown(own, max_tokens)
+        out["per_token_ms_mlx_op_layers"] = per_token_breakdown(own, max_tokens, runner=MlxOpLayersRunner(own))
+        out["decode_path"] = own.describe()
         out["prefill"] = prefill_crossover(own, (8, 16, 32, 64, 128) if quick else (8, 16, 32, 64, 128, 512),
                                            3 if quick else 5)
     finally:
@@ -316,15 +337,19 @@ def summary_lines(section: dict[str, Any] | None) -> list[str]:
         return []
     if not section.get("available"):
         return [f"native kernel: unavailable ({section['reason']})"]
-    out = [f"native kernel: {section['weights_path']}"]
+    out = [f"native kernel: {section['weights_path']}" + (f"; {section['decode_path']}" if section.get("decode_path")
+                                                            else "")]
     for r in section["decode"]:
-        out.append(f"  {r['system']:15s} {r['prompt_tokens']:4d} prompt tokens: decode "
+        out.append(f"  {r['system']:29s} {r['prompt_tokens']:4d} prompt tokens: decode "
                    f"{r['decode_tokens_per_s']:6.1f} tok/s, TTFT {r['ttft_s'] * 1e3:6.0f} ms")
     g, p = section["gemv"], section["per_token_ms"]
     out.append(f"  {g['matmuls']} GEMVs of one token: native {g['native_1_thread']:.1f} ms (1 thread), "
                f"{g['native_2_threads']:.1f} ms (2 threads); fp32 BLAS {g['fp32_blas']:.1f} ms")
     out.append(f"  per decode step: {p['step']:.1f} ms = native matmuls {p['matmuls']:.1f} + everything else "
                f"{p['everything_else']:.1f}")
+    if q := section.get("per_token_ms_mlx_op_layers"):
+        out.append(f"  with MLX-op layers: {q['step']:.1f} ms = native ops {q['matmuls']:.1f} + everything else "
+                   f"{q['everything_else']:.1f}")
     out.append("  prefill, one layer (kernel vs dequantize+BLAS): " + ", ".join(
         f"M={r['rows']}: {r['kernel_ms']:.1f}/{r['dequant_blas_ms']:.1f} ms" for r in section["prefill"]))
     if section.get("active_bytes_after_load") is not None and section.get("gguf_bytes"):

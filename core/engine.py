@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import loader
+from . import loader, native_decoder
 from .backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
                       wants_generation_stream, wants_wired_limit)
 from .beam import Beam, beam_search
@@ -100,7 +100,8 @@ class Engine:
 
     def describe(self) -> str:
         """Where this engine computes and with which weights: one line for --stats, the TUI and the bench."""
-        return f"{self.backend.line()} · weights {self.model.weights_path}"
+        fused = native_decoder.describe(self.model.model)
+        return f"{self.backend.line()} · weights {self.model.weights_path}" + (f" · {fused}" if fused else "")
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0,

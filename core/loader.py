@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, gguf_tensors, native, native_blocks, native_linear
+from . import gguf, gguf_tensors, native, native_blocks, native_decoder, native_linear
 from .errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
@@ -337,6 +337,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
         model.set_dtype(mx.float32)
     if policy == "native":
         native_blocks.use_native_blocks(model)  # attention's softmax and the MLP's SwiGLU on the native kernels
+        native_decoder.use_fused_layers(model)  # a decode step's layer as one op each
     model.eval()
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

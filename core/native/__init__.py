@@ -44,6 +44,12 @@ def available() -> bool:
     return _ext is not None and not _disabled()
 
 
+def has_layer_op() -> bool:
+    """Whether the fused decoder-layer op can run (an extension built before it was added lacks it until setup runs
+    again; the layers then keep their MLX-op path)."""
+    return available() and hasattr(_ext, "decoder_layer")
+
+
 def unavailable_reason() -> str:
     """Why `available()` is False ("" when it is True)."""
     if _disabled():
@@ -95,6 +101,29 @@ def nucleus(logits: mx.array, p: float, *, typical: bool = False) -> mx.array:
     Lazy and exact, with sums in double: it selects (no full sort unless nearly the whole row is needed), so a
     sampler can run it every decode step without waiting on the device."""
     return _module().nucleus(logits, p, typical=typical)
+
+
+def layer_shape(*, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float, rope_dims: int,
+                rope_traditional: bool, rope_scale: float, attention_scale: float) -> object:
+    """The sizes and constants of a llama decoder layer, for `decoder_layer`."""
+    return _module().LayerShape(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, norm_eps=norm_eps,
+                                rope_dims=rope_dims, rope_traditional=rope_traditional, rope_scale=rope_scale,
+                                attention_scale=attention_scale)
+
+
+def rope_inv_freqs(dims: int, base: float) -> mx.array:
+    """``mx.fast.rope``'s frequencies for ``base``, computed by the same MLX ops its CPU path composes."""
+    return _module().rope_inv_freqs(dims, base)
+
+
+def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, weights: list[mx.array], group_sizes: list[int],
+                  bits: list[int], shape: object, *, offset: int, causal: bool) -> list[mx.array]:
+    """A llama decoder layer over ``h [1, L, D]`` (L small) as one op: ``[h_out, keys_out, values_out]``. ``keys`` and
+    ``values`` ``[1, H_kv, C, head_dim]`` are the layer's KV cache buffers with ``offset`` valid positions and room
+    for L more; the outputs are them with this step's keys and values written after ``offset`` (in place when nothing
+    else holds them). ``weights``: the two RMSNorm weights, ``rope_inv_freqs``, then (w, scales, biases) of q, k, v,
+    o, gate, up and down (MLX's affine format). ``causal``: MLX's "causal" mask."""
+    return _module().decoder_layer(h, keys, values, weights, group_sizes, bits, shape, offset=offset, causal=causal)
 
 
 def set_threads(n: int) -> None:

@@ -2,8 +2,10 @@
 // arguments and results pass through as MLX's own type.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "blocks.h"
+#include "layer.h"
 #include "nucleus.h"
 #include "qmm.h"
 
@@ -23,6 +25,19 @@ NB_MODULE(_ext, m) {
   m.def("nucleus", &mlxchat::nucleus, "logits"_a, "p"_a, nb::kw_only(), "typical"_a = false,
         "Top-p (or typical-p) along the last axis of float32 logits: the kept tokens' logits, -inf elsewhere.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
+  nb::class_<mlxchat::LayerShape>(m, "LayerShape")
+      .def("__init__",
+           [](mlxchat::LayerShape* t, int n_heads, int n_kv_heads, int head_dim, float norm_eps, int rope_dims,
+              bool rope_traditional, float rope_scale, float attention_scale) {
+             new (t) mlxchat::LayerShape{n_heads, n_kv_heads, head_dim, norm_eps, rope_dims, rope_traditional,
+                                         rope_scale, attention_scale};
+           },
+           nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "norm_eps"_a, "rope_dims"_a,
+           "rope_traditional"_a, "rope_scale"_a, "attention_scale"_a);
+  m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);
+  m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "weights"_a, "group_sizes"_a,
+        "bits"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a,
+        "A llama decoder layer for a few rows as one op: (h_out, keys_out, values_out).");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);
   m.def("set_threads", &mlxchat::set_threads, "n"_a);

@@ -74,6 +74,8 @@ ScaleType scale_type(mx::Dtype t) {
   return ScaleType::bf16;
 }
 
+}  // namespace
+
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8, got " + std::to_string(bits));
@@ -95,20 +97,15 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
   }
 }
 
+namespace {
+
 // ---- x preparation -------------------------------------------------------------------------------------------
 
 // x as dense fp32 rows, reordered per block of 32 for 4 bits (evens then odds, as the nibbles come out), and the
 // per-group sums of x for the bias term.
-void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>& xq, std::vector<float>& xsum) {
-  const int K = x.shape(-1), M = int(x.size() / K), G = K / group_size;
-  std::vector<float> plain(size_t(M) * K);
-  if (x.dtype() == mx::float32) {
-    gather_x<float>(x, plain);
-  } else if (x.dtype() == mx::float16) {
-    gather_x<mx::float16_t>(x, plain);
-  } else {
-    gather_x<mx::bfloat16_t>(x, plain);
-  }
+void prepare_rows(std::vector<float> plain, int M, int K, int group_size, int bits, std::vector<float>& xq,
+                  std::vector<float>& xsum) {
+  const int G = K / group_size;
   xsum.assign(size_t(M) * G, 0.0f);
   for (int m = 0; m < M; ++m) {
     for (int k = 0; k < K; ++k) xsum[size_t(m) * G + k / group_size] += plain[size_t(m) * K + k];
@@ -124,6 +121,19 @@ void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>&
       xq[base + 16 + j] = plain[base + 2 * j + 1];
     }
   }
+}
+
+void prepare_x(const mx::array& x, int group_size, int bits, std::vector<float>& xq, std::vector<float>& xsum) {
+  const int K = x.shape(-1), M = int(x.size() / K);
+  std::vector<float> plain(size_t(M) * K);
+  if (x.dtype() == mx::float32) {
+    gather_x<float>(x, plain);
+  } else if (x.dtype() == mx::float16) {
+    gather_x<mx::float16_t>(x, plain);
+  } else {
+    gather_x<mx::bfloat16_t>(x, plain);
+  }
+  prepare_rows(std::move(plain), M, K, group_size, bits, xq, xsum);
 }
 
 // ---- primitives ----------------------------------------------------------------------------------------------
@@ -251,6 +261,18 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, group_size, bits),
               {x2, dense(w, s), dense(scales, s), dense(biases, s)});
   return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
+}
+
+void quantized_matmul_rows(const float* x, int M, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, float* y) {
+  KernelTimer timer;
+  const int K = w.shape(1) * 32 / bits;
+  std::vector<float> xq, xsum;
+  prepare_rows(std::vector<float>(x, x + size_t(M) * K), M, K, group_size, bits, xq, xsum);
+  QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
+                scale_type(scales.dtype()), y, M, w.shape(0), K, group_size, bits};
+  const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
+  parallel_for(chunks, [&](int c) { qmm_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
 }
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {

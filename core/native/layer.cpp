@@ -1,0 +1,247 @@
+#include "layer.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "graph.h"
+#include "kernel.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mlxchat {
+
+namespace {
+
+constexpr int kProjections = 7;  // q, k, v, o, gate, up, down
+constexpr int kFirstProjection = 6;  // inputs before the projections: h, keys, values, two norm weights, inv_freqs
+
+// out = (x * rsqrt(mean(x^2) + eps)) * w per row, in the order of operations of mx.fast.rms_norm's CPU fallback
+// (its sum of squares may round differently: logits move by ~1e-5).
+void rms_norm_rows(const float* x, const float* w, float* out, int rows, int D, float eps) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + size_t(r) * D;
+    float sum = 0.0f;
+    for (int d = 0; d < D; ++d) sum += xr[d] * xr[d];
+    const float inv = 1.0f / std::sqrt(sum * (1.0f / D) + eps);
+    for (int d = 0; d < D; ++d) out[size_t(r) * D + d] = (xr[d] * inv) * w[d];
+  }
+}
+
+// mx.fast.rope's CPU computation (its fallback) on rows [L, heads * head_dim] at positions offset .. offset + L - 1.
+void rope_rows(float* x, int L, int heads, int head_dim, const LayerShape& s, const float* inv_freqs, int offset) {
+  const int half = s.rope_dims / 2;
+  for (int i = 0; i < L; ++i) {
+    const float position = (float(i) + float(offset)) * s.rope_scale;
+    for (int j = 0; j < half; ++j) {
+      const float theta = position * inv_freqs[j];
+      const float c = std::cos(theta), sn = std::sin(theta);
+      for (int h = 0; h < heads; ++h) {
+        float* row = x + (size_t(i) * heads + h) * head_dim;
+        const int a = s.rope_traditional ? 2 * j : j, b = s.rope_traditional ? 2 * j + 1 : j + half;
+        const float x1 = row[a], x2 = row[b];
+        row[a] = x1 * c - x2 * sn;
+        row[b] = x1 * sn + x2 * c;
+      }
+    }
+  }
+}
+
+// A cache buffer as the output: the input's own memory when nothing else holds it (an in-place append, as MLX's
+// SliceUpdate does; returns false), else fresh memory that the task fills with a copy of the input (returns true;
+// the copy must wait for the task, as the input may be the result of a task queued before this one).
+bool take_cache(const mx::array& in, mx::array& out) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return true;
+}
+
+void copy_cache(const mx::array& in, mx::array& out) {
+  std::vector<float> copy;
+  std::memcpy(out.data<float>(), rows_of(in, copy), out.nbytes());
+}
+
+class NativeDecoderLayer : public mx::Primitive {
+ public:
+  NativeDecoderLayer(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, LayerShape shape,
+                     int offset, bool causal)
+      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)), shape_(shape),
+        offset_(offset), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    // Each output holds a copy of the op's inputs until MLX detaches them after this eval; the siblings' copies
+    // would count as holders of the cache buffers (is_donatable counts them) and force a copy every step. All inputs
+    // are evaluated by now, so the siblings can let go early; `inputs` itself (the evaluated output's) is kept.
+    for (auto& o : outputs) {
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    }
+    const bool copy_keys = take_cache(inputs[1], outputs[1]), copy_values = take_cache(inputs[2], outputs[2]);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    std::vector<mx::array> in, out;
+    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([in = std::move(in), out = std::move(out), gs = group_sizes_, bits = bits_, s = shape_,
+                      offset = offset_, causal = causal_, copy_keys, copy_values]() mutable {
+      if (copy_keys) copy_cache(in[1], out[1]);
+      if (copy_values) copy_cache(in[2], out[2]);
+      run(in, out, gs, bits, s, offset, causal);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxchat's fused decoder layer runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatDecoderLayer"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeDecoderLayer&>(other);
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && offset_ == o.offset_ && causal_ == o.causal_ &&
+           std::memcmp(&shape_, &o.shape_, sizeof(LayerShape)) == 0;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[1].shape(), inputs[2].shape()};
+  }
+
+ private:
+  // Inputs: h, keys, values, the two norm weights, inv_freqs, then the 7 projections' (w, scales, biases).
+  static void run(const std::vector<mx::array>& in, std::vector<mx::array>& out, const std::vector<int>& gs,
+                  const std::vector<int>& bits, const LayerShape& s, int offset, bool causal) {
+    const mx::array& h = in[0];
+    const int D = h.shape(-1), L = int(h.size() / D), H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
+    const int C = out[1].shape(2), I = in[kFirstProjection + 3 * 4].shape(0);  // cache capacity, MLP width
+    auto matmul = [&](int p, const float* x, int M, float* y) {
+      const int i = kFirstProjection + 3 * p;
+      quantized_matmul_rows(x, M, in[i], in[i + 1], in[i + 2], gs[p], bits[p], y);
+    };
+    std::vector<float> h_copy;
+    const float* x = rows_of(h, h_copy);
+
+    // Attention: norm, projections, RoPE, the cache append, attention over offset + L positions, o_proj, residual.
+    std::vector<float> xn(size_t(L) * D), q(size_t(L) * H * hd), k(size_t(L) * KVH * hd), v(k.size());
+    rms_norm_rows(x, in[3].data<float>(), xn.data(), L, D, s.norm_eps);
+    matmul(0, xn.data(), L, q.data());
+    matmul(1, xn.data(), L, k.data());
+    matmul(2, xn.data(), L, v.data());
+    if (in.size() > kFirstProjection + 3 * kProjections) {  // q, k and v biases (qwen2), added as MLX adds them
+      float* rows[3] = {q.data(), k.data(), v.data()};
+      for (int p = 0; p < 3; ++p) {
+        const mx::array& bias = in[kFirstProjection + 3 * kProjections + p];
+        const float* b = bias.data<float>();
+        const int N = bias.shape(0);
+        for (int i = 0; i < L; ++i) {
+          for (int j = 0; j < N; ++j) rows[p][size_t(i) * N + j] += b[j];
+        }
+      }
+    }
+    rope_rows(q.data(), L, H, hd, s, in[5].data<float>(), offset);
+    rope_rows(k.data(), L, KVH, hd, s, in[5].data<float>(), offset);
+    float* keys = out[1].data<float>();
+    float* values = out[2].data<float>();
+    for (int i = 0; i < L; ++i) {
+      for (int g = 0; g < KVH; ++g) {
+        const size_t to = (size_t(g) * C + offset + i) * hd, from = (size_t(i) * KVH + g) * hd;
+        std::memcpy(keys + to, k.data() + from, hd * sizeof(float));
+        std::memcpy(values + to, v.data() + from, hd * sizeof(float));
+      }
+    }
+    std::vector<float> heads(size_t(H) * L * hd);  // [H, L, hd]
+    AttentionArgs a{};
+    a.q = q.data(), a.q_stride[0] = 0, a.q_stride[1] = hd, a.q_stride[2] = int64_t(H) * hd;
+    a.k = keys, a.v = values;
+    a.k_stride[0] = a.v_stride[0] = int64_t(KVH) * C * hd;
+    a.k_stride[1] = a.v_stride[1] = int64_t(C) * hd;
+    a.k_stride[2] = a.v_stride[2] = hd;
+    a.out = heads.data();
+    a.B = 1, a.H = H, a.KVH = KVH, a.L = L, a.S = offset + L, a.D = hd, a.scale = s.attention_scale, a.causal = causal;
+    attention_avx2(a);
+    for (int i = 0; i < L; ++i) {  // [H, L, hd] -> [L, H * hd], o_proj's input rows
+      for (int hh = 0; hh < H; ++hh) {
+        std::memcpy(q.data() + (size_t(i) * H + hh) * hd, heads.data() + (size_t(hh) * L + i) * hd, hd * sizeof(float));
+      }
+    }
+    std::vector<float> h1(size_t(L) * D);
+    matmul(3, q.data(), L, h1.data());
+    for (size_t j = 0; j < h1.size(); ++j) h1[j] = x[j] + h1[j];
+
+    // MLP: norm, gate/up, SwiGLU, down, residual.
+    rms_norm_rows(h1.data(), in[4].data<float>(), xn.data(), L, D, s.norm_eps);
+    std::vector<float> gate(size_t(L) * I), up(gate.size());
+    matmul(4, xn.data(), L, gate.data());
+    matmul(5, xn.data(), L, up.data());
+    swiglu_avx2(gate.data(), up.data(), gate.data(), gate.size());
+    float* y = out[0].data<float>();
+    matmul(6, gate.data(), L, y);
+    for (size_t j = 0; j < h1.size(); ++j) y[j] = h1[j] + y[j];
+  }
+
+  std::vector<int> group_sizes_, bits_;
+  LayerShape shape_;
+  int offset_;
+  bool causal_;
+};
+
+}  // namespace
+
+mx::array rope_inv_freqs(int dims, float base) {
+  const int half = dims / 2;
+  auto s = cpu_stream();
+  return mx::exp(mx::multiply(mx::arange(0, -half, -1, mx::float32, s), mx::array(std::log(base) / half, mx::float32),
+                              s),
+                 s);
+}
+
+std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
+                                     const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
+                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal) {
+  check_float32(h, "h");
+  check_float32(keys, "keys");
+  check_float32(values, "values");
+  const size_t plain = 3 + 3 * kProjections;
+  if ((weights.size() != plain && weights.size() != plain + 3) || group_sizes.size() != kProjections ||
+      bits.size() != kProjections) {
+    throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs, 7 (w, scales, biases) triples and "
+                                "optionally the q, k and v biases");
+  }
+  const int D = h.shape(-1), L = int(h.size() / D);
+  const mx::Shape cache_shape{1, shape.n_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, shape.head_dim};
+  if (h.ndim() != 3 || h.shape(0) != 1 || keys.shape() != cache_shape || values.shape() != cache_shape ||
+      offset < 0 || offset + L > cache_shape[2] || shape.rope_dims > shape.head_dim || shape.rope_dims % 2) {
+    throw std::invalid_argument("decoder_layer: h must be [1, L, D] and keys/values [1, H_kv, C, head_dim] with "
+                                "room for L positions after offset");
+  }
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{h, keys, values};
+  for (int i = 0; i < 3; ++i) {
+    check_float32(weights[i], "norm weights and inv_freqs");
+    inputs.push_back(dense(weights[i], s));
+  }
+  for (int p = 0; p < kProjections; ++p) {
+    const auto& w = weights[3 + 3 * p];
+    check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p]);
+    for (int j = 0; j < 3; ++j) inputs.push_back(dense(weights[3 + 3 * p + j], s));
+  }
+  const int qkv_rows[3] = {shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim,
+                           shape.n_kv_heads * shape.head_dim};
+  for (size_t p = 0; plain + p < weights.size(); ++p) {
+    const auto& bias = weights[plain + p];
+    check_float32(bias, "q/k/v biases");
+    if (bias.ndim() != 1 || bias.shape(0) != qkv_rows[p]) {
+      throw std::invalid_argument("decoder_layer: the q, k and v biases must match their projections' outputs");
+    }
+    inputs.push_back(dense(bias, s));
+  }
+  auto shapes = std::vector<mx::Shape>{h.shape(), keys.shape(), values.shape()};
+  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<NativeDecoderLayer>(s, group_sizes, bits, shape, offset, causal),
+                                inputs);
+}
+
+}  // namespace mlxchat

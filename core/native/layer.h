@@ -1,0 +1,38 @@
+// A whole llama-style decoder layer for a few rows (decode, speculative verification) as one MLX primitive: on the CPU
+// backend each MLX op costs ~20-40 us of dispatch, and a layer in MLX ops (RMSNorm and RoPE as MLX composes them on
+// the CPU, the cache update, the projections) is ~110 graph nodes: about half of a decode step of the embedded model.
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace mlxchat {
+
+namespace mx = mlx::core;
+
+struct LayerShape {
+  int n_heads, n_kv_heads, head_dim;
+  float norm_eps;    // both RMSNorms
+  int rope_dims;     // RoPE over the first rope_dims of each head
+  bool rope_traditional;
+  float rope_scale;  // positions are multiplied by it (mx.fast.rope's scale)
+  float attention_scale;
+};
+
+// h [1, L, D] float32 -> (h_out [1, L, D], keys_out, values_out). keys/values [1, H_kv, C, head_dim] are the layer's
+// KV cache buffer with `offset` valid positions and room for L more (C >= offset + L); the outputs are that buffer
+// with this step's rotated keys and values written at offset .. offset + L - 1, in place when nothing else holds it.
+// weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
+// (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
+// group_sizes / bits: the 7 projections'.
+// Computes what mlx-lm's llama and qwen2 TransformerBlocks compute, in fp32, with the native matmul, attention and
+// SwiGLU kernels; `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
+// mx.fast.rope's frequencies [dims / 2] for `base`, by the very ops its CPU fallback composes (so they are equal).
+mx::array rope_inv_freqs(int dims, float base);
+
+std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
+                                     const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
+                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal);
+
+}  // namespace mlxchat

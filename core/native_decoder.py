@@ -1,0 +1,156 @@
+"""Whole decoder layers of llama-family models as one native op each, for the few rows of a decode step.
+
+On MLX's CPU backend every graph node costs ~20-40 us of dispatch, and a llama layer in MLX ops is ~110 nodes (RMSNorm
+and RoPE are composed of small ops on the CPU, the KV cache update is four more): measured on the embedded model, a
+decode step was 26 ms of which 11 ms in the native kernels, the rest mostly dispatch. `use_fused_layers(model)`
+re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama) in place to a subclass whose call
+is one `native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache,
+attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the block computes:
+float32 activations, at most `FUSED_ROWS` rows of one sequence, mlx-lm's plain `KVCache`, no mask or "causal", all
+seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's), and `nn.RoPE`. Anything
+else (a prefill chunk, a rotating or quantized cache, a batch, other RoPE variants, Metal) takes the block's own
+call, i.e. the MLX-op path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import KVCache
+
+from . import native
+from .native_linear import NativeQuantizedLinear
+
+# Rows (query positions) up to which a layer is one op: a decode step (1), a speculative verification (<= 8), small
+# batches of rows. Above, the projections dequantize for BLAS (native_linear.DEQUANTIZE_ROWS), which the op does not.
+FUSED_ROWS = 16
+
+_ACTIVATIONS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a block's fused call needs besides its parameters (which are read at each call, so updates show)."""
+
+    shape: Any  # native LayerShape
+    head_dim: int
+    inv_freqs: mx.array  # RoPE's frequencies, computed by the ops mx.fast.rope composes on the CPU
+    group_sizes: list[int]
+    bits: list[int]
+
+
+def _projections(block: nn.Module) -> list[nn.Module]:
+    attn, mlp = block.self_attn, block.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def _plan(block: nn.Module) -> _Plan | None:
+    """The block's plan, or None when the fused op would not compute what the block computes."""
+    attn, rope = block.self_attn, block.self_attn.rope
+    projections = _projections(block)
+    norms = (block.input_layernorm, block.post_attention_layernorm)
+    head_dim = attn.q_proj["weight"].shape[0] // attn.n_heads  # qwen2's Attention keeps no head_dim
+    qkv_bias = ["bias" in p for p in projections[:3]]
+    if (type(rope) is not nn.RoPE or rope.dims > head_dim or qkv_bias not in ([False] * 3, [True] * 3)
+            or not all(p["bias"].dtype == mx.float32 for p in projections[:3] if "bias" in p)
+            or not all(type(p) is NativeQuantizedLinear for p in projections)
+            or any("bias" in p for p in projections[3:])
+            or not all(type(n) is nn.RMSNorm and n.weight.dtype == mx.float32 for n in norms)
+            or norms[0].eps != norms[1].eps):
+        return None
+    inv_freqs = native.rope_inv_freqs(rope.dims, rope.base)
+    mx.eval(inv_freqs)
+    shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim,
+                               norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
+                               rope_scale=rope.scale, attention_scale=attn.scale)
+    return _Plan(shape, head_dim, inv_freqs, [p.group_size for p in projections], [p.bits for p in projections])
+
+
+def _reserve(cache: KVCache, rows: int, kv_heads: int, head_dim: int) -> None:
+    """Room in the cache's buffers for `rows` more positions, grown as mlx-lm's KVCache.update_and_fetch grows them."""
+    prev = cache.offset
+    if cache.keys is not None and prev + rows <= cache.keys.shape[2]:
+        return
+    steps = (cache.step + rows - 1) // cache.step
+    shape = (1, kv_heads, steps * cache.step, head_dim)
+    new_keys, new_values = mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
+    if cache.keys is None:
+        cache.keys, cache.values = new_keys, new_values
+        return
+    if prev % cache.step != 0:
+        cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
+    cache.keys = mx.concatenate([cache.keys, new_keys], axis=2)
+    cache.values = mx.concatenate([cache.values, new_values], axis=2)
+
+
+def _fits(x: mx.array, mask: Any, cache: Any) -> bool:
+    """Whether a call's arguments are ones the fused op computes as the block does: a few rows of one sequence, a
+    plain float32 KVCache, no mask or "causal"."""
+    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
+    return (enabled() and type(cache) is KVCache and x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS
+            and x.dtype in _ACTIVATIONS and plain_mask and (cache.keys is None or cache.keys.dtype == mx.float32))
+
+
+class FusedTransformerBlock:
+    """The call of mlx-lm's llama/qwen2 `TransformerBlock` (the two are the same), as one native op where `_plan`
+    and the call's arguments allow."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        plan = self.__dict__.get("_mlxchat_plan")
+        if plan is None or not _fits(x, mask, cache):
+            return super().__call__(x, mask, cache)
+        rows = x.shape[1]
+        # The first layer gets the embedding's rows in its scales' dtype (fp16 for a GGUF): the block computes on
+        # them in float32 (RMSNorm casts, the residual promotes), so the exact cast here changes nothing.
+        x = x.astype(mx.float32)
+        attn = self.self_attn
+        _reserve(cache, rows, attn.n_kv_heads, plan.head_dim)
+        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight, plan.inv_freqs]
+        projections = _projections(self)
+        for p in projections:
+            weights += [p["weight"], p["scales"], p["biases"]]
+        weights += [p["bias"] for p in projections[:3] if "bias" in p]
+        out, cache.keys, cache.values = native.decoder_layer(
+            x, cache.keys, cache.values, weights, plan.group_sizes, plan.bits, plan.shape, offset=cache.offset,
+            causal=mask is not None)
+        cache.offset += rows
+        return out
+
+
+def enabled() -> bool:
+    """Whether fused layers run (read at each call): MLXCHAT_NATIVE_LAYERS=0 switches them off, e.g. to compare."""
+    off = os.environ.get("MLXCHAT_NATIVE_LAYERS", "1").strip().lower() in ("0", "false", "no", "off")
+    return native.has_layer_op() and not off
+
+
+# Exactly these classes (not subclasses, whose calls may differ): their calls are the one above.
+_FUSED = {cls: type(f"Fused{name}TransformerBlock", (FusedTransformerBlock, cls), {})
+          for name, cls in (("Llama", llama.TransformerBlock), ("Qwen2", qwen2.TransformerBlock))}
+
+
+def use_fused_layers(model: nn.Module) -> int:
+    """Re-class the model's llama/qwen2 decoder layers that the fused op computes exactly; returns how many."""
+    if not native.has_layer_op():
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        fused = _FUSED.get(type(module))
+        if fused is not None:
+            plan = _plan(module)
+            if plan is not None:
+                module.__class__ = fused
+                object.__setattr__(module, "_mlxchat_plan", plan)
+                changed += 1
+    return changed
+
+
+def describe(model: nn.Module) -> str:
+    """Which decode path runs, for --stats and the bench: "decode: 30/30 layers fused" ("" when none would)."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, (llama.TransformerBlock, qwen2.TransformerBlock))]
+    fused = sum(isinstance(m, FusedTransformerBlock) for m in layers)
+    return f"decode: {fused}/{len(layers)} layers fused" if fused and enabled() else ""

@@ -1,0 +1,125 @@
+"""Whole llama decoder layers as one native op (core/native_decoder.py): the fused path against the same model with
+MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on a tiny
+quantized llama and on the embedded model."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlxchat.core import Engine, native_linear
+from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
+from tests.markers import needs_native
+
+pytestmark = needs_native
+
+
+def _step_ops(model: nn.Module, ids: mx.array, cache: list, path: str) -> tuple[int, int]:
+    """(graph nodes, fused-layer nodes) of one lazy forward pass (the cache is left untouched by building it)."""
+    mx.eval([c.state for c in cache])
+    offsets = [(c.offset, c.keys, c.values) for c in cache]
+    mx.export_to_dot(path, model(ids, cache=cache))
+    for c, (offset, keys, values) in zip(cache, offsets):
+        c.offset, c.keys, c.values = offset, keys, values
+    dot = open(path).read()
+    return dot.count("label"), dot.count("MlxchatDecoderLayer")
+
+
+def _greedy(model: nn.Module, prompt: list[int], steps: int, make_cache, monkeypatch, fused: bool,
+            verify: int = 0) -> tuple[list[int], list[np.ndarray], list]:
+    """Greedy tokens and logits: the prompt, `steps` one-token steps, then (optionally) one pass of `verify` rows
+    as speculative verification feeds them."""
+    monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1" if fused else "0")
+    cache = make_cache()
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    tokens, rows = [], []
+    for _ in range(steps):
+        token = int(mx.argmax(logits, -1).item())
+        tokens.append(token)
+        rows.append(np.array(logits))
+        logits = model(mx.array([[token]]), cache=cache)[:, -1]
+    if verify:
+        rows.append(np.array(model(mx.array([tokens[:verify]]), cache=cache)))
+    return tokens, rows, cache
+
+
+def _tiny_quantized(arch, **rope) -> nn.Module:
+    args = arch.ModelArgs(model_type=arch.__name__.rsplit(".", 1)[-1], hidden_size=128, num_hidden_layers=2,
+                          intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                          vocab_size=64, **rope)
+    mx.random.seed(1)
+    model = arch.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    native_linear.use_native(model)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("arch, rope", [(llama, {}), (llama, {"rope_traditional": True, "rope_theta": 500.0}),
+                                        (qwen2, {"rope_theta": 1e6})])  # qwen2: q/k/v biases
+def test_tiny_models_fused_equal_todays_path(arch, rope: dict, monkeypatch, tmp_path):
+    model = _tiny_quantized(arch, **rope)
+    assert use_fused_layers(model) == 2 and isinstance(model.model.layers[0], FusedTransformerBlock)
+    # 300 positions: the caches grow past their first 256-step buffer inside the fused path.
+    prompt = [int(i) for i in np.random.default_rng(0).integers(0, 64, 250)]
+    caches = lambda: [KVCache() for _ in range(2)]  # noqa: E731
+    want = _greedy(model, prompt, 50, caches, monkeypatch, fused=False, verify=5)
+    got = _greedy(model, prompt, 50, caches, monkeypatch, fused=True, verify=5)
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    for a, b in zip(got[2], want[2]):
+        assert a.offset == b.offset == 305
+        np.testing.assert_allclose(np.array(a.state[0]), np.array(b.state[0]), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(np.array(a.state[1]), np.array(b.state[1]), rtol=0, atol=1e-4)
+    # A rotating window's cache is not the plain one: the block's own call runs, with the same result.
+    rotating = lambda: [RotatingKVCache(max_size=64, keep=4) for _ in range(2)]  # noqa: E731
+    assert _greedy(model, prompt[:80], 4, rotating, monkeypatch, fused=True)[0] == \
+        _greedy(model, prompt[:80], 4, rotating, monkeypatch, fused=False)[0]
+    # The fused op writes a cache buffer in place only when nothing else holds it: a kept reference sees no change
+    # (MLX's own SliceUpdate, today's path, wrote into it here), and the step's result is the same.
+    step = {}
+    for fused in (False, True):
+        monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1" if fused else "0")
+        cache = caches()
+        mx.eval(model(mx.array([prompt[:20]]), cache=cache))
+        held, before = cache[0].keys, np.array(cache[0].keys)
+        step[fused] = np.array(model(mx.array([[5]]), cache=cache))
+    np.testing.assert_array_equal(np.array(held), before)
+    np.testing.assert_allclose(step[True], step[False], rtol=0, atol=1e-4)
+    # One op per layer on a decode step, not the ~110 MLX nodes of today's path (the rest: embedding, norm, head).
+    monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1")
+    cache = caches()
+    model(mx.array([prompt[:8]]), cache=cache)
+    nodes, fused = _step_ops(model, mx.array([[3]]), cache, str(tmp_path / "step.dot"))
+    assert fused == 2 and nodes < 100
+
+
+def test_fp32_layers_are_not_fused():
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
+    assert use_fused_layers(llama.Model(args)) == 0
+
+
+def test_embedded_model_greedy_tokens_equal_todays_path(engine: Engine, monkeypatch, tmp_path):
+    model = engine.model.model
+    assert engine.describe().endswith(f"decode: {len(model.layers)}/{len(model.layers)} layers fused")
+    prompt = engine.model.tokenizer.encode_chat([{"role": "user", "content": "Name three colours of the rainbow."}])
+    caches = lambda: [KVCache() for _ in model.layers]  # noqa: E731
+
+    def both():
+        want = _greedy(model, prompt, 24, caches, monkeypatch, fused=False, verify=6)
+        got = _greedy(model, prompt, 24, caches, monkeypatch, fused=True, verify=6)
+        cache = caches()
+        model(mx.array([prompt]), cache=cache)
+        return want, got, _step_ops(model, mx.array([[got[0][0]]]), cache, str(tmp_path / "step.dot"))
+
+    want, got, (nodes, fused) = engine.run(both)
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+    assert fused == len(model.layers) and nodes < 150  # today's path: ~3300
