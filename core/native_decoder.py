@@ -6,14 +6,16 @@ decode step was 26 ms of which 11 ms in the native kernels, the rest mostly disp
 re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama) in place to a subclass whose call
 is one `native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache,
 attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the block computes:
-float32 activations, at most `FUSED_ROWS` rows of one sequence, mlx-lm's plain `KVCache`, no mask or "causal", all
-seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's), and `nn.RoPE`. Anything
-else (a prefill chunk, a rotating or quantized cache, a batch, other RoPE variants, Metal) takes the block's own
-call, i.e. the MLX-op path.
+float32 activations, all seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's),
+`nn.RoPE`, and either at most `FUSED_ROWS` rows of one sequence in mlx-lm's plain `KVCache` (no mask or "causal"), or
+one row each of at most `FUSED_ROWS` sequences in the server's `BatchKVCache` (the mask is the cache's own: its left
+padding, which the op takes instead). Anything else (a prefill chunk, a rotating or quantized cache, other RoPE
+variants, Metal) takes the block's own call, i.e. the MLX-op path.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
 from .native_linear import NativeQuantizedLinear
@@ -71,29 +73,39 @@ def _plan(block: nn.Module) -> _Plan | None:
     return _Plan(shape, head_dim, inv_freqs, [p.group_size for p in projections], [p.bits for p in projections])
 
 
-def _reserve(cache: KVCache, rows: int, kv_heads: int, head_dim: int) -> None:
-    """Room in the cache's buffers for `rows` more positions, grown as mlx-lm's KVCache.update_and_fetch grows them."""
-    prev = cache.offset
-    if cache.keys is not None and prev + rows <= cache.keys.shape[2]:
-        return
-    steps = (cache.step + rows - 1) // cache.step
-    shape = (1, kv_heads, steps * cache.step, head_dim)
-    new_keys, new_values = mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
-    if cache.keys is None:
-        cache.keys, cache.values = new_keys, new_values
-        return
-    if prev % cache.step != 0:
-        cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
-    cache.keys = mx.concatenate([cache.keys, new_keys], axis=2)
-    cache.values = mx.concatenate([cache.values, new_values], axis=2)
+def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int, shape: tuple[int, int, int],
+           step: int) -> tuple[mx.array, mx.array]:
+    """Cache buffers with room for `rows` more positions after `used`, grown as mlx-lm's KVCache and BatchKVCache
+    grow them in update_and_fetch; `shape` is (batch, kv heads, head_dim)."""
+    if keys is not None and values is not None and used + rows <= keys.shape[2]:
+        return keys, values
+    batch, kv_heads, head_dim = shape
+    size = (batch, kv_heads, (step + rows - 1) // step * step, head_dim)
+    new_keys, new_values = mx.zeros(size, mx.float32), mx.zeros(size, mx.float32)
+    if keys is None or values is None:
+        return new_keys, new_values
+    if used % step != 0:
+        keys, values = keys[..., :used, :], values[..., :used, :]
+    return mx.concatenate([keys, new_keys], axis=2), mx.concatenate([values, new_values], axis=2)
 
 
 def _fits(x: mx.array, mask: Any, cache: Any) -> bool:
-    """Whether a call's arguments are ones the fused op computes as the block does: a few rows of one sequence, a
-    plain float32 KVCache, no mask or "causal"."""
+    """Whether a call's arguments are ones the fused op computes as the block does: a few rows of one sequence in a
+    plain float32 KVCache with no mask or "causal", or one row of each of a few sequences in a BatchKVCache."""
+    if not enabled() or x.dtype not in _ACTIVATIONS or (cache.keys is not None and cache.keys.dtype != mx.float32):
+        return False
+    if type(cache) is BatchKVCache:  # its mask is made from its left padding, which the op takes instead
+        return x.shape[0] <= FUSED_ROWS and x.shape[1] == 1
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
-    return (enabled() and type(cache) is KVCache and x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS
-            and x.dtype in _ACTIVATIONS and plain_mask and (cache.keys is None or cache.keys.dtype == mx.float32))
+    return type(cache) is KVCache and x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS and plain_mask
+
+
+@functools.cache
+def _no_padding() -> mx.array:
+    """A single sequence's left padding, for the op."""
+    padding = mx.zeros((1,), mx.int32)
+    mx.eval(padding)
+    return padding
 
 
 class FusedTransformerBlock:
@@ -104,20 +116,31 @@ class FusedTransformerBlock:
         plan = self.__dict__.get("_mlxchat_plan")
         if plan is None or not _fits(x, mask, cache):
             return super().__call__(x, mask, cache)
-        rows = x.shape[1]
+        batch, rows = x.shape[:2]
         # The first layer gets the embedding's rows in its scales' dtype (fp16 for a GGUF): the block computes on
         # them in float32 (RMSNorm casts, the residual promotes), so the exact cast here changes nothing.
         x = x.astype(mx.float32)
-        attn = self.self_attn
-        _reserve(cache, rows, attn.n_kv_heads, plan.head_dim)
         weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight, plan.inv_freqs]
         projections = _projections(self)
         for p in projections:
             weights += [p["weight"], p["scales"], p["biases"]]
         weights += [p["bias"] for p in projections[:3] if "bias" in p]
-        out, cache.keys, cache.values = native.decoder_layer(
-            x, cache.keys, cache.values, weights, plan.group_sizes, plan.bits, plan.shape, offset=cache.offset,
-            causal=mask is not None)
+        shape = (batch, self.self_attn.n_kv_heads, plan.head_dim)
+
+        def layer(keys: mx.array | None, values: mx.array | None, used: int,
+                  padding: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+            keys, values = _grown(keys, values, used, rows, shape, cache.step)
+            out, keys, values = native.decoder_layer(x, keys, values, weights, plan.group_sizes, plan.bits,
+                                                     plan.shape, offset=used, causal=mask is not None,
+                                                     left_padding=padding)
+            return out, keys, values
+
+        if type(cache) is BatchKVCache:  # through its public state: (keys, values, offsets, left padding, index)
+            keys, values, offsets, padding, used = cache.state
+            out, keys, values = layer(keys, values, used, padding.astype(mx.int32))
+            cache.state = (keys, values, offsets + rows, padding, used + rows)
+            return out
+        out, cache.keys, cache.values = layer(cache.keys, cache.values, cache.offset, _no_padding())
         cache.offset += rows
         return out
 

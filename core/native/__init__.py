@@ -117,13 +117,16 @@ def rope_inv_freqs(dims: int, base: float) -> mx.array:
 
 
 def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, weights: list[mx.array], group_sizes: list[int],
-                  bits: list[int], shape: object, *, offset: int, causal: bool) -> list[mx.array]:
-    """A llama decoder layer over ``h [1, L, D]`` (L small) as one op: ``[h_out, keys_out, values_out]``. ``keys`` and
-    ``values`` ``[1, H_kv, C, head_dim]`` are the layer's KV cache buffers with ``offset`` valid positions and room
-    for L more; the outputs are them with this step's keys and values written after ``offset`` (in place when nothing
-    else holds them). ``weights``: the two RMSNorm weights, ``rope_inv_freqs``, then (w, scales, biases) of q, k, v,
-    o, gate, up and down (MLX's affine format). ``causal``: MLX's "causal" mask."""
-    return _module().decoder_layer(h, keys, values, weights, group_sizes, bits, shape, offset=offset, causal=causal)
+                  bits: list[int], shape: object, *, offset: int, causal: bool,
+                  left_padding: mx.array) -> list[mx.array]:
+    """A llama decoder layer over ``h [B, L, D]`` (B * L small) as one op: ``[h_out, keys_out, values_out]``. ``keys``
+    and ``values`` ``[B, H_kv, C, head_dim]`` are the layer's KV cache buffers with ``offset`` positions written and
+    room for L more; the outputs are them with this step's keys and values written after ``offset`` (in place when
+    nothing else holds them). ``weights``: the two RMSNorm weights, ``rope_inv_freqs``, then (w, scales, biases) of
+    q, k, v, o, gate, up and down (MLX's affine format). ``causal``: MLX's "causal" mask. ``left_padding`` (int32
+    ``[B]``): each row's first real position (mlx-lm's BatchKVCache; zeros for one sequence)."""
+    return _module().decoder_layer(h, keys, values, weights, group_sizes, bits, shape, offset=offset, causal=causal,
+                                   left_padding=left_padding)
 
 
 def set_threads(n: int) -> None:

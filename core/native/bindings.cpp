@@ -36,7 +36,7 @@ NB_MODULE(_ext, m) {
            "rope_traditional"_a, "rope_scale"_a, "attention_scale"_a);
   m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);
   m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "weights"_a, "group_sizes"_a,
-        "bits"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a,
+        "bits"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a, "left_padding"_a,
         "A llama decoder layer for a few rows as one op: (h_out, keys_out, values_out).");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);

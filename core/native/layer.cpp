@@ -111,12 +111,15 @@ class NativeDecoderLayer : public mx::Primitive {
   }
 
  private:
-  // Inputs: h, keys, values, the two norm weights, inv_freqs, then the 7 projections' (w, scales, biases).
+  // Inputs: h, keys, values, the two norm weights, inv_freqs, then the 7 projections' (w, scales, biases), the
+  // optional q/k/v biases, and last the rows' left padding (int32 [B]).
   static void run(const std::vector<mx::array>& in, std::vector<mx::array>& out, const std::vector<int>& gs,
                   const std::vector<int>& bits, const LayerShape& s, int offset, bool causal) {
     const mx::array& h = in[0];
-    const int D = h.shape(-1), L = int(h.size() / D), H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
+    const int B = h.shape(0), L = h.shape(1), D = h.shape(2), M = B * L;
+    const int H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
     const int C = out[1].shape(2), I = in[kFirstProjection + 3 * 4].shape(0);  // cache capacity, MLP width
+    const int32_t* padding = in.back().data<int32_t>();
     auto matmul = [&](int p, const float* x, int M, float* y) {
       const int i = kFirstProjection + 3 * p;
       quantized_matmul_rows(x, M, in[i], in[i + 1], in[i + 2], gs[p], bits[p], y);
@@ -124,61 +127,72 @@ class NativeDecoderLayer : public mx::Primitive {
     std::vector<float> h_copy;
     const float* x = rows_of(h, h_copy);
 
-    // Attention: norm, projections, RoPE, the cache append, attention over offset + L positions, o_proj, residual.
-    std::vector<float> xn(size_t(L) * D), q(size_t(L) * H * hd), k(size_t(L) * KVH * hd), v(k.size());
-    rms_norm_rows(x, in[3].data<float>(), xn.data(), L, D, s.norm_eps);
-    matmul(0, xn.data(), L, q.data());
-    matmul(1, xn.data(), L, k.data());
-    matmul(2, xn.data(), L, v.data());
-    if (in.size() > kFirstProjection + 3 * kProjections) {  // q, k and v biases (qwen2), added as MLX adds them
+    // Attention: norm, projections (all B * L rows at once: each weight is read once a step), RoPE, the cache append,
+    // each row's attention over its own positions (from its left padding to offset + L), o_proj, residual.
+    std::vector<float> xn(size_t(M) * D), q(size_t(M) * H * hd), k(size_t(M) * KVH * hd), v(k.size());
+    rms_norm_rows(x, in[3].data<float>(), xn.data(), M, D, s.norm_eps);
+    matmul(0, xn.data(), M, q.data());
+    matmul(1, xn.data(), M, k.data());
+    matmul(2, xn.data(), M, v.data());
+    if (in.size() > kFirstProjection + 3 * kProjections + 1) {  // q, k and v biases (qwen2), added as MLX adds them
       float* rows[3] = {q.data(), k.data(), v.data()};
       for (int p = 0; p < 3; ++p) {
         const mx::array& bias = in[kFirstProjection + 3 * kProjections + p];
         const float* b = bias.data<float>();
         const int N = bias.shape(0);
-        for (int i = 0; i < L; ++i) {
+        for (int i = 0; i < M; ++i) {
           for (int j = 0; j < N; ++j) rows[p][size_t(i) * N + j] += b[j];
         }
       }
     }
-    rope_rows(q.data(), L, H, hd, s, in[5].data<float>(), offset);
-    rope_rows(k.data(), L, KVH, hd, s, in[5].data<float>(), offset);
     float* keys = out[1].data<float>();
     float* values = out[2].data<float>();
-    for (int i = 0; i < L; ++i) {
-      for (int g = 0; g < KVH; ++g) {
-        const size_t to = (size_t(g) * C + offset + i) * hd, from = (size_t(i) * KVH + g) * hd;
-        std::memcpy(keys + to, k.data() + from, hd * sizeof(float));
-        std::memcpy(values + to, v.data() + from, hd * sizeof(float));
+    std::vector<float> heads(size_t(H) * L * hd);  // one row's [H, L, hd]
+    for (int r = 0; r < B; ++r) {
+      // Row r's positions count from its first real token (mlx-lm's BatchKVCache: offset - left padding).
+      const int first = padding[r], position = offset - first;
+      float* qr = q.data() + size_t(r) * L * H * hd;
+      float* kr = k.data() + size_t(r) * L * KVH * hd;
+      const float* vr = v.data() + size_t(r) * L * KVH * hd;
+      rope_rows(qr, L, H, hd, s, in[5].data<float>(), position);
+      rope_rows(kr, L, KVH, hd, s, in[5].data<float>(), position);
+      float* row_keys = keys + size_t(r) * KVH * C * hd;
+      float* row_values = values + size_t(r) * KVH * C * hd;
+      for (int i = 0; i < L; ++i) {
+        for (int g = 0; g < KVH; ++g) {
+          const size_t to = (size_t(g) * C + offset + i) * hd, from = (size_t(i) * KVH + g) * hd;
+          std::memcpy(row_keys + to, kr + from, hd * sizeof(float));
+          std::memcpy(row_values + to, vr + from, hd * sizeof(float));
+        }
+      }
+      AttentionArgs a{};
+      a.q = qr, a.q_stride[0] = 0, a.q_stride[1] = hd, a.q_stride[2] = int64_t(H) * hd;
+      a.k = row_keys + size_t(first) * hd, a.v = row_values + size_t(first) * hd;
+      a.k_stride[0] = a.v_stride[0] = int64_t(KVH) * C * hd;
+      a.k_stride[1] = a.v_stride[1] = int64_t(C) * hd;
+      a.k_stride[2] = a.v_stride[2] = hd;
+      a.out = heads.data();
+      a.B = 1, a.H = H, a.KVH = KVH, a.L = L, a.S = offset + L - first, a.D = hd, a.scale = s.attention_scale;
+      a.causal = causal;
+      attention_avx2(a);
+      for (int i = 0; i < L; ++i) {  // [H, L, hd] -> [L, H * hd], o_proj's input rows
+        for (int hh = 0; hh < H; ++hh) {
+          std::memcpy(qr + (size_t(i) * H + hh) * hd, heads.data() + (size_t(hh) * L + i) * hd, hd * sizeof(float));
+        }
       }
     }
-    std::vector<float> heads(size_t(H) * L * hd);  // [H, L, hd]
-    AttentionArgs a{};
-    a.q = q.data(), a.q_stride[0] = 0, a.q_stride[1] = hd, a.q_stride[2] = int64_t(H) * hd;
-    a.k = keys, a.v = values;
-    a.k_stride[0] = a.v_stride[0] = int64_t(KVH) * C * hd;
-    a.k_stride[1] = a.v_stride[1] = int64_t(C) * hd;
-    a.k_stride[2] = a.v_stride[2] = hd;
-    a.out = heads.data();
-    a.B = 1, a.H = H, a.KVH = KVH, a.L = L, a.S = offset + L, a.D = hd, a.scale = s.attention_scale, a.causal = causal;
-    attention_avx2(a);
-    for (int i = 0; i < L; ++i) {  // [H, L, hd] -> [L, H * hd], o_proj's input rows
-      for (int hh = 0; hh < H; ++hh) {
-        std::memcpy(q.data() + (size_t(i) * H + hh) * hd, heads.data() + (size_t(hh) * L + i) * hd, hd * sizeof(float));
-      }
-    }
-    std::vector<float> h1(size_t(L) * D);
-    matmul(3, q.data(), L, h1.data());
+    std::vector<float> h1(size_t(M) * D);
+    matmul(3, q.data(), M, h1.data());
     for (size_t j = 0; j < h1.size(); ++j) h1[j] = x[j] + h1[j];
 
     // MLP: norm, gate/up, SwiGLU, down, residual.
-    rms_norm_rows(h1.data(), in[4].data<float>(), xn.data(), L, D, s.norm_eps);
-    std::vector<float> gate(size_t(L) * I), up(gate.size());
-    matmul(4, xn.data(), L, gate.data());
-    matmul(5, xn.data(), L, up.data());
+    rms_norm_rows(h1.data(), in[4].data<float>(), xn.data(), M, D, s.norm_eps);
+    std::vector<float> gate(size_t(M) * I), up(gate.size());
+    matmul(4, xn.data(), M, gate.data());
+    matmul(5, xn.data(), M, up.data());
     swiglu_avx2(gate.data(), up.data(), gate.data(), gate.size());
     float* y = out[0].data<float>();
-    matmul(6, gate.data(), L, y);
+    matmul(6, gate.data(), M, y);
     for (size_t j = 0; j < h1.size(); ++j) y[j] = h1[j] + y[j];
   }
 
@@ -200,7 +214,8 @@ mx::array rope_inv_freqs(int dims, float base) {
 
 std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
                                      const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal) {
+                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal,
+                                     const mx::array& left_padding) {
   check_float32(h, "h");
   check_float32(keys, "keys");
   check_float32(values, "values");
@@ -210,12 +225,15 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
     throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs, 7 (w, scales, biases) triples and "
                                 "optionally the q, k and v biases");
   }
-  const int D = h.shape(-1), L = int(h.size() / D);
-  const mx::Shape cache_shape{1, shape.n_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, shape.head_dim};
-  if (h.ndim() != 3 || h.shape(0) != 1 || keys.shape() != cache_shape || values.shape() != cache_shape ||
-      offset < 0 || offset + L > cache_shape[2] || shape.rope_dims > shape.head_dim || shape.rope_dims % 2) {
-    throw std::invalid_argument("decoder_layer: h must be [1, L, D] and keys/values [1, H_kv, C, head_dim] with "
+  const int B = h.ndim() == 3 ? h.shape(0) : 0, L = h.ndim() == 3 ? h.shape(1) : 0;
+  const mx::Shape cache_shape{B, shape.n_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, shape.head_dim};
+  if (h.ndim() != 3 || keys.shape() != cache_shape || values.shape() != cache_shape || offset < 0 ||
+      offset + L > cache_shape[2] || shape.rope_dims > shape.head_dim || shape.rope_dims % 2) {
+    throw std::invalid_argument("decoder_layer: h must be [B, L, D] and keys/values [B, H_kv, C, head_dim] with "
                                 "room for L positions after offset");
+  }
+  if (left_padding.dtype() != mx::int32 || left_padding.shape() != mx::Shape{B}) {
+    throw std::invalid_argument("decoder_layer: left_padding must be int32 [B], each row's first position");
   }
   auto s = cpu_stream();
   std::vector<mx::array> inputs{h, keys, values};
@@ -238,6 +256,7 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
     }
     inputs.push_back(dense(bias, s));
   }
+  inputs.push_back(dense(left_padding, s));
   auto shapes = std::vector<mx::Shape>{h.shape(), keys.shape(), values.shape()};
   return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<NativeDecoderLayer>(s, group_sizes, bits, shape, offset, causal),

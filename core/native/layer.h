@@ -20,9 +20,12 @@ struct LayerShape {
   float attention_scale;
 };
 
-// h [1, L, D] float32 -> (h_out [1, L, D], keys_out, values_out). keys/values [1, H_kv, C, head_dim] are the layer's
-// KV cache buffer with `offset` valid positions and room for L more (C >= offset + L); the outputs are that buffer
+// h [B, L, D] float32 -> (h_out [B, L, D], keys_out, values_out). keys/values [B, H_kv, C, head_dim] are the layer's
+// KV cache buffer with `offset` positions written and room for L more (C >= offset + L); the outputs are that buffer
 // with this step's rotated keys and values written at offset .. offset + L - 1, in place when nothing else holds it.
+// left_padding (int32 [B]): each row's first real position, as mlx-lm's BatchKVCache left-pads rows (0 for one
+// sequence): row r's tokens sit at RoPE positions offset - left_padding[r] + i and attend to its positions from
+// left_padding[r] on.
 // weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
 // (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
 // group_sizes / bits: the 7 projections'.
@@ -33,6 +36,7 @@ mx::array rope_inv_freqs(int dims, float base);
 
 std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
                                      const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal);
+                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal,
+                                     const mx::array& left_padding);
 
 }  // namespace mlxchat
