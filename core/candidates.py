@@ -1,7 +1,7 @@
 """The candidate set a sampler's transforms narrow, and the exact mass cuts over it (top-p, typical-p).
 
 Each transform of ``core.sampling`` sees a candidate set (values and their token ids), initially the whole
-vocabulary. ``TopK`` shrinks it with ``mx.argpartition``. ``TopP`` and ``TypicalP`` keep
+vocabulary. ``TopK`` shrinks it with ``mx.argpartition`` (over the maxima of blocks first: `top_index`). ``TopP`` and ``TypicalP`` keep
 the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
 surprisal, which is ``|logit - max - E[logit - max]|``, no log needed) whose probability reaches ``p``, ties with the
 last kept one kept too; the same set (up to rounding right at the cut) on each of three paths
@@ -28,6 +28,7 @@ from . import native
 
 CANDIDATES = 1024
 BLOCK = 256
+TOP_BLOCK = 64  # values per block of `top_index`'s first pass
 NEG_INF = float("-inf")
 
 
@@ -42,9 +43,28 @@ class Candidates(NamedTuple):
 
 
 def top_index(logits: mx.array, k: int) -> mx.array | None:
-    """Positions of the k largest values, by partial sort; None when there are no more than k."""
+    """Positions of the k largest values, by partial sort; None when there are no more than k.
+
+    A partial sort of the whole vocabulary costs ~0.6 ms on this CPU (49k values). When k is small against it, the
+    k largest values lie in the k blocks of TOP_BLOCK values whose maxima are largest (each block holding one of
+    them has a maximum at least that large, and fewer than k blocks can have a larger one), so the partial sort runs
+    over those blocks' maxima and then over their k x TOP_BLOCK values: ~0.07 ms, the same set (ties broken
+    arbitrarily, as by one partial sort)."""
     n = logits.size
-    return None if k >= n else mx.argpartition(logits, n - k)[n - k:]
+    if k >= n:
+        return None
+    blocks = n // TOP_BLOCK
+    if blocks < 4 * k:
+        return mx.argpartition(logits, n - k)[n - k:]
+    whole = blocks * TOP_BLOCK
+    grid = logits[:whole].reshape(blocks, TOP_BLOCK)
+    best = mx.argpartition(mx.max(grid, axis=1), blocks - k)[blocks - k:]
+    pool = grid[best].reshape(-1)
+    if whole < n:  # the tail past the last whole block is always in the pool
+        pool = mx.concatenate([pool, logits[whole:]])
+    pick = mx.argpartition(pool, pool.size - k)[pool.size - k:]
+    in_blocks = best[pick // TOP_BLOCK] * TOP_BLOCK + pick % TOP_BLOCK
+    return in_blocks if whole == n else mx.where(pick < k * TOP_BLOCK, in_blocks, pick - k * TOP_BLOCK + whole)
 
 
 def _narrow(idx: mx.array | None, rank: mx.array, mass: mx.array, target: mx.array) -> mx.array | None:

@@ -255,15 +255,19 @@ class Governor:
     and compares it with that token when the pipeline reads it. Only a confirmed guess starts verified steps, so a
     wrong guess costs nothing but the lookup, never a pass of several rows. Verified steps go on while their guesses are
     accepted; one that keeps none returns to plain decode. A draft model ("draft") verifies every step instead: its
-    guesses are not free. `adaptive` (auto) also sizes the guess by acceptance (longer after a fully accepted one,
-    shorter after a rejection), and when verified steps yield tokens more slowly than plain ones it stops peeking
-    for a while that doubles each time."""
+    guesses are not free. Prompt lookup (ngram, auto) sizes the guess by acceptance (2 at first, longer after a
+    fully accepted one, shorter after a rejection); `adaptive` (auto) also stops peeking for a while that doubles
+    each time when verified steps yield tokens more slowly than plain ones."""
 
     MAX_COOLDOWN = 512
 
     def __init__(self, spec: Speculation, adaptive: bool) -> None:
         self.max_k, self.adaptive, self.always = spec.draft_tokens, adaptive, spec.mode == "draft"
-        self.k = min(2, spec.draft_tokens) if adaptive else spec.draft_tokens
+        # Prompt lookup's guesses (ngram and auto) are sized by acceptance, up to draft_tokens: a verify pass costs
+        # more with each row (measured here under load: M=3 1.3x a one-row step, M=6 2.1x), so a long guess pays
+        # only inside a long run of accepted ones. A draft model's guesses keep their length (each costs a draft pass).
+        self.sized = spec.mode in ("ngram", "auto")
+        self.k = min(2, spec.draft_tokens) if self.sized else spec.draft_tokens
         self.plain_s: float | None = None  # seconds per token, plain pipelined decode
         self.spec_s: float | None = None  # seconds per token, verified steps
         self.cooldown, self.backoff = 0, 16
@@ -278,7 +282,7 @@ class Governor:
 
     def verified(self, k: int, accepted: int, seconds: float) -> None:
         """One verified step of `k` guesses, `accepted` kept, in `seconds` (emitting accepted + 1 tokens)."""
-        if self.adaptive:
+        if self.sized:
             self.k = min(self.max_k, self.k + 1 if accepted == k else max(1, accepted + 1))
         self.spec_s = _ema(self.spec_s, seconds / (accepted + 1))
 

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxchat.core.profile import SamplingProfile
-from mlxchat.core.candidates import CANDIDATES, Candidates
+from mlxchat.core.candidates import CANDIDATES, Candidates, log_softmax, top_index
 from mlxchat.core.draw import gumbel_argmax, step_words, uniform_at
 from mlxchat.core.sampling import (
-    XTC, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
+    FLOAT_MAX, XTC, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
     Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP,
 )
 
@@ -98,6 +98,17 @@ def check_against(x: np.ndarray, keep: np.ndarray, got: np.ndarray) -> None:
 def test_top_k(seed: int, k: int) -> None:
     x = random_logits(500, seed)
     check_against(x, ref_top_k(x, k), run(TopK(k), x))
+
+
+def test_top_k_over_a_large_vocabulary_by_blocks_keeps_the_k_largest_with_ties_and_a_tail() -> None:
+    rng = np.random.default_rng(7)
+    for n, k in ((49157, 1), (49157, 40), (49152, 40), (30000, 100)):
+        x = np.round(rng.normal(0, 3, n)).astype(np.float32)  # many ties, also at the k-th value
+        x[rng.random(n) < 0.3] = -np.inf
+        x[-1] = 50.0  # the largest value sits in the tail past the last whole block
+        idx = np.array(top_index(mx.array(x), k))
+        assert len(set(idx.tolist())) == k and n - 1 in idx
+        np.testing.assert_array_equal(np.sort(x[idx]), np.sort(x)[-k:])
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -242,6 +253,28 @@ def test_penalty_window_and_prompt() -> None:
     np.testing.assert_array_equal(np.array(h.counts), np.bincount([7, 6, 5], minlength=20))
     h = history(20, [5], prompt=[9, 9])
     np.testing.assert_array_equal(np.array(h.counts), np.bincount([9, 9, 5], minlength=20))
+    assert np.array(h.ids).tolist() == [9, 9, 5]
+
+
+def test_the_penalties_in_one_scatter_equal_each_processor_in_turn_bit_for_bit() -> None:
+    x = mx.array(random_logits(300, 9) * 4)
+    profile = SamplingProfile(temperature=0, repetition_penalty=0.7, frequency_penalty=0.4, presence_penalty=-0.3,
+                              logit_bias={3: 2.5}, min_tokens=10, penalty_window=6, penalize_prompt=True)
+    s = Sampler(profile, vocab_size=300, eos_ids={0, 1}, prompt_ids=[7, 7, 8])
+    s.replay([7, 10, 10, 11, 12, 12, 7])
+    dense = x
+    for proc in s.processors:  # what traced_step runs, one processor after the other
+        dense = proc(dense, s.history)
+    assert np.array(s.history.ids).tolist() == [10, 10, 11, 12, 12, 7]
+    dense = mx.array(np.array(dense))  # evaluated before `step` counts its token
+    np.testing.assert_array_equal(np.array(s.step(x)[1]), np.array(log_softmax(mx.minimum(dense, FLOAT_MAX))))
+    want = np.array(x)
+    counts = np.bincount([10, 10, 11, 12, 12, 7], minlength=300)  # the window: the last 6 ids, prompt and reply
+    want = np.where(counts > 0, np.where(want > 0, want / np.float32(0.7), want * np.float32(0.7)), want)
+    want = want - np.float32(0.4) * counts - np.where(counts > 0, np.float32(-0.3), 0)
+    want[3] += 2.5
+    want[[0, 1]] = -np.inf
+    np.testing.assert_allclose(np.array(dense), want, rtol=1e-6)
 
 
 def test_prompt_counts_only_when_asked() -> None:

@@ -57,7 +57,13 @@ def test_governor_backs_off_when_speculation_does_not_pay_and_stays_when_it_does
     assert [auto.peek() for _ in range(17)] == [False] * 16 + [True]
     auto.verified(2, 0, 0.020), auto.episode_done()
     assert auto.cooldown == 32  # failed again: twice as long
-    fixed = Governor(Speculation("ngram", draft_tokens=4), adaptive=False)
+    ngram = Governor(Speculation("ngram", draft_tokens=4), adaptive=False)  # sized like auto, never backs off
+    assert ngram.k == 2
+    ngram.verified(2, 2, 1.0), ngram.plain(0.001), ngram.episode_done()
+    assert ngram.peek() and ngram.k == 3
+    ngram.verified(3, 0, 1.0)
+    assert ngram.k == 1
+    fixed = Governor(Speculation("draft", draft_tokens=4), adaptive=False)  # a draft model's guesses keep their length
     fixed.verified(4, 0, 1.0), fixed.plain(0.001), fixed.episode_done()
     assert fixed.peek() and fixed.k == 4
 
