@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlxchat.core import Engine, native_linear
 from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
@@ -123,3 +123,39 @@ def test_embedded_model_greedy_tokens_equal_todays_path(engine: Engine, monkeypa
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
     assert fused == len(model.layers) and nodes < 150  # today's path: ~3300
+
+
+def test_embedded_model_batch_rows_fused_equal_each_alone(engine: Engine, monkeypatch, tmp_path):
+    # The server's batched step: one row of each sequence in a left-padded BatchKVCache. Each row's greedy tokens equal
+    # its sequence decoded alone, fused or not, and the step is one op per layer.
+    model, tok = engine.model.model, engine.model.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": text}])
+               for text in ("Name three colours of the rainbow.", "Hi", "Write a haiku about the sea, please.")]
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+
+    def batch(fused: bool) -> tuple[list[list[int]], tuple[int, int]]:
+        monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1" if fused else "0")
+        cache = [BatchKVCache(padding) for _ in model.layers]
+        ids = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
+        tokens = model(ids, cache=cache)[:, -1].argmax(-1)
+        out = [tokens.tolist()]
+        for _ in range(9):
+            tokens = model(tokens[:, None], cache=cache)[:, -1].argmax(-1)
+            out.append(tokens.tolist())
+        mx.eval([c.state for c in cache])
+        saved = [c.state for c in cache]
+        mx.export_to_dot(str(tmp_path / "batch.dot"), model(tokens[:, None], cache=cache))
+        for c, state in zip(cache, saved):
+            c.state = state
+        dot = open(tmp_path / "batch.dot").read()
+        return [list(row) for row in zip(*out)], (dot.count("label"), dot.count("MlxchatDecoderLayer"))
+
+    def run() -> tuple:
+        alone = [_greedy(model, p, 10, lambda: [KVCache() for _ in model.layers], monkeypatch, fused=True)[0]
+                 for p in prompts]
+        return alone, batch(fused=True), batch(fused=False)
+
+    alone, (fused, (nodes, ops)), (unfused, _) = engine.run(run)
+    assert fused == alone == unfused
+    assert ops == len(model.layers) and nodes < 200
