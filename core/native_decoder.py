@@ -92,12 +92,13 @@ def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int,
 def _fits(x: mx.array, mask: Any, cache: Any) -> bool:
     """Whether a call's arguments are ones the fused op computes as the block does: a few rows of one sequence in a
     plain float32 KVCache with no mask or "causal", or one row of each of a few sequences in a BatchKVCache."""
-    if not enabled() or x.dtype not in _ACTIVATIONS or (cache.keys is not None and cache.keys.dtype != mx.float32):
+    if type(cache) not in (KVCache, BatchKVCache) or not enabled() or x.dtype not in _ACTIVATIONS or (
+            cache.keys is not None and cache.keys.dtype != mx.float32):
         return False
     if type(cache) is BatchKVCache:  # its mask is made from its left padding, which the op takes instead
         return x.shape[0] <= FUSED_ROWS and x.shape[1] == 1
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
-    return type(cache) is KVCache and x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS and plain_mask
+    return x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS and plain_mask
 
 
 @functools.cache

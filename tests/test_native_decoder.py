@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxchat.core import Engine, native_linear
 from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
@@ -80,6 +80,12 @@ def test_tiny_models_fused_equal_todays_path(arch, rope: dict, monkeypatch, tmp_
     rotating = lambda: [RotatingKVCache(max_size=64, keep=4) for _ in range(2)]  # noqa: E731
     assert _greedy(model, prompt[:80], 4, rotating, monkeypatch, fused=True)[0] == \
         _greedy(model, prompt[:80], 4, rotating, monkeypatch, fused=False)[0]
+    # Nor are a quantized cache (keys are tuples) and no cache at all (a whole pass, as the tracer makes).
+    quantized = lambda: [QuantizedKVCache(group_size=32, bits=8) for _ in range(2)]  # noqa: E731
+    assert _greedy(model, prompt[:40], 4, quantized, monkeypatch, fused=True)[0] == \
+        _greedy(model, prompt[:40], 4, quantized, monkeypatch, fused=False)[0]
+    monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1")
+    np.testing.assert_array_equal(np.array(model(mx.array([[5]]))), np.array(model(mx.array([[5]]))))
     # The fused op writes a cache buffer in place only when nothing else holds it: a kept reference sees no change
     # (MLX's own SliceUpdate, today's path, wrote into it here), and the step's result is the same.
     step = {}
