@@ -5,6 +5,7 @@ the engine's solo path, so a request gives the same text alone and in a batch) a
 scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
 
     admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ join the finished prefills
+    (each one's first token from its own one-row step, sent at once)
     ─▶ queue step k+1 over every active row ─▶ read step k's tokens, emit them ─▶ drop the rows that ended
 
 A newcomer joins at the next step and a finished or cancelled row leaves at once (its slot is free for the next
@@ -85,7 +86,7 @@ class _Sequence:
         self.reply = Reply(engine.model, req.request, req.prompt, req.emit, req.cancelled.is_set,
                            accepted=req.accepted, context=lambda: self.context)
         self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the batch
-        self.todo: list[int] = []  # prefilled before joining; the last prompt id is the first decode input
+        self.todo: list[int] = []  # prefilled before joining; the last prompt id runs alone for the first token
         self.read: list[int] = []  # every id read back, end-of-sequence included: the cache holds prompt + these
 
     def begin(self, cache: list, reused: int, disk: int = 0) -> None:
@@ -239,20 +240,32 @@ class BatchScheduler:
             self._join(seq)
 
     def _join(self, seq: _Sequence) -> None:
-        """Add a prefilled sequence as a new row; it decodes from the next step on."""
-        if self.prefix_cache is not None and len(seq.req.prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
-            self._remember(seq.req.prompt[:-1], seq.cache)
+        """Give a prefilled sequence its first token and add it as a new row; it decodes from the next step on.
+
+        Its last prompt id runs alone, as the engine's solo path runs it (the same one-row step, so the same logits),
+        and the token goes out at once: a newcomer's first token no longer waits for the batch's next two steps,
+        which with many rows decoding made most of its TTFT."""
+        logits = self.engine.model.model(mx.array([seq.req.prompt[-1:]]), cache=seq.cache)[0, -1]
+        token, logprobs = seq.reply.sample(logits)
+        wanted = logprobs if seq.req.profile.logprobs else None
+        mx.eval(token, *([wanted] if wanted is not None else []))
+        if self.prefix_cache is not None and all(type(c) is KVCache for c in seq.cache):
+            self._remember(seq.req.prompt, seq.cache)  # whole: a prompt sent again runs its last id again (trimmed)
+        seq.context = len(seq.req.prompt)
+        first = int(token.item())
+        if self._accept(seq, first, wanted):  # it ended at once (an end token, max_tokens 1, a stop string)
+            seq.cache = None
+            return
         row = [c.merge([c]) for c in seq.cache]
         seq.cache = None
-        seq.context = len(seq.req.prompt) - 1
         if self._batch is None:
             self._batch = row
         else:
             for mine, new in zip(self._batch, row):
                 mine.extend(new)
         self._rows.append(seq)
-        first = mx.array(seq.req.prompt[-1:], mx.int32)
-        self._inputs = first if self._inputs is None else mx.concatenate([self._inputs, first])
+        following = mx.array([first], mx.int32)
+        self._inputs = following if self._inputs is None else mx.concatenate([self._inputs, following])
 
     def _remember(self, ids: list[int], cache: list[KVCache]) -> None:
         """Store a prompt's cache, cut to what it holds (its buffers grow in steps of 256 positions). Merging into the
