@@ -137,9 +137,11 @@ class FusedTransformerBlock:
             return out, keys, values
 
         if type(cache) is BatchKVCache:  # through its public state: (keys, values, offsets, left padding, index)
-            keys, values, offsets, padding, used = cache.state
+            keys, values, _, padding, used = cache.state
             out, keys, values = layer(keys, values, used, padding.astype(mx.int32))
-            cache.state = (keys, values, offsets + rows, padding, used + rows)
+            # Each row's offset is the index less its padding (mlx-lm keeps it so); made afresh, not `offsets + rows`,
+            # which nothing here evaluates: a chain of one add per step per layer would grow for the whole reply.
+            cache.state = (keys, values, (used + rows) - padding, padding, used + rows)
             return out
         out, cache.keys, cache.values = layer(cache.keys, cache.values, cache.offset, _no_padding())
         cache.offset += rows
