@@ -159,19 +159,25 @@ _FUSED = {cls: type(f"Fused{name}TransformerBlock", (FusedTransformerBlock, cls)
           for name, cls in (("Llama", llama.TransformerBlock), ("Qwen2", qwen2.TransformerBlock))}
 
 
+_BASES = {fused: cls for cls, fused in _FUSED.items()}
+
+
 def use_fused_layers(model: nn.Module) -> int:
-    """Re-class the model's llama/qwen2 decoder layers that the fused op computes exactly; returns how many."""
+    """Re-class the model's llama/qwen2 decoder layers that the fused op computes exactly; returns how many. Run
+    again after the layers change (mlx-lm's `shard()` swaps their projections and heads): a layer the op no longer
+    computes goes back to its own class."""
     if not native.has_layer_op():
         return 0
     changed = 0
     for _, module in model.named_modules():
-        fused = _FUSED.get(type(module))
-        if fused is not None:
-            plan = _plan(module)
-            if plan is not None:
-                module.__class__ = fused
-                object.__setattr__(module, "_mlxchat_plan", plan)
-                changed += 1
+        base = _BASES.get(type(module), type(module))
+        fused = _FUSED.get(base)
+        if fused is None:
+            continue
+        plan = _plan(module)
+        module.__class__ = fused if plan is not None else base
+        object.__setattr__(module, "_mlxchat_plan", plan)
+        changed += plan is not None
     return changed
 
 

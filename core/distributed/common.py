@@ -143,12 +143,14 @@ class Plan:
 
     def load(self, rank: int, group: Any) -> Any:  # noqa: ANN401 - mx.distributed.Group -> loader.LoadedModel
         """This rank's part: its stage's layers (read alone), or the whole model sharded by mlx-lm's `shard()`."""
+        from .. import native_decoder
         from ..loader import load
         from .stage import Stage
 
         if self.parallel == "tensor":
             loaded = load(self.model, self.weights)  # type: ignore[arg-type]
             loaded.model.shard(group)
+            native_decoder.use_fused_layers(loaded.model)  # sharded projections: the layers' own calls again
             return loaded
         return load(self.model, self.weights, stage=Stage(rank, self.split))  # type: ignore[arg-type]
 
