@@ -13,6 +13,7 @@ A process rather than a thread: it outlives this one, so what C code writes just
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -60,7 +61,14 @@ def quiet_ring_errors() -> None:
     assert filter_proc.stdin is not None
     os.dup2(filter_proc.stdin.fileno(), 2)
     filter_proc.stdin.close()  # fd 2 is now the only write end: the filter ends when this process does
-    sys.stderr = _DirectStderr(terminal, sys.stderr)
+    previous, sys.stderr = sys.stderr, _DirectStderr(terminal, sys.stderr)
+    # Log handlers set up before (the server's) still write to fd 2, i.e. into the filter, where a log line could
+    # land between the ring's "[ring]" and the rest of its line and carry the noise through: they move too.
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    for handler in (h for logger in loggers for h in logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is previous:
+            handler.setStream(sys.stderr)
 
 
 class _DirectStderr(io.TextIOWrapper):
