@@ -43,7 +43,7 @@ from mlxchat.core.events import Done, Metrics
 
 from . import tools as tool_calls
 from .protocol import ApiError, profile_error
-from .service import Choice, Service
+from .service import Choice, GenerationFailed, Service
 from .tools import Tool, ToolCall, ToolChoice, ToolError
 
 # Anthropic's error type for each status this server answers.
@@ -358,13 +358,7 @@ def routes(service: Service) -> list[Route]:
         blocks = Blocks()
         calls = tool_calls.CallStream() if req.tools else None  # with tools, calls leave the text as tool_use blocks
         try:
-            while True:
-                try:
-                    got = await choice.next()
-                except Exception as e:  # noqa: BLE001 - an in-stream error is the stream's last event
-                    status = 500
-                    yield _event("error", error_body(ApiError(500, f"generation failed: {e}")))
-                    return
+            async for got in choice.stream():
                 metrics = got.result.metrics if isinstance(got, Done) else getattr(got, "metrics", None)
                 if not opened and metrics is not None:  # the usage is known once the prompt is in the cache
                     opened = True
@@ -387,7 +381,9 @@ def routes(service: Service) -> list[Route]:
                                                              "stop_sequence": r.stop_sequence},
                                                    "usage": usage(r.metrics)})
                     yield _event("message_stop", {})
-                    return
+        except GenerationFailed as e:  # an in-stream error is the stream's last event
+            status = 500
+            yield _event("error", error_body(ApiError(500, str(e))))
         finally:
             choice.request.cancel()
             service.log_line(request, status, started, results)

@@ -43,7 +43,7 @@ from mlxchat.core.reply import DEFAULT_MAX_TOKENS
 
 from . import tools as tool_calls
 from .protocol import ApiError, profile_error
-from .service import Choice, Service
+from .service import Choice, GenerationFailed, Service
 from .tools import Tool, ToolCall, ToolChoice, ToolError
 
 # Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
@@ -381,22 +381,18 @@ def routes(service: Service) -> list[Route]:
             return json.dumps({"model": model, "created_at": _now(), **part, "done": False}) + "\n"
 
         try:
-            while True:
-                try:
-                    event = await choice.next()
-                except Exception as e:  # noqa: BLE001 - an in-stream error is the stream's last line
-                    status = 500
-                    yield json.dumps({"error": f"generation failed: {e}"}) + "\n"
-                    return
+            async for event in choice.stream():
                 if isinstance(event, Done):
                     results.append(event.result)
                     rest = "".join(line(text) for text in (calls.finish() if calls else []))
                     yield rest + json.dumps({"model": model, "created_at": _now(), **piece(""),
                                              **finish(event.result, started)}) + "\n"
-                    return
-                if isinstance(event, TokenEvent) and event.text:
+                elif isinstance(event, TokenEvent) and event.text:
                     if out := "".join(line(text) for text in (calls.feed(event.text) if calls else [event.text])):
                         yield out
+        except GenerationFailed as e:  # an in-stream error is the stream's last line
+            status = 500
+            yield json.dumps({"error": str(e)}) + "\n"
         finally:
             choice.request.cancel()
             service.log_line(request, status, started, results)

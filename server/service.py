@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sse_starlette import EventSourceResponse
@@ -83,6 +83,22 @@ class Choice:
         if isinstance(event, BaseException):
             raise event
         return event
+
+    async def stream(self) -> AsyncIterator[TokenEvent | Done]:
+        """The events a streamed reply sends, up to and including its Done; an engine failure is raised as
+        `GenerationFailed`, which a stream sends as its last event."""
+        while True:
+            try:
+                event = await self.next()
+            except Exception as e:  # noqa: BLE001 - the engine's failure, in one type the streams catch
+                raise GenerationFailed(f"generation failed: {e}") from e
+            yield event
+            if isinstance(event, Done):
+                return
+
+
+class GenerationFailed(Exception):
+    """The engine failed while a reply streamed (its message is the one line the client gets)."""
 
 
 
@@ -238,4 +254,4 @@ class Service:
         return handle
 
 
-__all__ = ["Choice", "ErrorShape", "Service"]
+__all__ = ["Choice", "ErrorShape", "GenerationFailed", "Service"]

@@ -315,3 +315,22 @@ def test_anthropic_tool_blocks_become_template_messages_and_choices_constrain() 
         with pytest.raises(ApiError) as e:
             parsed(**body)
         assert e.value.message.startswith(message) and e.value.status == 400, e.value.message
+
+
+@pytest.mark.anyio
+async def test_a_choice_streams_its_events_and_an_engine_failure_ends_it_as_one_line() -> None:
+    # What Ollama's NDJSON and Anthropic's SSE streams iterate: events up to the Done, and the engine's failure as
+    # GenerationFailed, whose message is the stream's last line.
+    import asyncio
+
+    from mlxchat.core.events import Metrics, TokenEvent
+    from mlxchat.server.service import Choice, GenerationFailed
+
+    choice = Choice(asyncio.get_running_loop(), [1, 2], SamplingProfile(), 4, 0)
+    choice.request.emit(TokenEvent("Hi", (5,), Metrics()))
+    choice.request.emit(RuntimeError("out of memory"))
+    got = []
+    with pytest.raises(GenerationFailed, match="^generation failed: out of memory$"):
+        async for event in choice.stream():
+            got.append(event.text)
+    assert got == ["Hi"]
