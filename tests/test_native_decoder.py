@@ -4,6 +4,10 @@ quantized llama and on the embedded model."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -11,7 +15,7 @@ import pytest
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxchat.core import Engine, native_linear
+from mlxchat.core import Engine, native, native_linear
 from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
 from tests.markers import needs_native
 
@@ -124,7 +128,20 @@ def test_embedded_model_greedy_tokens_equal_todays_path(engine: Engine, monkeypa
         model(mx.array([prompt]), cache=cache)
         return want, got, _step_ops(model, mx.array([[got[0][0]]]), cache, str(tmp_path / "step.dot"))
 
+    def threads(n: int) -> np.ndarray:
+        """One verify pass's output with `n` kernel threads: the rows a thread takes must not change a value."""
+        native.set_threads(n)
+        cache = caches()
+        mx.eval(model(mx.array([prompt]), cache=cache))
+        return np.array(model(mx.array([prompt[:6]]), cache=cache))
+
     want, got, (nodes, fused) = engine.run(both)
+    before = engine.run(native.threads)
+    try:
+        one, two = engine.run(lambda: threads(1)), engine.run(lambda: threads(2))
+    finally:
+        engine.run(lambda: native.set_threads(before))
+    np.testing.assert_array_equal(one, two)
     assert got[0] == want[0]
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
@@ -165,3 +182,12 @@ def test_embedded_model_batch_rows_fused_equal_each_alone(engine: Engine, monkey
     alone, (fused, (nodes, ops)), (unfused, _) = engine.run(run)
     assert fused == alone == unfused
     assert ops == len(model.layers) and nodes < 200
+
+
+def test_kernel_threads_default_to_every_core_up_to_four():
+    # One thread was the default while Python built ~3,300 graph nodes a step on the other core; with the fused
+    # layer the second core decodes (bench/README.md).
+    env = {k: v for k, v in os.environ.items() if k != "MLXCHAT_NATIVE_THREADS"}
+    out = subprocess.run([sys.executable, "-c", "from mlxchat.core import native; print(native.threads())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert int(out) == min(os.cpu_count() or 1, 4)

@@ -130,7 +130,7 @@ def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, weights: list[m
 
 
 def set_threads(n: int) -> None:
-    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else 1)."""
+    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else every core up to 4)."""
     _module().set_threads(n)
 
 

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -120,9 +122,19 @@ class NativeDecoderLayer : public mx::Primitive {
     const int H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
     const int C = out[1].shape(2), I = in[kFirstProjection + 3 * 4].shape(0);  // cache capacity, MLP width
     const int32_t* padding = in.back().data<int32_t>();
-    auto matmul = [&](int p, const float* x, int M, float* y) {
-      const int i = kFirstProjection + 3 * p;
-      quantized_matmul_rows(x, M, in[i], in[i + 1], in[i + 2], gs[p], bits[p], y);
+    // Projections that read the same rows (q/k/v, gate/up) run as one job where their formats match.
+    auto matmul = [&](std::initializer_list<std::pair<int, float*>> projections, const float* x, int M) {
+      std::vector<RowsTarget> targets;
+      for (auto [p, y] : projections) {
+        const int i = kFirstProjection + 3 * p;
+        RowsTarget t{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], y};
+        if (!targets.empty() && (t.group_size != targets[0].group_size || t.bits != targets[0].bits)) {
+          quantized_matmul_rows(x, M, targets);
+          targets.clear();
+        }
+        targets.push_back(t);
+      }
+      quantized_matmul_rows(x, M, targets);
     };
     std::vector<float> h_copy;
     const float* x = rows_of(h, h_copy);
@@ -131,9 +143,7 @@ class NativeDecoderLayer : public mx::Primitive {
     // each row's attention over its own positions (from its left padding to offset + L), o_proj, residual.
     std::vector<float> xn(size_t(M) * D), q(size_t(M) * H * hd), k(size_t(M) * KVH * hd), v(k.size());
     rms_norm_rows(x, in[3].data<float>(), xn.data(), M, D, s.norm_eps);
-    matmul(0, xn.data(), M, q.data());
-    matmul(1, xn.data(), M, k.data());
-    matmul(2, xn.data(), M, v.data());
+    matmul({{0, q.data()}, {1, k.data()}, {2, v.data()}}, xn.data(), M);
     if (in.size() > kFirstProjection + 3 * kProjections + 1) {  // q, k and v biases (qwen2), added as MLX adds them
       float* rows[3] = {q.data(), k.data(), v.data()};
       for (int p = 0; p < 3; ++p) {
@@ -182,17 +192,16 @@ class NativeDecoderLayer : public mx::Primitive {
       }
     }
     std::vector<float> h1(size_t(M) * D);
-    matmul(3, q.data(), M, h1.data());
+    matmul({{3, h1.data()}}, q.data(), M);
     for (size_t j = 0; j < h1.size(); ++j) h1[j] = x[j] + h1[j];
 
     // MLP: norm, gate/up, SwiGLU, down, residual.
     rms_norm_rows(h1.data(), in[4].data<float>(), xn.data(), M, D, s.norm_eps);
     std::vector<float> gate(size_t(M) * I), up(gate.size());
-    matmul(4, xn.data(), M, gate.data());
-    matmul(5, xn.data(), M, up.data());
+    matmul({{4, gate.data()}, {5, up.data()}}, xn.data(), M);
     swiglu_avx2(gate.data(), up.data(), gate.data(), gate.size());
     float* y = out[0].data<float>();
-    matmul(6, gate.data(), M, y);
+    matmul({{6, y}}, gate.data(), M);
     for (size_t j = 0; j < h1.size(); ++j) y[j] = h1[j] + y[j];
   }
 

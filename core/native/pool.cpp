@@ -5,11 +5,6 @@
 namespace mlxchat {
 
 namespace {
-// How long an idle helper keeps polling before it sleeps. Zero: in a real decode step the Python thread builds the
-// next graph on the other core while this step runs, and a polling helper took that core from it (measured: 2
-// polling threads 23 tok/s, 1 thread 37, 2 sleeping threads 35).
-constexpr auto kSpin = std::chrono::microseconds(0);
-
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -44,7 +39,7 @@ void Pool::work(uint64_t generation) {
   }
 }
 
-void Pool::run(int chunks, const std::function<void(int)>& fn) {
+void Pool::run(int chunks, const std::function<void(int)>& fn, std::chrono::microseconds linger) {
   if (workers_.empty() || chunks <= 1) {
     for (int c = 0; c < chunks; ++c) fn(c);
     return;
@@ -56,6 +51,7 @@ void Pool::run(int chunks, const std::function<void(int)>& fn) {
     fn_.store(&fn, std::memory_order_relaxed);
     chunks_.store(chunks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
+    linger_us_.store(int(linger.count()), std::memory_order_relaxed);
     generation = generation_.load(std::memory_order_relaxed) + 1;
     ticket_.store((generation & 0xffffffffu) << 32, std::memory_order_release);
     generation_.store(generation, std::memory_order_seq_cst);
@@ -69,7 +65,8 @@ void Pool::run(int chunks, const std::function<void(int)>& fn) {
 void Pool::helper_loop() {
   uint64_t seen = 0;
   for (;;) {
-    auto deadline = std::chrono::steady_clock::now() + kSpin;
+    const auto linger = std::chrono::microseconds(linger_us_.load(std::memory_order_relaxed));
+    auto deadline = std::chrono::steady_clock::now() + linger;
     uint64_t g = generation_.load(std::memory_order_acquire);
     int polls = 0;
     while (g == seen) {
@@ -79,7 +76,7 @@ void Pool::helper_loop() {
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         cv_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
         sleepers_.fetch_sub(1, std::memory_order_relaxed);
-        deadline = std::chrono::steady_clock::now() + kSpin;
+        deadline = std::chrono::steady_clock::now();
       }
       g = generation_.load(std::memory_order_acquire);
     }

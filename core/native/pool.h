@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -21,8 +22,11 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   int threads() const { return int(workers_.size()) + 1; }
-  // Runs fn(0) .. fn(chunks - 1), each exactly once, and returns when all have finished.
-  void run(int chunks, const std::function<void(int)>& fn);
+  // Runs fn(0) .. fn(chunks - 1), each exactly once, and returns when all have finished. Helpers keep polling for
+  // `linger` after it before they sleep: for a caller that runs many jobs back to back (a fused layer's matmuls),
+  // where waking a sleeping helper for each job cost more than the job saved. Zero for jobs whose gaps belong to
+  // another thread (a graph of small ops that Python builds on the other core: a polling helper took that core).
+  void run(int chunks, const std::function<void(int)>& fn, std::chrono::microseconds linger);
 
  private:
   void work(uint64_t generation);
@@ -38,6 +42,7 @@ class Pool {
   std::atomic<int> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<int> chunks_{0};
+  std::atomic<int> linger_us_{0};
   std::atomic<const std::function<void(int)>*> fn_{nullptr};
   bool stop_ = false;
 };

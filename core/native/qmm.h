@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 
@@ -19,11 +20,18 @@ std::string cpu_unsupported_reason();
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits);
 
-// y[M, N] = x[M, K] @ dequantize(w).T for dense fp32 rows x, computed now on the calling thread and the pool: for ops
-// that run several matmuls in one task (the fused decoder layer). w, scales and biases must be evaluated and dense;
-// the time counts in kernel_seconds().
-void quantized_matmul_rows(const float* x, int M, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, float* y);
+// One matrix of a quantized_matmul_rows job: y[M, N] = x @ dequantize(w).T; w, scales and biases evaluated, dense.
+struct RowsTarget {
+  const mx::array* w;
+  const mx::array* scales;
+  const mx::array* biases;
+  int group_size, bits;
+  float* y;
+};
+// Every target's rows for the same dense fp32 rows x [M, K], computed now on the calling thread and the pool, as one
+// job: for ops that run several matmuls in one task (the fused decoder layer). The targets must share K, group_size
+// and bits. The time counts in kernel_seconds().
+void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>& targets);
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
 
 // The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel.
