@@ -241,8 +241,12 @@ class NativeDequantize : public mx::UnaryPrimitive {
 
 bool cpu_supported() {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  // Asked by every op's argument checks (24 times a decode step's layer): the CPU is read once.
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return supported;
 #else
   return false;
 #endif
