@@ -98,10 +98,15 @@ class Engine:
         """Whether requests can run; a split model whose peer failed (core/distributed) cannot."""
         return True
 
+    def decode_path(self) -> str:
+        """The weights and the decode path that run, e.g. "native q4/q8 (avx2, 2 threads) · decode: 30/30 layers
+        fused": for the TUI's state line, and the end of `describe`."""
+        fused = native_decoder.describe(self.model.model)
+        return self.model.weights_path + (f" · {fused}" if fused else "")
+
     def describe(self) -> str:
         """Where this engine computes and with which weights: one line for --stats, the TUI and the bench."""
-        fused = native_decoder.describe(self.model.model)
-        return f"{self.backend.line()} · weights {self.model.weights_path}" + (f" · {fused}" if fused else "")
+        return f"{self.backend.line()} · weights {self.decode_path()}"
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0,

@@ -20,7 +20,7 @@ from mlxchat.app.app import make_app
 from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, MessageView, Notice
-from mlxchat.core import SamplingProfile
+from mlxchat.core import SamplingProfile, native
 from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import ProfileStore
 from tests.markers import needs_native
@@ -368,6 +368,9 @@ async def test_a_new_or_another_chat_starts_with_a_clean_stats_line(new_app, wai
         await pilot.press("ctrl+n")
         assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
         assert screen.stats.state == "idle" and "context 8192" in screen.stats.readouts
+        # The state line names the decode path that runs (issue 24), as --stats does.
+        assert screen.controller.engine.decode_path() in screen.stats.readouts
+        assert "layers fused" in screen.stats.readouts or not native.has_layer_op()
         await reply(pilot, "Hello")
         assert "TTFT" in screen.stats.readouts
         await screen.open_conversation(first)

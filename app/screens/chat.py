@@ -167,7 +167,7 @@ class ChatScreen(Screen):
         engine = self.controller.engine
         if engine is not None:
             self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length} · "
-                                                      f"{engine.model.weights_path}")
+                                                      f"{engine.decode_path()}")
         elif self.controller.loading:
             self.stats.show_state("loading", "◌ loading", "loading the model…")
         else:
