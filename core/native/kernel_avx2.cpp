@@ -41,6 +41,33 @@ void load_params(ScaleType type, const void* base, size_t offset, int count, flo
   }
 }
 
+// One per-group scale or bias, and eight of them, as fp32, read in place: the matmul's rows are short (18 groups at
+// K=576), and converting each row's parameters into a buffer first was ~10% of the kernel's time.
+template <ScaleType ST>
+inline float param(const void* base, size_t i) {
+  if constexpr (ST == ScaleType::f32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (ST == ScaleType::f16) {
+    return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+  } else {
+    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(base)[i]) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(float));
+    return out;
+  }
+}
+
+template <ScaleType ST>
+inline __m256 param8(const void* base, size_t i) {
+  if constexpr (ST == ScaleType::f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    if constexpr (ST == ScaleType::f16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
 // 32 weights of one block as four vectors of 8 floats. 4 bits: 16 bytes, low nibbles hold the even indices and high
 // nibbles the odd ones, so the vectors come out as k = {0,2..14}, {16..30}, {1..15}, {17..31} (x is reordered to
 // match once per call). 8 bits: 32 bytes in natural order.
@@ -152,11 +179,12 @@ void axpy(float w, const float* x, float* y, int n) {
 constexpr int kAhead = 8;
 
 // MT rows of x (m0 .. m0+MT-1) against weight rows [n0, n1): each weight block is expanded once and used MT times.
-template <int BITS, int MT>
-void rows_tile(const QMatmulArgs& a, int n0, int n1, int m0, float* sc, float* bi) {
+template <int BITS, int MT, ScaleType ST>
+void rows_tile(const QMatmulArgs& a, int n0, int n1, int m0) {
   const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
   const size_t row_bytes = size_t(K) * BITS / 8;
   constexpr int block_bytes = 32 * BITS / 8;
+  constexpr size_t param_bytes = ST == ScaleType::f32 ? 4 : 2;
   const float* xr[MT];
   const float* xs[MT];
   for (int i = 0; i < MT; ++i) {
@@ -164,14 +192,12 @@ void rows_tile(const QMatmulArgs& a, int n0, int n1, int m0, float* sc, float* b
     xs[i] = a.xsum + size_t(m0 + i) * G;
   }
   for (int n = n0; n < n1; ++n) {
-    load_params(a.scale_type, a.scales, size_t(n) * G, G, sc);
-    load_params(a.scale_type, a.biases, size_t(n) * G, G, bi);
+    const size_t p0 = size_t(n) * G;  // this row's first scale and bias
     const uint8_t* wr = a.w + size_t(n) * row_bytes;
     // Fetch a few rows ahead: rows are short (288 bytes at K=576, 4 bits) and the hardware prefetcher alone left
     // this loop waiting on memory (measured: ~3x slower than the same rows in cache).
     if (n + kAhead < a.N) {
       for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + kAhead * row_bytes + off), _MM_HINT_T0);
-      const size_t param_bytes = a.scale_type == ScaleType::f32 ? 4 : 2;
       const size_t p_off = (size_t(n) + kAhead) * G * param_bytes;
       _mm_prefetch(static_cast<const char*>(a.scales) + p_off, _MM_HINT_T0);
       _mm_prefetch(static_cast<const char*>(a.biases) + p_off, _MM_HINT_T0);
@@ -193,40 +219,44 @@ void rows_tile(const QMatmulArgs& a, int n0, int n1, int m0, float* sc, float* b
           t[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), t[i]);
         }
       }
-      const __m256 s = _mm256_broadcast_ss(sc + g);
+      const __m256 s = _mm256_set1_ps(param<ST>(a.scales, p0 + g));
       for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(t[i], s, acc[i]);
     }
     for (int i = 0; i < MT; ++i) {
       // The bias term, sum over groups of bias * sum(x), vectorised (a scalar loop is a chain of G dependent FMAs).
       __m256 bv = _mm256_setzero_ps();
       int g = 0;
-      for (; g + 8 <= G; g += 8) bv = _mm256_fmadd_ps(_mm256_loadu_ps(bi + g), _mm256_loadu_ps(xs[i] + g), bv);
+      for (; g + 8 <= G; g += 8) bv = _mm256_fmadd_ps(param8<ST>(a.biases, p0 + g), _mm256_loadu_ps(xs[i] + g), bv);
       float bias_term = hsum(bv);
-      for (; g < G; ++g) bias_term += bi[g] * xs[i][g];
+      for (; g < G; ++g) bias_term += param<ST>(a.biases, p0 + g) * xs[i][g];
       a.y[size_t(m0 + i) * a.N + n] = hsum(acc[i]) + bias_term;
     }
   }
 }
 
-template <int BITS>
+template <int BITS, ScaleType ST>
 void rows(const QMatmulArgs& a, int n0, int n1) {
-  thread_local std::vector<float> params;
-  const int G = a.K / a.group_size;
-  params.resize(2 * size_t(G));
-  float* sc = params.data();
-  float* bi = sc + G;
   // Row chunks are outermost so that one chunk of weights stays in cache across the tiles of x.
   constexpr int chunk = 16;
   for (int c0 = n0; c0 < n1; c0 += chunk) {
     const int c1 = c0 + chunk < n1 ? c0 + chunk : n1;
     int m = 0;
-    for (; m + 4 <= a.M; m += 4) rows_tile<BITS, 4>(a, c0, c1, m, sc, bi);
+    for (; m + 4 <= a.M; m += 4) rows_tile<BITS, 4, ST>(a, c0, c1, m);
     switch (a.M - m) {
-      case 3: rows_tile<BITS, 3>(a, c0, c1, m, sc, bi); break;
-      case 2: rows_tile<BITS, 2>(a, c0, c1, m, sc, bi); break;
-      case 1: rows_tile<BITS, 1>(a, c0, c1, m, sc, bi); break;
+      case 3: rows_tile<BITS, 3, ST>(a, c0, c1, m); break;
+      case 2: rows_tile<BITS, 2, ST>(a, c0, c1, m); break;
+      case 1: rows_tile<BITS, 1, ST>(a, c0, c1, m); break;
       default: break;
     }
+  }
+}
+
+template <int BITS>
+void rows_of_type(const QMatmulArgs& a, int n0, int n1) {
+  switch (a.scale_type) {
+    case ScaleType::f32: rows<BITS, ScaleType::f32>(a, n0, n1); break;
+    case ScaleType::f16: rows<BITS, ScaleType::f16>(a, n0, n1); break;
+    case ScaleType::bf16: rows<BITS, ScaleType::bf16>(a, n0, n1); break;
   }
 }
 
@@ -280,9 +310,9 @@ inline double hsum_pd(__m256d lo, __m256d hi) {
 
 void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1) {
   if (a.bits == 4) {
-    rows<4>(a, n0, n1);
+    rows_of_type<4>(a, n0, n1);
   } else {
-    rows<8>(a, n0, n1);
+    rows_of_type<8>(a, n0, n1);
   }
 }
 
