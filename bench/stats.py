@@ -30,6 +30,8 @@ CHAIN_OVERHEAD_PCT = 5.0  # full sampler chain TPOT <= 5% over greedy
 TUI_SLOWDOWN_PCT = 5.0  # TUI decode tok/s <= 5% under headless
 CHAT_TTFT_GROWTH = 1.2  # last-turn TTFT <= 1.2x turn-1 TTFT
 ROTATING_FLAT_PCT = 10.0  # rotating-cache peak memory within 10% from 2k tokens of context to the end
+DECODE_VS_LLAMA_CPP = 1.0  # issue 24: decode tok/s >= llama.cpp's on the same GGUF, at every prompt length (greedy)
+TTFT_LLAMA_CPP_LENGTH = 512  # issue 24: TTFT <= llama.cpp's at this prompt length
 
 
 def median(values: Iterable[float | int | None]) -> float | None:
@@ -143,6 +145,25 @@ def _target(name: str, value: float | None, threshold: float, passed: bool | Non
     return {"name": name, "value": value, "threshold": threshold, "unit": unit, "passed": passed, "detail": detail}
 
 
+def _llama_cpp_targets(ratios: Sequence[dict[str, Any]], lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """Issue 24's targets against llama.cpp on the same GGUF: greedy decode >= 1.0x at every prompt length, and TTFT
+    <= llama.cpp's at 512 prompt tokens."""
+    dec = [(n, r["decode"]) for n in lengths
+           if (r := find_ratio(ratios, n, "greedy", LLAMA_CPP)) is not None and r["decode"] is not None]
+    worst = min(dec, key=lambda x: x[1]) if dec else None
+    at = find_ratio(ratios, TTFT_LLAMA_CPP_LENGTH, "greedy", LLAMA_CPP)
+    ttft = at["ttft"] if at else None
+    return [
+        _target(f"decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp (greedy, same GGUF, every prompt length)",
+                worst[1] if worst else None, DECODE_VS_LLAMA_CPP,
+                None if not dec else worst[1] >= DECODE_VS_LLAMA_CPP,
+                ", ".join(f"{n}: {v:.2f}x" for n, v in dec) or "not measured", "x"),
+        _target(f"TTFT <= llama.cpp's at {TTFT_LLAMA_CPP_LENGTH} prompt tokens (greedy)", ttft, 1.0,
+                None if ttft is None else ttft <= 1.0,
+                f"{ttft:.2f}x" if ttft is not None else f"{TTFT_LLAMA_CPP_LENGTH} not measured", "x"),
+    ]
+
+
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets as pass/fail records. ``passed`` is None when the case was not measured."""
     cases = results.get("cases", [])
@@ -202,6 +223,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         (f"{flat['from_bytes'] / 2**20:.0f} MiB at {flat['from_tokens']} tokens -> "
          f"{flat['to_bytes'] / 2**20:.0f} MiB at {flat['to_tokens']}") if flat else rot.get("error", "not measured"),
         "%"))
+    if any(c["system"] == LLAMA_CPP for c in cases):  # only where llama-cpp-python was installed for the run
+        out += _llama_cpp_targets(ratios, lengths)
     return out
 
 
