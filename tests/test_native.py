@@ -4,6 +4,10 @@ and greedy decoding against mlx-lm on MLX's quantized matmul."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +57,32 @@ def test_matches_dequantized_matmul_and_mlx(bits: int, group_size: int, scale_dt
         _assert_close(y, ref, bound)
         # MLX's own CPU kernel computes exactly x @ dequantized W, so the same bound holds against it.
         _assert_close(y, mx.quantized_matmul(x, w, s, b, group_size=group_size, bits=bits), bound)
+
+
+@needs_native
+def test_each_row_equals_that_row_alone_bit_for_bit():
+    # Speculative verification and the server's batch need it: a row's logits may not depend on the rows beside it.
+    w, s, b = _quantized(300, 576, 32, 4, mx.float16)
+    x = mx.random.normal((8, 576), key=mx.random.key(3))
+    together = np.array(native.quantized_matmul(x, w, s, b, group_size=32, bits=4))
+    for i in range(8):
+        alone = np.array(native.quantized_matmul(x[i:i + 1], w, s, b, group_size=32, bits=4))
+        np.testing.assert_array_equal(together[i:i + 1], alone)
+
+
+@needs_native
+def test_the_avx2_kernel_too_where_avx512_runs():
+    """Both kernels are built; where AVX-512 runs, the AVX2 one (other CPUs' kernel) is checked in a process of its
+    own, since the kernel is chosen once per process."""
+    if native.kernel_name() != "avx512":
+        pytest.skip("this CPU runs the AVX2 kernel: the tests above check it")
+    env = {**os.environ, "MLXCHAT_NATIVE_ISA": "avx2"}
+    code = ("from mlxchat.core import native; assert native.kernel_name() == 'avx2';"
+            "import tests.test_native as t, mlx.core as mx;"
+            "t.test_matches_dequantized_matmul_and_mlx(4, 32, mx.float16);"
+            "t.test_matches_dequantized_matmul_and_mlx(8, 64, mx.float32);"
+            "t.test_each_row_equals_that_row_alone_bit_for_bit()")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).parent.parent)
 
 
 @needs_native

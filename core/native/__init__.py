@@ -139,7 +139,8 @@ def threads() -> int:
 
 
 def kernel_name() -> str:
-    """Which matmul kernel runs here ("avx2")."""
+    """Which matmul kernel runs here ("avx512" where the CPU has AVX-512F, else "avx2"; MLXCHAT_NATIVE_ISA=avx2
+    keeps the AVX2 one)."""
     return _module().kernel_name()
 
 

@@ -32,6 +32,8 @@ struct DequantArgs {
 
 // Rows [n0, n1) of y (all M rows of x) / of the dequantized weight. Need AVX2, FMA and F16C.
 void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1);
+// The same with AVX-512F (kernel_avx512.cpp, built with -mavx512f): needs AVX512F besides the above.
+void qmm_rows_avx512(const QMatmulArgs& a, int n0, int n1);
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 
 // out = softmax(scale * x) over rows of length S (out may be x). With `causal`, row r is query r % L of L queries

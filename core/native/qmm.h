@@ -1,4 +1,4 @@
-// MLX operations backed by the kernels in kernel_avx2.cpp. They are lazy graph nodes like any MLX op, so they work
+// MLX operations backed by the kernels in kernel_avx2.cpp (and kernel_avx512.cpp). They are lazy graph nodes like any MLX op, so they work
 // with mx.eval, mx.async_eval and mx.compile.
 #pragma once
 
@@ -41,7 +41,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 void set_threads(int n);
 // Total seconds spent running the ops' CPU tasks in this process (for per-token breakdowns).
 double kernel_seconds();
-// Which matmul kernel runs ("avx2"), for the weight-path line.
+// Which matmul kernel runs ("avx512" or "avx2"), for the weight-path line.
 std::string kernel_name();
 int threads();
 
