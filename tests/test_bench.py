@@ -304,3 +304,13 @@ def test_server_targets_from_figures():
     assert resent["passed"] is False and resent["value"] == pytest.approx(1.6) and "turn-3" in resent["name"]
     assert "4 others" in resent["name"]
     assert server_targets(None)[0]["passed"] is None
+
+
+def test_speculative_speedup_pairs_each_repeats_adjacent_runs():
+    from mlxchat.bench.speculative import paired_speedup
+
+    # The machine's speed moves between repeats; each repeat's pair ran back to back. Two of three pairs say the mode
+    # is slower (0.83x); a ratio of the two sides' medians (0.030 / 0.020) would say 1.5x faster.
+    plain = [{"tpot_s": 0.010}, {"tpot_s": 0.030}, {"tpot_s": 0.050}]
+    mode = [{"tpot_s": 0.012}, {"tpot_s": 0.020}, {"tpot_s": 0.060}]
+    assert paired_speedup(plain, mode, "tpot_s") == pytest.approx(0.010 / 0.012)
