@@ -332,15 +332,19 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
     counts.push_back(n);
     for (int c = 0; c < n; ++c) pieces.emplace_back(int(i), c);
   }
-  // The helper lingers between jobs: a layer's four jobs come ~0.1 ms apart, and waking a sleeping helper for each
-  // cost more than the second thread saved (measured on the embedded model, 2 threads: 13.0 ms a token with no
-  // linger, 10.6-12.0 with 100-300 us).
   const RowsKernel kernel = rows_kernel();
-  parallel_for(int(pieces.size()), [&](int p) {
+  parallel_pieces(int(pieces.size()), [&](int p) {
     const auto [i, c] = pieces[p];
     const int N = args[i].N, n = counts[i];
     kernel(args[i], int(int64_t(N) * c / n), int(int64_t(N) * (c + 1) / n));
-  }, std::chrono::microseconds(200));
+  });
+}
+
+void parallel_pieces(int pieces, const std::function<void(int)>& fn) {
+  // The helper lingers between jobs: a layer's jobs come ~0.1 ms apart, and waking a sleeping helper for each cost
+  // more than the second thread saved (measured on the embedded model, 2 threads: 13.0 ms a token with no linger,
+  // 10.6-12.0 with 100-300 us).
+  parallel_for(pieces, fn, std::chrono::microseconds(200));
 }
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {

@@ -2,6 +2,7 @@
 // with mx.eval, mx.async_eval and mx.compile.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,9 @@ struct RowsTarget {
 // job: for ops that run several matmuls in one task (the fused decoder layer). The targets must share K, group_size
 // and bits. The time counts in kernel_seconds().
 void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>& targets);
+// fn(0) .. fn(pieces - 1) on the calling thread and the pool, for the other parts of a fused layer's task; the
+// helpers linger between such jobs as between the layer's matmuls.
+void parallel_pieces(int pieces, const std::function<void(int)>& fn);
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
 
 // The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel.
