@@ -57,6 +57,10 @@ struct AttentionArgs {
   bool causal;
 };
 void attention_avx2(const AttentionArgs& a);
+// The same with AVX-512F where the head size is a multiple of 16 up to 128 (`attention_avx512_fits`): each query
+// row's dot products and weighted sum of values stay in registers (~2x fewer instructions a key).
+bool attention_avx512_fits(const AttentionArgs& a);
+void attention_avx512(const AttentionArgs& a);
 
 // out = silu(gate) * up = gate * up / (1 + exp(-gate)), elementwise (out may be gate or up).
 void swiglu_avx2(const float* gate, const float* up, float* out, size_t n);

@@ -1,4 +1,4 @@
-// The quantized matmul with AVX-512 (16 floats a vector), for CPUs that have it. Same exact fp32 math as the AVX2
+// The quantized matmul and a decode step's attention with AVX-512 (16 floats a vector), for CPUs that have it. Same exact fp32 math as the AVX2
 // kernel (weights expanded to fp32, per group scale * sum(x q) + bias * sum(x)); only the summation order differs,
 // and it is the same for every row count, so a row's result does not depend on how many rows are computed with it
 // (speculative verification and the server's batch rely on that). A 512-bit FMA does the work of two 256-bit ones
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernel.h"
 
@@ -136,7 +137,56 @@ void rows_of_type(const QMatmulArgs& a, int n0, int n1) {
   }
 }
 
+// scores[j] = q . k_j for the keys j < visible, each dot over D in one accumulator of 16 lanes.
+inline void scores_row(const float* q, const float* k, int64_t k_stride, int visible, int D, float* scores) {
+  __m512 qv[8];
+  for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int j = 0; j < visible; ++j) {
+    const float* kr = k + j * k_stride;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+    for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+    scores[j] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+// out = sum over j < visible of p[j] * v_j, accumulated in registers in key order.
+inline void weighted_row(const float* p, const float* v, int64_t v_stride, int visible, int D, float* out) {
+  __m512 acc[8];
+  for (int c = 0; c < D / 16; ++c) acc[c] = _mm512_setzero_ps();
+  for (int j = 0; j < visible; ++j) {
+    const __m512 w = _mm512_set1_ps(p[j]);
+    const float* vr = v + j * v_stride;
+    for (int c = 0; c < D / 16; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
 }  // namespace
+
+bool attention_avx512_fits(const AttentionArgs& a) {
+  return a.D % 16 == 0 && a.D <= 128;
+}
+
+void attention_avx512(const AttentionArgs& a) {
+  thread_local std::vector<float> scores;
+  scores.resize(size_t(a.S));
+  const int rep = a.H / a.KVH;
+  for (int b = 0; b < a.B; ++b) {
+    for (int h = 0; h < a.H; ++h) {
+      const int g = h / rep;
+      const float* kb = a.k + b * a.k_stride[0] + g * a.k_stride[1];
+      const float* vb = a.v + b * a.v_stride[0] + g * a.v_stride[1];
+      for (int i = 0; i < a.L; ++i) {
+        // Each query row on its own, the same way for any L: a verify pass's rows equal single steps.
+        const int visible = a.causal ? a.S - a.L + i + 1 : a.S;
+        const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2];
+        scores_row(q, kb, a.k_stride[2], visible, a.D, scores.data());
+        softmax_rows_avx2(scores.data(), scores.data(), 1, visible, 1, a.scale, false);
+        weighted_row(scores.data(), vb, a.v_stride[2], visible, a.D, a.out + ((size_t(b) * a.H + h) * a.L + i) * a.D);
+      }
+    }
+  }
+}
 
 void qmm_rows_avx512(const QMatmulArgs& a, int n0, int n1) {
   if (a.bits == 4) {

@@ -193,7 +193,7 @@ class NativeDecoderLayer : public mx::Primitive {
       a.out = heads.data() + (size_t(r) * H + size_t(g) * rep) * L * hd;
       a.B = 1, a.H = rep, a.KVH = 1, a.L = L, a.S = offset + L - first, a.D = hd, a.scale = s.attention_scale;
       a.causal = causal;
-      attention_avx2(a);
+      layer_attention(a);
     });
     for (int r = 0; r < B; ++r) {  // [H, L, hd] -> [L, H * hd], o_proj's input rows
       float* qr = q.data() + size_t(r) * L * H * hd;

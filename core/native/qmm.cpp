@@ -340,6 +340,14 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
   });
 }
 
+void layer_attention(const AttentionArgs& a) {
+  if (rows_kernel() == &qmm_rows_avx512 && attention_avx512_fits(a)) {
+    attention_avx512(a);
+  } else {
+    attention_avx2(a);
+  }
+}
+
 void parallel_pieces(int pieces, const std::function<void(int)>& fn) {
   // The helper lingers between jobs: a layer's jobs come ~0.1 ms apart, and waking a sleeping helper for each cost
   // more than the second thread saved (measured on the embedded model, 2 threads: 13.0 ms a token with no linger,

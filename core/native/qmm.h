@@ -33,6 +33,10 @@ struct RowsTarget {
 // job: for ops that run several matmuls in one task (the fused decoder layer). The targets must share K, group_size
 // and bits. The time counts in kernel_seconds().
 void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>& targets);
+struct AttentionArgs;
+// A fused layer's attention on the kernel family the matmul uses (AVX-512 where it runs and the head size fits).
+void layer_attention(const AttentionArgs& a);
+
 // fn(0) .. fn(pieces - 1) on the calling thread and the pool, for the other parts of a fused layer's task; the
 // helpers linger between such jobs as between the layer's matmuls.
 void parallel_pieces(int pieces, const std::function<void(int)>& fn);
