@@ -1,5 +1,5 @@
-// AVX2/FMA/F16C kernels. Exact fp32 math: weights are expanded to fp32 and multiplied with fp32 activations; only the
-// summation order differs from a plain x @ dequant(W)^T (per group: scale * sum(x * q) + bias * sum(x)).
+// AVX2/FMA/F16C kernels: the quantized matmul (its row loop in kernel_rows.h), dequantization, softmax, attention,
+// SwiGLU and the nucleus passes.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernel.h"
+#include "kernel_rows.h"
 
 namespace mlxchat {
 namespace {
@@ -38,33 +39,6 @@ void load_params(ScaleType type, const void* base, size_t offset, int count, flo
       uint32_t bits = uint32_t(p[i]) << 16;
       std::memcpy(out + i, &bits, sizeof(float));
     }
-  }
-}
-
-// One per-group scale or bias, and eight of them, as fp32, read in place: the matmul's rows are short (18 groups at
-// K=576), and converting each row's parameters into a buffer first was ~10% of the kernel's time.
-template <ScaleType ST>
-inline float param(const void* base, size_t i) {
-  if constexpr (ST == ScaleType::f32) {
-    return static_cast<const float*>(base)[i];
-  } else if constexpr (ST == ScaleType::f16) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
-  } else {
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(base)[i]) << 16;
-    float out;
-    std::memcpy(&out, &bits, sizeof(float));
-    return out;
-  }
-}
-
-template <ScaleType ST>
-inline __m256 param8(const void* base, size_t i) {
-  if constexpr (ST == ScaleType::f32) {
-    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
-    if constexpr (ST == ScaleType::f16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
 
@@ -176,89 +150,28 @@ void axpy(float w, const float* x, float* y, int n) {
   for (; d < n; ++d) y[d] += w * x[d];
 }
 
-constexpr int kAhead = 8;
-
-// MT rows of x (m0 .. m0+MT-1) against weight rows [n0, n1): each weight block is expanded once and used MT times.
-template <int BITS, int MT, ScaleType ST>
-void rows_tile(const QMatmulArgs& a, int n0, int n1, int m0) {
-  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
-  const size_t row_bytes = size_t(K) * BITS / 8;
-  constexpr int block_bytes = 32 * BITS / 8;
-  constexpr size_t param_bytes = ST == ScaleType::f32 ? 4 : 2;
-  const float* xr[MT];
-  const float* xs[MT];
-  for (int i = 0; i < MT; ++i) {
-    xr[i] = a.xq + size_t(m0 + i) * K;
-    xs[i] = a.xsum + size_t(m0 + i) * G;
-  }
-  for (int n = n0; n < n1; ++n) {
-    const size_t p0 = size_t(n) * G;  // this row's first scale and bias
-    const uint8_t* wr = a.w + size_t(n) * row_bytes;
-    // Fetch a few rows ahead: rows are short (288 bytes at K=576, 4 bits) and the hardware prefetcher alone left
-    // this loop waiting on memory (measured: ~3x slower than the same rows in cache).
-    if (n + kAhead < a.N) {
-      for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + kAhead * row_bytes + off), _MM_HINT_T0);
-      const size_t p_off = (size_t(n) + kAhead) * G * param_bytes;
-      _mm_prefetch(static_cast<const char*>(a.scales) + p_off, _MM_HINT_T0);
-      _mm_prefetch(static_cast<const char*>(a.biases) + p_off, _MM_HINT_T0);
-    }
-    __m256 acc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    for (int g = 0; g < G; ++g) {
-      __m256 t[MT];
-      for (int i = 0; i < MT; ++i) t[i] = _mm256_setzero_ps();
-      for (int b = 0; b < blocks_per_group; ++b) {
-        const int blk = g * blocks_per_group + b;
-        __m256 w0, w1, w2, w3;
-        expand_block<BITS>(wr + size_t(blk) * block_bytes, w0, w1, w2, w3);
-        for (int i = 0; i < MT; ++i) {
-          const float* xp = xr[i] + size_t(blk) * 32;
-          t[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), t[i]);
-          t[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), t[i]);
-          t[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), t[i]);
-          t[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), t[i]);
-        }
-      }
-      const __m256 s = _mm256_set1_ps(param<ST>(a.scales, p0 + g));
-      for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(t[i], s, acc[i]);
-    }
-    for (int i = 0; i < MT; ++i) {
-      // The bias term, sum over groups of bias * sum(x), vectorised (a scalar loop is a chain of G dependent FMAs).
-      __m256 bv = _mm256_setzero_ps();
-      int g = 0;
-      for (; g + 8 <= G; g += 8) bv = _mm256_fmadd_ps(param8<ST>(a.biases, p0 + g), _mm256_loadu_ps(xs[i] + g), bv);
-      float bias_term = hsum(bv);
-      for (; g < G; ++g) bias_term += param<ST>(a.biases, p0 + g) * xs[i][g];
-      a.y[size_t(m0 + i) * a.N + n] = hsum(acc[i]) + bias_term;
+// The row loop's vector operations on 8 floats (kernel_rows.h).
+struct Avx2 {
+  using V = __m256;
+  static constexpr int kLanes = 8, kParts = 4, kMaxTile = 4;  // 4 rows: t, acc and the block fill 12 of 16 registers
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) { return hsum(v); }
+  template <int BITS>
+  static void expand(const uint8_t* p, V (&w)[kParts]) { expand_block<BITS>(p, w[0], w[1], w[2], w[3]); }
+  template <ScaleType ST>
+  static V params(const void* base, size_t i) {
+    if constexpr (ST == ScaleType::f32) {
+      return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+      if constexpr (ST == ScaleType::f16) return _mm256_cvtph_ps(h);
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
   }
-}
-
-template <int BITS, ScaleType ST>
-void rows(const QMatmulArgs& a, int n0, int n1) {
-  // Row chunks are outermost so that one chunk of weights stays in cache across the tiles of x.
-  constexpr int chunk = 16;
-  for (int c0 = n0; c0 < n1; c0 += chunk) {
-    const int c1 = c0 + chunk < n1 ? c0 + chunk : n1;
-    int m = 0;
-    for (; m + 4 <= a.M; m += 4) rows_tile<BITS, 4, ST>(a, c0, c1, m);
-    switch (a.M - m) {
-      case 3: rows_tile<BITS, 3, ST>(a, c0, c1, m); break;
-      case 2: rows_tile<BITS, 2, ST>(a, c0, c1, m); break;
-      case 1: rows_tile<BITS, 1, ST>(a, c0, c1, m); break;
-      default: break;
-    }
-  }
-}
-
-template <int BITS>
-void rows_of_type(const QMatmulArgs& a, int n0, int n1) {
-  switch (a.scale_type) {
-    case ScaleType::f32: rows<BITS, ScaleType::f32>(a, n0, n1); break;
-    case ScaleType::f16: rows<BITS, ScaleType::f16>(a, n0, n1); break;
-    case ScaleType::bf16: rows<BITS, ScaleType::bf16>(a, n0, n1); break;
-  }
-}
+};
 
 template <int BITS>
 void dequant(const DequantArgs& a, int n0, int n1) {
@@ -309,11 +222,7 @@ inline double hsum_pd(__m256d lo, __m256d hi) {
 }  // namespace
 
 void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1) {
-  if (a.bits == 4) {
-    rows_of_type<4>(a, n0, n1);
-  } else {
-    rows_of_type<8>(a, n0, n1);
-  }
+  matmul_rows<Avx2>(a, n0, n1);
 }
 
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1) {
