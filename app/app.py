@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
+import termios
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 
 INTERRUPTED = 130  # the exit status after SIGINT, as shells report it (128 + 2)
+HUNG_UP = 129  # the exit status once the terminal is gone (128 + SIGHUP)
 
 # The palette's "Context policy: ..." commands: what each does once a chat no longer fits the model's context.
 CONTEXT_POLICY_HELP: dict[ContextPolicy, str] = {
@@ -104,6 +107,8 @@ class MlxChatApp(App[None]):
             theme = "textual-dark"
         self.theme = theme
         self._theme_ready = True
+        if not self.is_headless and sys.__stdin__ is not None and sys.__stdin__.isatty():
+            self.set_interval(1.0, self._check_terminal)
         known = {binding_id for _, _, _, binding_id in self.binding_rows(remapped=False)}
         unknown = sorted(set(self.settings.keys) - known)
         if unknown:
@@ -118,20 +123,34 @@ class MlxChatApp(App[None]):
         # flight, with the shell's exit status for an interrupt; Python's default raised KeyboardInterrupt wherever
         # the main thread happened to be, or nowhere useful while Textual waited. From Load on, before Textual takes
         # the terminal: the command line's handler leaves at once, which would leave it in the app's modes.
+        # SIGHUP (the terminal closed) likewise, saving a reply in flight instead of dying with it.
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._interrupted)
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGINT, partial(self._leave, INTERRUPTED))
+            loop.add_signal_handler(signal.SIGHUP, partial(self._leave, HUNG_UP))
 
-    def _interrupted(self) -> None:
+    def _leave(self, status: int) -> None:
         # Quitting while the chat screen mounts removed its widgets under its on_mount (NoMatches, exit status 1):
         # quit once it is up.
         if not self.chat_screen.is_mounted:
-            self.set_timer(0.05, self._interrupted)
+            self.set_timer(0.05, partial(self._leave, status))
             return
-        self.exit(None, INTERRUPTED)
+        self.exit(None, status)
+
+    def _check_terminal(self) -> None:
+        # A terminal closed under `make chat` hangs up make, the session's leader, alone: the app lived on, and
+        # Textual's input thread spun on the hung-up terminal (every read returns at once, empty), 30-70% of a core
+        # for good. A hung-up terminal fails tcgetattr with EIO.
+        try:
+            termios.tcgetattr(sys.__stdin__.fileno())
+        except (termios.error, OSError, ValueError):
+            self._leave(HUNG_UP)
 
     def on_unmount(self) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+            loop = asyncio.get_running_loop()
+            loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGHUP)
         self.chat_screen.shut_down()  # saves a reply in flight: before the store closes
         self.store.close()
 
@@ -233,7 +252,7 @@ def make_app(model: str | None = None, data_dir: str | Path | None = None, confi
 
 def run_tui(model: str | None = None, **kw: Any) -> int:
     """Open the full-screen chat (``mlxchat`` with no arguments, ``mlxchat chat --model X``); returns the exit
-    status (130 after SIGINT)."""
+    status (130 after SIGINT, 129 once the terminal is gone)."""
     app = make_app(model=model, **kw)
     app.run()
     return app.return_code or 0

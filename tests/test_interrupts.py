@@ -48,7 +48,7 @@ def test_the_inference_thread_leaves_sigint_to_the_main_thread(engine: Engine) -
 class Tui:
     """`mlxchat chat` on a pseudo-terminal of 120x40, with throwaway data and config folders."""
 
-    def __init__(self, tmp: Path, processes: list[subprocess.Popen]) -> None:
+    def __init__(self, tmp: Path, processes: list[subprocess.Popen], leader: bool = True) -> None:
         self.data = tmp / "data"
         (tmp / "config").mkdir(parents=True)
         (tmp / "config" / "config.toml").write_text('profile = "precise"\n')
@@ -56,8 +56,11 @@ class Tui:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         env = {**os.environ, "MLXCHAT_DATA_DIR": str(self.data), "MLXCHAT_CONFIG_DIR": str(tmp / "config"),
                "TERM": "xterm-256color", "PYTHONFAULTHANDLER": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxchat.app.cli", "chat", "--max-tokens", "400"],
-                                     stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+        command = [sys.executable, "-m", "mlxchat.app.cli", "chat", "--max-tokens", "400"]
+        if not leader:  # as under `make chat`: a shell leads the terminal's session and the app is its child
+            command = ["sh", "-c", '"$@"; :', "sh", *command]
+        self.proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, env=env,
+                                     start_new_session=True)
         processes.append(self.proc)
         os.close(slave)
         self.master, self.output = master, bytearray()
@@ -117,6 +120,27 @@ def test_the_tui_quits_on_sigint_while_starting_loading_or_streaming(tmp_path: P
         assert tui.finish() == 130 and not any(c in tui.output for c in CRASH), bytes(tui.output)[-3000:]
         [(text, reason)] = tui.replies()
         assert text and reason == "cancelled"
+
+
+def test_the_tui_leaves_when_its_terminal_closes(tmp_path: Path, processes: list[subprocess.Popen]) -> None:
+    # Found by closing the tmux window of `make chat`: the hangup reached make (the session's leader) only, and the
+    # app lived on with Textual's input thread spinning on the dead terminal at 30-70% of a core. It must leave,
+    # keeping the reply it was streaming.
+    tui = Tui(tmp_path, processes, leader=False)
+    tui.wait_for(b"Type a message")
+    os.write(tui.master, b"Tell me a long story about a dragon.\r")
+    deadline = time.monotonic() + 120
+    while not (tui.data / "conversations.db").exists() or not tui.replies():  # saved about every second
+        assert time.monotonic() < deadline, "no reply was saved while it streamed"
+        time.sleep(0.3)
+    app = int(Path(f"/proc/{tui.proc.pid}/task/{tui.proc.pid}/children").read_text().split()[0])
+    os.close(tui.master)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{app}").exists() and "Z" not in Path(f"/proc/{app}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the app still runs 30 s after its terminal closed"
+        time.sleep(0.2)
+    [(text, reason)] = tui.replies()
+    assert text and reason == "cancelled"
 
 
 @pytest.mark.anyio
