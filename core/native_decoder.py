@@ -42,9 +42,7 @@ class _Plan:
     holds the arrays themselves, so `use_fused_layers` must run again when a layer's parameters are replaced (as
     after mlx-lm's `shard()`); nothing else replaces them after loading."""
 
-    shape: Any  # native LayerShape
-    kv_heads: int
-    head_dim: int
+    shape: Any  # native LayerShape (its n_kv_heads and head_dim are read here too)
     weights: list[mx.array]  # the two norms, RoPE's frequencies, (w, scales, biases) x 7, optional q/k/v biases
     group_sizes: list[int]
     bits: list[int]
@@ -79,7 +77,7 @@ def _plan(block: nn.Module) -> _Plan | None:
     shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim,
                                norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
                                rope_scale=rope.scale, attention_scale=attn.scale)
-    return _Plan(shape, attn.n_kv_heads, head_dim, weights, [p.group_size for p in projections], [p.bits for p in projections])
+    return _Plan(shape, weights, [p.group_size for p in projections], [p.bits for p in projections])
 
 
 def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int, shape: tuple[int, int, int],
@@ -130,7 +128,7 @@ class FusedTransformerBlock:
         # The first layer gets the embedding's rows in its scales' dtype (fp16 for a GGUF): the block computes on
         # them in float32 (RMSNorm casts, the residual promotes), so the exact cast here changes nothing.
         x = x.astype(mx.float32)
-        shape = (batch, plan.kv_heads, plan.head_dim)
+        shape = (batch, plan.shape.n_kv_heads, plan.shape.head_dim)
 
         def layer(keys: mx.array | None, values: mx.array | None, used: int,
                   padding: mx.array) -> tuple[mx.array, mx.array, mx.array]:

@@ -109,6 +109,28 @@ def test_tiny_models_fused_equal_todays_path(arch, rope: dict, monkeypatch, tmp_
     assert fused == 2 and nodes < 100
 
 
+def test_projections_of_different_formats_in_one_layer(monkeypatch):
+    # A GGUF may give v_proj more bits than q and k, or one projection other groups: the layer's q/k/v and gate/up
+    # jobs then mix formats, each with x prepared its own way.
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64)
+    mx.random.seed(2)
+    model = llama.Model(args)
+    formats = {"v_proj": {"group_size": 32, "bits": 8}, "up_proj": {"group_size": 64, "bits": 4}}
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: hasattr(m, "to_quantized") and (
+        formats.get(path.rsplit(".", 1)[-1], True)))
+    native_linear.use_native(model)
+    mx.eval(model.parameters())
+    assert use_fused_layers(model) == 2 and model.model.layers[0].self_attn.v_proj.bits == 8
+    prompt = [int(i) for i in np.random.default_rng(1).integers(0, 64, 40)]
+    caches = lambda: [KVCache() for _ in range(2)]  # noqa: E731
+    want = _greedy(model, prompt, 12, caches, monkeypatch, fused=False, verify=4)
+    got = _greedy(model, prompt, 12, caches, monkeypatch, fused=True, verify=4)
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
 def test_fp32_layers_are_not_fused():
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)

@@ -33,7 +33,9 @@ NB_MODULE(_ext, m) {
                                          rope_scale, attention_scale};
            },
            nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "norm_eps"_a, "rope_dims"_a,
-           "rope_traditional"_a, "rope_scale"_a, "attention_scale"_a);
+           "rope_traditional"_a, "rope_scale"_a, "attention_scale"_a)
+      .def_ro("n_kv_heads", &mlxchat::LayerShape::n_kv_heads)
+      .def_ro("head_dim", &mlxchat::LayerShape::head_dim);
   m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);
   m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "weights"_a, "group_sizes"_a,
         "bits"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a, "left_padding"_a,

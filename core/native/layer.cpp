@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
-#include <utility>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "graph.h"
 #include "kernel.h"
@@ -122,17 +122,12 @@ class NativeDecoderLayer : public mx::Primitive {
     const int H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
     const int C = out[1].shape(2), I = in[kFirstProjection + 3 * 4].shape(0);  // cache capacity, MLP width
     const int32_t* padding = in.back().data<int32_t>();
-    // Projections that read the same rows (q/k/v, gate/up) run as one job where their formats match.
+    // Projections that read the same rows (q/k/v, gate/up) run as one job.
     auto matmul = [&](std::initializer_list<std::pair<int, float*>> projections, const float* x, int M) {
       std::vector<RowsTarget> targets;
       for (auto [p, y] : projections) {
         const int i = kFirstProjection + 3 * p;
-        RowsTarget t{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], y};
-        if (!targets.empty() && (t.group_size != targets[0].group_size || t.bits != targets[0].bits)) {
-          quantized_matmul_rows(x, M, targets);
-          targets.clear();
-        }
-        targets.push_back(t);
+        targets.push_back(RowsTarget{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], y});
       }
       quantized_matmul_rows(x, M, targets);
     };

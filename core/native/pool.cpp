@@ -66,7 +66,7 @@ void Pool::helper_loop() {
   uint64_t seen = 0;
   for (;;) {
     const auto linger = std::chrono::microseconds(linger_us_.load(std::memory_order_relaxed));
-    auto deadline = std::chrono::steady_clock::now() + linger;
+    const auto deadline = std::chrono::steady_clock::now() + linger;
     uint64_t g = generation_.load(std::memory_order_acquire);
     int polls = 0;
     while (g == seen) {
@@ -76,7 +76,6 @@ void Pool::helper_loop() {
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         cv_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
         sleepers_.fetch_sub(1, std::memory_order_relaxed);
-        deadline = std::chrono::steady_clock::now();
       }
       g = generation_.load(std::memory_order_acquire);
     }

@@ -309,14 +309,23 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>& targets) {
   KernelTimer timer;
   if (targets.empty()) return;
-  const int gs = targets[0].group_size, bits = targets[0].bits, K = targets[0].w->shape(1) * 32 / bits;
-  for (const auto& t : targets) {
-    if (t.group_size != gs || t.bits != bits || t.w->shape(1) * 32 / t.bits != K) {
-      throw std::invalid_argument("quantized_matmul_rows: the targets must share K, group_size and bits");
+  const int K = targets[0].w->shape(1) * 32 / targets[0].bits;
+  // x as each format needs it (the reorder depends on the bits, the sums on the group size), once per format: a
+  // layer's q/k/v usually share one, but a GGUF may give v_proj more bits than q and k.
+  struct Prepared {
+    int group_size, bits;
+    std::vector<float> xq, xsum;
+  };
+  std::vector<Prepared> prepared;
+  auto prepared_for = [&](int gs, int bits) -> const Prepared& {
+    for (const auto& p : prepared) {
+      if (p.group_size == gs && p.bits == bits) return p;
     }
-  }
-  std::vector<float> xq, xsum;
-  prepare_rows(std::vector<float>(x, x + size_t(M) * K), M, K, gs, bits, xq, xsum);
+    auto& p = prepared.emplace_back(Prepared{gs, bits, {}, {}});
+    prepare_rows(std::vector<float>(x, x + size_t(M) * K), M, K, gs, bits, p.xq, p.xsum);
+    return p;
+  };
+  prepared.reserve(targets.size());  // references into it stay valid
   // One job over every target's rows in balanced pieces (~kPieceWeights weights each): a layer's q/k/v (or gate/up)
   // are one hand-off to the helper instead of three, and no piece is much longer than another, so two threads end
   // together (the fixed 256k-weight chunks split k_proj not at all and q_proj 464 + 112).
@@ -325,9 +334,13 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
   std::vector<int> counts;
   for (size_t i = 0; i < targets.size(); ++i) {
     const auto& t = targets[i];
-    args.push_back(QMatmulArgs{xq.data(), xsum.data(), t.w->data<uint8_t>(), t.scales->data<void>(),
-                               t.biases->data<void>(), scale_type(t.scales->dtype()), t.y, M, t.w->shape(0), K, gs,
-                               bits});
+    if (t.w->shape(1) * 32 / t.bits != K) {
+      throw std::invalid_argument("quantized_matmul_rows: the targets must share K (they read the same rows)");
+    }
+    const Prepared& p = prepared_for(t.group_size, t.bits);
+    args.push_back(QMatmulArgs{p.xq.data(), p.xsum.data(), t.w->data<uint8_t>(), t.scales->data<void>(),
+                               t.biases->data<void>(), scale_type(t.scales->dtype()), t.y, M, t.w->shape(0), K,
+                               t.group_size, t.bits});
     const int n = piece_count(t.w->shape(0), K);
     counts.push_back(n);
     for (int c = 0; c < n; ++c) pieces.emplace_back(int(i), c);

@@ -1,5 +1,5 @@
-// MLX operations backed by the kernels in kernel_avx2.cpp (and kernel_avx512.cpp). They are lazy graph nodes like any MLX op, so they work
-// with mx.eval, mx.async_eval and mx.compile.
+// MLX operations backed by the kernels in kernel_avx2.cpp and kernel_avx512.cpp. They are lazy graph nodes like any
+// MLX op, so they work with mx.eval, mx.async_eval and mx.compile.
 #pragma once
 
 #include <functional>
@@ -30,8 +30,8 @@ struct RowsTarget {
   float* y;
 };
 // Every target's rows for the same dense fp32 rows x [M, K], computed now on the calling thread and the pool, as one
-// job: for ops that run several matmuls in one task (the fused decoder layer). The targets must share K, group_size
-// and bits. The time counts in kernel_seconds().
+// job: for ops that run several matmuls in one task (the fused decoder layer). The targets must share K; their
+// formats (group size, bits) may differ. The time counts in kernel_seconds().
 void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>& targets);
 struct AttentionArgs;
 // A fused layer's attention on the kernel family the matmul uses (AVX-512 where it runs and the head size fits).
