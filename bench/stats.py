@@ -145,22 +145,30 @@ def _target(name: str, value: float | None, threshold: float, passed: bool | Non
     return {"name": name, "value": value, "threshold": threshold, "unit": unit, "passed": passed, "detail": detail}
 
 
+def _per_length(ratios: Sequence[dict[str, Any]], lengths: Sequence[int], metric: str,
+                peer: str) -> list[tuple[int, float]]:
+    """(prompt length, greedy ratio against `peer`) for each length that has one."""
+    return [(n, r[metric]) for n in lengths
+            if (r := find_ratio(ratios, n, "greedy", peer)) is not None and r[metric] is not None]
+
+
+def _every_length(name: str, per: list[tuple[int, float]], threshold: float, at_least: bool) -> dict[str, Any]:
+    """A target over every prompt length: its worst ratio against `threshold` (>= when `at_least`, else <=)."""
+    worst = (min if at_least else max)(per, key=lambda x: x[1]) if per else None
+    passed = None if worst is None else (worst[1] >= threshold if at_least else worst[1] <= threshold)
+    return _target(name, worst[1] if worst else None, threshold, passed,
+                   ", ".join(f"{n}: {v:.2f}x" for n, v in per) or "not measured", "x")
+
+
 def _llama_cpp_targets(ratios: Sequence[dict[str, Any]], lengths: Sequence[int]) -> list[dict[str, Any]]:
     """Issue 24's targets against llama.cpp on the same GGUF: greedy decode >= 1.0x at every prompt length, and TTFT
     <= llama.cpp's at 512 prompt tokens."""
-    dec = [(n, r["decode"]) for n in lengths
-           if (r := find_ratio(ratios, n, "greedy", LLAMA_CPP)) is not None and r["decode"] is not None]
-    worst = min(dec, key=lambda x: x[1]) if dec else None
-    at = find_ratio(ratios, TTFT_LLAMA_CPP_LENGTH, "greedy", LLAMA_CPP)
-    ttft = at["ttft"] if at else None
+    ttft = [(n, v) for n, v in _per_length(ratios, lengths, "ttft", LLAMA_CPP) if n == TTFT_LLAMA_CPP_LENGTH]
     return [
-        _target(f"decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp (greedy, same GGUF, every prompt length)",
-                worst[1] if worst else None, DECODE_VS_LLAMA_CPP,
-                None if not dec else worst[1] >= DECODE_VS_LLAMA_CPP,
-                ", ".join(f"{n}: {v:.2f}x" for n, v in dec) or "not measured", "x"),
-        _target(f"TTFT <= llama.cpp's at {TTFT_LLAMA_CPP_LENGTH} prompt tokens (greedy)", ttft, 1.0,
-                None if ttft is None else ttft <= 1.0,
-                f"{ttft:.2f}x" if ttft is not None else f"{TTFT_LLAMA_CPP_LENGTH} not measured", "x"),
+        _every_length(f"decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp (greedy, same GGUF, every prompt length)",
+                      _per_length(ratios, lengths, "decode", LLAMA_CPP), DECODE_VS_LLAMA_CPP, at_least=True),
+        _every_length(f"TTFT <= llama.cpp's at {TTFT_LLAMA_CPP_LENGTH} prompt tokens (greedy)", ttft, 1.0,
+                      at_least=False),
     ]
 
 
@@ -169,28 +177,12 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     cases = results.get("cases", [])
     ratios = results.get("ratios", [])
     lengths = sorted({c["prompt_tokens"] for c in cases if c["system"] == OURS})
-    out = []
-
-    def per_length(metric: str) -> list[tuple[int, float]]:
-        got = []
-        for n in lengths:
-            r = find_ratio(ratios, n, "greedy", MLX_LM)
-            if r is not None and r[metric] is not None:
-                got.append((n, r[metric]))
-        return got
-
-    dec = per_length("decode")
-    worst = min(dec, key=lambda x: x[1]) if dec else None
-    out.append(_target(
-        f"decode >= {DECODE_VS_MLX_LM:g}x mlx-lm (greedy, every prompt length)",
-        worst[1] if worst else None, DECODE_VS_MLX_LM, None if not dec else worst[1] >= DECODE_VS_MLX_LM,
-        ", ".join(f"{n}: {v:.2f}x" for n, v in dec) or "not measured", "x"))
-    ttft = per_length("ttft")
-    worst = max(ttft, key=lambda x: x[1]) if ttft else None
-    out.append(_target(
-        "TTFT <= mlx-lm's (greedy, every prompt length)",
-        worst[1] if worst else None, TTFT_VS_MLX_LM, None if not ttft else worst[1] <= TTFT_VS_MLX_LM,
-        ", ".join(f"{n}: {v:.2f}x" for n, v in ttft) or "not measured", "x"))
+    out = [
+        _every_length(f"decode >= {DECODE_VS_MLX_LM:g}x mlx-lm (greedy, every prompt length)",
+                      _per_length(ratios, lengths, "decode", MLX_LM), DECODE_VS_MLX_LM, at_least=True),
+        _every_length("TTFT <= mlx-lm's (greedy, every prompt length)",
+                      _per_length(ratios, lengths, "ttft", MLX_LM), TTFT_VS_MLX_LM, at_least=False),
+    ]
     over = [o for o in results.get("chain_overhead", []) if o["system"] == OURS and o["overhead_pct"] is not None]
     worst = max(over, key=lambda o: o["overhead_pct"]) if over else None
     out.append(_target(
