@@ -1,22 +1,20 @@
 """The candidate set a sampler's transforms narrow, and the exact mass cuts over it (top-p, typical-p).
 
-Each transform of ``core.sampling`` sees a candidate set (values and their token ids), initially the whole
-vocabulary. ``TopK`` shrinks it with ``mx.argpartition`` (over the maxima of blocks first: `top_index`). ``TopP`` and ``TypicalP`` keep
-the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
+Each transform of ``core.sampling`` sees a candidate set (values and their token ids), initially the whole vocabulary.
+``TopK`` shrinks it with ``mx.argpartition`` (over the maxima of blocks first: `top_index`). ``TopP`` and ``TypicalP``
+keep the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
 surprisal, which is ``|logit - max - E[logit - max]|``, no log needed) whose probability reaches ``p``, ties with the
-last kept one kept too; the same set (up to rounding right at the cut) on each of three paths
-(``nucleus_path()``). On the CPU, the native extension's ``nucleus`` op (core/native) cuts lazily in ~0.1 ms for 49k
-tokens: one vectorised exp with sums in double, a histogram of the mass over the rank that locates the cut in one
-bucket, and a sort of that bucket's few tokens. On a GPU, a lazy full ``mx.argsort`` (cheap there). On the CPU
-without the extension, the ``CANDIDATES`` (1024) best-ranked tokens are found with ``mx.argpartition`` and sorted,
-with a check that the cut lies among them, else the whole set is sorted; that check is one host sync per step, so
-there the pipelined decode waits for each step's forward pass before building the next. Each path takes one exp
-over the candidates. Sums over the vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32
-sum moved the cut by ~1e-4 of the mass.
-``MinP`` and ``XTC`` are thresholds and need no order. The draw (``core.draw``) hashes noise for every candidate
+last kept one kept too; the same set (up to rounding right at the cut) on each of three paths (``nucleus_path()``). On
+the CPU, the native extension's ``nucleus`` op (core/native) cuts lazily in ~0.1 ms for 49k tokens: one vectorised exp
+with sums in double, a histogram of the mass over the rank that locates the cut in one bucket, and a sort of that
+bucket's few tokens. On a GPU, a lazy full ``mx.argsort`` (cheap there). On the CPU without the extension, the
+``CANDIDATES`` (1024) best-ranked tokens are found with ``mx.argpartition`` and sorted, with a check that the cut lies
+among them, else the whole set is sorted; that check is one host sync per step, so there the pipelined decode waits
+for each step's forward pass before building the next. Each path takes one exp over the candidates. Sums over the
+vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32 sum moved the cut by ~1e-4 of the
+mass. ``MinP`` and ``XTC`` are thresholds and need no order. The draw (``core.draw``) hashes noise for every candidate
 left: after a top-k that is nothing measurable; after a top-p over the whole vocabulary (a masked set of 49k) it is
-~0.65 ms here, most of that chain's cost.
-"""
+~0.65 ms here, most of that chain's cost. """
 
 from __future__ import annotations
 

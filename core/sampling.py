@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -293,7 +292,7 @@ class LogitBias(ChainObject):
 class MinTokens(ChainObject):
     name = "min_tokens"
 
-    def __init__(self, n: int, eos_ids: Iterable[int], vocab_size: int) -> None:
+    def __init__(self, n: int, eos_ids: Iterable[int]) -> None:
         self.args = (n,)
         self.n = n
         # The end ids alone are set to -inf (a scatter of a few values, not a select over the vocabulary).
@@ -301,7 +300,7 @@ class MinTokens(ChainObject):
 
     @classmethod
     def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "MinTokens":
-        return cls(profile.min_tokens, eos_ids, vocab_size)
+        return cls(profile.min_tokens, eos_ids)
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
         if h.generated >= self.n or not self._eos.size:

@@ -304,7 +304,7 @@ def test_min_tokens_bans_eos_until_reached() -> None:
     x = mx.array(np.r_[10.0, 0.0, 1.0, 9.0].astype(np.float32))  # EOS ids 0 and 3 are the two best
     s = Sampler(SamplingProfile(temperature=0, min_tokens=3), vocab_size=4, eos_ids={0, 3})
     assert [s.step(x)[0].item() for _ in range(4)] == [2, 2, 2, 0]
-    banned = MinTokens(1, {0}, 4)(x, history(4, []))
+    banned = MinTokens(1, {0})(x, history(4, []))
     assert np.array(banned)[0] == -np.inf
 
 
