@@ -104,9 +104,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     def answer(req: protocol.Request, index: int, r: GenerationResult) -> dict[str, Any]:
         # As its stream does (and Anthropic's and Ollama's routes): the calls that closed, an unfinished one as text.
-        pieces = tool_calls.split_reply(r.text) if req.tools else [r.text]
-        calls = [p for p in pieces if isinstance(p, tool_calls.ToolCall)]
-        text = "".join(p for p in pieces if isinstance(p, str))
+        text, calls = tool_calls.text_and_calls(r.text) if req.tools else (r.text, [])
         content = (text.strip() or None) if calls else text
         out: dict[str, Any] = {"index": index, "finish_reason": protocol.finish_reason(r, bool(calls)),
                                "logprobs": None}

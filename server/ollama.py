@@ -365,9 +365,8 @@ def routes(service: Service) -> list[Route]:
             return Response(status_code=499)
         request.state.results = results
         r = results[0]
-        pieces = tool_calls.split_reply(r.text) if tools else [r.text]
-        text = "".join(p for p in pieces if isinstance(p, str))
-        said = piece(text, [p for p in pieces if isinstance(p, ToolCall)]) if tools else piece(text)
+        text, calls = tool_calls.text_and_calls(r.text) if tools else (r.text, [])
+        said = piece(text, calls) if tools else piece(text)
         return JSONResponse({"model": model, "created_at": _now(), **said, **finish(r, started)})
 
     async def lines(request: HttpRequest, model: str, choice: Choice, piece: Callable[..., dict[str, Any]],

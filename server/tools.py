@@ -224,6 +224,13 @@ def split_reply(text: str) -> list[str | ToolCall]:
     return [*stream.feed(text), *stream.finish()]
 
 
+def text_and_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """A whole reply's text with its calls taken out, and the calls that closed (`split_reply`'s pieces, for the APIs
+    that send them apart from the text)."""
+    pieces = split_reply(text)
+    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)]
+
+
 # --- messages into the chat template -----------------------------------------------------------------------------
 
 def message_from_openai(m: dict[str, Any], i: int) -> dict[str, Any] | None:
