@@ -70,8 +70,9 @@ class Tool:
     @classmethod
     def checked(cls, name: Any, description: Any, params: Any, where: str, params_key: str,
                 strict: bool = False) -> "Tool":
-        """A tool from any API's fields, each checked; `where` prefixes the field an error names (``tools[0].function.``,
-        ``tools.0.``) and `params_key` is the API's name for the schema (``parameters``, ``input_schema``)."""
+        """A tool from any API's fields, each checked; `where` prefixes the field an error names
+        (``tools[0].function.``, ``tools.0.``) and `params_key` is the API's name for the schema (``parameters``,
+        ``input_schema``)."""
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ToolError(f"{where}name", f"must be 1-64 letters, digits, '_' or '-', got {name!r}")
         if not isinstance(description or "", str):

@@ -51,22 +51,29 @@ def _greedy(model: nn.Module, prompt: list[int], steps: int, make_cache, monkeyp
     return tokens, rows, cache
 
 
-def _tiny_quantized(arch, **rope) -> nn.Module:
+def _tiny_quantized(arch, formats: dict[str, dict[str, int]] | None = None, **rope) -> nn.Module:
+    """A 2-layer model quantized to 4 bits in groups of 32, but `formats` for the projections it names."""
     args = arch.ModelArgs(model_type=arch.__name__.rsplit(".", 1)[-1], hidden_size=128, num_hidden_layers=2,
                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                           vocab_size=64, **rope)
     mx.random.seed(1)
     model = arch.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
+    formats = formats or {}
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: hasattr(m, "to_quantized") and (
+        formats.get(path.rsplit(".", 1)[-1], True)))
     native_linear.use_native(model)
     mx.eval(model.parameters())
     return model
 
 
-@pytest.mark.parametrize("arch, rope", [(llama, {}), (llama, {"rope_traditional": True, "rope_theta": 500.0}),
-                                        (qwen2, {"rope_theta": 1e6})])  # qwen2: q/k/v biases
-def test_tiny_models_fused_equal_todays_path(arch, rope: dict, monkeypatch, tmp_path):
-    model = _tiny_quantized(arch, **rope)
+# qwen2: q/k/v biases. The formats: a GGUF may give v_proj more bits than q and k, or a projection other groups; the
+# layer's q/k/v and gate/up jobs then mix formats, each with x prepared its own way.
+@pytest.mark.parametrize("arch, rope, formats", [
+    (llama, {}, None), (llama, {"rope_traditional": True, "rope_theta": 500.0}, None),
+    (qwen2, {"rope_theta": 1e6}, None),
+    (llama, {}, {"v_proj": {"group_size": 32, "bits": 8}, "up_proj": {"group_size": 64, "bits": 4}})])
+def test_tiny_models_fused_equal_todays_path(arch, rope: dict, formats: dict | None, monkeypatch, tmp_path):
+    model = _tiny_quantized(arch, formats, **rope)
     assert use_fused_layers(model) == 2 and isinstance(model.model.layers[0], FusedTransformerBlock)
     # 300 positions: the caches grow past their first 256-step buffer inside the fused path.
     prompt = [int(i) for i in np.random.default_rng(0).integers(0, 64, 250)]
@@ -107,28 +114,6 @@ def test_tiny_models_fused_equal_todays_path(arch, rope: dict, monkeypatch, tmp_
     model(mx.array([prompt[:8]]), cache=cache)
     nodes, fused = _step_ops(model, mx.array([[3]]), cache, str(tmp_path / "step.dot"))
     assert fused == 2 and nodes < 100
-
-
-def test_projections_of_different_formats_in_one_layer(monkeypatch):
-    # A GGUF may give v_proj more bits than q and k, or one projection other groups: the layer's q/k/v and gate/up
-    # jobs then mix formats, each with x prepared its own way.
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64)
-    mx.random.seed(2)
-    model = llama.Model(args)
-    formats = {"v_proj": {"group_size": 32, "bits": 8}, "up_proj": {"group_size": 64, "bits": 4}}
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: hasattr(m, "to_quantized") and (
-        formats.get(path.rsplit(".", 1)[-1], True)))
-    native_linear.use_native(model)
-    mx.eval(model.parameters())
-    assert use_fused_layers(model) == 2 and model.model.layers[0].self_attn.v_proj.bits == 8
-    prompt = [int(i) for i in np.random.default_rng(1).integers(0, 64, 40)]
-    caches = lambda: [KVCache() for _ in range(2)]  # noqa: E731
-    want = _greedy(model, prompt, 12, caches, monkeypatch, fused=False, verify=4)
-    got = _greedy(model, prompt, 12, caches, monkeypatch, fused=True, verify=4)
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
 def test_fp32_layers_are_not_fused():
