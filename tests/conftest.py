@@ -223,7 +223,8 @@ def snapshot(snapshot: Any) -> Any:
 # A test is in the model tier when it asks for a fixture that loads one, or when its module drives real processes,
 # servers or apps throughout.
 MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_app", "with_session_engine",
-                  "server", "tight", "client", "sweep", "wheel", "bad_files", "serve", "serve_module"}
+                  "server", "tight", "client", "sweep", "wheel", "bad_files", "serve", "serve_module",
+                  "int8_engine"}
 MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
                  "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability",
                  "test_distributed_load", "test_distributed_procs", "test_interrupts"}

@@ -64,10 +64,28 @@ def _module() -> ModuleType:
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                     bits: int) -> mx.array:
+                     bits: int, packed: bool = False) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4 or 8 bits, groups of 32/64/128, with
-    fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides."""
-    return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides.
+    ``packed``: the weights come from `pack_int8_weights` and x is rounded to int8 per block of 32 (opt-in)."""
+    return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed)
+
+
+def int8_available() -> bool:
+    """Whether the int8-activation matmul (weights="native-int8") can run here: the native ops and AVX512-VNNI."""
+    return available() and _ext.int8_supported()  # type: ignore[union-attr]
+
+
+def int8_unavailable_reason() -> str:
+    """Why `int8_available()` is False ("" when it is True)."""
+    return unavailable_reason() or _ext.int8_unavailable_reason()  # type: ignore[union-attr]
+
+
+def pack_int8_weights(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                      bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """``(w, scales, biases)`` reordered for the int8-activation matmul: the same shapes, dtypes and bytes, in tiles
+    of 16 output rows (the row count must be a multiple of 16), so one VNNI instruction serves 16 outputs."""
+    return tuple(_module().pack_int8_weights(w, scales, biases, group_size=group_size, bits=bits))  # type: ignore
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
@@ -117,16 +135,17 @@ def rope_inv_freqs(dims: int, base: float) -> mx.array:
 
 
 def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, weights: list[mx.array], group_sizes: list[int],
-                  bits: list[int], shape: object, *, offset: int, causal: bool,
+                  bits: list[int], packed: list[int], shape: object, *, offset: int, causal: bool,
                   left_padding: mx.array) -> list[mx.array]:
     """A llama decoder layer over ``h [B, L, D]`` (B * L small) as one op: ``[h_out, keys_out, values_out]``. ``keys``
     and ``values`` ``[B, H_kv, C, head_dim]`` are the layer's KV cache buffers with ``offset`` positions written and
     room for L more; the outputs are them with this step's keys and values written after ``offset`` (in place when
     nothing else holds them). ``weights``: the two RMSNorm weights, ``rope_inv_freqs``, then (w, scales, biases) of
-    q, k, v, o, gate, up and down (MLX's affine format). ``causal``: MLX's "causal" mask. ``left_padding`` (int32
+    q, k, v, o, gate, up and down (MLX's affine format, or `pack_int8_weights`'s where ``packed`` says so, one flag
+    a projection). ``causal``: MLX's "causal" mask. ``left_padding`` (int32
     ``[B]``): each row's first real position (mlx-lm's BatchKVCache; zeros for one sequence)."""
-    return _module().decoder_layer(h, keys, values, weights, group_sizes, bits, shape, offset=offset, causal=causal,
-                                   left_padding=left_padding)
+    return _module().decoder_layer(h, keys, values, weights, group_sizes, bits, packed, shape, offset=offset,
+                                   causal=causal, left_padding=left_padding)
 
 
 def set_threads(n: int) -> None:

@@ -15,7 +15,12 @@ using namespace nb::literals;
 NB_MODULE(_ext, m) {
   m.doc() = "mlxchat's native quantized matmul and attention/MLP/sampling ops for MLX's CPU backend";
   m.def("quantized_matmul", &mlxchat::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format).");
+        "group_size"_a, "bits"_a, "packed"_a = false,
+        "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format); packed: int8 x, packed weights.");
+  m.def("pack_int8_weights", &mlxchat::pack_int8_weights, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "[w, scales, biases] in the int8-activation matmul's tiles of 16 rows.");
+  m.def("int8_supported", &mlxchat::int8_supported);
+  m.def("int8_unavailable_reason", &mlxchat::int8_unavailable_reason);
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "The fp32 weight [N, K] of an affine-quantized one.");
   m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,
@@ -38,7 +43,7 @@ NB_MODULE(_ext, m) {
       .def_ro("head_dim", &mlxchat::LayerShape::head_dim);
   m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);
   m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "weights"_a, "group_sizes"_a,
-        "bits"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a, "left_padding"_a,
+        "bits"_a, "packed"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a, "left_padding"_a,
         "A llama decoder layer for a few rows as one op: (h_out, keys_out, values_out).");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);

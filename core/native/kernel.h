@@ -36,6 +36,32 @@ void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1);
 void qmm_rows_avx512(const QMatmulArgs& a, int n0, int n1);
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 
+// The int8-activation matmul (weights="native-int8", opt-in): x quantized to int8 per block of 32, the weights
+// repacked into tiles of kPackedTile output rows (`pack_weights`). y[m, n] = sum over groups of scale * (sum over the
+// group's blocks of xd * (q . xq)) + bias * xsum: the same affine weights times x rounded to 8 bits a block.
+constexpr int kPackedTile = 16;
+struct PackedMatmulArgs {
+  const int8_t* xq;   // [M, K]: round(x / xd) per block of 32, in [-127, 127]
+  const float* xd;    // [M, K / 32]: each block's max |x| / 127
+  const float* xsum;  // [M, K / group_size]: the sum of the rounded x over each group (the bias term)
+  const uint8_t* w;   // [N / 16][K / 32][16 * 32 * bits / 8] (pack_weights)
+  const void* scales; // [N / 16][K / group_size][16]
+  const void* biases;
+  ScaleType scale_type;
+  float* y;  // [M, N]
+  int M, N, K, group_size, bits;
+};
+// Tiles [t0, t1) (rows 16 * t0 .. 16 * t1 of y) for every row of x. Needs AVX-512F/BW and AVX512-VNNI.
+void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
+
+// MLX's row-major w [N, K * bits / 8 bytes] and scales/biases [N, G] (`param_bytes` each) in the packed layout, N a
+// multiple of 16. 4 bits: each block's 256 bytes are 4 runs of 64 for k-steps s = 0..3 (4 consecutive k of the 16
+// rows, row-major), k-step s + 4 in the high nibbles; 8 bits: 8 runs of 64 bytes. Parameters: [N / 16][G][16].
+void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
+                  int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
+// Rows of x [M, K] for the packed matmul: xq, xd and xsum as PackedMatmulArgs describes them.
+void quantize_rows(const float* x, int M, int K, int group_size, int8_t* xq, float* xd, float* xsum);
+
 // out = softmax(scale * x) over rows of length S (out may be x). With `causal`, row r is query r % L of L queries
 // whose keys are the last L of S (MLX's lower-right causal mask): it sees its first S - L + r % L + 1 entries, and the
 // rest are 0.

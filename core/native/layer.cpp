@@ -68,10 +68,10 @@ void copy_cache(const mx::array& in, mx::array& out) {
 
 class NativeDecoderLayer : public mx::Primitive {
  public:
-  NativeDecoderLayer(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, LayerShape shape,
-                     int offset, bool causal)
-      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)), shape_(shape),
-        offset_(offset), causal_(causal) {}
+  NativeDecoderLayer(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<int> packed,
+                     LayerShape shape, int offset, bool causal)
+      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)), packed_(std::move(packed)),
+        shape_(shape), offset_(offset), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
@@ -88,11 +88,11 @@ class NativeDecoderLayer : public mx::Primitive {
     std::vector<mx::array> in, out;
     for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
     for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([in = std::move(in), out = std::move(out), gs = group_sizes_, bits = bits_, s = shape_,
-                      offset = offset_, causal = causal_, copy_keys, copy_values]() mutable {
+    encoder.dispatch([in = std::move(in), out = std::move(out), gs = group_sizes_, bits = bits_, packed = packed_,
+                      s = shape_, offset = offset_, causal = causal_, copy_keys, copy_values]() mutable {
       if (copy_keys) copy_cache(in[1], out[1]);
       if (copy_values) copy_cache(in[2], out[2]);
-      run(in, out, gs, bits, s, offset, causal);
+      run(in, out, gs, bits, packed, s, offset, causal);
     });
   }
 
@@ -104,7 +104,8 @@ class NativeDecoderLayer : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const NativeDecoderLayer&>(other);
-    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && offset_ == o.offset_ && causal_ == o.causal_ &&
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && packed_ == o.packed_ && offset_ == o.offset_ &&
+           causal_ == o.causal_ &&
            std::memcmp(&shape_, &o.shape_, sizeof(LayerShape)) == 0;
   }
 
@@ -116,7 +117,8 @@ class NativeDecoderLayer : public mx::Primitive {
   // Inputs: h, keys, values, the two norm weights, inv_freqs, then the 7 projections' (w, scales, biases), the
   // optional q/k/v biases, and last the rows' left padding (int32 [B]).
   static void run(const std::vector<mx::array>& in, std::vector<mx::array>& out, const std::vector<int>& gs,
-                  const std::vector<int>& bits, const LayerShape& s, int offset, bool causal) {
+                  const std::vector<int>& bits, const std::vector<int>& packed, const LayerShape& s, int offset,
+                  bool causal) {
     const mx::array& h = in[0];
     const int B = h.shape(0), L = h.shape(1), D = h.shape(2), M = B * L;
     const int H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
@@ -127,7 +129,7 @@ class NativeDecoderLayer : public mx::Primitive {
       std::vector<RowsTarget> targets;
       for (auto [p, y] : projections) {
         const int i = kFirstProjection + 3 * p;
-        targets.push_back(RowsTarget{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], y});
+        targets.push_back(RowsTarget{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], packed[p] != 0, y});
       }
       quantized_matmul_rows(x, M, targets);
     };
@@ -213,7 +215,7 @@ class NativeDecoderLayer : public mx::Primitive {
     for (size_t j = 0; j < h1.size(); ++j) y[j] = h1[j] + y[j];
   }
 
-  std::vector<int> group_sizes_, bits_;
+  std::vector<int> group_sizes_, bits_, packed_;
   LayerShape shape_;
   int offset_;
   bool causal_;
@@ -231,8 +233,8 @@ mx::array rope_inv_freqs(int dims, float base) {
 
 std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
                                      const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal,
-                                     const mx::array& left_padding) {
+                                     const std::vector<int>& bits, const std::vector<int>& packed,
+                                     const LayerShape& shape, int offset, bool causal, const mx::array& left_padding) {
   check_float32(h, "h");
   check_float32(keys, "keys");
   check_float32(values, "values");
@@ -260,7 +262,7 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
   }
   for (int p = 0; p < kProjections; ++p) {
     const auto& w = weights[3 + 3 * p];
-    check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p]);
+    check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p], packed[p] != 0);
     for (int j = 0; j < 3; ++j) inputs.push_back(dense(weights[3 + 3 * p + j], s));
   }
   const int qkv_rows[3] = {shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim,
@@ -275,9 +277,8 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
   }
   inputs.push_back(dense(left_padding, s));
   auto shapes = std::vector<mx::Shape>{h.shape(), keys.shape(), values.shape()};
-  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<NativeDecoderLayer>(s, group_sizes, bits, shape, offset, causal),
-                                inputs);
+  auto op = std::make_shared<NativeDecoderLayer>(s, group_sizes, bits, packed, shape, offset, causal);
+  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, std::move(op), inputs);
 }
 
 }  // namespace mlxchat

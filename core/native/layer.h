@@ -28,7 +28,7 @@ struct LayerShape {
 // left_padding[r] on.
 // weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
 // (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
-// group_sizes / bits: the 7 projections'.
+// group_sizes / bits / packed: the 7 projections' (packed: pack_int8_weights's layout, x rounded to int8).
 // Computes what mlx-lm's llama and qwen2 TransformerBlocks compute, in fp32, with the native matmul, attention and
 // SwiGLU kernels; `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
 // mx.fast.rope's frequencies [dims / 2] for `base`, by the very ops its CPU fallback composes (so they are equal).
@@ -36,7 +36,7 @@ mx::array rope_inv_freqs(int dims, float base);
 
 std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
                                      const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                                     const std::vector<int>& bits, const LayerShape& shape, int offset, bool causal,
-                                     const mx::array& left_padding);
+                                     const std::vector<int>& bits, const std::vector<int>& packed,
+                                     const LayerShape& shape, int offset, bool causal, const mx::array& left_padding);
 
 }  // namespace mlxchat

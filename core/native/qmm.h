@@ -16,10 +16,20 @@ namespace mx = mlx::core;
 bool cpu_supported();
 std::string cpu_unsupported_reason();
 
+// Whether the int8-activation matmul (packed weights) can run here: AVX-512F/BW and AVX512-VNNI; if not, why.
+bool int8_supported();
+std::string int8_unavailable_reason();
+
 // x @ dequantize(w, scales, biases).T for MLX's affine format (w as mx.quantize returns it), computed in fp32.
 // x may have any shape [..., K], dtype and strides; the result has x's shape with K replaced by N, in x's float dtype.
+// `packed`: w, scales and biases come from pack_int8_weights, and x is rounded to int8 per block of 32 (opt-in).
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits);
+                           int group_size, int bits, bool packed = false);
+
+// (w, scales, biases) repacked for the int8-activation matmul: the same shapes, dtypes and bytes, reordered into
+// tiles of 16 output rows (N must be a multiple of 16). Computed now.
+std::vector<mx::array> pack_int8_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                         int group_size, int bits);
 
 // One matrix of a quantized_matmul_rows job: y[M, N] = x @ dequantize(w).T; w, scales and biases evaluated, dense.
 struct RowsTarget {
@@ -27,6 +37,7 @@ struct RowsTarget {
   const mx::array* scales;
   const mx::array* biases;
   int group_size, bits;
+  bool packed;  // pack_int8_weights's layout: x is rounded to int8
   float* y;
 };
 // Every target's rows for the same dense fp32 rows x [M, K], computed now on the calling thread and the pool, as one
@@ -40,7 +51,9 @@ void layer_attention(const AttentionArgs& a);
 // fn(0) .. fn(pieces - 1) on the calling thread and the pool, for the other parts of a fused layer's task; the
 // helpers linger between such jobs as between the layer's matmuls.
 void parallel_pieces(int pieces, const std::function<void(int)>& fn);
-void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
+// Throws std::invalid_argument (or runtime_error where the CPU cannot) naming what does not fit.
+void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                   bool packed = false);
 
 // The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel.
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
