@@ -6,7 +6,9 @@
 - all of one token's weight GEMVs (the model's 211 matmuls, M=1) timed alone: native with 1 and 2 threads, fp32
   BLAS, and the per-token breakdown (matmuls vs everything else);
 - the prefill crossover: the kernel vs dequantize-then-BLAS over one layer at growing row counts;
-- a synthetic ~1B-parameter llama GGUF (Q4_0, random weights, written here) loaded and decoded on both paths.
+- a synthetic ~1B-parameter llama GGUF (Q4_0, random weights, written here) loaded and decoded on both paths;
+- the opt-in int8-activation path (weights="native-int8", where the CPU has AVX512-VNNI) in the same decode rows,
+  beside llama.cpp on the same GGUF when llama-cpp-python is installed, and its drift from the exact native path.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from mlxchat.core.gguf_writer import TYPE_IDS, write_gguf
 
 from . import prompts
 from .stats import median
-from .systems import GREEDY, EngineRunner, MlxLmRunner
+from .systems import DEFAULT_LLAMA_THREADS, GREEDY, EngineRunner, MlxLmRunner, make_llama_cpp
 
 DECODE_VS_MLX_LM_FP32 = 3.0
 MEMORY_VS_GGUF = 1.3
+INT8_VS_LLAMA_CPP = 1.0  # issue 24: decode at llama.cpp's speed; its int8 path is the like-for-like arithmetic
+DRIFT_PROMPTS = 8  # chat questions the int8 path's drift is measured on
+DRIFT_TOKENS = 48  # the exact path's greedy reply to each, fed to both paths
 
 def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01) -> bytes:
     """Random quantized blocks: random integer codes, fp16 scale ``scale`` (and min -8*scale for Q4_1)."""
@@ -186,12 +191,12 @@ class MlxOpLayersRunner(EngineRunner):
 
 
 def decode_compare(native_engine: Any, fp32_engine: Any, lengths: tuple[int, ...], max_tokens: int,
-                   repeats: int) -> list[dict[str, Any]]:
+                   repeats: int, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Interleaved repeats of: mlxchat native (fused layers), the same with MLX-op layers, mlxchat fp32, mlx-lm
-    stream_generate on the fp32 model."""
+    stream_generate on the fp32 model, and the `extra` runners by name (native-int8, llama.cpp)."""
     runners = {"mlxchat native": EngineRunner(native_engine),
                "mlxchat native, MLX-op layers": MlxOpLayersRunner(native_engine),
-               "mlxchat fp32": EngineRunner(fp32_engine), "mlx-lm fp32": MlxLmRunner(fp32_engine)}
+               "mlxchat fp32": EngineRunner(fp32_engine), "mlx-lm fp32": MlxLmRunner(fp32_engine)} | (extra or {})
     rows = []
     for n in lengths:
         messages, ids = prompts.exact_prompt(native_engine.model.tokenizer, n)
@@ -222,6 +227,44 @@ def per_token_breakdown(engine: Any, tokens: int, runner: EngineRunner | None = 
     step = runs[tokens][1]["tpot_s"] * 1e3
     matmuls = (runs[tokens][0] - runs[1][0]) / (tokens - 1) * 1e3
     return {"step": step, "matmuls": matmuls, "everything_else": step - matmuls}
+
+
+def _logprobs(engine: Any, ids: list[int]) -> np.ndarray:
+    """log-softmax of the model's logits at every position of ``ids`` (one forward pass, no cache), float64."""
+    import mlx.core as mx
+
+    def job() -> np.ndarray:
+        logits = engine.model.model(mx.array(ids)[None])[0].astype(mx.float32)
+        return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), dtype=np.float64)
+
+    return engine.run(job)
+
+
+def int8_drift(exact: Any, int8: Any, n_prompts: int = DRIFT_PROMPTS, tokens: int = DRIFT_TOKENS) -> dict[str, Any]:
+    """How far weights="native-int8" moves from the exact native path, on the bench's chat questions:
+    - teacher-forced: the exact path's greedy reply fed to both; at each reply position, whether the two pick the
+      same next token (top-1 agreement), and KL(exact || int8) of their next-token distributions (nats);
+    - free-running: how many greedy tokens each path generates before the first that differs (the whole reply when
+      none does)."""
+    from mlxchat.core import SamplingProfile
+
+    greedy = SamplingProfile(temperature=0.0)
+    agree, kl, leads = [], [], []
+    for question in prompts.CHAT_QUESTIONS[:n_prompts]:
+        messages = [{"role": "user", "content": question}]
+        ids = exact.model.tokenizer.encode_chat(messages)
+        a = exact.generate(messages, profile=greedy, max_tokens=tokens).token_ids
+        b = int8.generate(messages, profile=greedy, max_tokens=tokens).token_ids
+        leads.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+        seq = ids + list(a)
+        p, q = _logprobs(exact, seq)[len(ids) - 1:-1], _logprobs(int8, seq)[len(ids) - 1:-1]
+        agree += list(p.argmax(-1) == q.argmax(-1))
+        kl += list((np.exp(p) * (p - q)).sum(-1))
+    return {"prompts": n_prompts, "reply_tokens": tokens, "positions": len(agree),
+            "top1_agreement": float(np.mean(agree)), "kl_mean": float(np.mean(kl)),
+            "kl_p99": float(np.quantile(kl, 0.99)),
+            "kl_max": float(np.max(kl)), "same_greedy_tokens_median": float(np.median(leads)),
+            "same_greedy_tokens": leads}
 
 
 def _active_after_load(load: Callable[[], Any]) -> tuple[Any, int]:
@@ -261,9 +304,11 @@ def synthetic_case(layers: int, tokens: int) -> dict[str, Any]:
     return out
 
 
-def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32: Any = None) -> dict[str, Any]:
+def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32: Any = None,
+                llama_threads: int = DEFAULT_LLAMA_THREADS) -> dict[str, Any]:
     """The whole section. ``engine`` is the bench's engine; the native model is loaded here (its memory is measured),
-    and the fp32 one too unless ``fp32`` (an engine on the same file with weights=dequantize) is given."""
+    and the fp32 one too unless ``fp32`` (an engine on the same file with weights=dequantize) is given. The int8
+    path and llama.cpp join the decode rows where they can run."""
     from mlxchat.core import Engine, native
 
     if not native.available():
@@ -274,11 +319,22 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32
     own_fp32 = fp32 is None
     if own_fp32:
         fp32 = Engine.load(source, weights="dequantize")
+    int8, int8_active = (_active_after_load(lambda: Engine.load(source, weights="native-int8"))
+                         if native.int8_available() else (None, 0))
+    lengths = (32, 512)
+    llama, llama_why = make_llama_cpp(source, sorted(own.model.tokenizer.eos_ids), max(lengths) + max_tokens + 64,
+                                      llama_threads)
+    extra = ({"mlxchat native-int8": EngineRunner(int8)} if int8 else {}) | ({"llama.cpp": llama} if llama else {})
     try:
         out: dict[str, Any] = {"available": True, "weights_path": own.model.weights_path,
                                "active_bytes_after_load": active, "gguf_bytes": gguf_bytes,
                                "memory_vs_gguf": active / gguf_bytes if gguf_bytes else None}
-        out["decode"] = decode_compare(own, fp32, (32, 512), max_tokens, repeats)
+        out["int8"] = ({"weights_path": int8.model.weights_path, "active_bytes_after_load": int8_active}
+                       if int8 else {"unavailable": native.int8_unavailable_reason()})
+        out["llama_cpp"] = "ran" if llama else llama_why
+        out["decode"] = decode_compare(own, fp32, lengths, max_tokens, repeats, extra)
+        if int8:
+            out["int8"]["drift"] = int8_drift(own, int8, 4 if quick else DRIFT_PROMPTS)
         out["gemv"] = gemv_breakdown(own, 3 if quick else 7)
         out["per_token_ms"] = per_token_breakdown(own, max_tokens)
         out["per_token_ms_mlx_op_layers"] = per_token_breakdown(own, max_tokens, runner=MlxOpLayersRunner(own))
@@ -289,6 +345,10 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32
         own.close()
         if own_fp32:
             fp32.close()
+        if int8:
+            int8.close()
+        if llama:
+            llama.close()
     out["synthetic"] = synthetic_case(4 if quick else 16, 8 if quick else 16)
     return out
 
@@ -317,7 +377,17 @@ def native_targets(section: dict[str, Any] | None) -> list[dict[str, Any]]:
     syn = section.get("synthetic") or {}
     syn_ok = bool(syn.get("native", {}).get("decode_tokens_per_s")) and bool(syn.get("fp32", {}).get(
         "decode_tokens_per_s"))
-    return [
+    int8_targets = []
+    if any(r["system"] == "mlxchat native-int8" for r in rows) and any(r["system"] == "llama.cpp" for r in rows):
+        vs = {n: get("mlxchat native-int8", n, "decode_tokens_per_s") / get("llama.cpp", n, "decode_tokens_per_s")
+              for n in lengths}
+        drift = section["int8"]["drift"]
+        int8_targets.append(target(
+            f"native-int8 (opt-in) decode >= {INT8_VS_LLAMA_CPP:g}x llama.cpp (every prompt length)",
+            min(vs.values()), INT8_VS_LLAMA_CPP, min(vs.values()) >= INT8_VS_LLAMA_CPP,
+            ", ".join(f"{n}: {v:.2f}x" for n, v in vs.items())
+            + f"; drift: top-1 {drift['top1_agreement']:.1%}, KL {drift['kl_mean']:.4f}", "x"))
+    return int8_targets + [
         target(f"native decode >= {DECODE_VS_MLX_LM_FP32:g}x mlx-lm fp32 (every prompt length)", min(speed.values()),
                DECODE_VS_MLX_LM_FP32, min(speed.values()) >= DECODE_VS_MLX_LM_FP32,
                ", ".join(f"{n}: {v:.2f}x" for n, v in speed.items()), "x"),
@@ -350,6 +420,13 @@ def summary_lines(section: dict[str, Any] | None) -> list[str]:
     if q := section.get("per_token_ms_mlx_op_layers"):
         out.append(f"  with MLX-op layers: {q['step']:.1f} ms = native ops {q['matmuls']:.1f} + everything else "
                    f"{q['everything_else']:.1f}")
+    if d := (section.get("int8") or {}).get("drift"):
+        out.append(f"  native-int8 drift from native ({d['prompts']} chat questions, {d['positions']} reply positions "
+                   f"teacher-forced): top-1 agreement {d['top1_agreement']:.1%}, KL mean {d['kl_mean']:.4f} / p99 "
+                   f"{d['kl_p99']:.4f} / max {d['kl_max']:.3f} nats; same greedy tokens before the first "
+                   f"difference: median {d['same_greedy_tokens_median']:.0f} of {d['reply_tokens']}")
+    elif why := (section.get("int8") or {}).get("unavailable"):
+        out.append(f"  native-int8: not run ({why})")
     out.append("  prefill, one layer (kernel vs dequantize+BLAS): " + ", ".join(
         f"M={r['rows']}: {r['kernel_ms']:.1f}/{r['dequant_blas_ms']:.1f} ms" for r in section["prefill"]))
     if section.get("active_bytes_after_load") is not None and section.get("gguf_bytes"):

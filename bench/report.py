@@ -36,7 +36,12 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
       "formats": [{"format": "fp32" | "bf16" | "fp16" | "q8" | "q4", "bytes_per_token", "gemv_s", "gemv_s_min",
                    "ceiling_tokens_per_s", "effective_bytes_per_s", "bandwidth_ceiling_tokens_per_s"}],
       "native": {"available", "reason" | "weights_path", "active_bytes_after_load", "gguf_bytes", "memory_vs_gguf",
-                 "decode": [{"system", "prompt_tokens", "decode_tokens_per_s", "ttft_s", "repeats"}],
+                 "int8": {"weights_path", "active_bytes_after_load", "drift": {"prompts", "reply_tokens", "positions",
+                          "top1_agreement", "kl_mean", "kl_p99", "kl_max", "same_greedy_tokens_median",
+                          "same_greedy_tokens"}} | {"unavailable": WHY},
+                 "llama_cpp": "ran" | WHY NOT,
+                 "decode": [{"system", "prompt_tokens", "decode_tokens_per_s", "ttft_s", "repeats"}] (systems: mlxchat
+                            native, ..., MLX-op layers, mlxchat fp32, mlx-lm fp32, mlxchat native-int8, llama.cpp),
                  "gemv": {"native_1_thread", "native_2_threads", "fp32_blas", "native_ms", "matmuls", "threads"},
                  "per_token_ms": {"step", "matmuls", "everything_else"}, "per_token_ms_mlx_op_layers": (the same),
                  "decode_path": "decode: 30/30 layers fused" | "",

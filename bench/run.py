@@ -313,7 +313,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     if cfg.native and "native" not in cfg.skip:
         log("native kernel: decode vs fp32 and mlx-lm, GEMVs, prefill crossover, memory, synthetic llama")
         native = _guard(errors, "native", N.native_case, engine, quick=cfg.quick, max_tokens=cfg.max_tokens,
-                        repeats=cfg.repeats, fp32=peer if peer is not engine else None)
+                        repeats=cfg.repeats, fp32=peer if peer is not engine else None,
+                        llama_threads=cfg.llama_threads)
         if native is not None:
             native["targets"] = N.native_targets(native)
     kv = None
