@@ -7,7 +7,7 @@
   BLAS, and the per-token breakdown (matmuls vs everything else);
 - the prefill crossover: the kernel vs dequantize-then-BLAS over one layer at growing row counts;
 - a synthetic ~1B-parameter llama GGUF (Q4_0, random weights, written here) loaded and decoded on both paths;
-- the opt-in int8-activation path (weights="native-int8", where the CPU has AVX512-VNNI) in the same decode rows,
+- the opt-in int8-activation path (weights="native-int8") in the same decode rows,
   beside llama.cpp on the same GGUF when llama-cpp-python is installed, and its drift from the exact native path.
 """
 
@@ -319,22 +319,19 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32
     own_fp32 = fp32 is None
     if own_fp32:
         fp32 = Engine.load(source, weights="dequantize")
-    int8, int8_active = (_active_after_load(lambda: Engine.load(source, weights="native-int8"))
-                         if native.int8_available() else (None, 0))
+    int8, int8_active = _active_after_load(lambda: Engine.load(source, weights="native-int8"))
     lengths = (32, 512)
     llama, llama_why = make_llama_cpp(source, sorted(own.model.tokenizer.eos_ids), max(lengths) + max_tokens + 64,
                                       llama_threads)
-    extra = ({"mlxchat native-int8": EngineRunner(int8)} if int8 else {}) | ({"llama.cpp": llama} if llama else {})
+    extra = {"mlxchat native-int8": EngineRunner(int8)} | ({"llama.cpp": llama} if llama else {})
     try:
         out: dict[str, Any] = {"available": True, "weights_path": own.model.weights_path,
                                "active_bytes_after_load": active, "gguf_bytes": gguf_bytes,
                                "memory_vs_gguf": active / gguf_bytes if gguf_bytes else None}
-        out["int8"] = ({"weights_path": int8.model.weights_path, "active_bytes_after_load": int8_active}
-                       if int8 else {"unavailable": native.int8_unavailable_reason()})
+        out["int8"] = {"weights_path": int8.model.weights_path, "active_bytes_after_load": int8_active}
         out["llama_cpp"] = "ran" if llama else llama_why
         out["decode"] = decode_compare(own, fp32, lengths, max_tokens, repeats, extra)
-        if int8:
-            out["int8"]["drift"] = int8_drift(own, int8, 4 if quick else DRIFT_PROMPTS)
+        out["int8"]["drift"] = int8_drift(own, int8, 4 if quick else DRIFT_PROMPTS)
         out["gemv"] = gemv_breakdown(own, 3 if quick else 7)
         out["per_token_ms"] = per_token_breakdown(own, max_tokens)
         out["per_token_ms_mlx_op_layers"] = per_token_breakdown(own, max_tokens, runner=MlxOpLayersRunner(own))
@@ -345,8 +342,7 @@ def native_case(engine: Any, *, quick: bool, max_tokens: int, repeats: int, fp32
         own.close()
         if own_fp32:
             fp32.close()
-        if int8:
-            int8.close()
+        int8.close()
         if llama:
             llama.close()
     out["synthetic"] = synthetic_case(4 if quick else 16, 8 if quick else 16)
@@ -425,8 +421,6 @@ def summary_lines(section: dict[str, Any] | None) -> list[str]:
                    f"teacher-forced): top-1 agreement {d['top1_agreement']:.1%}, KL mean {d['kl_mean']:.4f} / p99 "
                    f"{d['kl_p99']:.4f} / max {d['kl_max']:.3f} nats; same greedy tokens before the first "
                    f"difference: median {d['same_greedy_tokens_median']:.0f} of {d['reply_tokens']}")
-    elif why := (section.get("int8") or {}).get("unavailable"):
-        out.append(f"  native-int8: not run ({why})")
     out.append("  prefill, one layer (kernel vs dequantize+BLAS): " + ", ".join(
         f"M={r['rows']}: {r['kernel_ms']:.1f}/{r['dequant_blas_ms']:.1f} ms" for r in section["prefill"]))
     if section.get("active_bytes_after_load") is not None and section.get("gguf_bytes"):

@@ -38,7 +38,7 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
       "native": {"available", "reason" | "weights_path", "active_bytes_after_load", "gguf_bytes", "memory_vs_gguf",
                  "int8": {"weights_path", "active_bytes_after_load", "drift": {"prompts", "reply_tokens", "positions",
                           "top1_agreement", "kl_mean", "kl_p99", "kl_max", "same_greedy_tokens_median",
-                          "same_greedy_tokens"}} | {"unavailable": WHY},
+                          "same_greedy_tokens"}},
                  "llama_cpp": "ran" | WHY NOT,
                  "decode": [{"system", "prompt_tokens", "decode_tokens_per_s", "ttft_s", "repeats"}] (systems: mlxchat
                             native, ..., MLX-op layers, mlxchat fp32, mlx-lm fp32, mlxchat native-int8, llama.cpp),

@@ -30,7 +30,7 @@ def supports(module: nn.Module) -> bool:
 
 
 def _packable(module: nn.Module) -> bool:
-    return native.int8_available() and module["weight"].shape[0] % 16 == 0
+    return module["weight"].shape[0] % 16 == 0
 
 
 def _matmul(x: mx.array, layer: nn.Module, prefix: str = "") -> mx.array:
@@ -91,8 +91,7 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
 
 def use_native(model: nn.Module, int8: bool = False) -> int:
     """Replace the model's supported quantized layers in place; returns how many were replaced. `int8`: with packed
-    weights and int8 activations where `native.int8_available()` and the layer's rows are a multiple of 16 (the rest
-    keep the fp32 kernel)."""
+    weights and int8 activations where the layer's rows are a multiple of 16 (the rest keep the fp32 kernel)."""
     swaps = []
     for path, module in model.named_modules():
         if supports(module):

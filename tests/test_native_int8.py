@@ -4,6 +4,11 @@ path on the embedded model."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,7 +16,7 @@ import pytest
 from mlxchat.bench.native import int8_drift
 from mlxchat.core import Engine, loader, native
 from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
-from tests.markers import needs_int8
+from tests.markers import needs_native
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -30,7 +35,7 @@ def _rounded(x: np.ndarray) -> np.ndarray:
     return (np.rint(blocks * inv) * d.astype(np.float64)).reshape(x.shape)
 
 
-@needs_int8
+@needs_native
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32, mx.bfloat16])
@@ -50,7 +55,7 @@ def test_packed_matmul_is_the_weights_times_x_rounded_to_int8(bits: int, group_s
         assert np.abs(np.array(y) - exact).max() < 0.02 * np.abs(exact).max()
 
 
-@needs_int8
+@needs_native
 def test_each_packed_row_equals_that_row_alone_bit_for_bit():
     # A verify pass and the server's batch on weights="native-int8" still equal single steps.
     _, packed = _packed(320, 576, 32, 4, mx.float16)
@@ -61,7 +66,22 @@ def test_each_packed_row_equals_that_row_alone_bit_for_bit():
         np.testing.assert_array_equal(together[i:i + 1], alone)
 
 
-@needs_int8
+@needs_native
+def test_the_avx2_int8_kernel_too_where_vnni_runs():
+    """CPUs without AVX512-VNNI run the AVX2 kernel (chosen once per process): checked in a process of its own."""
+    if native.int8_kernel_name() != "avx512-vnni":
+        pytest.skip("this CPU runs the AVX2 int8 kernel: the tests above check it")
+    env = {**os.environ, "MLXCHAT_NATIVE_ISA": "avx2"}
+    code = ("from mlxchat.core import native; assert native.int8_kernel_name() == 'avx2';"
+            "import tests.test_native_int8 as t, mlx.core as mx;"
+            "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(4, 32, mx.float16);"
+            "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 64, mx.bfloat16);"
+            "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 128, mx.float32);"
+            "t.test_each_packed_row_equals_that_row_alone_bit_for_bit()")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).parent.parent)
+
+
+@needs_native
 def test_packing_needs_rows_in_sixteens_and_says_so():
     w, s, b = mx.quantize(mx.random.normal((24, 64)), group_size=32, bits=4)
     with pytest.raises(ValueError, match="multiple of 16 output rows, got 24"):
@@ -84,10 +104,10 @@ def int8_engine():
         yield e
 
 
-@needs_int8
+@needs_native
 def test_native_int8_packs_every_layer_and_names_its_path(int8_engine: Engine):
     m = int8_engine.model
-    assert m.weights_path.startswith("native q4/q8 (avx512-vnni, int8 activations, ")
+    assert m.weights_path.startswith(f"native-int8 q4/q8 ({native.int8_kernel_name()}, ")
     assert "decode: 30/30 layers fused" in int8_engine.decode_path()
     layers = [mod for _, mod in m.model.named_modules() if isinstance(mod, NativeQuantizedLinear)]
     assert len(layers) == 30 * 7 and all(mod.packed for mod in layers)
@@ -104,7 +124,16 @@ def int8_embedding_matches(embedding: NativeQuantizedEmbedding) -> bool:
     return bool(mx.array_equal(embedding(ids), plain).item())
 
 
-@needs_int8
+@needs_native
+def test_native_int8_keeps_its_own_kv_caches_on_disk(engine: Engine, int8_engine: Engine):
+    # Its keys and values are not the exact path's: a cache saved by one must not be loaded by the other.
+    from mlxchat.core.backend import KVOptions
+    from mlxchat.core.kv_store import fingerprint
+
+    assert fingerprint(engine.model, KVOptions()) != fingerprint(int8_engine.model, KVOptions())
+
+
+@needs_native
 def test_native_int8_stays_near_the_exact_path(engine: Engine, int8_engine: Engine):
     # Measured here: top-1 agreement ~95%, KL ~0.003 nats (llama.cpp, rounding x the same way: ~96%, ~0.003).
     # A kernel or packing fault puts KL in whole nats and agreement near 0. The replies are decoded on the fused

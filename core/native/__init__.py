@@ -71,20 +71,10 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed)
 
 
-def int8_available() -> bool:
-    """Whether the int8-activation matmul (weights="native-int8") can run here: the native ops and AVX512-VNNI."""
-    return available() and _ext.int8_supported()  # type: ignore[union-attr]
-
-
-def int8_unavailable_reason() -> str:
-    """Why `int8_available()` is False ("" when it is True)."""
-    return unavailable_reason() or _ext.int8_unavailable_reason()  # type: ignore[union-attr]
-
-
 def pack_int8_weights(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                       bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """``(w, scales, biases)`` reordered for the int8-activation matmul: the same shapes, dtypes and bytes, in tiles
-    of 16 output rows (the row count must be a multiple of 16), so one VNNI instruction serves 16 outputs."""
+    of 16 output rows (the row count must be a multiple of 16), so one integer dot instruction serves 16 outputs."""
     return tuple(_module().pack_int8_weights(w, scales, biases, group_size=group_size, bits=bits))  # type: ignore
 
 
@@ -161,6 +151,12 @@ def kernel_name() -> str:
     """Which matmul kernel runs here ("avx512" where the CPU has AVX-512F, else "avx2"; MLXCHAT_NATIVE_ISA=avx2
     keeps the AVX2 one)."""
     return _module().kernel_name()
+
+
+def int8_kernel_name() -> str:
+    """Which int8-activation kernel runs for weights="native-int8" ("avx512-vnni" where the CPU has AVX512-VNNI,
+    else "avx2"; MLXCHAT_NATIVE_ISA=avx2 keeps the AVX2 one)."""
+    return _module().int8_kernel_name()
 
 
 def kernel_seconds() -> float:

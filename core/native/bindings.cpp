@@ -19,8 +19,7 @@ NB_MODULE(_ext, m) {
         "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format); packed: int8 x, packed weights.");
   m.def("pack_int8_weights", &mlxchat::pack_int8_weights, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "[w, scales, biases] in the int8-activation matmul's tiles of 16 rows.");
-  m.def("int8_supported", &mlxchat::int8_supported);
-  m.def("int8_unavailable_reason", &mlxchat::int8_unavailable_reason);
+  m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "The fp32 weight [N, K] of an affine-quantized one.");
   m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,

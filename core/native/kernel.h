@@ -51,8 +51,10 @@ struct PackedMatmulArgs {
   float* y;  // [M, N]
   int M, N, K, group_size, bits;
 };
-// Tiles [t0, t1) (rows 16 * t0 .. 16 * t1 of y) for every row of x. Needs AVX-512F/BW and AVX512-VNNI.
+// Tiles [t0, t1) (rows 16 * t0 .. 16 * t1 of y) for every row of x. Needs AVX-512F/BW and AVX512-VNNI; the AVX2
+// one computes the same integer sums (and the same float steps per row, on 8 lanes) without them.
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
+void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
 
 // MLX's row-major w [N, K * bits / 8 bytes] and scales/biases [N, G] (`param_bytes` each) in the packed layout, N a
 // multiple of 16. 4 bits: each block's 256 bytes are 4 runs of 64 for k-steps s = 0..3 (4 consecutive k of the 16

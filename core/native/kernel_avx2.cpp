@@ -1,5 +1,5 @@
-// AVX2/FMA/F16C kernels: the quantized matmul (its row loop in kernel_rows.h), dequantization, softmax, attention,
-// SwiGLU and the nucleus passes.
+// AVX2/FMA/F16C kernels: the quantized matmul (its row loop in kernel_rows.h), the int8-activation one on packed
+// weights, dequantization, softmax, attention, SwiGLU and the nucleus passes.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -173,6 +173,86 @@ struct Avx2 {
   }
 };
 
+// The int8-activation matmul on packed weights (kernel.h) for CPUs without VNNI: VPMADDUBSW + VPMADDWD do what one
+// VPDPBUSD does, on 8 rows at a time (each 16-row tile in two halves). Codes are split in nibbles so that no pair of
+// products can saturate VPMADDUBSW's int16 (2 * 15 * 127 < 32767; a whole 8-bit code would not fit).
+inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(v));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <int BITS, int MT, ScaleType ST>
+void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
+  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
+  const size_t tile_bytes = size_t(K / 32) * block_bytes;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int t = t0; t < t1; ++t) {
+    for (int half = 0; half < 2; ++half) {  // rows 0-7 of the tile are the first 32 bytes of each run of 64
+      const uint8_t* wt = a.w + size_t(t) * tile_bytes + 32 * half;
+      __m256 out[MT];
+      for (int i = 0; i < MT; ++i) out[i] = _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) {
+        __m256 group[MT];
+        for (int b = 0; b < blocks_per_group; ++b) {
+          const int blk = g * blocks_per_group + b;
+          const uint8_t* wb = wt + size_t(blk) * block_bytes;
+          __m256i lo[MT], hi[MT];
+          for (int i = 0; i < MT; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+          for (int s = 0; s < block_bytes / 64; ++s) {  // runs of 64 bytes: 4 (4 bits) or 8 (8 bits)
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s));
+            const __m256i wl = _mm256_and_si256(v, nibble), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int i = 0; i < MT; ++i) {
+              const int8_t* xp = a.xq + size_t(m0 + i) * K + size_t(blk) * 32;
+              // 4 bits: the high nibbles are k-steps 4..7; 8 bits: they are the same k-step's high halves.
+              lo[i] = dot4(lo[i], wl, xp + 4 * s);
+              hi[i] = dot4(hi[i], wh, xp + (BITS == 4 ? 16 : 0) + 4 * s);
+            }
+          }
+          for (int i = 0; i < MT; ++i) {
+            const __m256i sum = BITS == 4 ? _mm256_add_epi32(lo[i], hi[i])
+                                          : _mm256_add_epi32(lo[i], _mm256_slli_epi32(hi[i], 4));
+            const __m256 f = _mm256_cvtepi32_ps(sum);
+            const __m256 d = _mm256_set1_ps(a.xd[size_t(m0 + i) * (K / 32) + blk]);
+            group[i] = b == 0 ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, group[i]);
+          }
+        }
+        const size_t p = (size_t(t) * G + g) * kPackedTile + 8 * half;
+        const __m256 sv = Avx2::params<ST>(a.scales, p), bv = Avx2::params<ST>(a.biases, p);
+        for (int i = 0; i < MT; ++i) {
+          out[i] = _mm256_fmadd_ps(group[i], sv, out[i]);
+          out[i] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.xsum[size_t(m0 + i) * G + g]), out[i]);
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        _mm256_storeu_ps(a.y + size_t(m0 + i) * a.N + size_t(t) * kPackedTile + 8 * half, out[i]);
+      }
+    }
+  }
+}
+
+template <int BITS, ScaleType ST>
+void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
+  constexpr int chunk = 2;  // tiles that stay in L1 while every pair of rows of x passes over them
+  for (int c0 = t0; c0 < t1; c0 += chunk) {
+    const int c1 = std::min(c0 + chunk, t1);
+    int m = 0;
+    for (; a.M - m >= 2; m += 2) packed_tile<BITS, 2, ST>(a, c0, c1, m);
+    if (m < a.M) packed_tile<BITS, 1, ST>(a, c0, c1, m);
+  }
+}
+
+template <int BITS>
+void packed_of_type(const PackedMatmulArgs& a, int t0, int t1) {
+  switch (a.scale_type) {
+    case ScaleType::f32: packed_rows<BITS, ScaleType::f32>(a, t0, t1); break;
+    case ScaleType::f16: packed_rows<BITS, ScaleType::f16>(a, t0, t1); break;
+    case ScaleType::bf16: packed_rows<BITS, ScaleType::bf16>(a, t0, t1); break;
+  }
+}
+
 template <int BITS>
 void dequant(const DequantArgs& a, int n0, int n1) {
   thread_local std::vector<float> params;
@@ -223,6 +303,14 @@ inline double hsum_pd(__m256d lo, __m256d hi) {
 
 void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1) {
   matmul_rows<Avx2>(a, n0, n1);
+}
+
+void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1) {
+  if (a.bits == 4) {
+    packed_of_type<4>(a, t0, t1);
+  } else {
+    packed_of_type<8>(a, t0, t1);
+  }
 }
 
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1) {

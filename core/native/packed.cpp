@@ -1,5 +1,5 @@
 // The int8-activation matmul's data preparation (plain C++: it runs once at load, or once per call over M * K
-// values): the weights' repacking and x's quantization. The kernel itself is kernel_vnni.cpp.
+// values): the weights' repacking and x's quantization. The kernels are kernel_vnni.cpp and kernel_avx2.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -108,6 +108,19 @@ RowsKernel rows_kernel() {
   return kernel;
 }
 
+using PackedKernel = void (*)(const PackedMatmulArgs&, int, int);
+
+// The int8-activation kernel: VNNI where the CPU has it, else AVX2 (MLXCHAT_NATIVE_ISA=avx2 keeps AVX2, as for the
+// fp32 kernel). Chosen once per process, for the same reason.
+PackedKernel packed_kernel() {
+  static const PackedKernel kernel = [] {
+    const char* isa = std::getenv("MLXCHAT_NATIVE_ISA");
+    const bool avx2_asked = isa != nullptr && std::string(isa) == "avx2";
+    return vnni_supported() && !avx2_asked ? &qmm_packed_rows_vnni : &qmm_packed_rows_avx2;
+  }();
+  return kernel;
+}
+
 // Rows per chunk: ~256k weights, a multiple of 16. Smaller chunks (64k) made 2 threads slower than 1 on the 211
 // GEMVs of a token (25 vs 15 ms): the small matrices were split into pieces too short to be worth a hand-off.
 int chunk_rows(int K) {
@@ -128,7 +141,6 @@ ScaleType scale_type(mx::Dtype t) {
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                    bool packed) {
   if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
-  if (packed && !int8_supported()) throw std::runtime_error(int8_unavailable_reason());
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8, got " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
@@ -228,8 +240,9 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
         const Int8Rows xr(plain_x(x).data(), M, K, group_size);
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const int tiles = rows / kPackedTile;  // chunk_rows is a multiple of 16
+        const PackedKernel kernel = packed_kernel();
         parallel_for(chunks, [&](int c) {
-          qmm_packed_rows_vnni(a, c * tiles, std::min(N / kPackedTile, (c + 1) * tiles));
+          kernel(a, c * tiles, std::min(N / kPackedTile, (c + 1) * tiles));
         });
         return;
       }
@@ -327,14 +340,8 @@ std::string cpu_unsupported_reason() {
 #endif
 }
 
-bool int8_supported() {
-  static const bool supported = cpu_supported() && vnni_supported();
-  return supported;
-}
-
-std::string int8_unavailable_reason() {
-  if (!cpu_supported()) return cpu_unsupported_reason();
-  return int8_supported() ? "" : "int8 activations need AVX512-VNNI (with AVX-512F/BW), which this CPU lacks";
+std::string int8_kernel_name() {
+  return packed_kernel() == &qmm_packed_rows_vnni ? "avx512-vnni" : "avx2";
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -433,12 +440,13 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
     jobs.push_back(job);
   }
   const RowsKernel kernel = rows_kernel();
+  const PackedKernel packed = packed_kernel();
   parallel_pieces(int(pieces.size()), [&](int p) {
     const auto [i, c] = pieces[p];
     const Job& job = jobs[i];
     const int u0 = int(int64_t(job.units) * c / job.pieces), u1 = int(int64_t(job.units) * (c + 1) / job.pieces);
     if (job.is_packed) {
-      qmm_packed_rows_vnni(job.packed, u0, u1);
+      packed(job.packed, u0, u1);
     } else {
       kernel(job.plain, u0, u1);
     }

@@ -16,9 +16,8 @@ namespace mx = mlx::core;
 bool cpu_supported();
 std::string cpu_unsupported_reason();
 
-// Whether the int8-activation matmul (packed weights) can run here: AVX-512F/BW and AVX512-VNNI; if not, why.
-bool int8_supported();
-std::string int8_unavailable_reason();
+// Which int8-activation kernel runs ("avx512-vnni" or "avx2"); it runs wherever the fp32 kernel does.
+std::string int8_kernel_name();
 
 // x @ dequantize(w, scales, biases).T for MLX's affine format (w as mx.quantize returns it), computed in fp32.
 // x may have any shape [..., K], dtype and strides; the result has x's shape with K replaced by N, in x's float dtype.
