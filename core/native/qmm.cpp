@@ -99,12 +99,13 @@ bool vnni_supported() {
 // machine's Zen 4 it took 0.85-0.93x the AVX2 kernel's time for a token's GEMVs at M=1, 0.7-0.8x at M=5 and
 // 0.84-0.96x at M=8 (interleaved A/B, fp16 parameters). Chosen once per process: every row of every pass must use the
 // same kernel, or a verify pass's rows would not equal single steps bit for bit.
+bool avx2_asked() {
+  const char* isa = std::getenv("MLXCHAT_NATIVE_ISA");
+  return isa != nullptr && std::string(isa) == "avx2";
+}
+
 RowsKernel rows_kernel() {
-  static const RowsKernel kernel = [] {
-    const char* isa = std::getenv("MLXCHAT_NATIVE_ISA");
-    const bool avx2_asked = isa != nullptr && std::string(isa) == "avx2";
-    return avx512_supported() && !avx2_asked ? &qmm_rows_avx512 : &qmm_rows_avx2;
-  }();
+  static const RowsKernel kernel = avx512_supported() && !avx2_asked() ? &qmm_rows_avx512 : &qmm_rows_avx2;
   return kernel;
 }
 
@@ -113,11 +114,7 @@ using PackedKernel = void (*)(const PackedMatmulArgs&, int, int);
 // The int8-activation kernel: VNNI where the CPU has it, else AVX2 (MLXCHAT_NATIVE_ISA=avx2 keeps AVX2, as for the
 // fp32 kernel). Chosen once per process, for the same reason.
 PackedKernel packed_kernel() {
-  static const PackedKernel kernel = [] {
-    const char* isa = std::getenv("MLXCHAT_NATIVE_ISA");
-    const bool avx2_asked = isa != nullptr && std::string(isa) == "avx2";
-    return vnni_supported() && !avx2_asked ? &qmm_packed_rows_vnni : &qmm_packed_rows_avx2;
-  }();
+  static const PackedKernel kernel = vnni_supported() && !avx2_asked() ? &qmm_packed_rows_vnni : &qmm_packed_rows_avx2;
   return kernel;
 }
 
