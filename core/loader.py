@@ -8,7 +8,8 @@ CPU quantized matmul is slower than an fp32 GEMV with a real BLAS, measured here
 On a GPU backend (Metal) they stay quantized on MLX's kernels. `weights="native"|"quantized"|"dequantize"` or
 MLXCHAT_WEIGHTS overrides "auto"; MLXCHAT_NATIVE=0 switches the native kernel off (as on a machine without it).
 "native-int8" (opt-in, never chosen by "auto"): the native kernel with activations rounded to int8 per block of 32,
-as llama.cpp computes Q4/Q8 weights: faster (AVX512-VNNI, else AVX2), not exact (the bench's native section measures the drift).
+as llama.cpp computes Q4/Q8 weights: faster (AVX512-VNNI, else AVX2), not exact (the bench's native section
+measures the drift).
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ def requested_policy(policy: WeightPolicy | None = None) -> WeightPolicy:
 
 
 def resolve_policy(policy: WeightPolicy | None = None) -> ResolvedPolicy:
+    # Errors name where the value came from: the argument, or the environment variable the user set.
+    name = "weights" if policy else "MLXCHAT_WEIGHTS"
     policy = requested_policy(policy)
     if policy not in POLICIES:
-        raise ValueError(f"weights must be {', '.join(POLICIES[:-1])} or {POLICIES[-1]}, got {policy!r}")
-    if policy == "native" and not native.available():
-        raise ValueError(f"weights=native is not possible here: {native.unavailable_reason()}")
-    if policy == "native-int8" and not native.available():
-        raise ValueError(f"weights=native-int8 is not possible here: {native.unavailable_reason()}")
+        raise ValueError(f"{name} must be {', '.join(POLICIES[:-1])} or {POLICIES[-1]}, got {policy!r}")
+    if policy in ("native", "native-int8") and not native.available():
+        raise ValueError(f"{name}={policy} is not possible here: {native.unavailable_reason()}")
     if policy == "auto":
         if mx.default_device() != mx.cpu:
             return "quantized"

@@ -89,13 +89,18 @@ def test_packing_needs_rows_in_sixteens_and_says_so():
 
 
 def test_the_policy_names_itself_and_says_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
-    with pytest.raises(ValueError, match="weights must be auto, native, native-int8, quantized or dequantize"):
+    with pytest.raises(ValueError, match="^weights must be auto, native, native-int8, quantized or dequantize, got"):
         loader.resolve_policy("int8")  # type: ignore[arg-type]
+    monkeypatch.setenv("MLXCHAT_WEIGHTS", "int8")  # set by the user: the message names the variable
+    with pytest.raises(ValueError, match="^MLXCHAT_WEIGHTS must be auto, native, native-int8"):
+        loader.resolve_policy(None)
+    monkeypatch.setenv("MLXCHAT_WEIGHTS", "native-int8")
+    assert loader.requested_policy(None) == "native-int8"
     monkeypatch.setenv("MLXCHAT_NATIVE", "0")
     with pytest.raises(ValueError, match="weights=native-int8 is not possible here: switched off by MLXCHAT_NATIVE=0"):
         loader.resolve_policy("native-int8")
-    monkeypatch.setenv("MLXCHAT_WEIGHTS", "native-int8")
-    assert loader.requested_policy(None) == "native-int8"
+    with pytest.raises(ValueError, match="MLXCHAT_WEIGHTS=native-int8 is not possible here: switched off"):
+        loader.resolve_policy(None)
 
 
 @pytest.fixture(scope="module")
