@@ -37,16 +37,13 @@ _ACTIVATIONS = (mx.float32, mx.float16, mx.bfloat16)
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a block's fused call needs: its shape, and its parameters in the op's order, gathered once (reading the
-    24 of them through mlx.nn's attribute lookup at every call was ~0.6 ms of Python per decode step). The plan
-    holds the arrays themselves, so `use_fused_layers` must run again when a layer's parameters are replaced (as
+    """What a block's fused call needs: its shape, and its parameters in the op's order, gathered and checked once
+    (reading the 24 of them through mlx.nn's attribute lookup at every call was ~0.6 ms of Python per decode step,
+    and handing them to the op as a list another ~0.2 ms). The plan holds the arrays themselves, so `use_fused_layers` must run again when a layer's parameters are replaced (as
     after mlx-lm's `shard()`); nothing else replaces them after loading."""
 
-    shape: Any  # native LayerShape (its n_kv_heads and head_dim are read here too)
-    weights: list[mx.array]  # the two norms, RoPE's frequencies, (w, scales, biases) x 7, optional q/k/v biases
-    group_sizes: list[int]
-    bits: list[int]
-    packed: list[int]  # 1 where the projection's weights are packed for int8 activations (weights="native-int8")
+    shape: Any  # native LayerShape (its n_kv_heads and head_dim are read here)
+    layer: Any  # native LayerWeights: the norms, RoPE's frequencies, the 7 projections (packed or not), q/k/v biases
 
 
 def _projections(block: nn.Module) -> list[nn.Module]:
@@ -78,8 +75,9 @@ def _plan(block: nn.Module) -> _Plan | None:
     shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim,
                                norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
                                rope_scale=rope.scale, attention_scale=attn.scale)
-    return _Plan(shape, weights, [p.group_size for p in projections], [p.bits for p in projections],
-                 [int(p.packed) for p in projections])
+    layer = native.layer_weights(weights, [p.group_size for p in projections], [p.bits for p in projections],
+                                 [int(p.packed) for p in projections], shape)
+    return _Plan(shape, layer)
 
 
 def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int, shape: tuple[int, int, int],
@@ -135,9 +133,8 @@ class FusedTransformerBlock:
         def layer(keys: mx.array | None, values: mx.array | None, used: int,
                   padding: mx.array) -> tuple[mx.array, mx.array, mx.array]:
             keys, values = _grown(keys, values, used, rows, shape, cache.step)
-            out, keys, values = native.decoder_layer(x, keys, values, plan.weights, plan.group_sizes, plan.bits,
-                                                     plan.packed, plan.shape, offset=used, causal=mask is not None,
-                                                     left_padding=padding)
+            out, keys, values = native.decoder_layer(x, keys, values, plan.layer, offset=used,
+                                                     causal=mask is not None, left_padding=padding)
             return out, keys, values
 
         if type(cache) is BatchKVCache:  # through its public state: (keys, values, offsets, left padding, index)

@@ -124,18 +124,25 @@ def rope_inv_freqs(dims: int, base: float) -> mx.array:
     return _module().rope_inv_freqs(dims, base)
 
 
-def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, weights: list[mx.array], group_sizes: list[int],
-                  bits: list[int], packed: list[int], shape: object, *, offset: int, causal: bool,
+def layer_weights(weights: list[mx.array], group_sizes: list[int], bits: list[int], packed: list[int],
+                  shape: object) -> object:
+    """A llama decoder layer's parameters for `decoder_layer`, checked and made dense once: the two RMSNorm weights,
+    ``rope_inv_freqs``, then (w, scales, biases) of q, k, v, o, gate, up and down (MLX's affine format, or
+    `pack_int8_weights`'s where ``packed`` says so, one flag a projection), then optionally the float32 biases of q,
+    k and v; ``shape`` from `layer_shape`."""
+    return _module().layer_weights(weights, group_sizes, bits, packed, shape)
+
+
+def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, layer: object, *, offset: int, causal: bool,
                   left_padding: mx.array) -> list[mx.array]:
     """A llama decoder layer over ``h [B, L, D]`` (B * L small) as one op: ``[h_out, keys_out, values_out]``. ``keys``
     and ``values`` ``[B, H_kv, C, head_dim]`` are the layer's KV cache buffers with ``offset`` positions written and
     room for L more; the outputs are them with this step's keys and values written after ``offset`` (in place when
-    nothing else holds them). ``weights``: the two RMSNorm weights, ``rope_inv_freqs``, then (w, scales, biases) of
-    q, k, v, o, gate, up and down (MLX's affine format, or `pack_int8_weights`'s where ``packed`` says so, one flag
-    a projection). ``causal``: MLX's "causal" mask. ``left_padding`` (int32
-    ``[B]``): each row's first real position (mlx-lm's BatchKVCache; zeros for one sequence)."""
-    return _module().decoder_layer(h, keys, values, weights, group_sizes, bits, packed, shape, offset=offset,
-                                   causal=causal, left_padding=left_padding)
+    nothing else holds them). ``layer``: `layer_weights`'s object (made where the extension runs, so it is not asked
+    again: this runs 30 times a decode step). ``causal``: MLX's "causal" mask. ``left_padding`` (int32 ``[B]``):
+    each row's first real position (mlx-lm's BatchKVCache; zeros for one sequence)."""
+    return _ext.decoder_layer(h, keys, values, layer, offset=offset, causal=causal,  # type: ignore[union-attr]
+                              left_padding=left_padding)
 
 
 def set_threads(n: int) -> None:

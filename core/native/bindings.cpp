@@ -41,9 +41,11 @@ NB_MODULE(_ext, m) {
       .def_ro("n_kv_heads", &mlxchat::LayerShape::n_kv_heads)
       .def_ro("head_dim", &mlxchat::LayerShape::head_dim);
   m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);
-  m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "weights"_a, "group_sizes"_a,
-        "bits"_a, "packed"_a, "shape"_a, nb::kw_only(), "offset"_a, "causal"_a, "left_padding"_a,
-        "A llama decoder layer for a few rows as one op: (h_out, keys_out, values_out).");
+  nb::class_<mlxchat::LayerWeights>(m, "LayerWeights");
+  m.def("layer_weights", &mlxchat::layer_weights, "weights"_a, "group_sizes"_a, "bits"_a, "packed"_a, "shape"_a,
+        "A layer's parameters for decoder_layer, checked once.");
+  m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "layer"_a, nb::kw_only(), "offset"_a,
+        "causal"_a, "left_padding"_a, "A llama decoder layer for a few rows as one op: (h_out, keys_out, values_out).");
   m.def("cpu_supported", &mlxchat::cpu_supported);
   m.def("cpu_unsupported_reason", &mlxchat::cpu_unsupported_reason);
   m.def("set_threads", &mlxchat::set_threads, "n"_a);

@@ -68,10 +68,8 @@ void copy_cache(const mx::array& in, mx::array& out) {
 
 class NativeDecoderLayer : public mx::Primitive {
  public:
-  NativeDecoderLayer(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits, std::vector<int> packed,
-                     LayerShape shape, int offset, bool causal)
-      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)), packed_(std::move(packed)),
-        shape_(shape), offset_(offset), causal_(causal) {}
+  NativeDecoderLayer(mx::Stream stream, std::shared_ptr<const LayerData> layer, int offset, bool causal)
+      : mx::Primitive(stream), layer_(std::move(layer)), offset_(offset), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
@@ -88,11 +86,11 @@ class NativeDecoderLayer : public mx::Primitive {
     std::vector<mx::array> in, out;
     for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
     for (auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([in = std::move(in), out = std::move(out), gs = group_sizes_, bits = bits_, packed = packed_,
-                      s = shape_, offset = offset_, causal = causal_, copy_keys, copy_values]() mutable {
+    encoder.dispatch([in = std::move(in), out = std::move(out), layer = layer_, offset = offset_, causal = causal_,
+                      copy_keys, copy_values]() mutable {
       if (copy_keys) copy_cache(in[1], out[1]);
       if (copy_values) copy_cache(in[2], out[2]);
-      run(in, out, gs, bits, packed, s, offset, causal);
+      run(in, out, *layer, offset, causal);
     });
   }
 
@@ -104,9 +102,7 @@ class NativeDecoderLayer : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const NativeDecoderLayer&>(other);
-    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && packed_ == o.packed_ && offset_ == o.offset_ &&
-           causal_ == o.causal_ &&
-           std::memcmp(&shape_, &o.shape_, sizeof(LayerShape)) == 0;
+    return layer_ == o.layer_ && offset_ == o.offset_ && causal_ == o.causal_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -116,9 +112,10 @@ class NativeDecoderLayer : public mx::Primitive {
  private:
   // Inputs: h, keys, values, the two norm weights, inv_freqs, then the 7 projections' (w, scales, biases), the
   // optional q/k/v biases, and last the rows' left padding (int32 [B]).
-  static void run(const std::vector<mx::array>& in, std::vector<mx::array>& out, const std::vector<int>& gs,
-                  const std::vector<int>& bits, const std::vector<int>& packed, const LayerShape& s, int offset,
-                  bool causal) {
+  static void run(const std::vector<mx::array>& in, std::vector<mx::array>& out, const LayerData& layer,
+                  int offset, bool causal) {
+    const LayerShape& s = layer.shape;
+    const std::vector<int>&gs = layer.group_sizes, &bits = layer.bits, &packed = layer.packed;
     const mx::array& h = in[0];
     const int B = h.shape(0), L = h.shape(1), D = h.shape(2), M = B * L;
     const int H = s.n_heads, KVH = s.n_kv_heads, hd = s.head_dim;
@@ -215,8 +212,7 @@ class NativeDecoderLayer : public mx::Primitive {
     for (size_t j = 0; j < h1.size(); ++j) y[j] = h1[j] + y[j];
   }
 
-  std::vector<int> group_sizes_, bits_, packed_;
-  LayerShape shape_;
+  std::shared_ptr<const LayerData> layer_;
   int offset_;
   bool causal_;
 };
@@ -231,39 +227,27 @@ mx::array rope_inv_freqs(int dims, float base) {
                  s);
 }
 
-std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
-                                     const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                                     const std::vector<int>& bits, const std::vector<int>& packed,
-                                     const LayerShape& shape, int offset, bool causal, const mx::array& left_padding) {
-  check_float32(h, "h");
-  check_float32(keys, "keys");
-  check_float32(values, "values");
+LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
+                           const std::vector<int>& bits, const std::vector<int>& packed, const LayerShape& shape) {
   const size_t plain = 3 + 3 * kProjections;
   if ((weights.size() != plain && weights.size() != plain + 3) || group_sizes.size() != kProjections ||
-      bits.size() != kProjections) {
+      bits.size() != kProjections || packed.size() != kProjections) {
     throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs, 7 (w, scales, biases) triples and "
                                 "optionally the q, k and v biases");
   }
-  const int B = h.ndim() == 3 ? h.shape(0) : 0, L = h.ndim() == 3 ? h.shape(1) : 0;
-  const mx::Shape cache_shape{B, shape.n_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, shape.head_dim};
-  if (h.ndim() != 3 || keys.shape() != cache_shape || values.shape() != cache_shape || offset < 0 ||
-      offset + L > cache_shape[2] || shape.rope_dims > shape.head_dim || shape.rope_dims % 2) {
-    throw std::invalid_argument("decoder_layer: h must be [B, L, D] and keys/values [B, H_kv, C, head_dim] with "
-                                "room for L positions after offset");
-  }
-  if (left_padding.dtype() != mx::int32 || left_padding.shape() != mx::Shape{B}) {
-    throw std::invalid_argument("decoder_layer: left_padding must be int32 [B], each row's first position");
+  if (shape.rope_dims > shape.head_dim || shape.rope_dims % 2) {
+    throw std::invalid_argument("decoder_layer: rope_dims must be even and at most head_dim");
   }
   auto s = cpu_stream();
-  std::vector<mx::array> inputs{h, keys, values};
+  auto layer = std::make_shared<LayerData>(LayerData{{}, group_sizes, bits, packed, shape});
   for (int i = 0; i < 3; ++i) {
     check_float32(weights[i], "norm weights and inv_freqs");
-    inputs.push_back(dense(weights[i], s));
+    layer->arrays.push_back(dense(weights[i], s));
   }
   for (int p = 0; p < kProjections; ++p) {
     const auto& w = weights[3 + 3 * p];
     check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p], packed[p] != 0);
-    for (int j = 0; j < 3; ++j) inputs.push_back(dense(weights[3 + 3 * p + j], s));
+    for (int j = 0; j < 3; ++j) layer->arrays.push_back(dense(weights[3 + 3 * p + j], s));
   }
   const int qkv_rows[3] = {shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim,
                            shape.n_kv_heads * shape.head_dim};
@@ -273,11 +257,34 @@ std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, 
     if (bias.ndim() != 1 || bias.shape(0) != qkv_rows[p]) {
       throw std::invalid_argument("decoder_layer: the q, k and v biases must match their projections' outputs");
     }
-    inputs.push_back(dense(bias, s));
+    layer->arrays.push_back(dense(bias, s));
   }
+  return LayerWeights{std::move(layer)};
+}
+
+std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
+                                     const LayerWeights& layer, int offset, bool causal,
+                                     const mx::array& left_padding) {
+  check_float32(h, "h");
+  check_float32(keys, "keys");
+  check_float32(values, "values");
+  const LayerShape& shape = layer.data->shape;
+  const int B = h.ndim() == 3 ? h.shape(0) : 0, L = h.ndim() == 3 ? h.shape(1) : 0;
+  const mx::Shape cache_shape{B, shape.n_kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0, shape.head_dim};
+  if (h.ndim() != 3 || keys.shape() != cache_shape || values.shape() != cache_shape || offset < 0 ||
+      offset + L > cache_shape[2]) {
+    throw std::invalid_argument("decoder_layer: h must be [B, L, D] and keys/values [B, H_kv, C, head_dim] with "
+                                "room for L positions after offset");
+  }
+  if (left_padding.dtype() != mx::int32 || left_padding.shape() != mx::Shape{B}) {
+    throw std::invalid_argument("decoder_layer: left_padding must be int32 [B], each row's first position");
+  }
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{h, keys, values};
+  inputs.insert(inputs.end(), layer.data->arrays.begin(), layer.data->arrays.end());
   inputs.push_back(dense(left_padding, s));
   auto shapes = std::vector<mx::Shape>{h.shape(), keys.shape(), values.shape()};
-  auto op = std::make_shared<NativeDecoderLayer>(s, group_sizes, bits, packed, shape, offset, causal);
+  auto op = std::make_shared<NativeDecoderLayer>(s, layer.data, offset, causal);
   return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, std::move(op), inputs);
 }
 

@@ -3,6 +3,7 @@
 // the CPU, the cache update, the projections) is ~110 graph nodes: about half of a decode step of the embedded model.
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "mlx/array.h"
@@ -20,23 +21,38 @@ struct LayerShape {
   float attention_scale;
 };
 
+// mx.fast.rope's frequencies [dims / 2] for `base`, by the very ops its CPU fallback composes (so they are equal).
+mx::array rope_inv_freqs(int dims, float base);
+
+// A layer's parameters, checked and made dense once, for every call of decoder_layer: a decode step passes only its
+// rows (converting and checking 24 arrays on every call was ~7 us of Python a layer, ~0.2 ms a step).
+// weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
+// (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
+// group_sizes / bits / packed: the 7 projections' (packed: pack_int8_weights's layout, x rounded to int8).
+struct LayerData {
+  std::vector<mx::array> arrays;
+  std::vector<int> group_sizes, bits, packed;
+  LayerShape shape;
+};
+// The handle Python keeps. The op shares its data, never the Python object: a shared_ptr made from a Python object
+// takes the GIL when its last copy goes, which MLX's worker thread would then do after each step (and at exit, where
+// that aborts the process).
+struct LayerWeights {
+  std::shared_ptr<const LayerData> data;
+};
+LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
+                           const std::vector<int>& bits, const std::vector<int>& packed, const LayerShape& shape);
+
 // h [B, L, D] float32 -> (h_out [B, L, D], keys_out, values_out). keys/values [B, H_kv, C, head_dim] are the layer's
 // KV cache buffer with `offset` positions written and room for L more (C >= offset + L); the outputs are that buffer
 // with this step's rotated keys and values written at offset .. offset + L - 1, in place when nothing else holds it.
 // left_padding (int32 [B]): each row's first real position, as mlx-lm's BatchKVCache left-pads rows (0 for one
 // sequence): row r's tokens sit at RoPE positions offset - left_padding[r] + i and attend to its positions from
 // left_padding[r] on.
-// weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
-// (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
-// group_sizes / bits / packed: the 7 projections' (packed: pack_int8_weights's layout, x rounded to int8).
 // Computes what mlx-lm's llama and qwen2 TransformerBlocks compute, in fp32, with the native matmul, attention and
 // SwiGLU kernels; `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
-// mx.fast.rope's frequencies [dims / 2] for `base`, by the very ops its CPU fallback composes (so they are equal).
-mx::array rope_inv_freqs(int dims, float base);
-
 std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
-                                     const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                                     const std::vector<int>& bits, const std::vector<int>& packed,
-                                     const LayerShape& shape, int offset, bool causal, const mx::array& left_padding);
+                                     const LayerWeights& layer, int offset, bool causal,
+                                     const mx::array& left_padding);
 
 }  // namespace mlxchat
