@@ -16,7 +16,6 @@ variants, Metal) takes the block's own call, i.e. the MLX-op path.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,8 +150,7 @@ class FusedTransformerBlock:
 
 def enabled() -> bool:
     """Whether fused layers run (read at each call): MLXCHAT_NATIVE_LAYERS=0 switches them off, e.g. to compare."""
-    off = os.environ.get("MLXCHAT_NATIVE_LAYERS", "1").strip().lower() in ("0", "false", "no", "off")
-    return native.has_layer_op() and not off
+    return native.has_layer_op() and not native.switched_off("MLXCHAT_NATIVE_LAYERS")
 
 
 # Exactly these classes (not subclasses, whose calls may differ): their calls are the one above.

@@ -33,10 +33,21 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 _ext, _reason = _load()
+_HAS_LAYER_OP = hasattr(_ext, "decoder_layer")
+
+
+_OFF = ("0", "false", "no", "off")
+
+
+def switched_off(variable: str) -> bool:
+    """Whether an on/off environment variable (on by default) is set to 0/false/no/off. Asked by each layer of each
+    decode step, so the common case (unset) costs one lookup."""
+    value = os.environ.get(variable)
+    return value is not None and value.strip().lower() in _OFF
 
 
 def _disabled() -> bool:
-    return os.environ.get("MLXCHAT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+    return switched_off("MLXCHAT_NATIVE")
 
 
 def available() -> bool:
@@ -47,7 +58,7 @@ def available() -> bool:
 def has_layer_op() -> bool:
     """Whether the fused decoder-layer op can run (an extension built before it was added lacks it until setup runs
     again; the layers then keep their MLX-op path)."""
-    return available() and hasattr(_ext, "decoder_layer")
+    return _HAS_LAYER_OP and not _disabled()
 
 
 def unavailable_reason() -> str:
