@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mlxchat.core import native
 from mlxchat.core.profile import SamplingProfile
 from mlxchat.core.candidates import CANDIDATES, Candidates, log_softmax, top_index
 from mlxchat.core.draw import gumbel_argmax, step_words, uniform_at
@@ -100,7 +101,14 @@ def test_top_k(seed: int, k: int) -> None:
     check_against(x, ref_top_k(x, k), run(TopK(k), x))
 
 
-def test_top_k_over_a_large_vocabulary_by_blocks_keeps_the_k_largest_with_ties_and_a_tail() -> None:
+@pytest.mark.parametrize("path", ["native", "partial sorts"])
+def test_top_k_over_a_large_vocabulary_keeps_the_k_largest_with_ties_and_a_tail(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both of top_index's paths: the native op where it runs, and the partial sorts by blocks (Metal, or no extension).
+    if path == "native" and not native.available():
+        pytest.skip(f"native extension unavailable: {native.unavailable_reason()}")
+    if path == "partial sorts":
+        monkeypatch.setenv("MLXCHAT_NATIVE", "0")
     rng = np.random.default_rng(7)
     for n, k in ((49157, 1), (49157, 40), (49152, 40), (30000, 100)):
         x = np.round(rng.normal(0, 3, n)).astype(np.float32)  # many ties, also at the k-th value
@@ -109,6 +117,14 @@ def test_top_k_over_a_large_vocabulary_by_blocks_keeps_the_k_largest_with_ties_a
         idx = np.array(top_index(mx.array(x), k))
         assert len(set(idx.tolist())) == k and n - 1 in idx
         np.testing.assert_array_equal(np.sort(x[idx]), np.sort(x)[-k:])
+
+
+def test_native_top_k_takes_the_lowest_positions_of_a_tie() -> None:
+    if not native.available():
+        pytest.skip(f"native extension unavailable: {native.unavailable_reason()}")
+    x = mx.array([1.0, 3.0, 3.0, 2.0, 3.0, -np.inf])
+    assert np.array(native.top_k_index(x, 2)).tolist() == [1, 2]
+    assert np.array(native.top_k_index(mx.array([-np.inf] * 5 + [0.5]), 3)).tolist() == [0, 1, 5]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -108,6 +108,12 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bo
     return _module().attention(q, k, v, scale=scale, causal=causal)
 
 
+def top_k_index(logits: mx.array, k: int) -> mx.array:
+    """The positions (uint32, ascending) of the ``k`` largest float32 ``logits`` along the last axis (its length must
+    exceed ``k``), as one op; of values tied with the k-th largest, the lowest positions."""
+    return _module().top_k_index(logits, k)
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` for float32 arrays of one shape (the gated MLP of llama-style models)."""
     return _module().swiglu(gate, up)

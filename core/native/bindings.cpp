@@ -8,6 +8,7 @@
 #include "layer.h"
 #include "nucleus.h"
 #include "qmm.h"
+#include "top_k.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -28,6 +29,8 @@ NB_MODULE(_ext, m) {
         "Attention of a few float32 queries [B, H, L, D] over k, v [B, H_kv, S, D], in one op.");
   m.def("nucleus", &mlxchat::nucleus, "logits"_a, "p"_a, nb::kw_only(), "typical"_a = false,
         "Top-p (or typical-p) along the last axis of float32 logits: the kept tokens' logits, -inf elsewhere.");
+  m.def("top_k_index", &mlxchat::top_k_index, "logits"_a, "k"_a,
+        "Positions (ascending) of the k largest float32 logits along the last axis; ties: the lowest positions.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   nb::class_<mlxchat::LayerShape>(m, "LayerShape")
       .def("__init__",
