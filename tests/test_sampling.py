@@ -119,6 +119,20 @@ def test_top_k_over_a_large_vocabulary_keeps_the_k_largest_with_ties_and_a_tail(
         np.testing.assert_array_equal(np.sort(x[idx]), np.sort(x)[-k:])
 
 
+def test_native_uniform_numbers_are_the_mlx_ops_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seeded draw must not depend on whether the extension runs: the same (seed, position) gives the same noise.
+    if not native.available():
+        pytest.skip(f"native extension unavailable: {native.unavailable_reason()}")
+    ids = mx.concatenate([mx.arange(49152, dtype=mx.uint32), mx.array([2**32 - 1, 2**31], mx.uint32)])
+    for position in range(8):
+        words = step_words(99, position, position % 2)
+        fast = uniform_at(ids, words)
+        with monkeypatch.context() as m:
+            m.setenv("MLXCHAT_NATIVE", "0")
+            composed = uniform_at(ids, words)
+        assert mx.array_equal(fast, composed).item()
+
+
 def test_native_top_k_takes_the_lowest_positions_of_a_tie() -> None:
     if not native.available():
         pytest.skip(f"native extension unavailable: {native.unavailable_reason()}")

@@ -114,6 +114,12 @@ def top_k_index(logits: mx.array, k: int) -> mx.array:
     return _module().top_k_index(logits, k)
 
 
+def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
+    """core/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit for
+    bit, as one op."""
+    return _module().uniform_at(ids, words)
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` for float32 arrays of one shape (the gated MLP of llama-style models)."""
     return _module().swiglu(gate, up)

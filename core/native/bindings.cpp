@@ -8,7 +8,7 @@
 #include "layer.h"
 #include "nucleus.h"
 #include "qmm.h"
-#include "top_k.h"
+#include "draw_ops.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -31,6 +31,8 @@ NB_MODULE(_ext, m) {
         "Top-p (or typical-p) along the last axis of float32 logits: the kept tokens' logits, -inf elsewhere.");
   m.def("top_k_index", &mlxchat::top_k_index, "logits"_a, "k"_a,
         "Positions (ascending) of the k largest float32 logits along the last axis; ties: the lowest positions.");
+  m.def("uniform_at", &mlxchat::uniform_at, "ids"_a, "words"_a,
+        "core/draw.py's uniform numbers for uint32 ids and two uint32 words, bit for bit, as one op.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   nb::class_<mlxchat::LayerShape>(m, "LayerShape")
       .def("__init__",

@@ -1,4 +1,4 @@
-#include "top_k.h"
+#include "draw_ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -70,7 +70,51 @@ class NativeTopK : public CpuOp {
   int k_;
 };
 
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+class NativeUniform : public CpuOp {
+ public:
+  using CpuOp::CpuOp;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto &ids = inputs[0], &words = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(ids);
+    encoder.set_input_array(words);
+    encoder.set_output_array(out);
+    encoder.dispatch([ids = mx::array::unsafe_weak_copy(ids), words = mx::array::unsafe_weak_copy(words),
+                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const uint32_t* id = ids.data<uint32_t>();
+      const uint32_t w0 = words.data<uint32_t>()[0], w1 = words.data<uint32_t>()[1];
+      float* u = out.data<float>();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const uint32_t h = fmix32(fmix32(id[i] ^ w0) ^ w1);
+        u[i] = (float(h >> 9) + 0.5f) * (1.0f / float(1 << 23));
+      }
+    });
+  }
+
+  const char* name() const override { return "MlxchatUniform"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 }  // namespace
+
+mx::array uniform_at(const mx::array& ids, const mx::array& words) {
+  if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || words.shape() != mx::Shape{2}) {
+    throw std::invalid_argument("uniform_at needs uint32 ids and two uint32 words");
+  }
+  auto s = cpu_stream();
+  return mx::array(ids.shape(), mx::float32, std::make_shared<NativeUniform>(s), {dense(ids, s), dense(words, s)});
+}
 
 mx::array top_k_index(const mx::array& logits, int k) {
   check_float32(logits, "logits");
