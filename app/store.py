@@ -47,6 +47,10 @@ SCHEMA_VERSION = 3
 BUSY_TIMEOUT_MS = 5000
 
 
+def _locked(e: sqlite3.Error) -> bool:
+    return isinstance(e, sqlite3.OperationalError) and "database is locked" in str(e)
+
+
 class StoreError(Exception):
     """The conversations database cannot be used. One line, naming the file."""
 
@@ -206,7 +210,7 @@ class Store:
             raise self._unwritable(e) or StoreError(
                 f"{self.path}: cannot open the conversations database ({e})") from None
         try:
-            self._open(target_version)
+            self._open_waiting(target_version)
         except sqlite3.Error as e:  # anything not explained by _open itself: still one line, never a traceback
             self._c.close()
             raise self._unwritable(e) or self._fail(f"cannot be used ({e})") from None
@@ -232,12 +236,28 @@ class Store:
         return StoreError(f"{self.path}: cannot write to the conversations database ({e}): is it, or the folder "
                           f"{where}, read-only? The file was left untouched")
 
+    def _open_waiting(self, target: int) -> None:
+        """`_open`, again while another connection's first open holds the file: some of what opening does (switching
+        to WAL, reading a WAL file another connection is setting up) answers "database is locked" at once rather than
+        through busy_timeout (4 processes opening a new history together failed one in a loaded test run). Every step
+        of `_open` can run twice: migrations check the version inside their own transactions."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        while True:
+            try:
+                return self._open(target)
+            except sqlite3.OperationalError as e:
+                if not _locked(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
     def _open(self, target: int) -> None:
         c = self._c
         c.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         try:
             tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.DatabaseError as e:
+            if _locked(e):
+                raise  # another connection is opening it: _open_waiting tries again
             raise self._unwritable(e) or self._fail(f"not an SQLite database or damaged ({e})") from None
         version = self._version() if "schema_version" in tables else None
         if version is None and tables:
@@ -249,6 +269,8 @@ class Store:
             try:
                 check = c.execute("PRAGMA quick_check(1)").fetchall()[0][0]
             except sqlite3.DatabaseError as e:
+                if _locked(e):
+                    raise
                 check = str(e)
             if check != "ok":
                 raise self._fail(f"damaged (integrity check: {check})")
