@@ -41,15 +41,7 @@ struct Avx512 {
   template <int BITS>
   static void expand(const uint8_t* p, V (&w)[kParts]) { expand_block<BITS>(p, w[0], w[1]); }
   template <ScaleType ST>
-  static V params(const void* base, size_t i) {
-    if constexpr (ST == ScaleType::f32) {
-      return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-    } else {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-      if constexpr (ST == ScaleType::f16) return _mm512_cvtph_ps(h);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-  }
+  static V params(const void* base, size_t i) { return params16<ST>(base, i); }
 };
 
 // scores[j] = q . k_j for the keys j < visible, each dot over D in one accumulator of 16 lanes.

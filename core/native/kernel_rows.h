@@ -34,6 +34,20 @@ inline float param(const void* base, size_t i) {
   }
 }
 
+#ifdef __AVX512F__
+// 16 consecutive scales or biases as fp32 (the AVX-512 kernel's Ops, and the int8 kernel's tile of 16 rows).
+template <ScaleType ST>
+inline __m512 params16(const void* base, size_t i) {
+  if constexpr (ST == ScaleType::f32) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+    if constexpr (ST == ScaleType::f16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+#endif
+
 constexpr int kAhead = 8;  // weight rows fetched ahead of the one being read
 
 // MT rows of x (m0 .. m0+MT-1) against weight rows [n0, n1): each weight block is expanded once and used MT times.

@@ -11,21 +11,10 @@
 #include <cstring>
 
 #include "kernel.h"
+#include "kernel_rows.h"
 
 namespace mlxchat {
 namespace {
-
-// 16 per-group scales or biases of a tile (16 consecutive output rows) as fp32.
-template <ScaleType ST>
-inline __m512 params16(const void* base, size_t i) {
-  if constexpr (ST == ScaleType::f32) {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-    if constexpr (ST == ScaleType::f16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
 
 inline __m512i x4(const int8_t* p) {
   int32_t v;
