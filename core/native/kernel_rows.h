@@ -138,22 +138,28 @@ void rows(const QMatmulArgs& a, int n0, int n1) {
   }
 }
 
-// Rows [n0, n1) of y for every row of x, on the kernel's Ops.
-template <typename Ops>
-void matmul_rows(const QMatmulArgs& a, int n0, int n1) {
-  auto of_type = [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-    switch (a.scale_type) {
-      case ScaleType::f32: rows<Ops, B, ScaleType::f32>(a, n0, n1); break;
-      case ScaleType::f16: rows<Ops, B, ScaleType::f16>(a, n0, n1); break;
-      case ScaleType::bf16: rows<Ops, B, ScaleType::bf16>(a, n0, n1); break;
+// fn(bits, scale type) with both as compile-time constants (std::integral_constant), for the format's 4 or 8 bits
+// and its scales' type: the matmul kernels instantiate their loops per format, and each picks its instance here.
+template <typename F>
+void with_format(int bits, ScaleType scale_type, F&& fn) {
+  auto of_type = [&](auto b) {
+    switch (scale_type) {
+      case ScaleType::f32: fn(b, std::integral_constant<ScaleType, ScaleType::f32>{}); break;
+      case ScaleType::f16: fn(b, std::integral_constant<ScaleType, ScaleType::f16>{}); break;
+      case ScaleType::bf16: fn(b, std::integral_constant<ScaleType, ScaleType::bf16>{}); break;
     }
   };
-  if (a.bits == 4) {
+  if (bits == 4) {
     of_type(std::integral_constant<int, 4>{});
   } else {
     of_type(std::integral_constant<int, 8>{});
   }
+}
+
+// Rows [n0, n1) of y for every row of x, on the kernel's Ops.
+template <typename Ops>
+void matmul_rows(const QMatmulArgs& a, int n0, int n1) {
+  with_format(a.bits, a.scale_type, [&](auto bits, auto st) { rows<Ops, bits(), st()>(a, n0, n1); });
 }
 
 }  // namespace

@@ -113,23 +113,10 @@ void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
   }
 }
 
-template <int BITS>
-void packed_of_type(const PackedMatmulArgs& a, int t0, int t1) {
-  switch (a.scale_type) {
-    case ScaleType::f32: packed_rows<BITS, ScaleType::f32>(a, t0, t1); break;
-    case ScaleType::f16: packed_rows<BITS, ScaleType::f16>(a, t0, t1); break;
-    case ScaleType::bf16: packed_rows<BITS, ScaleType::bf16>(a, t0, t1); break;
-  }
-}
-
 }  // namespace
 
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1) {
-  if (a.bits == 4) {
-    packed_of_type<4>(a, t0, t1);
-  } else {
-    packed_of_type<8>(a, t0, t1);
-  }
+  with_format(a.bits, a.scale_type, [&](auto bits, auto st) { packed_rows<bits(), st()>(a, t0, t1); });
 }
 
 }  // namespace mlxchat

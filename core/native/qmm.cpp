@@ -95,15 +95,16 @@ bool vnni_supported() {
 #endif
 }
 
-// The AVX-512 kernel where the CPU has it (MLXCHAT_NATIVE_ISA=avx2 keeps the AVX2 one, e.g. to compare): on this
-// machine's Zen 4 it took 0.85-0.93x the AVX2 kernel's time for a token's GEMVs at M=1, 0.7-0.8x at M=5 and
-// 0.84-0.96x at M=8 (interleaved A/B, fp16 parameters). Chosen once per process: every row of every pass must use the
-// same kernel, or a verify pass's rows would not equal single steps bit for bit.
+// MLXCHAT_NATIVE_ISA=avx2: the AVX2 kernels even where wider ones would run (e.g. to compare them).
 bool avx2_asked() {
   const char* isa = std::getenv("MLXCHAT_NATIVE_ISA");
   return isa != nullptr && std::string(isa) == "avx2";
 }
 
+// The AVX-512 kernel where the CPU has it: on this machine's Zen 4 it took 0.85-0.93x the AVX2 kernel's time for a
+// token's GEMVs at M=1, 0.7-0.8x at M=5 and 0.84-0.96x at M=8 (interleaved A/B, fp16 parameters). Chosen once per
+// process: every row of every pass must use the same kernel, or a verify pass's rows would not equal single steps
+// bit for bit.
 RowsKernel rows_kernel() {
   static const RowsKernel kernel = avx512_supported() && !avx2_asked() ? &qmm_rows_avx512 : &qmm_rows_avx2;
   return kernel;
