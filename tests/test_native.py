@@ -4,10 +4,6 @@ and greedy decoding against mlx-lm on MLX's quantized matmul."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +13,7 @@ from hypothesis import strategies as st
 
 from mlxchat.core import Engine, SamplingProfile, loader, native
 from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
+from tests.avx2_process import run_on_avx2
 from tests.markers import needs_native
 
 EPS = float(np.finfo(np.float32).eps)
@@ -76,13 +73,10 @@ def test_the_avx2_kernel_too_where_avx512_runs():
     own, since the kernel is chosen once per process."""
     if native.kernel_name() != "avx512":
         pytest.skip("this CPU runs the AVX2 kernel: the tests above check it")
-    env = {**os.environ, "MLXCHAT_NATIVE_ISA": "avx2"}
-    code = ("from mlxchat.core import native; assert native.kernel_name() == 'avx2';"
-            "import tests.test_native as t, mlx.core as mx;"
-            "t.test_matches_dequantized_matmul_and_mlx(4, 32, mx.float16);"
-            "t.test_matches_dequantized_matmul_and_mlx(8, 64, mx.float32);"
-            "t.test_each_row_equals_that_row_alone_bit_for_bit()")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).parent.parent)
+    run_on_avx2("assert native.kernel_name() == 'avx2'",
+                ["import tests.test_native as t", "t.test_matches_dequantized_matmul_and_mlx(4, 32, mx.float16)",
+                 "t.test_matches_dequantized_matmul_and_mlx(8, 64, mx.float32)",
+                 "t.test_each_row_equals_that_row_alone_bit_for_bit()"])
 
 
 @needs_native

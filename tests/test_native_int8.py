@@ -4,11 +4,6 @@ path on the embedded model."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,6 +11,7 @@ import pytest
 from mlxchat.bench.native import int8_drift
 from mlxchat.core import Engine, loader, native
 from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
+from tests.avx2_process import run_on_avx2
 from tests.markers import needs_native
 
 EPS = float(np.finfo(np.float32).eps)
@@ -71,14 +67,12 @@ def test_the_avx2_int8_kernel_too_where_vnni_runs():
     """CPUs without AVX512-VNNI run the AVX2 kernel (chosen once per process): checked in a process of its own."""
     if native.int8_kernel_name() != "avx512-vnni":
         pytest.skip("this CPU runs the AVX2 int8 kernel: the tests above check it")
-    env = {**os.environ, "MLXCHAT_NATIVE_ISA": "avx2"}
-    code = ("from mlxchat.core import native; assert native.int8_kernel_name() == 'avx2';"
-            "import tests.test_native_int8 as t, mlx.core as mx;"
-            "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(4, 32, mx.float16);"
-            "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 64, mx.bfloat16);"
-            "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 128, mx.float32);"
-            "t.test_each_packed_row_equals_that_row_alone_bit_for_bit()")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).parent.parent)
+    run_on_avx2("assert native.int8_kernel_name() == 'avx2'",
+                ["import tests.test_native_int8 as t",
+                 "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(4, 32, mx.float16)",
+                 "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 64, mx.bfloat16)",
+                 "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 128, mx.float32)",
+                 "t.test_each_packed_row_equals_that_row_alone_bit_for_bit()"])
 
 
 @needs_native
