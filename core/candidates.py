@@ -1,7 +1,8 @@
 """The candidate set a sampler's transforms narrow, and the exact mass cuts over it (top-p, typical-p).
 
 Each transform of ``core.sampling`` sees a candidate set (values and their token ids), initially the whole vocabulary.
-``TopK`` shrinks it with ``mx.argpartition`` (over the maxima of blocks first: `top_index`). ``TopP`` and ``TypicalP``
+``TopK`` shrinks it (`top_index`: the native extension's one-pass op on the CPU, else ``mx.argpartition`` over the
+maxima of blocks first). ``TopP`` and ``TypicalP``
 keep the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
 surprisal, which is ``|logit - max - E[logit - max]|``, no log needed) whose probability reaches ``p``, ties with the
 last kept one kept too; the same set (up to rounding right at the cut) on each of three paths (``nucleus_path()``). On
@@ -14,7 +15,8 @@ for each step's forward pass before building the next. Each path takes one exp o
 vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32 sum moved the cut by ~1e-4 of the
 mass. ``MinP`` and ``XTC`` are thresholds and need no order. The draw (``core.draw``) hashes noise for every candidate
 left: after a top-k that is nothing measurable; after a top-p over the whole vocabulary (a masked set of 49k) it is
-~0.65 ms here, most of that chain's cost. """
+~0.65 ms here, most of that chain's cost.
+"""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ WeightPolicy = Literal["auto", "native", "native-int8", "quantized", "dequantize
 # "fallback": fp32 like "dequantize", but because the native kernel is unavailable (auto on the CPU), not asked for.
 ResolvedPolicy = Literal["native", "native-int8", "quantized", "dequantize", "fallback"]
 POLICIES = ("auto", "native", "native-int8", "quantized", "dequantize")
+NATIVE_POLICIES = ("native", "native-int8")  # the policies that run mlxchat's native kernel
 log = logging.getLogger(__name__)
 
 # Files a repo id download fetches: what mlx-lm's loader reads, and nothing else (no PyTorch .bin).
@@ -88,7 +89,7 @@ def resolve_policy(policy: WeightPolicy | None = None) -> ResolvedPolicy:
     policy = requested_policy(policy)
     if policy not in POLICIES:
         raise ValueError(f"{name} must be {', '.join(POLICIES[:-1])} or {POLICIES[-1]}, got {policy!r}")
-    if policy in ("native", "native-int8") and not native.available():
+    if policy in NATIVE_POLICIES and not native.available():
         raise ValueError(f"{name}={policy} is not possible here: {native.unavailable_reason()}")
     if policy == "auto":
         if mx.default_device() != mx.cpu:
@@ -327,7 +328,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     is_quantized = bool(quantized)
     weights_path = "MLX quantized" if is_quantized else "float (not quantized)"
-    if is_quantized and policy in ("native", "native-int8"):
+    if is_quantized and policy in NATIVE_POLICIES:
         bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
         native_linear.use_native(model, int8=policy == "native-int8")
         # The policy leads (the KV store's fingerprint keys on what precedes " ("): int8's keys and values differ.
@@ -344,7 +345,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     if not is_quantized and mx.default_device() == mx.cpu:
         # fp16 has no fast CPU GEMM path; fp32 does (through the preloaded BLAS).
         model.set_dtype(mx.float32)
-    if policy in ("native", "native-int8"):
+    if policy in NATIVE_POLICIES:
         native_blocks.use_native_blocks(model)  # attention's softmax and the MLP's SwiGLU on the native kernels
         native_decoder.use_fused_layers(model)  # a decode step's layer as one op each
     model.eval()

@@ -38,8 +38,9 @@ _ACTIVATIONS = (mx.float32, mx.float16, mx.bfloat16)
 class _Plan:
     """What a block's fused call needs: its shape, and its parameters in the op's order, gathered and checked once
     (reading the 24 of them through mlx.nn's attribute lookup at every call was ~0.6 ms of Python per decode step,
-    and handing them to the op as a list another ~0.2 ms). The plan holds the arrays themselves, so `use_fused_layers` must run again when a layer's parameters are replaced (as
-    after mlx-lm's `shard()`); nothing else replaces them after loading."""
+    and handing them to the op as a list another ~0.2 ms). The plan holds the arrays themselves, so
+    `use_fused_layers` must run again when a layer's parameters are replaced (as after mlx-lm's `shard()`); nothing
+    else replaces them after loading."""
 
     shape: Any  # native LayerShape (its n_kv_heads and head_dim are read here)
     layer: Any  # native LayerWeights: the norms, RoPE's frequencies, the 7 projections (packed or not), q/k/v biases
