@@ -256,6 +256,10 @@ class Engine:
                 on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed))))
             with self._device_practices():
                 reason = reply.follow(tokens)
+                # Let go of the decode loop's arrays and let the step it queued past the reply's end finish before
+                # the result goes out: memory read after a reply is then the cache's, not a step's still in flight.
+                tokens.close()
+                mx.synchronize()
         if clear_cache_after_prefill(len(feed) - reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache
         return reply.finish(reason, before_done)

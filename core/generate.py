@@ -19,7 +19,7 @@ unless it is the last one `max_tokens` allows, for which no further step is queu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,7 +43,7 @@ def prefill_all_but_last(model: nn.Module, layers: list, prompt: Sequence[int], 
 def generate_step(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, max_tokens: int,
                   fed: list[int] | None = None, logprobs: bool = False, prefill_step: int = 512,
                   on_prefill: Callable[[int], None] | None = None,
-                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, mx.array]]:
+                  cancelled: Callable[[], bool] = lambda: False) -> Generator[tuple[int, mx.array], None, None]:
     """Yield `(token_id, logprobs)` for up to `max_tokens` tokens after `prompt` (the ids not yet in `layers`).
 
     `logprobs` is the sampler's lazy `(vocab,)` array; it is evaluated along with the token only when `logprobs`

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, get_args
@@ -394,7 +394,7 @@ def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], samp
                      drafter: Drafter, governor: Governor, stats: SpeculationStats, max_tokens: int,
                      fed: list[int], logprobs: bool = False, prefill_step: int = 512,
                      on_prefill: Callable[[int], None] | None = None,
-                     cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, mx.array]]:
+                     cancelled: Callable[[], bool] = lambda: False) -> Generator[tuple[int, mx.array], None, None]:
     """`core.generate.generate_step` with speculation: yields `(token_id, logprobs)` the same way and keeps `fed`
     equal to the ids in `layers` whenever it yields. `context` is every id before the reply (the cached prefix,
     then `prompt`, the ids not in the cache yet); the accepted tokens are appended to it."""
@@ -423,7 +423,7 @@ def plan(spec: Speculation, cache: ConversationCache, draft: DraftModel | None) 
 
 def decode(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, max_tokens: int,
            fed: list[int], context: Sequence[int], spec: Speculation, drafter: Drafter | None,
-           stats: SpeculationStats, **kwargs: object) -> Iterator[tuple[int, mx.array]]:
+           stats: SpeculationStats, **kwargs: object) -> Generator[tuple[int, mx.array], None, None]:
     """The token layer for one reply: `generate_step`, or `speculative_step` when `drafter` is given."""
     if drafter is None:
         return generate_step(model, layers, prompt, sample, max_tokens=max_tokens, fed=fed, **kwargs)
