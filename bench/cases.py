@@ -292,13 +292,17 @@ def _matrices(model: Any) -> list[Any]:
     import mlx.core as mx
     import mlx.nn as nn
 
+    from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear, mlx_weights
+
     out = []
     tied = not hasattr(model, "lm_head")
     for name, mod in model.named_modules():
         is_embed = isinstance(mod, (nn.Embedding, nn.QuantizedEmbedding))
         if is_embed and not tied:
             continue
-        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(mod, (NativeQuantizedLinear, NativeQuantizedEmbedding)):
+            w = mx.dequantize(*mlx_weights(mod), mod.group_size, mod.bits)
+        elif isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(mod.weight, mod.scales, getattr(mod, "biases", None), mod.group_size, mod.bits)
         elif isinstance(mod, (nn.Linear, nn.Embedding)):
             w = mod.weight

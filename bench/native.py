@@ -100,9 +100,21 @@ def _time(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
+def _in_features(layer: Any) -> int:
+    return layer["weight"].shape[1] * 32 // layer.bits
+
+
+def _call(layer: Any, x: Any) -> Any:
+    """The layer's own matmul (packed or not, as the engine runs it); a tied embedding's as the head."""
+    from mlxchat.core.native_linear import NativeQuantizedEmbedding
+
+    return layer.as_linear(x) if isinstance(layer, NativeQuantizedEmbedding) else layer(x)
+
+
 def gemv_breakdown(engine: Any, repeats: int) -> dict[str, Any]:
     """All of one token's weight GEMVs as one graph (no attention), M=1, interleaved repeats, medians in ms:
-    native with 1 and 2 threads, and fp32 through the BLAS (the layers dequantized once, outside the timing)."""
+    native with 1 and 2 threads, and fp32 through the BLAS (fp32 matrices of the same shapes, made outside the
+    timing)."""
     import mlx.core as mx
 
     from mlxchat.core import native
@@ -112,16 +124,12 @@ def gemv_breakdown(engine: Any, repeats: int) -> dict[str, Any]:
     def job() -> dict[str, Any]:
         xs = {}
         for lyr in layers:
-            k = lyr["weight"].shape[1] * 32 // lyr.bits
-            xs.setdefault(k, mx.random.normal((1, k)))
-        fp32 = [native.dequantize(lyr["weight"], lyr["scales"], lyr["biases"], group_size=lyr.group_size,
-                                  bits=lyr.bits) for lyr in layers]
+            xs.setdefault(_in_features(lyr), mx.random.normal((1, _in_features(lyr))))
+        fp32 = [mx.random.normal((lyr["weight"].shape[0], _in_features(lyr))) for lyr in layers]
         mx.eval(fp32, xs)
 
         def run_native() -> list[mx.array]:
-            return [native.quantized_matmul(xs[lyr["weight"].shape[1] * 32 // lyr.bits], lyr["weight"],
-                                            lyr["scales"], lyr["biases"], group_size=lyr.group_size, bits=lyr.bits)
-                    for lyr in layers]
+            return [_call(lyr, xs[_in_features(lyr)]) for lyr in layers]
 
         def run_fp32() -> list[mx.array]:
             return [xs[w.shape[1]] @ w.T for w in fp32]
@@ -146,7 +154,9 @@ def gemv_breakdown(engine: Any, repeats: int) -> dict[str, Any]:
 
 
 def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
-    """One transformer layer's matmuls at M rows: the kernel vs dequantize-then-BLAS (ms, medians)."""
+    """One transformer layer's matmuls at M rows: the kernel (packed or not, as loaded) vs dequantize-then-BLAS (ms,
+    medians). Packed weights have no fp32 path in the app; the dequantize still reads their bytes, the same work, so
+    its time (only the time is kept) is what that path would cost."""
     import mlx.core as mx
 
     from mlxchat.core import native
@@ -156,12 +166,13 @@ def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[
     def job() -> list[dict[str, Any]]:
         out = []
         for m in rows:
-            xs = {k: mx.random.normal((m, k)) for k in {lyr["weight"].shape[1] * 32 // lyr.bits for lyr in layers}}
+            xs = {k: mx.random.normal((m, k)) for k in {_in_features(lyr) for lyr in layers}}
             mx.eval(xs)
-            args = [(xs[lyr["weight"].shape[1] * 32 // lyr.bits], lyr["weight"], lyr["scales"], lyr["biases"],
+            args = [(xs[_in_features(lyr)], lyr["weight"], lyr["scales"], lyr["biases"],
                      lyr.group_size, lyr.bits) for lyr in layers]
-            kernel = lambda: [native.quantized_matmul(x, w, s, b, group_size=g, bits=n)  # noqa: E731
-                              for x, w, s, b, g, n in args]
+            kernel = lambda: [native.quantized_matmul(x, w, s, b, group_size=g, bits=n,  # noqa: E731
+                                                      packed=lyr.packed, int8=lyr.int8)
+                              for lyr, (x, w, s, b, g, n) in zip(layers, args)]
             deq = lambda: [x @ native.dequantize(w, s, b, group_size=g, bits=n).T  # noqa: E731
                            for x, w, s, b, g, n in args]
             k_t, d_t = [], []

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -62,8 +63,9 @@ def fingerprint(model: LoadedModel, kv: KVOptions) -> str:
         h.update(f"{f.name}:{f.stat().st_size}:".encode())
         with open(f, "rb") as fh:
             h.update(fh.read(HEADER_BYTES))
-    policy = model.weights_path.split(" (")[0]  # "native q4/q8", not its thread count: the math is the same
-    h.update(f"|{model.source}|{policy}|{mx.default_device()}|{mx.__version__}|{kv.bits}|{kv.group_size}".encode())
+    # "native q4/q8 (avx512-vnni fixed24)": the policy and the kernel, not the thread count (the math is the same).
+    path = re.sub(r", \d+ threads?\)", ")", model.weights_path)
+    h.update(f"|{model.source}|{path}|{mx.default_device()}|{mx.__version__}|{kv.bits}|{kv.group_size}".encode())
     return h.hexdigest()[:24]
 
 

@@ -331,8 +331,12 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     if is_quantized and policy in NATIVE_POLICIES:
         bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
         native_linear.use_native(model, int8=policy == "native-int8")
-        # The policy leads (the KV store's fingerprint keys on what precedes " ("): int8's keys and values differ.
-        kernel = native.int8_kernel_name() if policy == "native-int8" else native.kernel_name()
+        # The KV store's fingerprint keys on this line less its thread count: int8's keys and values differ from the
+        # exact path's, and the packed (fixed24) kernel's from the fp32 one's in the last bits.
+        if policy == "native-int8":
+            kernel = native.int8_kernel_name()
+        else:
+            kernel = "avx512-vnni fixed24" if native.packs_exact() else native.kernel_name()
         threads = f"{native.threads()} thread{'s' if native.threads() > 1 else ''}"
         weights_path = f"{policy} {'/'.join(f'q{b}' for b in bits)} ({kernel}, {threads})"
     elif is_quantized and policy in ("dequantize", "fallback"):

@@ -76,7 +76,7 @@ def _plan(block: nn.Module) -> _Plan | None:
                                norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
                                rope_scale=rope.scale, attention_scale=attn.scale)
     layer = native.layer_weights(weights, [p.group_size for p in projections], [p.bits for p in projections],
-                                 [int(p.packed) for p in projections], shape)
+                                 [int(p.packed) for p in projections], any(p.int8 for p in projections), shape)
     return _Plan(shape, layer)
 
 

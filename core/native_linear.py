@@ -1,12 +1,12 @@
 """Quantized layers that run on mlxchat's native kernel (core/native) on MLX's CPU backend.
 
 `use_native(model)` swaps each affine 4/8-bit QuantizedLinear, and the tied-head use of a QuantizedEmbedding, for
-these; the weights stay the same arrays (the GGUF's bytes, as mx.load maps them), so memory stays near the file size.
+these. Where the CPU has AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows
+(the same bytes, reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's
+precision as 24-bit integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
 
-`use_native(model, int8=True)` (weights="native-int8", opt-in) repacks each layer's weights for the int8-activation
-matmul instead (the same bytes, reordered; a tied embedding keeps its own copy for the lookup, so the head's bytes
-are held twice): x is rounded to int8 per block of 32 as llama.cpp rounds it, and the results move by that rounding
-(the bench's native section measures how far).
+`use_native(model, int8=True)` (weights="native-int8", opt-in) always packs, and rounds x to int8 per block of 32 as
+llama.cpp rounds it: the results move by that rounding (the bench's native section measures how far).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from mlx.utils import tree_unflatten
 
 from . import native
 
-# Rows of x above which dequantizing the layer to fp32 and running one BLAS GEMM beats the kernel (prompt prefill).
+# Rows of x above which dequantizing the layer to fp32 and running one BLAS GEMM beats the fp32 kernel (prompt prefill
+# on MLX's layout; packed weights stay on their kernel).
 # Measured by `mlxchat bench` (the native section's prefill crossover): equal at 16 rows here, BLAS 1.6x faster at 32.
 DEQUANTIZE_ROWS = 16
 
@@ -33,11 +34,11 @@ def _packable(module: nn.Module) -> bool:
     return module["weight"].shape[0] % 16 == 0
 
 
-def _matmul(x: mx.array, layer: nn.Module, prefix: str = "") -> mx.array:
-    w, scales, biases = layer[prefix + "weight"], layer[prefix + "scales"], layer[prefix + "biases"]
-    if prefix or layer.packed:  # packed weights have no fp32 form; their kernel is the faster one at any length
+def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    if layer.packed:  # packed weights have no fp32 form; their kernel is the faster one at any length
         return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,
-                                       packed=True)
+                                       packed=True, int8=layer.int8)
     if x.size // x.shape[-1] > DEQUANTIZE_ROWS:
         return x @ native.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits).T
     return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits)
@@ -45,18 +46,25 @@ def _matmul(x: mx.array, layer: nn.Module, prefix: str = "") -> mx.array:
 
 # Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's
 # weight-format case) still finds them. MLX's __init__ is skipped: it would quantize fresh random weights.
+def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool) -> None:
+    """`module`'s weight, scales and biases from `layer`'s, packed where asked and the rows allow (a multiple of 16);
+    `packed` and `int8` say how the native matmul takes them."""
+    module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
+    module.packed = pack and _packable(layer)
+    module.int8 = int8 and module.packed
+    weights = (layer["weight"], layer["scales"], layer["biases"])
+    if module.packed:
+        weights = native.pack_weights(*weights, group_size=layer.group_size, bits=layer.bits)
+    module.weight, module.scales, module.biases = weights
+
+
 class NativeQuantizedLinear(nn.QuantizedLinear):
     """QuantizedLinear's parameters and call, computed by the native kernel. `packed`: the weights are in the
-    int8-activation matmul's layout (`native.pack_int8_weights`)."""
+    packed matmul's layout (`native.pack_weights`); `int8`: it rounds x to int8."""
 
-    def __init__(self, layer: nn.QuantizedLinear, int8: bool = False):
+    def __init__(self, layer: nn.QuantizedLinear, pack: bool = False, int8: bool = False):
         nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
-        self.packed = int8 and _packable(layer)
-        weights = (layer["weight"], layer["scales"], layer["biases"])
-        if self.packed:
-            weights = native.pack_int8_weights(*weights, group_size=self.group_size, bits=self.bits)
-        self.weight, self.scales, self.biases = weights
+        _set_weights(self, layer, pack, int8)
         if "bias" in layer:
             self.bias = layer["bias"]
         self.freeze()
@@ -67,36 +75,56 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
 
 
 class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
-    """QuantizedEmbedding: the lookup is MLX's own (a few rows), `as_linear` (a tied output head) is native. With
-    int8 the head reads a packed copy (head_weight, head_scales, head_biases); the lookup keeps MLX's layout."""
+    """QuantizedEmbedding: `as_linear` (a tied output head) is native. The lookup (a few rows) is MLX's own on MLX's
+    layout; on packed weights it is `native.packed_lookup`, which gives the same values."""
 
-    def __init__(self, layer: nn.QuantizedEmbedding, int8: bool = False):
+    def __init__(self, layer: nn.QuantizedEmbedding, pack: bool = False, int8: bool = False):
         nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
         self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
-        self.weight, self.scales, self.biases = layer["weight"], layer["scales"], layer["biases"]
-        self.packed = False  # the lookup's own weights never are
-        if int8 and _packable(layer):
-            self.head_weight, self.head_scales, self.head_biases = native.pack_int8_weights(
-                self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        _set_weights(self, layer, pack, int8)
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.packed:
+            return native.packed_lookup(x, self["weight"], self["scales"], self["biases"],
+                                        group_size=self.group_size, bits=self.bits)
         return mx.dequantize(self["weight"][x], scales=self["scales"][x], biases=self["biases"][x],
                              group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return _matmul(x, self, "head_" if "head_weight" in self else "")
+        return _matmul(x, self)
 
 
 def use_native(model: nn.Module, int8: bool = False) -> int:
-    """Replace the model's supported quantized layers in place; returns how many were replaced. `int8`: with packed
-    weights and int8 activations where the layer's rows are a multiple of 16 (the rest keep the fp32 kernel)."""
+    """Replace the model's supported quantized layers in place; returns how many were replaced. Packed where
+    `native.packs_exact()` or `int8` (x rounded to int8), for layers whose rows are a multiple of 16 (the rest keep
+    MLX's layout and the fp32 kernel)."""
+    pack = int8 or native.packs_exact()
     swaps = []
     for path, module in model.named_modules():
         if supports(module):
             cls = NativeQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else NativeQuantizedLinear
-            swaps.append((path, cls(module, int8)))
+            swaps.append((path, cls(module, pack, int8)))
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)
+
+
+def mlx_weights(module: nn.Module) -> tuple[mx.array, mx.array, mx.array]:
+    """A quantized layer's (weight, scales, biases) in MLX's layout, unpacked if it is packed."""
+    weights = (module["weight"], module["scales"], module["biases"])
+    if getattr(module, "packed", False):
+        return native.unpack_weights(*weights, group_size=module.group_size, bits=module.bits)
+    return weights
+
+
+def use_mlx_layout(model: nn.Module) -> int:
+    """Unpack every packed layer in place (they then run the fp32 kernel), for code that slices MLX's layout itself
+    (mlx-lm's `shard()`); returns how many. Fused decoder layers hold the old arrays: plan them again after."""
+    count = 0
+    for _, module in model.named_modules():
+        if isinstance(module, (NativeQuantizedLinear, NativeQuantizedEmbedding)) and module.packed:
+            module.weight, module.scales, module.biases = mlx_weights(module)
+            module.packed = module.int8 = False
+            count += 1
+    return count

@@ -1,6 +1,7 @@
-"""The opt-in int8-activation matmul (weights="native-int8"): the packed kernel computes the affine weights times x
-rounded to int8 per block of 32, rows independent of each other; the loader's policy; and its drift from the exact
-path on the embedded model."""
+"""The packed matmul (weights repacked into tiles of 16 rows, x as integers per block of 32): with fixed24 x (the
+native path where AVX512-VNNI runs) it is the affine weights times x to fp32's precision; with int8 x (the opt-in
+weights="native-int8") the weights times x rounded to int8. Rows independent of each other; the tied embedding's
+lookup on packed weights; the loader's policy; and int8's drift from the exact path on the embedded model."""
 
 from __future__ import annotations
 
@@ -20,7 +21,86 @@ EPS = float(np.finfo(np.float32).eps)
 def _packed(n: int, k: int, group_size: int, bits: int, scale_dtype: mx.Dtype, seed: int = 0):
     w, s, b = mx.quantize(mx.random.normal((n, k), key=mx.random.key(seed)), group_size=group_size, bits=bits)
     s, b = s.astype(scale_dtype), b.astype(scale_dtype)
-    return (w, s, b), native.pack_int8_weights(w, s, b, group_size=group_size, bits=bits)
+    return (w, s, b), native.pack_weights(w, s, b, group_size=group_size, bits=bits)
+
+
+def _dequantized(w: mx.array, s: mx.array, b: mx.array, group_size: int, bits: int) -> np.ndarray:
+    return np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits),
+                    dtype=np.float64)
+
+
+needs_fixed24 = pytest.mark.skipif(not (native.available() and native.packs_exact()),
+                                   reason="fixed24 x runs on AVX512-VNNI; this CPU keeps MLX's layout")
+
+
+@needs_fixed24
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32, mx.bfloat16])
+def test_packed_matmul_with_fixed24_x_is_exact_to_fp32_rounding(bits: int, group_size: int, scale_dtype: mx.Dtype):
+    # The fp32 kernel's bound (test_native.py): K * eps * (|x| @ |W|.T). x spans ~5 binades inside each block, so the
+    # blocks' smaller values lose low bits to the shared power of two, as the bound allows; a wrong digit would be
+    # off by 2^-16 of the block's largest value or more.
+    (w, s, b), packed = _packed(48, 384, group_size, bits, scale_dtype)
+    deq = _dequantized(w, s, b, group_size, bits)
+    for m in (1, 2, 3, 4, 7, 17):
+        key = mx.random.key(m)
+        x = mx.random.normal((m, 384), key=key) * mx.exp(2 * mx.random.normal((m, 384), key=mx.random.split(key)[0]))
+        y = native.quantized_matmul(x, *packed, group_size=group_size, bits=bits, packed=True)
+        assert y.shape == (m, 48) and y.dtype == mx.float32
+        xd = np.array(x, dtype=np.float64)
+        ref, bound = xd @ deq.T, 384 * EPS * (np.abs(xd) @ np.abs(deq).T) + 1e-30
+        assert (np.abs(np.array(y) - ref) <= bound).all()
+        # no further from the exact product than the fp32 kernel on MLX's layout, within a few roundings
+        fp32 = np.array(native.quantized_matmul(x, w, s, b, group_size=group_size, bits=bits))
+        assert np.abs(np.array(y) - ref).max() <= 4 * np.abs(fp32 - ref).max() + 1e-30
+
+
+@needs_fixed24
+def test_fixed24_holds_block_maxima_at_the_top_of_their_binade():
+    # A block's largest |x| just under a power of two scales to just under 2^23, past the most that three signed
+    # bytes hold (127 * 65536 + 127 * 256 + 127), and then takes the next power of two. Found by a chat whose second
+    # turn read other text than the same messages sent fresh: the top digit had wrapped to -128 for 0.49805444.
+    (w, s, b), packed = _packed(32, 128, 32, 4, mx.float16)
+    deq = _dequantized(w, s, b, 32, 4)
+    rng = np.random.default_rng(0)
+    top = 127 * 65536 + 127 * 256 + 127
+    mantissas = [top + j for j in (-1, 0, 1, 2, 64, 128, 255, 256, 257, 2**23 - 1 - top)]  # around it, to 2^23 - 1
+    maxima = np.array([m * 2.0 ** (e - 23) for m in mantissas for e in (-1, 0, 3)] + [0.49805444], np.float32)
+    x = (rng.standard_normal((len(maxima), 128)) * 0.1).astype(np.float32)
+    for i, v in enumerate(maxima):
+        x[i, 7] = v if i % 2 else -v  # the largest of its block, either sign
+        x[i, 40 + i % 32] = v * 0.5 ** (i % 5)
+    y = np.array(native.quantized_matmul(mx.array(x), *packed, group_size=32, bits=4, packed=True))
+    xd = x.astype(np.float64)
+    assert (np.abs(y - xd @ deq.T) <= 128 * EPS * (np.abs(xd) @ np.abs(deq).T)).all()
+
+
+@needs_native
+@pytest.mark.parametrize("int8", [True, False])
+def test_packed_x_keeps_nan_and_zero_blocks(int8: bool):
+    # A NaN or inf in x gives NaN rows (a NaN is never taken for the block's largest value and lost), as in fp32.
+    if not int8 and not native.packs_exact():
+        pytest.skip("fixed24 x runs on AVX512-VNNI only")
+    _, packed = _packed(32, 64, 32, 4, mx.float16)
+    x = mx.zeros((3, 64)).at[1, 5].add(float("nan")).at[2, 40].add(float("inf"))
+    y = np.array(native.quantized_matmul(x, *packed, group_size=32, bits=4, packed=True, int8=int8))
+    np.testing.assert_array_equal(y[0], 0.0)  # zero x: the bias term over a zero sum
+    assert np.isnan(y[1]).all() and np.isnan(y[2]).all()
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32, mx.bfloat16])
+def test_packed_lookup_gives_mlx_dequantize_rows_bit_for_bit(bits: int, scale_dtype: mx.Dtype):
+    for group_size in (32, 64, 128):
+        (w, s, b), packed = _packed(64, 256, group_size, bits, scale_dtype)
+        ids = mx.array([[0, 63, 17], [16, 5, 5]])
+        ours = native.packed_lookup(ids, *packed, group_size=group_size, bits=bits)
+        theirs = mx.dequantize(w[ids], scales=s[ids], biases=b[ids], group_size=group_size, bits=bits)
+        assert ours.shape == (2, 3, 256) and ours.dtype == theirs.dtype == scale_dtype
+        assert mx.array_equal(ours, theirs).item()
+        assert mx.isnan(native.packed_lookup(mx.array([64]), *packed, group_size=group_size, bits=bits)).all().item()
 
 
 def _rounded(x: np.ndarray) -> np.ndarray:
@@ -37,11 +117,10 @@ def _rounded(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("scale_dtype", [mx.float16, mx.float32, mx.bfloat16])
 def test_packed_matmul_is_the_weights_times_x_rounded_to_int8(bits: int, group_size: int, scale_dtype: mx.Dtype):
     (w, s, b), packed = _packed(48, 384, group_size, bits, scale_dtype)
-    deq = np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits),
-                   dtype=np.float64)
+    deq = _dequantized(w, s, b, group_size, bits)
     for m in (1, 5, 6, 7, 17):
         x = mx.random.normal((m, 384), key=mx.random.key(m)) * 3
-        y = native.quantized_matmul(x, *packed, group_size=group_size, bits=bits, packed=True)
+        y = native.quantized_matmul(x, *packed, group_size=group_size, bits=bits, packed=True, int8=True)
         assert y.shape == (m, 48) and y.dtype == mx.float32
         xr = _rounded(np.array(x))
         ref, bound = xr @ deq.T, 384 * EPS * (np.abs(xr) @ np.abs(deq).T) + 1e-30
@@ -52,13 +131,16 @@ def test_packed_matmul_is_the_weights_times_x_rounded_to_int8(bits: int, group_s
 
 
 @needs_native
-def test_each_packed_row_equals_that_row_alone_bit_for_bit():
-    # A verify pass and the server's batch on weights="native-int8" still equal single steps.
+@pytest.mark.parametrize("int8", [True, False])
+def test_each_packed_row_equals_that_row_alone_bit_for_bit(int8: bool):
+    # A verify pass and the server's batch on packed weights still equal single steps.
+    if not int8 and not native.packs_exact():
+        pytest.skip("fixed24 x runs on AVX512-VNNI only")
     _, packed = _packed(320, 576, 32, 4, mx.float16)
     x = mx.random.normal((9, 576), key=mx.random.key(3))
-    together = np.array(native.quantized_matmul(x, *packed, group_size=32, bits=4, packed=True))
+    together = np.array(native.quantized_matmul(x, *packed, group_size=32, bits=4, packed=True, int8=int8))
     for i in range(9):
-        alone = np.array(native.quantized_matmul(x[i:i + 1], *packed, group_size=32, bits=4, packed=True))
+        alone = np.array(native.quantized_matmul(x[i:i + 1], *packed, group_size=32, bits=4, packed=True, int8=int8))
         np.testing.assert_array_equal(together[i:i + 1], alone)
 
 
@@ -68,18 +150,37 @@ def test_the_avx2_int8_kernel_too_where_vnni_runs():
     if native.int8_kernel_name() != "avx512-vnni":
         pytest.skip("this CPU runs the AVX2 int8 kernel: the tests above check it")
     run_on_avx2("assert native.int8_kernel_name() == 'avx2'",
-                ["import tests.test_native_int8 as t",
+                ["import tests.test_native_packed as t",
                  "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(4, 32, mx.float16)",
                  "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 64, mx.bfloat16)",
                  "t.test_packed_matmul_is_the_weights_times_x_rounded_to_int8(8, 128, mx.float32)",
-                 "t.test_each_packed_row_equals_that_row_alone_bit_for_bit()"])
+                 "t.test_each_packed_row_equals_that_row_alone_bit_for_bit(True)",
+                 "t.test_packed_lookup_gives_mlx_dequantize_rows_bit_for_bit(8, mx.float16)"])
+
+
+@needs_native
+def test_fixed24_needs_vnni_and_the_native_path_then_keeps_mlx_layout():
+    """Without AVX512-VNNI (here: MLXCHAT_NATIVE_ISA=avx2) the native path keeps MLX's layout and the fp32 kernel,
+    and asking for fixed24 x on packed weights says what it needs."""
+    if not native.packs_exact():
+        pytest.skip("this CPU has no AVX512-VNNI: the other tests run the unpacked native path")
+    run_on_avx2("assert not native.packs_exact()",
+                ["import pytest",
+                 "w, s, b = native.pack_weights(*mx.quantize(mx.zeros((16, 64)), group_size=32, bits=4), "
+                 "group_size=32, bits=4)",
+                 "pytest.raises(RuntimeError, native.quantized_matmul, mx.zeros((1, 64)), w, s, b, group_size=32, "
+                 "bits=4, packed=True).match('packed weights with exact x need AVX512-VNNI')",
+                 "from mlxchat.core import loader",
+                 "m = loader.load(None, weights='native')",
+                 "assert m.weights_path.startswith('native q4/q8 (avx2, '), m.weights_path",
+                 "assert not m.model.model.layers[0].mlp.up_proj.packed"])
 
 
 @needs_native
 def test_packing_needs_rows_in_sixteens_and_says_so():
     w, s, b = mx.quantize(mx.random.normal((24, 64)), group_size=32, bits=4)
     with pytest.raises(ValueError, match="multiple of 16 output rows, got 24"):
-        native.pack_int8_weights(w, s, b, group_size=32, bits=4)
+        native.pack_weights(w, s, b, group_size=32, bits=4)
 
 
 def test_the_policy_names_itself_and_says_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
@@ -111,16 +212,12 @@ def test_native_int8_packs_every_layer_and_names_its_path(int8_engine: Engine):
     layers = [mod for _, mod in m.model.named_modules() if isinstance(mod, NativeQuantizedLinear)]
     assert len(layers) == 30 * 7 and all(mod.packed for mod in layers)
     embedding = m.model.model.embed_tokens
-    assert isinstance(embedding, NativeQuantizedEmbedding) and "head_weight" in embedding
-    # the lookup still reads MLX's layout: the first token's embedding is the exact path's
-    assert int8_embedding_matches(embedding)
-
-
-def int8_embedding_matches(embedding: NativeQuantizedEmbedding) -> bool:
+    # one copy of the tied embedding, packed, for the head and the lookup: memory stays at the GGUF's size
+    assert isinstance(embedding, NativeQuantizedEmbedding) and embedding.packed and embedding.int8
+    assert m.weight_bytes <= 1.01 * loader.embedded_model_path().stat().st_size
     ids = mx.array([0, 17, 49151])
-    plain = mx.dequantize(embedding["weight"][ids], embedding["scales"][ids], embedding["biases"][ids],
-                          group_size=embedding.group_size, bits=embedding.bits)
-    return bool(mx.array_equal(embedding(ids), plain).item())
+    reference = loader.load(None, weights="quantized").model.model.embed_tokens  # MLX's layout and lookup
+    assert mx.array_equal(embedding(ids), reference(ids)).item()
 
 
 @needs_native
@@ -141,3 +238,14 @@ def test_native_int8_stays_near_the_exact_path(engine: Engine, int8_engine: Engi
     assert drift["positions"] == 48
     assert drift["top1_agreement"] >= 0.85 and drift["kl_mean"] < 0.02, drift
 
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unpacking_gives_mlx_layout_back(bits: int):
+    # mlx-lm's shard() (tensor parallel) slices MLX's layout: the loaded model is unpacked first.
+    for group_size in (32, 64, 128):
+        (w, s, b), packed = _packed(48, 256, group_size, bits, mx.bfloat16)
+        assert not mx.array_equal(packed[0], w).item()
+        back = native.unpack_weights(*packed, group_size=group_size, bits=bits)
+        assert all(mx.array_equal(x, y).item() for x, y in zip((w, s, b), back))

@@ -71,8 +71,10 @@ async def test_heat_view_and_inspector_show_the_real_traces(tmp_path, new_app, r
         await pilot.press("escape", "ctrl+o")
         view = screen.transcript.last("assistant")
         assert view.strip is None and app.focused is view
-        # A reply still streaming has no heat view yet: one line says so.
-        screen.controller.max_tokens = 200
+        # A reply still streaming has no heat view yet: one line says so. The reply cannot end on its own before the
+        # checks below (200 tokens were ~1.3 s at the packed kernel's speed, and ended first on a loaded machine).
+        screen.controller.max_tokens = 3100
+        screen.set_profile(SEEDED.model_copy(update={"min_tokens": 3000}))
         screen.input.focus()
         screen.input.load_text("Tell me a story about a fox.")
         screen.input.action_submit()

@@ -143,12 +143,13 @@ class Plan:
 
     def load(self, rank: int, group: Any) -> Any:  # noqa: ANN401 - mx.distributed.Group -> loader.LoadedModel
         """This rank's part: its stage's layers (read alone), or the whole model sharded by mlx-lm's `shard()`."""
-        from .. import native_decoder
+        from .. import native_decoder, native_linear
         from ..loader import load
         from .stage import Stage
 
         if self.parallel == "tensor":
             loaded = load(self.model, self.weights)  # type: ignore[arg-type]
+            native_linear.use_mlx_layout(loaded.model)  # shard() slices the weights' rows and columns as MLX lays them
             loaded.model.shard(group)
             native_decoder.use_fused_layers(loaded.model)  # sharded projections: the layers' own calls again
             return loaded

@@ -2,8 +2,9 @@
 built by setup.py).
 
 MLX's own CPU ``quantized_matmul`` dequantizes to fp32 first (~1 GB/s here), so without this the loader has to keep
-fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/8-bit format directly, in exact fp32 math, as
-lazy graph nodes (``mx.eval``, ``mx.async_eval`` and ``mx.compile`` work as with any MLX op).
+fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/8-bit format directly (or its bytes repacked into
+tiles of 16 rows, `pack_weights`), exact to fp32 rounding unless int8 is asked for, as lazy graph nodes
+(``mx.eval``, ``mx.async_eval`` and ``mx.compile`` work as with any MLX op).
 
 ``available()`` says whether they can run here and ``unavailable_reason()`` why not: the extension was not built (no
 compiler or CMake at install time), the CPU lacks AVX2/FMA/F16C, or ``MLXCHAT_NATIVE=0`` switched it off.
@@ -75,18 +76,39 @@ def _module() -> ModuleType:
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                     bits: int, packed: bool = False) -> mx.array:
+                     bits: int, packed: bool = False, int8: bool = False) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4 or 8 bits, groups of 32/64/128, with
     fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides.
-    ``packed``: the weights come from `pack_int8_weights` and x is rounded to int8 per block of 32 (opt-in)."""
-    return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed)
+    ``packed``: the weights come from `pack_weights`, and x is taken as integers per block of 32: with ``int8``
+    rounded to 8 bits (opt-in, weights="native-int8"), else to fp32's precision (fixed24; needs `packs_exact`)."""
+    return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed,
+                                      int8=int8)
 
 
-def pack_int8_weights(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                      bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """``(w, scales, biases)`` reordered for the int8-activation matmul: the same shapes, dtypes and bytes, in tiles
-    of 16 output rows (the row count must be a multiple of 16), so one integer dot instruction serves 16 outputs."""
-    return tuple(_module().pack_int8_weights(w, scales, biases, group_size=group_size, bits=bits))  # type: ignore
+def pack_weights(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                 bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """``(w, scales, biases)`` reordered for the packed matmul: the same shapes, dtypes and bytes, in tiles of 16
+    output rows (the row count must be a multiple of 16), so one integer dot instruction serves 16 outputs."""
+    return tuple(_module().pack_weights(w, scales, biases, group_size=group_size, bits=bits))  # type: ignore
+
+
+def unpack_weights(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                   bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """`pack_weights`'s inverse: the arrays back in MLX's layout."""
+    return tuple(_module().unpack_weights(w, scales, biases, group_size=group_size, bits=bits))  # type: ignore
+
+
+def packed_lookup(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                  bits: int) -> mx.array:
+    """Rows ``ids`` of a `pack_weights` weight, ``[*ids.shape, K]``, exactly as ``mx.dequantize`` gives them from
+    MLX's layout (in the scales' dtype): a tied embedding's lookup when its head is packed."""
+    return _module().packed_lookup(ids, w, scales, biases, group_size=group_size, bits=bits)
+
+
+def packs_exact() -> bool:
+    """Whether the packed matmul takes x at fp32's precision here (AVX512-VNNI, and MLXCHAT_NATIVE_ISA is not avx2):
+    then weights="native" packs its weights too; elsewhere it keeps MLX's layout and the fp32 kernel."""
+    return _module().packs_exact()
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
@@ -147,13 +169,13 @@ def rope_inv_freqs(dims: int, base: float) -> mx.array:
     return _module().rope_inv_freqs(dims, base)
 
 
-def layer_weights(weights: list[mx.array], group_sizes: list[int], bits: list[int], packed: list[int],
+def layer_weights(weights: list[mx.array], group_sizes: list[int], bits: list[int], packed: list[int], int8: bool,
                   shape: object) -> object:
     """A llama decoder layer's parameters for `decoder_layer`, checked and made dense once: the two RMSNorm weights,
     ``rope_inv_freqs``, then (w, scales, biases) of q, k, v, o, gate, up and down (MLX's affine format, or
-    `pack_int8_weights`'s where ``packed`` says so, one flag a projection), then optionally the float32 biases of q,
-    k and v; ``shape`` from `layer_shape`."""
-    return _module().layer_weights(weights, group_sizes, bits, packed, shape)
+    `pack_weights`'s where ``packed`` says so, one flag a projection), then optionally the float32 biases of q, k
+    and v; ``int8``: the packed ones take x rounded to int8 (else fixed24); ``shape`` from `layer_shape`."""
+    return _module().layer_weights(weights, group_sizes, bits, packed, int8, shape)
 
 
 def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, layer: object, *, offset: int, causal: bool,
@@ -178,8 +200,8 @@ def threads() -> int:
 
 
 def kernel_name() -> str:
-    """Which matmul kernel runs here ("avx512" where the CPU has AVX-512F, else "avx2"; MLXCHAT_NATIVE_ISA=avx2
-    keeps the AVX2 one)."""
+    """Which fp32 matmul kernel runs here for weights in MLX's layout ("avx512" where the CPU has AVX-512F, else
+    "avx2"; MLXCHAT_NATIVE_ISA=avx2 keeps the AVX2 one)."""
     return _module().kernel_name()
 
 

@@ -16,11 +16,16 @@ using namespace nb::literals;
 NB_MODULE(_ext, m) {
   m.doc() = "mlxchat's native quantized matmul and attention/MLP/sampling ops for MLX's CPU backend";
   m.def("quantized_matmul", &mlxchat::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "packed"_a = false,
-        "x @ dequantize(w, scales, biases).T in fp32 math (MLX affine format); packed: int8 x, packed weights.");
-  m.def("pack_int8_weights", &mlxchat::pack_int8_weights, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "[w, scales, biases] in the int8-activation matmul's tiles of 16 rows.");
+        "group_size"_a, "bits"_a, "packed"_a = false, "int8"_a = false,
+        "x @ dequantize(w, scales, biases).T (MLX affine format); packed: packed weights, x as int8 or fixed24.");
+  m.def("pack_weights", &mlxchat::pack_weights, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a,
+        "bits"_a, "[w, scales, biases] in the packed matmul's tiles of 16 rows.");
+  m.def("unpack_weights", &mlxchat::unpack_weights, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a,
+        "bits"_a, "pack_weights's [w, scales, biases] back in MLX's layout.");
+  m.def("packed_lookup", &mlxchat::packed_lookup, "ids"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "Rows ids of a packed weight, dequantized as MLX's dequantize does.");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
+  m.def("packs_exact", &mlxchat::packs_exact);
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "The fp32 weight [N, K] of an affine-quantized one.");
   m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,
@@ -47,8 +52,8 @@ NB_MODULE(_ext, m) {
       .def_ro("head_dim", &mlxchat::LayerShape::head_dim);
   m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);
   nb::class_<mlxchat::LayerWeights>(m, "LayerWeights");
-  m.def("layer_weights", &mlxchat::layer_weights, "weights"_a, "group_sizes"_a, "bits"_a, "packed"_a, "shape"_a,
-        "A layer's parameters for decoder_layer, checked once.");
+  m.def("layer_weights", &mlxchat::layer_weights, "weights"_a, "group_sizes"_a, "bits"_a, "packed"_a, "int8"_a,
+        "shape"_a, "A layer's parameters for decoder_layer, checked once.");
   m.def("decoder_layer", &mlxchat::decoder_layer, "h"_a, "keys"_a, "values"_a, "layer"_a, nb::kw_only(), "offset"_a,
         "causal"_a, "left_padding"_a, "A llama decoder layer for a few rows as one op: (h_out, keys_out, values_out).");
   m.def("cpu_supported", &mlxchat::cpu_supported);

@@ -36,23 +36,31 @@ void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1);
 void qmm_rows_avx512(const QMatmulArgs& a, int n0, int n1);
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 
-// The int8-activation matmul (weights="native-int8", opt-in): x quantized to int8 per block of 32, the weights
-// repacked into tiles of kPackedTile output rows (`pack_weights`). y[m, n] = sum over groups of scale * (sum over the
-// group's blocks of xd * (q . xq)) + bias * xsum: the same affine weights times x rounded to 8 bits a block.
+// The packed matmul: the weights repacked into tiles of kPackedTile output rows (`pack_weights`) so that one integer
+// dot instruction (VPDPBUSD: 4 unsigned weight bytes times 4 signed bytes of x, into 16 int32 lanes) serves 16
+// outputs, and x turned into integers per block of 32 (`quantize_rows`), one of two ways:
+// - int8 (weights="native-int8", opt-in): round(x / d), d = max|x| / 127, as llama.cpp rounds activations;
+// - fixed24 (the native path's default where VNNI runs): x / 2^e rounded to an integer of 24 bits with 2^e a power of
+//   two chosen per block, held as three signed bytes (x = 2^e * (d0 + 256 d1 + 65536 d2)), so the block's largest
+//   values keep fp32's precision (23-24 significant bits) and the integer dot products are exact.
+// y[m, n] = sum over groups of scale * (sum over the group's blocks of xd * (q . xq)) + bias * xsum.
 constexpr int kPackedTile = 16;
+enum class XForm { int8, fixed24 };
+inline constexpr int digits_of(XForm f) { return f == XForm::int8 ? 1 : 3; }
 struct PackedMatmulArgs {
-  const int8_t* xq;   // [M, K]: round(x / xd) per block of 32, in [-127, 127]
-  const float* xd;    // [M, K / 32]: each block's max |x| / 127
+  const int8_t* xq;   // [M, K / 32, digits, 32]: a block's digits (int8: round(x / xd) in [-127, 127])
+  const float* xd;    // [M, K / 32]: each block's scale (int8: max |x| / 127; fixed24: 2^e)
   const float* xsum;  // [M, K / group_size]: the sum of the rounded x over each group (the bias term)
   const uint8_t* w;   // [N / 16][K / 32][16 * 32 * bits / 8] (pack_weights)
   const void* scales; // [N / 16][K / group_size][16]
   const void* biases;
   ScaleType scale_type;
+  XForm xform;
   float* y;  // [M, N]
   int M, N, K, group_size, bits;
 };
 // Tiles [t0, t1) (rows 16 * t0 .. 16 * t1 of y) for every row of x. Needs AVX-512F/BW and AVX512-VNNI; the AVX2
-// one computes the same integer sums (and the same float steps per row, on 8 lanes) without them.
+// one computes the same integer sums (and the same float steps per row, on 8 lanes) without them, for int8 only.
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
 
@@ -61,9 +69,24 @@ void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
 // rows, row-major), k-step s + 4 in the high nibbles; 8 bits: 8 runs of 64 bytes. Parameters: [N / 16][G][16].
 void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
                   int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
+// Where pack_weights puts the code of (row n, column k): its byte in the packed array, and in `shift` its place in
+// that byte (4: the high nibble, which holds k + 16 of the low one's k-step).
+inline size_t packed_byte(int K, int bits, int n, int k, int& shift) {
+  const int block_bytes = kPackedTile * 32 * bits / 8, j = n % kPackedTile, in_block = k % 32;
+  const size_t block = (size_t(n / kPackedTile) * (K / 32) + k / 32) * block_bytes;
+  shift = bits == 4 && in_block >= 16 ? 4 : 0;
+  const int step = bits == 4 ? (in_block % 16) / 4 : in_block / 4;
+  return block + 64 * step + 4 * j + in_block % 4;
+}
+// And the place of row n's parameter (scale or bias) of group g, of G.
+inline size_t packed_param(int G, int n, int g) {
+  return (size_t(n / kPackedTile) * G + g) * kPackedTile + n % kPackedTile;
+}
+// Its inverse: the packed layout back to MLX's.
+void unpack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
+                    int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
 // Rows of x [M, K] for the packed matmul: xq, xd and xsum as PackedMatmulArgs describes them.
-void quantize_rows(const float* x, int M, int K, int group_size, int8_t* xq, float* xd, float* xsum);
-
+void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int8_t* xq, float* xd, float* xsum);
 // out = softmax(scale * x) over rows of length S (out may be x). With `causal`, row r is query r % L of L queries
 // whose keys are the last L of S (MLX's lower-right causal mask): it sees its first S - L + r % L + 1 entries, and the
 // rest are 0.

@@ -1,10 +1,12 @@
-// The opt-in int8-activation matmul (weights="native-int8") with AVX-512 VNNI: x quantized to int8 per block of 32,
-// the 4/8-bit weights repacked so that one VPDPBUSD multiplies 4 weights of 16 output rows by the same 4 bytes of x.
+// The packed matmul with AVX-512 VNNI: the 4/8-bit weights repacked so that one VPDPBUSD multiplies 4 weights of 16
+// output rows by the same 4 bytes of x, and x as integers per block of 32: one byte a value (int8, the opt-in
+// weights="native-int8") or three (fixed24, the native path's default: fp32's precision, see kernel.h).
 //
 // Why the repacking: with MLX's row-major layout each 32-weight block of each output row ends in its own integer
 // sum that has to be converted and scaled (as many instructions per row as the fp32 kernel's FMAs, measured no
 // faster). Across 16 rows, one conversion and one scale serve 16 outputs, and a block costs each row of x 8
-// VPDPBUSD + 3 float ops for 512 weights, against 32 FMAs in fp32. llama.cpp's "repack" CPU kernels do the same.
+// VPDPBUSD a digit + a few float ops for 512 weights, against 32 FMAs (and 32 conversions) in fp32. llama.cpp's
+// "repack" CPU kernels do the same.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -22,9 +24,10 @@ inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Tiles [t0, t1) of 16 output rows for MT rows of x from m0. Each row of x is summed the same way whatever the tile
-// it is in (integer sums are exact; the float steps are per row), so a verify pass's rows equal single steps.
-template <int BITS, int MT, ScaleType ST>
+// Tiles [t0, t1) of 16 output rows for MT rows of x from m0, x in DIGITS bytes a value. Each row of x is summed the
+// same way whatever the tile it is in (integer sums are exact; the float steps are per row), so a verify pass's rows
+// equal single steps.
+template <int BITS, int MT, ScaleType ST, int DIGITS>
 void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
   const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
   constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
@@ -34,7 +37,7 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
   const float* xd[MT];
   const float* xs[MT];
   for (int i = 0; i < MT; ++i) {
-    xr[i] = a.xq + size_t(m0 + i) * K;
+    xr[i] = a.xq + size_t(m0 + i) * K * DIGITS;
     xd[i] = a.xd + size_t(m0 + i) * (K / 32);
     xs[i] = a.xsum + size_t(m0 + i) * G;
   }
@@ -47,35 +50,47 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
       for (int b = 0; b < blocks_per_group; ++b) {
         const int blk = g * blocks_per_group + b;
         const uint8_t* wb = wt + size_t(blk) * block_bytes;
-        // Two accumulators a row (the first and second half of the block's k): half the dependency chain.
-        __m512i lo[MT], hi[MT];
-        for (int i = 0; i < MT; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+        // Two accumulators a row and digit (the first and second half of the block's k): half the dependency chain.
+        __m512i lo[MT][DIGITS], hi[MT][DIGITS];
+        for (int i = 0; i < MT; ++i) {
+          for (int d = 0; d < DIGITS; ++d) lo[i][d] = hi[i][d] = _mm512_setzero_si512();
+        }
+        // k-step s: 4 k of the 16 rows (wl) and the 4 k 16 further on (wh), against those k of each digit of x.
+        auto step = [&](int s, __m512i wl, __m512i wh) {
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* xp = xr[i] + size_t(blk) * 32 * DIGITS;
+            for (int d = 0; d < DIGITS; ++d) {
+              lo[i][d] = _mm512_dpbusd_epi32(lo[i][d], wl, x4(xp + 32 * d + 4 * s));
+              hi[i][d] = _mm512_dpbusd_epi32(hi[i][d], wh, x4(xp + 32 * d + 16 + 4 * s));
+            }
+          }
+        };
         if constexpr (BITS == 4) {
           // 64 bytes hold k-step s (4 k of 16 rows) in the low nibbles and k-step s + 4 in the high ones.
           for (int s = 0; s < 4; ++s) {
             _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 64 * s), _MM_HINT_T0);
             const __m512i v = _mm512_loadu_si512(wb + 64 * s);
-            const __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            for (int i = 0; i < MT; ++i) {
-              const int8_t* xp = xr[i] + size_t(blk) * 32;
-              lo[i] = _mm512_dpbusd_epi32(lo[i], wl, x4(xp + 4 * s));
-              hi[i] = _mm512_dpbusd_epi32(hi[i], wh, x4(xp + 16 + 4 * s));
-            }
+            step(s, _mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
           }
         } else {
           for (int s = 0; s < 4; ++s) {
             _mm_prefetch(reinterpret_cast<const char*>(wb + 2048 + 128 * s), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(wb + 2048 + 128 * s + 64), _MM_HINT_T0);
-            const __m512i wl = _mm512_loadu_si512(wb + 64 * s), wh = _mm512_loadu_si512(wb + 256 + 64 * s);
-            for (int i = 0; i < MT; ++i) {
-              const int8_t* xp = xr[i] + size_t(blk) * 32;
-              lo[i] = _mm512_dpbusd_epi32(lo[i], wl, x4(xp + 4 * s));
-              hi[i] = _mm512_dpbusd_epi32(hi[i], wh, x4(xp + 16 + 4 * s));
-            }
+            step(s, _mm512_loadu_si512(wb + 64 * s), _mm512_loadu_si512(wb + 256 + 64 * s));
           }
         }
         for (int i = 0; i < MT; ++i) {
-          const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[i], hi[i]));
+          __m512 f;
+          if constexpr (DIGITS == 1) {
+            f = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[i][0], hi[i][0]));
+          } else {
+            // d0 + 256 d1 is exact in int32 (|sum| < 2^28) and in the float when below 2^24; 65536 * d2's sum is
+            // exact; the one FMA rounds once, as the fp32 kernel's own sums do.
+            const __m512i low = _mm512_add_epi32(_mm512_add_epi32(lo[i][0], hi[i][0]),
+                                                 _mm512_slli_epi32(_mm512_add_epi32(lo[i][1], hi[i][1]), 8));
+            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[i][2], hi[i][2])), _mm512_set1_ps(65536.0f),
+                                _mm512_cvtepi32_ps(low));
+          }
           const __m512 d = _mm512_set1_ps(xd[i][blk]);
           group[i] = b == 0 ? _mm512_mul_ps(f, d) : _mm512_fmadd_ps(f, d, group[i]);
         }
@@ -91,23 +106,26 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
   }
 }
 
-constexpr int kMaxTile = 6;  // 4 registers a row (two sums, the group's and the output's) + the weights
+// Rows of x a tile: 2 * DIGITS + 2 registers a row (the digits' two sums, the group's and the output's) besides the
+// weights, of 32.
+template <int DIGITS>
+constexpr int kMaxTile = DIGITS == 1 ? 6 : 3;
 
-template <int BITS, ScaleType ST>
+template <int BITS, ScaleType ST, int DIGITS>
 void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
   // Tiles of weights outermost in chunks that stay in L1 (a 16-row tile is 16 * K * bits / 8 bytes: 4.6 KB at K=576,
   // 4 bits) while every group of rows of x passes over them: a long prompt reads the weights once.
-  constexpr int chunk = 2;
+  constexpr int chunk = 2, most = kMaxTile<DIGITS>;
   for (int c0 = t0; c0 < t1; c0 += chunk) {
     const int c1 = c0 + chunk < t1 ? c0 + chunk : t1;
     int m = 0;
-    for (; a.M - m >= kMaxTile; m += kMaxTile) packed_tile<BITS, kMaxTile, ST>(a, c0, c1, m);
+    for (; a.M - m >= most; m += most) packed_tile<BITS, most, ST, DIGITS>(a, c0, c1, m);
     switch (a.M - m) {
-      case 5: packed_tile<BITS, 5, ST>(a, c0, c1, m); break;
-      case 4: packed_tile<BITS, 4, ST>(a, c0, c1, m); break;
-      case 3: packed_tile<BITS, 3, ST>(a, c0, c1, m); break;
-      case 2: packed_tile<BITS, 2, ST>(a, c0, c1, m); break;
-      case 1: packed_tile<BITS, 1, ST>(a, c0, c1, m); break;
+      case 5: if constexpr (most > 5) packed_tile<BITS, 5, ST, DIGITS>(a, c0, c1, m); break;
+      case 4: if constexpr (most > 4) packed_tile<BITS, 4, ST, DIGITS>(a, c0, c1, m); break;
+      case 3: if constexpr (most > 3) packed_tile<BITS, 3, ST, DIGITS>(a, c0, c1, m); break;
+      case 2: packed_tile<BITS, 2, ST, DIGITS>(a, c0, c1, m); break;
+      case 1: packed_tile<BITS, 1, ST, DIGITS>(a, c0, c1, m); break;
       default: break;
     }
   }
@@ -116,7 +134,13 @@ void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
 }  // namespace
 
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1) {
-  with_format(a.bits, a.scale_type, [&](auto bits, auto st) { packed_rows<bits(), st()>(a, t0, t1); });
+  with_format(a.bits, a.scale_type, [&](auto bits, auto st) {
+    if (a.xform == XForm::int8) {
+      packed_rows<bits(), st(), 1>(a, t0, t1);
+    } else {
+      packed_rows<bits(), st(), 3>(a, t0, t1);
+    }
+  });
 }
 
 }  // namespace mlxchat

@@ -126,7 +126,7 @@ class NativeDecoderLayer : public mx::Primitive {
       std::vector<RowsTarget> targets;
       for (auto [p, y] : projections) {
         const int i = kFirstProjection + 3 * p;
-        targets.push_back(RowsTarget{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], packed[p] != 0, y});
+        targets.push_back(RowsTarget{&in[i], &in[i + 1], &in[i + 2], gs[p], bits[p], packed[p] != 0, layer.int8, y});
       }
       quantized_matmul_rows(x, M, targets);
     };
@@ -228,7 +228,8 @@ mx::array rope_inv_freqs(int dims, float base) {
 }
 
 LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                           const std::vector<int>& bits, const std::vector<int>& packed, const LayerShape& shape) {
+                           const std::vector<int>& bits, const std::vector<int>& packed, bool int8,
+                           const LayerShape& shape) {
   const size_t plain = 3 + 3 * kProjections;
   if ((weights.size() != plain && weights.size() != plain + 3) || group_sizes.size() != kProjections ||
       bits.size() != kProjections || packed.size() != kProjections) {
@@ -239,14 +240,14 @@ LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vec
     throw std::invalid_argument("decoder_layer: rope_dims must be even and at most head_dim");
   }
   auto s = cpu_stream();
-  auto layer = std::make_shared<LayerData>(LayerData{{}, group_sizes, bits, packed, shape});
+  auto layer = std::make_shared<LayerData>(LayerData{{}, group_sizes, bits, packed, int8, shape});
   for (int i = 0; i < 3; ++i) {
     check_float32(weights[i], "norm weights and inv_freqs");
     layer->arrays.push_back(dense(weights[i], s));
   }
   for (int p = 0; p < kProjections; ++p) {
     const auto& w = weights[3 + 3 * p];
-    check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p], packed[p] != 0);
+    check_weights(w, weights[4 + 3 * p], weights[5 + 3 * p], group_sizes[p], bits[p], packed[p] != 0, int8);
     for (int j = 0; j < 3; ++j) layer->arrays.push_back(dense(weights[3 + 3 * p + j], s));
   }
   const int qkv_rows[3] = {shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim,

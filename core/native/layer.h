@@ -28,10 +28,12 @@ mx::array rope_inv_freqs(int dims, float base);
 // rows (converting and checking 24 arrays on every call was ~7 us of Python a layer, ~0.2 ms a step).
 // weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
 // (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
-// group_sizes / bits / packed: the 7 projections' (packed: pack_int8_weights's layout, x rounded to int8).
+// group_sizes / bits / packed: the 7 projections' (packed: pack_weights's layout, x taken as integers); int8: the
+// packed ones take x rounded to int8 (weights="native-int8"), else as fixed24.
 struct LayerData {
   std::vector<mx::array> arrays;
   std::vector<int> group_sizes, bits, packed;
+  bool int8;
   LayerShape shape;
 };
 // The handle Python keeps. The op shares its data, never the Python object: a shared_ptr made from a Python object
@@ -41,7 +43,8 @@ struct LayerWeights {
   std::shared_ptr<const LayerData> data;
 };
 LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
-                           const std::vector<int>& bits, const std::vector<int>& packed, const LayerShape& shape);
+                           const std::vector<int>& bits, const std::vector<int>& packed, bool int8,
+                           const LayerShape& shape);
 
 // h [B, L, D] float32 -> (h_out [B, L, D], keys_out, values_out). keys/values [B, H_kv, C, head_dim] are the layer's
 // KV cache buffer with `offset` positions written and room for L more (C >= offset + L); the outputs are that buffer

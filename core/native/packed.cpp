@@ -3,47 +3,130 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernel.h"
 
 namespace mlxchat {
 
-void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
-                  int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out) {
+namespace {
+
+// MLX's layout <-> the packed one, code by code (this runs once a matrix, at load): `pack` says which way.
+void repack(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
+            int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out, bool pack) {
   const size_t row_bytes = size_t(K) * bits / 8;
-  const int blocks = K / 32, G = K / group_size;
-  auto weight = [&](int n, int k) -> uint8_t {
-    const uint8_t byte = w[size_t(n) * row_bytes + (bits == 4 ? k / 2 : k)];
-    return bits == 4 ? (k % 2 ? byte >> 4 : byte & 0x0F) : byte;
-  };
-  uint8_t* o = w_out;
-  for (int t = 0; t < N / kPackedTile; ++t) {
-    for (int b = 0; b < blocks; ++b) {
-      const int steps = bits == 4 ? 4 : 8;  // runs of 64 bytes in the block
-      for (int s = 0; s < steps; ++s) {
-        for (int j = 0; j < kPackedTile; ++j) {
-          const int n = t * kPackedTile + j;
-          for (int i = 0; i < 4; ++i) {
-            const int k = 32 * b + 4 * s + i;
-            *o++ = bits == 4 ? uint8_t(weight(n, k) | weight(n, k + 16) << 4) : weight(n, k);
-          }
-        }
+  std::memset(w_out, 0, size_t(N) * row_bytes);  // codes are ORed in
+  for (int n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k) {
+      const size_t plain = size_t(n) * row_bytes + (bits == 4 ? k / 2 : k);
+      const int plain_shift = bits == 4 ? 4 * (k % 2) : 0;
+      int packed_shift;
+      const size_t packed = packed_byte(K, bits, n, k, packed_shift);
+      const uint8_t mask = bits == 4 ? 0x0F : 0xFF;
+      if (pack) {
+        w_out[packed] |= uint8_t(((w[plain] >> plain_shift) & mask) << packed_shift);
+      } else {
+        w_out[plain] |= uint8_t(((w[packed] >> packed_shift) & mask) << plain_shift);
       }
     }
+  }
+  const int G = K / group_size;
+  for (int n = 0; n < N; ++n) {
     for (int g = 0; g < G; ++g) {
-      for (int j = 0; j < kPackedTile; ++j) {
-        const size_t from = (size_t(t) * kPackedTile + j) * G + g, to = (size_t(t) * G + g) * kPackedTile + j;
-        std::memcpy(static_cast<char*>(scales_out) + to * param_bytes,
-                    static_cast<const char*>(scales) + from * param_bytes, param_bytes);
-        std::memcpy(static_cast<char*>(biases_out) + to * param_bytes,
-                    static_cast<const char*>(biases) + from * param_bytes, param_bytes);
-      }
+      const size_t plain = (size_t(n) * G + g) * param_bytes, packed = packed_param(G, n, g) * param_bytes;
+      const size_t from = pack ? plain : packed, to = pack ? packed : plain;
+      std::memcpy(static_cast<char*>(scales_out) + to, static_cast<const char*>(scales) + from, param_bytes);
+      std::memcpy(static_cast<char*>(biases_out) + to, static_cast<const char*>(biases) + from, param_bytes);
     }
   }
 }
 
-void quantize_rows(const float* x, int M, int K, int group_size, int8_t* xq, float* xd, float* xsum) {
-  const int G = K / group_size, blocks_per_group = group_size / 32;
+}  // namespace
+
+void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
+                  int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out) {
+  repack(w, scales, biases, param_bytes, N, K, group_size, bits, w_out, scales_out, biases_out, true);
+}
+
+void unpack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
+                    int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out) {
+  repack(w, scales, biases, param_bytes, N, K, group_size, bits, w_out, scales_out, biases_out, false);
+}
+
+namespace {
+
+// The block's max |x|, or NaN where any value is NaN (std::max would skip it).
+float block_amax(const float* xb) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int k = 0; k < 32; ++k) {
+    amax = std::max(amax, std::abs(xb[k]));
+    nan |= std::isnan(xb[k]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// int8: round(x / d) with d = max|x| / 127. Returns the block's sum of the rounded x.
+float int8_block(const float* xb, int8_t* q, float& d) {
+  const float amax = block_amax(xb);
+  if (!std::isfinite(amax)) {  // NaN or inf in: NaN out
+    std::memset(q, 0, 32);
+    d = std::numeric_limits<float>::quiet_NaN();
+    return d;
+  }
+  d = amax / 127.0f;
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  int q_sum = 0;
+  for (int k = 0; k < 32; ++k) {
+    q[k] = int8_t(std::nearbyint(xb[k] * inv));
+    q_sum += q[k];
+  }
+  return d * float(q_sum);
+}
+
+// The largest integer a fixed24 block holds: three signed bytes m = d0 + 256 d1 + 65536 d2, d0 and d1 balanced
+// remainders in [-128, 127], reach 127 * 65536 + 127 * 256 + 127 at most (the top digit would be 128 above it).
+constexpr double kFixed24Max = 127.0 * 65536 + 127 * 256 + 127;
+
+// fixed24: x = 2^e * m with m an integer, 2^e the smallest power of two that puts the block's max |x| within
+// kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits, 23 when the top digit
+// would overflow). Scaling by a power of two is exact: rounding to an integer is the only step that loses bits, and
+// only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Returns the block's sum.
+double fixed24_block(const float* xb, int8_t* q, float& d) {
+  const float amax = block_amax(xb);
+  if (!std::isfinite(amax)) {  // NaN or inf in: NaN out
+    std::memset(q, 0, 96);
+    d = std::numeric_limits<float>::quiet_NaN();
+    return d;
+  }
+  if (amax == 0.0f) {
+    std::memset(q, 0, 96);
+    d = 0.0f;
+    return 0.0;
+  }
+  int e2;
+  std::frexp(amax, &e2);  // amax = f * 2^e2, f in [0.5, 1)
+  int e = e2 - 23;
+  if (std::ldexp(double(amax), -e) > kFixed24Max) ++e;
+  const double inv = std::ldexp(1.0, -e);
+  int64_t m_sum = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int32_t m = int32_t(std::nearbyint(double(xb[k]) * inv));
+    const int32_t d0 = ((m + 128) & 255) - 128, r = (m - d0) >> 8;
+    const int32_t d1 = ((r + 128) & 255) - 128, d2 = (r - d1) >> 8;
+    q[k] = int8_t(d0);
+    q[32 + k] = int8_t(d1);
+    q[64 + k] = int8_t(d2);
+    m_sum += m;
+  }
+  d = float(std::ldexp(1.0, e));
+  return std::ldexp(double(m_sum), e);
+}
+
+}  // namespace
+
+void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int8_t* xq, float* xd, float* xsum) {
+  const int G = K / group_size, blocks_per_group = group_size / 32, digits = digits_of(form);
   for (int m = 0; m < M; ++m) {
     const float* xr = x + size_t(m) * K;
     for (int g = 0; g < G; ++g) {
@@ -52,22 +135,13 @@ void quantize_rows(const float* x, int M, int K, int group_size, int8_t* xq, flo
       // codes 0..15 that all share a sign, which did not cancel. Measured on the embedded model (4 chat questions,
       // 192 reply positions, KL from the exact path): 0.014 nats with the exact sum, 0.0027 with this one;
       // llama.cpp, which rounds x the same way, 0.0030.
-      float sum = 0.0f;
+      double sum = 0.0;
       for (int b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-        const float* xb = xr + 32 * b;
-        float amax = 0.0f;
-        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::abs(xb[k]));
-        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        xd[size_t(m) * (K / 32) + b] = d;
-        int q_sum = 0;
-        for (int k = 0; k < 32; ++k) {
-          const int8_t q = int8_t(std::nearbyint(xb[k] * inv));
-          xq[size_t(m) * K + 32 * b + k] = q;
-          q_sum += q;
-        }
-        sum += d * float(q_sum);
+        int8_t* q = xq + (size_t(m) * digits * K) + size_t(b) * 32 * digits;
+        float& d = xd[size_t(m) * (K / 32) + b];
+        sum += form == XForm::int8 ? int8_block(xr + 32 * b, q, d) : fixed24_block(xr + 32 * b, q, d);
       }
-      xsum[size_t(m) * G + g] = sum;
+      xsum[size_t(m) * G + g] = float(sum);
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -119,6 +120,12 @@ PackedKernel packed_kernel() {
   return kernel;
 }
 
+// x as fixed24 (three bytes a value) runs on the VNNI kernel only: on AVX2's VPMADDUBSW + VPMADDWD three digits
+// cost about what the fp32 kernel does, so CPUs without VNNI keep MLX's layout and the fp32 kernel.
+bool fixed24_runs() {
+  return packed_kernel() == &qmm_packed_rows_vnni;
+}
+
 // Rows per chunk: ~256k weights, a multiple of 16. Smaller chunks (64k) made 2 threads slower than 1 on the 211
 // GEMVs of a token (25 vs 15 ms): the small matrices were split into pieces too short to be worth a hand-off.
 int chunk_rows(int K) {
@@ -137,7 +144,7 @@ ScaleType scale_type(mx::Dtype t) {
 }  // namespace
 
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                   bool packed) {
+                   bool packed, bool int8) {
   if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8, got " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128) {
@@ -158,6 +165,10 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
   }
   if (packed && w.shape(0) % kPackedTile != 0) {
     throw std::invalid_argument("packed weights need a multiple of 16 output rows, got " + std::to_string(w.shape(0)));
+  }
+  if (packed && !int8 && !fixed24_runs()) {
+    throw std::runtime_error("packed weights with exact x need AVX512-VNNI (this CPU, or MLXCHAT_NATIVE_ISA=avx2, "
+                             "has none): load with the weights unpacked");
   }
 }
 
@@ -200,27 +211,33 @@ std::vector<float> plain_x(const mx::array& x) {
   return plain;
 }
 
-// x rounded for the int8-activation matmul (PackedMatmulArgs's xq, xd, xsum).
-struct Int8Rows {
+// x as the packed matmul takes it (PackedMatmulArgs's xq, xd, xsum), int8 or fixed24.
+struct PackedRows {
+  XForm xform;
   std::vector<int8_t> xq;
   std::vector<float> xd, xsum;
-  Int8Rows(const float* x, int M, int K, int group_size)
-      : xq(size_t(M) * K), xd(size_t(M) * (K / 32)), xsum(size_t(M) * (K / group_size)) {
-    quantize_rows(x, M, K, group_size, xq.data(), xd.data(), xsum.data());
+  PackedRows(const float* x, int M, int K, int group_size, XForm form)
+      : xform(form), xq(size_t(M) * K * digits_of(form)), xd(size_t(M) * (K / 32)),
+        xsum(size_t(M) * (K / group_size)) {
+    quantize_rows(x, M, K, group_size, form, xq.data(), xd.data(), xsum.data());
   }
   PackedMatmulArgs args(const mx::array& w, const mx::array& scales, const mx::array& biases, float* y, int M, int N,
                         int K, int group_size, int bits) const {
     return PackedMatmulArgs{xq.data(), xd.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(),
-                            biases.data<void>(), scale_type(scales.dtype()), y, M, N, K, group_size, bits};
+                            biases.data<void>(), scale_type(scales.dtype()), xform, y, M, N, K, group_size, bits};
   }
 };
+
+XForm xform_of(bool int8) {
+  return int8 ? XForm::int8 : XForm::fixed24;
+}
 
 // ---- primitives ----------------------------------------------------------------------------------------------
 
 class NativeQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  NativeQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
+  NativeQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed, bool int8)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -230,15 +247,15 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       scales = mx::array::unsafe_weak_copy(inputs[2]),
                       biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_, packed = packed_]() mutable {
+                      group_size = group_size_, bits = bits_, packed = packed_, int8 = int8_]() mutable {
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0);
       const int rows = chunk_rows(K), chunks = (N + rows - 1) / rows;
       if (packed) {
-        const Int8Rows xr(plain_x(x).data(), M, K, group_size);
+        const PackedRows xr(plain_x(x).data(), M, K, group_size, xform_of(int8));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const int tiles = rows / kPackedTile;  // chunk_rows is a multiple of 16
-        const PackedKernel kernel = packed_kernel();
+        const PackedKernel kernel = packed_kernel();  // the VNNI one for fixed24 (check_weights)
         parallel_for(chunks, [&](int c) {
           kernel(a, c * tiles, std::min(N / kPackedTile, (c + 1) * tiles));
         });
@@ -261,7 +278,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const NativeQuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -272,7 +289,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
-  bool packed_;
+  bool packed_, int8_;
 };
 
 class NativeDequantize : public mx::UnaryPrimitive {
@@ -315,6 +332,71 @@ class NativeDequantize : public mx::UnaryPrimitive {
   int group_size_, bits_;
 };
 
+// Row n of a packed weight as T (the parameters' type: MLX's dequantize computes scale * q + bias in it).
+template <typename T>
+void packed_row(const uint8_t* w, const T* scales, const T* biases, int K, int group_size, int bits, int n, T* out) {
+  const int G = K / group_size;
+  for (int k = 0; k < K; ++k) {
+    int shift;
+    const uint8_t q = uint8_t((w[packed_byte(K, bits, n, k, shift)] >> shift) & (bits == 4 ? 0x0F : 0xFF));
+    const size_t p = packed_param(G, n, k / group_size);
+    out[k] = scales[p] * static_cast<T>(q) + biases[p];
+  }
+}
+
+class NativePackedLookup : public mx::UnaryPrimitive {
+ public:
+  NativePackedLookup(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([ids = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]),
+                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_]() mutable {
+      const int N = w.shape(0), K = w.shape(1) * 32 / bits;
+      const uint32_t* id = ids.data<uint32_t>();
+      auto rows = [&](auto type) {
+        using T = decltype(type);
+        for (size_t r = 0; r < ids.size(); ++r) {
+          // Out of range reads no memory: the row is NaN, as a bad id gives no real embedding.
+          if (id[r] >= uint32_t(N)) {
+            std::fill_n(out.data<T>() + r * K, K, static_cast<T>(std::numeric_limits<float>::quiet_NaN()));
+            continue;
+          }
+          packed_row<T>(w.data<uint8_t>(), scales.data<T>(), biases.data<T>(), K, group_size, bits, int(id[r]),
+                        out.data<T>() + r * K);
+        }
+      };
+      if (scales.dtype() == mx::float32) {
+        rows(float{});
+      } else if (scales.dtype() == mx::float16) {
+        rows(mx::float16_t{});
+      } else {
+        rows(mx::bfloat16_t{});
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's packed lookup runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatPackedLookup"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativePackedLookup&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
 }  // namespace
 
 bool cpu_supported() {
@@ -342,9 +424,13 @@ std::string int8_kernel_name() {
   return packed_kernel() == &qmm_packed_rows_vnni ? "avx512-vnni" : "avx2";
 }
 
+bool packs_exact() {
+  return cpu_supported() && fixed24_runs();
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, bool packed) {
-  check_weights(w, scales, biases, group_size, bits, packed);
+                           int group_size, int bits, bool packed, bool int8) {
+  check_weights(w, scales, biases, group_size, bits, packed, int8);
   const int K = w.shape(1) * 32 / bits, N = w.shape(0);
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument("x's last dimension must be " + std::to_string(K) + " (the weight's input size)");
@@ -356,14 +442,18 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
   mx::Shape shape = x.shape();
   shape.back() = N;
-  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, group_size, bits, packed),
+  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, group_size, bits, packed, int8),
               {x2, dense(w, s), dense(scales, s), dense(biases, s)});
   return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
 }
 
-std::vector<mx::array> pack_int8_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                                         int group_size, int bits) {
-  check_weights(w, scales, biases, group_size, bits, true);
+namespace {
+
+using Repack = void (*)(const uint8_t*, const void*, const void*, size_t, int, int, int, int, uint8_t*, void*, void*);
+
+std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                                int bits, Repack repack) {
+  check_weights(w, scales, biases, group_size, bits, true, true);
   auto s = cpu_stream();
   mx::array wd = dense(w, s), sd = dense(scales, s), bd = dense(biases, s);
   mx::eval({wd, sd, bd});
@@ -372,9 +462,32 @@ std::vector<mx::array> pack_int8_weights(const mx::array& w, const mx::array& sc
   };
   std::vector<mx::array> out{fresh(wd), fresh(sd), fresh(bd)};
   const int K = w.shape(1) * 32 / bits;
-  pack_weights(wd.data<uint8_t>(), sd.data<void>(), bd.data<void>(), mx::size_of(sd.dtype()), w.shape(0), K,
-               group_size, bits, out[0].data<uint8_t>(), out[1].data<void>(), out[2].data<void>());
+  repack(wd.data<uint8_t>(), sd.data<void>(), bd.data<void>(), mx::size_of(sd.dtype()), w.shape(0), K, group_size,
+         bits, out[0].data<uint8_t>(), out[1].data<void>(), out[2].data<void>());
   return out;
+}
+
+}  // namespace
+
+std::vector<mx::array> pack_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                    int group_size, int bits) {
+  return repacked(w, scales, biases, group_size, bits, &mlxchat::pack_weights);
+}
+
+std::vector<mx::array> unpack_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                      int group_size, int bits) {
+  return repacked(w, scales, biases, group_size, bits, &mlxchat::unpack_weights);
+}
+
+mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        int group_size, int bits) {
+  check_weights(w, scales, biases, group_size, bits, true, true);
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("ids must be an integer array");
+  auto s = cpu_stream();
+  mx::Shape shape = ids.shape();
+  shape.push_back(w.shape(1) * 32 / bits);
+  return mx::array(shape, scales.dtype(), std::make_shared<NativePackedLookup>(s, group_size, bits),
+                   {dense(mx::astype(ids, mx::uint32, s), s), dense(w, s), dense(scales, s), dense(biases, s)});
 }
 
 void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>& targets) {
@@ -382,21 +495,25 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
   if (targets.empty()) return;
   const int K = targets[0].w->shape(1) * 32 / targets[0].bits;
   // x as each format needs it (the reorder depends on the bits, the sums on the group size; packed weights take it
-  // rounded to int8), once per format: a layer's q/k/v usually share one, but a GGUF may give v_proj more bits.
+  // as integers, int8 or fixed24), once per format: a layer's q/k/v usually share one, but a GGUF may give v_proj
+  // more bits.
   struct Prepared {
     int group_size, bits;
-    bool packed;
+    bool packed, int8;
     std::vector<float> xq, xsum;
-    std::unique_ptr<Int8Rows> int8;
+    std::unique_ptr<PackedRows> integers;
   };
   std::vector<Prepared> prepared;
   auto prepared_for = [&](const RowsTarget& t) -> const Prepared& {
     for (const auto& p : prepared) {
-      if (p.group_size == t.group_size && p.packed == t.packed && (t.packed || p.bits == t.bits)) return p;
+      if (p.group_size == t.group_size && p.packed == t.packed &&
+          (t.packed ? p.int8 == t.int8 : p.bits == t.bits)) {
+        return p;
+      }
     }
-    auto& p = prepared.emplace_back(Prepared{t.group_size, t.bits, t.packed, {}, {}, nullptr});
+    auto& p = prepared.emplace_back(Prepared{t.group_size, t.bits, t.packed, t.int8, {}, {}, nullptr});
     if (t.packed) {
-      p.int8 = std::make_unique<Int8Rows>(x, M, K, t.group_size);
+      p.integers = std::make_unique<PackedRows>(x, M, K, t.group_size, xform_of(t.int8));
     } else {
       prepare_rows(std::vector<float>(x, x + size_t(M) * K), M, K, t.group_size, t.bits, p.xq, p.xsum);
     }
@@ -425,7 +542,7 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
     Job job{};
     job.is_packed = t.packed;
     if (t.packed) {
-      job.packed = p.int8->args(*t.w, *t.scales, *t.biases, t.y, M, N, K, t.group_size, t.bits);
+      job.packed = p.integers->args(*t.w, *t.scales, *t.biases, t.y, M, N, K, t.group_size, t.bits);
       job.units = N / kPackedTile;
     } else {
       job.plain = QMatmulArgs{p.xq.data(), p.xsum.data(), t.w->data<uint8_t>(), t.scales->data<void>(),

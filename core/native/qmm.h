@@ -18,17 +18,28 @@ std::string cpu_unsupported_reason();
 
 // Which int8-activation kernel runs ("avx512-vnni" or "avx2"); it runs wherever the fp32 kernel does.
 std::string int8_kernel_name();
+// Whether the packed matmul takes exact x here (fixed24: AVX512-VNNI, and MLXCHAT_NATIVE_ISA is not avx2). Where it
+// does, the native path packs its weights; elsewhere it keeps MLX's layout and the fp32 kernel.
+bool packs_exact();
 
 // x @ dequantize(w, scales, biases).T for MLX's affine format (w as mx.quantize returns it), computed in fp32.
 // x may have any shape [..., K], dtype and strides; the result has x's shape with K replaced by N, in x's float dtype.
-// `packed`: w, scales and biases come from pack_int8_weights, and x is rounded to int8 per block of 32 (opt-in).
+// `packed`: w, scales and biases come from pack_weights, and x is taken as integers per block of 32: rounded to int8
+// with `int8` (opt-in), else fixed24 (fp32's precision; needs packs_exact()).
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, bool packed = false);
+                           int group_size, int bits, bool packed = false, bool int8 = false);
 
-// (w, scales, biases) repacked for the int8-activation matmul: the same shapes, dtypes and bytes, reordered into
-// tiles of 16 output rows (N must be a multiple of 16). Computed now.
-std::vector<mx::array> pack_int8_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                                         int group_size, int bits);
+// (w, scales, biases) repacked for the packed matmul: the same shapes, dtypes and bytes, reordered into tiles of 16
+// output rows (N must be a multiple of 16). Computed now.
+std::vector<mx::array> pack_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                    int group_size, int bits);
+// The inverse: pack_weights's arrays back in MLX's layout (for code that reads MLX's layout: mlx-lm's shard()).
+std::vector<mx::array> unpack_weights(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                      int group_size, int bits);
+// Rows `ids` (any integer array) of a packed weight, dequantized as MLX's dequantize does (scale * q + bias in the
+// parameters' type, which the result has): the tied embedding's lookup when its head is packed.
+mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        int group_size, int bits);
 
 // One matrix of a quantized_matmul_rows job: y[M, N] = x @ dequantize(w).T; w, scales and biases evaluated, dense.
 struct RowsTarget {
@@ -36,7 +47,8 @@ struct RowsTarget {
   const mx::array* scales;
   const mx::array* biases;
   int group_size, bits;
-  bool packed;  // pack_int8_weights's layout: x is rounded to int8
+  bool packed;  // pack_weights's layout: x is taken as integers
+  bool int8;    // for packed weights: x rounded to int8 (else fixed24)
   float* y;
 };
 // Every target's rows for the same dense fp32 rows x [M, K], computed now on the calling thread and the pool, as one
@@ -52,7 +64,7 @@ void layer_attention(const AttentionArgs& a);
 void parallel_pieces(int pieces, const std::function<void(int)>& fn);
 // Throws std::invalid_argument (or runtime_error where the CPU cannot) naming what does not fit.
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                   bool packed = false);
+                   bool packed = false, bool int8 = false);
 
 // The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel.
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
