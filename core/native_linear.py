@@ -17,10 +17,12 @@ from mlx.utils import tree_unflatten
 
 from . import native
 
-# Rows of x above which dequantizing the layer to fp32 and running one BLAS GEMM beats the fp32 kernel (prompt prefill
-# on MLX's layout; packed weights stay on their kernel).
-# Measured by `mlxchat bench` (the native section's prefill crossover): equal at 16 rows here, BLAS 1.6x faster at 32.
+# Rows of x above which dequantizing the layer to fp32 and running one BLAS GEMM beats the kernel (prompt prefill).
+# Measured by `mlxchat bench` (the native section's prefill crossover): on MLX's layout, equal at 16 rows here, BLAS
+# 1.6x faster at 32; on packed weights (fixed24 x), equal at ~48 rows, BLAS 1.3x faster at 128 and 1.6x at 512.
+# int8 x stays on its kernel at any length: it is what that option asks for.
 DEQUANTIZE_ROWS = 16
+PACKED_DEQUANTIZE_ROWS = 48
 
 
 def supports(module: nn.Module) -> bool:
@@ -36,12 +38,12 @@ def _packable(module: nn.Module) -> bool:
 
 def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
     w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
-    if layer.packed:  # packed weights have no fp32 form; their kernel is the faster one at any length
-        return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,
-                                       packed=True, int8=layer.int8)
-    if x.size // x.shape[-1] > DEQUANTIZE_ROWS:
-        return x @ native.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits).T
-    return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits)
+    rows = x.size // x.shape[-1]
+    if rows > (PACKED_DEQUANTIZE_ROWS if layer.packed else DEQUANTIZE_ROWS) and not layer.int8:
+        return x @ native.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits,
+                                     packed=layer.packed).T
+    return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,
+                                   packed=layer.packed, int8=layer.int8)
 
 
 # Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's

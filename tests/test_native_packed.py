@@ -249,3 +249,13 @@ def test_unpacking_gives_mlx_layout_back(bits: int):
         assert not mx.array_equal(packed[0], w).item()
         back = native.unpack_weights(*packed, group_size=group_size, bits=bits)
         assert all(mx.array_equal(x, y).item() for x, y in zip((w, s, b), back))
+
+
+@needs_fixed24
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_weights_dequantize_to_the_same_fp32_weight(bits: int):
+    # Long prompts on packed weights run dequantize + one BLAS GEMM, on the same fp32 weight as MLX's layout gives.
+    for group_size in (32, 64, 128):
+        (w, s, b), packed = _packed(48, 256, group_size, bits, mx.float16)
+        ours = native.dequantize(*packed, group_size=group_size, bits=bits, packed=True)
+        assert mx.array_equal(ours, native.dequantize(w, s, b, group_size=group_size, bits=bits)).item()

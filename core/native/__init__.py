@@ -111,9 +111,11 @@ def packs_exact() -> bool:
     return _module().packs_exact()
 
 
-def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
-    """The fp32 weight ``[N, K]`` (scale * q + bias in fp32), for long prompts where one BLAS GEMM is faster."""
-    return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits)
+def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int,
+               packed: bool = False) -> mx.array:
+    """The fp32 weight ``[N, K]`` (scale * q + bias in fp32), for long prompts where one BLAS GEMM is faster.
+    ``packed``: the weights come from `pack_weights` (where `packs_exact`)."""
+    return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits, packed=packed)
 
 
 def softmax(x: mx.array, *, scale: float = 1.0, causal: bool = False) -> mx.array:

@@ -27,7 +27,7 @@ NB_MODULE(_ext, m) {
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("packs_exact", &mlxchat::packs_exact);
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
-        "The fp32 weight [N, K] of an affine-quantized one.");
+        "packed"_a = false, "The fp32 weight [N, K] of an affine-quantized one (packed: pack_weights's layout).");
   m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,
         "softmax(scale * x) along the last axis, float32; causal: MLX's lower-right mask over the last two axes.");
   m.def("attention", &mlxchat::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,

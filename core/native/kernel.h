@@ -62,6 +62,9 @@ struct PackedMatmulArgs {
 // Tiles [t0, t1) (rows 16 * t0 .. 16 * t1 of y) for every row of x. Needs AVX-512F/BW and AVX512-VNNI; the AVX2
 // one computes the same integer sums (and the same float steps per row, on 8 lanes) without them, for int8 only.
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
+// Tiles [t0, t1) of a packed weight dequantized to fp32 rows (DequantArgs's w, scales and biases in pack_weights's
+// layout), for long prompts where one BLAS GEMM beats the packed kernel. Needs AVX-512F.
+void dequant_packed_vnni(const DequantArgs& a, int t0, int t1);
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
 
 // MLX's row-major w [N, K * bits / 8 bytes] and scales/biases [N, G] (`param_bytes` each) in the packed layout, N a

@@ -131,7 +131,55 @@ void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
   }
 }
 
+// scale * q + bias (one FMA, as the fp32 dequantize) for 16 rows' codes of one group, stored to each row's 4 places
+// k0 .. k0 + 3. `codes`: 64 bytes, 4 consecutive k of each of the 16 rows (row-major); sv/bv: the rows' parameters.
+inline void dequant_step(__m512i codes, __m512 sv, __m512 bv, float* out, size_t K, int k0) {
+  alignas(64) uint8_t bytes[64];
+  _mm512_store_si512(bytes, codes);
+  for (int q = 0; q < 4; ++q) {  // rows 4q .. 4q + 3: 16 codes, each row's parameters in its 4 lanes
+    const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
+                                          _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+    const __m128i part = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * q));
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part)),
+                                     _mm512_permutexvar_ps(rows, sv), _mm512_permutexvar_ps(rows, bv));
+    float* o = out + size_t(4 * q) * K + k0;
+    _mm_storeu_ps(o, _mm512_castps512_ps128(v));
+    _mm_storeu_ps(o + K, _mm512_extractf32x4_ps(v, 1));
+    _mm_storeu_ps(o + 2 * K, _mm512_extractf32x4_ps(v, 2));
+    _mm_storeu_ps(o + 3 * K, _mm512_extractf32x4_ps(v, 3));
+  }
+}
+
+template <int BITS, ScaleType ST>
+void dequant_packed(const DequantArgs& a, int t0, int t1) {
+  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int t = t0; t < t1; ++t) {
+    const uint8_t* wt = a.w + size_t(t) * (K / 32) * block_bytes;
+    float* out = a.out + size_t(t) * kPackedTile * K;
+    for (int blk = 0; blk < K / 32; ++blk) {
+      const size_t p = (size_t(t) * G + blk / blocks_per_group) * kPackedTile;
+      const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
+      const uint8_t* wb = wt + size_t(blk) * block_bytes;
+      for (int s = 0; s < (BITS == 4 ? 4 : 8); ++s) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * s);
+        if constexpr (BITS == 4) {  // k-step s in the low nibbles, s + 4 in the high ones
+          dequant_step(_mm512_and_si512(v, nibble), sv, bv, out, K, 32 * blk + 4 * s);
+          dequant_step(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), sv, bv, out, K, 32 * blk + 16 + 4 * s);
+        } else {
+          dequant_step(v, sv, bv, out, K, 32 * blk + 4 * s);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void dequant_packed_vnni(const DequantArgs& a, int t0, int t1) {
+  with_format(a.bits, a.scale_type, [&](auto bits, auto st) { dequant_packed<bits(), st()>(a, t0, t1); });
+}
 
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1) {
   with_format(a.bits, a.scale_type, [&](auto bits, auto st) {

@@ -294,8 +294,8 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
 
 class NativeDequantize : public mx::UnaryPrimitive {
  public:
-  NativeDequantize(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  NativeDequantize(mx::Stream stream, int group_size, int bits, bool packed)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -304,11 +304,18 @@ class NativeDequantize : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
                       biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_]() mutable {
+                      group_size = group_size_, bits = bits_, packed = packed_]() mutable {
       KernelTimer timer;
       DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
       const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
+      if (packed) {  // chunk_rows is a multiple of 16
+        const int tiles = rows / kPackedTile;
+        parallel_for(chunks, [&](int c) {
+          dequant_packed_vnni(a, c * tiles, std::min(a.N / kPackedTile, (c + 1) * tiles));
+        });
+        return;
+      }
       parallel_for(chunks, [&](int c) { dequant_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
     });
   }
@@ -321,7 +328,7 @@ class NativeDequantize : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const NativeDequantize&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -330,6 +337,7 @@ class NativeDequantize : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool packed_;
 };
 
 // Row n of a packed weight as T (the parameters' type: MLX's dequantize computes scale * q + bias in it).
@@ -583,11 +591,12 @@ void parallel_pieces(int pieces, const std::function<void(int)>& fn) {
   parallel_for(pieces, fn, std::chrono::microseconds(200));
 }
 
-mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
-  check_weights(w, scales, biases, group_size, bits);
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     bool packed) {
+  check_weights(w, scales, biases, group_size, bits, packed);  // packed as for fixed24: on the VNNI kernel
   auto s = cpu_stream();
   return mx::array(mx::Shape{w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
-                   std::make_shared<NativeDequantize>(s, group_size, bits),
+                   std::make_shared<NativeDequantize>(s, group_size, bits, packed),
                    {dense(w, s), dense(scales, s), dense(biases, s)});
 }
 

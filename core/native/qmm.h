@@ -66,8 +66,10 @@ void parallel_pieces(int pieces, const std::function<void(int)>& fn);
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                    bool packed = false, bool int8 = false);
 
-// The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel.
-mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits);
+// The fp32 weight [N, K], for prompts long enough that one BLAS GEMM beats the kernel; `packed`: from pack_weights's
+// layout (needs packs_exact()).
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     bool packed = false);
 
 // Worker threads used by both ops (the calling thread counts as one).
 void set_threads(int n);
