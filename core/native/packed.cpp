@@ -66,14 +66,8 @@ float block_amax(const float* xb) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
-// int8: round(x / d) with d = max|x| / 127. Returns the block's sum of the rounded x.
-float int8_block(const float* xb, int8_t* q, float& d) {
-  const float amax = block_amax(xb);
-  if (!std::isfinite(amax)) {  // NaN or inf in: NaN out
-    std::memset(q, 0, 32);
-    d = std::numeric_limits<float>::quiet_NaN();
-    return d;
-  }
+// int8: round(x / d) with d = max|x| / 127 (amax: the block's, finite). Returns the block's sum of the rounded x.
+float int8_block(const float* xb, float amax, int8_t* q, float& d) {
   d = amax / 127.0f;
   const float inv = d > 0.0f ? 1.0f / d : 0.0f;
   int q_sum = 0;
@@ -88,17 +82,11 @@ float int8_block(const float* xb, int8_t* q, float& d) {
 // remainders in [-128, 127], reach 127 * 65536 + 127 * 256 + 127 at most (the top digit would be 128 above it).
 constexpr double kFixed24Max = 127.0 * 65536 + 127 * 256 + 127;
 
-// fixed24: x = 2^e * m with m an integer, 2^e the smallest power of two that puts the block's max |x| within
+x|x| within
 // kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits, 23 when the top digit
 // would overflow). Scaling by a power of two is exact: rounding to an integer is the only step that loses bits, and
 // only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Returns the block's sum.
-double fixed24_block(const float* xb, int8_t* q, float& d) {
-  const float amax = block_amax(xb);
-  if (!std::isfinite(amax)) {  // NaN or inf in: NaN out
-    std::memset(q, 0, 96);
-    d = std::numeric_limits<float>::quiet_NaN();
-    return d;
-  }
+double fixed24_block(const float* xb, float amax, int8_t* q, float& d) {
   if (amax == 0.0f) {
     std::memset(q, 0, 96);
     d = 0.0f;
@@ -139,7 +127,14 @@ void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int
       for (int b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
         int8_t* q = xq + (size_t(m) * digits * K) + size_t(b) * 32 * digits;
         float& d = xd[size_t(m) * (K / 32) + b];
-        sum += form == XForm::int8 ? int8_block(xr + 32 * b, q, d) : fixed24_block(xr + 32 * b, q, d);
+        const float amax = block_amax(xr + 32 * b);
+        if (!std::isfinite(amax)) {  // NaN or inf in: a NaN scale, so NaN out (as the fp32 kernel's sums give)
+          std::memset(q, 0, size_t(32) * digits);
+          d = std::numeric_limits<float>::quiet_NaN();
+          sum += d;
+        } else {
+          sum += form == XForm::int8 ? int8_block(xr + 32 * b, amax, q, d) : fixed24_block(xr + 32 * b, amax, q, d);
+        }
       }
       xsum[size_t(m) * G + g] = float(sum);
     }
