@@ -82,10 +82,11 @@ float int8_block(const float* xb, float amax, int8_t* q, float& d) {
 // remainders in [-128, 127], reach 127 * 65536 + 127 * 256 + 127 at most (the top digit would be 128 above it).
 constexpr double kFixed24Max = 127.0 * 65536 + 127 * 256 + 127;
 
-x|x| within
-// kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits, 23 when the top digit
-// would overflow). Scaling by a power of two is exact: rounding to an integer is the only step that loses bits, and
-// only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Returns the block's sum.
+// fixed24: x = 2^e * m with m an integer, 2^e the smallest power of two that puts the block's max |x| (amax,
+// finite) within kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits, 23 when
+// the top digit would overflow). Scaling by a power of two is exact: rounding to an integer is the only step that
+// loses bits, and only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Returns the
+// block's sum.
 double fixed24_block(const float* xb, float amax, int8_t* q, float& d) {
   if (amax == 0.0f) {
     std::memset(q, 0, 96);
