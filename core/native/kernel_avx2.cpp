@@ -219,7 +219,7 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
             group[i] = b == 0 ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, group[i]);
           }
         }
-        const size_t p = (size_t(t) * G + g) * kPackedTile + 8 * half;
+        const size_t p = packed_param(G, t * kPackedTile + 8 * half, g);
         const __m256 sv = Avx2::params<ST>(a.scales, p), bv = Avx2::params<ST>(a.biases, p);
         for (int i = 0; i < MT; ++i) {
           out[i] = _mm256_fmadd_ps(group[i], sv, out[i]);

@@ -95,7 +95,7 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
           group[i] = b == 0 ? _mm512_mul_ps(f, d) : _mm512_fmadd_ps(f, d, group[i]);
         }
       }
-      const size_t p = (size_t(t) * G + g) * kPackedTile;
+      const size_t p = packed_param(G, t * kPackedTile, g);
       const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
       for (int i = 0; i < MT; ++i) {
         out[i] = _mm512_fmadd_ps(group[i], sv, out[i]);
@@ -159,7 +159,7 @@ void dequant_packed(const DequantArgs& a, int t0, int t1) {
     const uint8_t* wt = a.w + size_t(t) * (K / 32) * block_bytes;
     float* out = a.out + size_t(t) * kPackedTile * K;
     for (int blk = 0; blk < K / 32; ++blk) {
-      const size_t p = (size_t(t) * G + blk / blocks_per_group) * kPackedTile;
+      const size_t p = packed_param(G, t * kPackedTile, blk / blocks_per_group);
       const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
       const uint8_t* wb = wt + size_t(blk) * block_bytes;
       for (int s = 0; s < (BITS == 4 ? 4 : 8); ++s) {

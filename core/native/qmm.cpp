@@ -133,6 +133,14 @@ int chunk_rows(int K) {
   return std::max(16, (rows + 15) / 16 * 16);
 }
 
+// fn(u0, u1) over a weight's N rows [N, K] in chunks of chunk_rows(K) on the pool; for packed weights u counts
+// tiles of 16 rows (chunk_rows is a multiple of 16).
+void parallel_chunks(int N, int K, bool packed, const std::function<void(int, int)>& fn) {
+  const int unit = packed ? kPackedTile : 1, per_chunk = chunk_rows(K) / unit, units = N / unit;
+  parallel_for((units + per_chunk - 1) / per_chunk,
+               [&](int c) { fn(c * per_chunk, std::min(units, (c + 1) * per_chunk)); });
+}
+
 // ---- argument checks -----------------------------------------------------------------------------------------
 
 ScaleType scale_type(mx::Dtype t) {
@@ -250,15 +258,11 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
                       group_size = group_size_, bits = bits_, packed = packed_, int8 = int8_]() mutable {
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0);
-      const int rows = chunk_rows(K), chunks = (N + rows - 1) / rows;
       if (packed) {
         const PackedRows xr(plain_x(x).data(), M, K, group_size, xform_of(int8));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
-        const int tiles = rows / kPackedTile;  // chunk_rows is a multiple of 16
         const PackedKernel kernel = packed_kernel();  // the VNNI one for fixed24 (check_weights)
-        parallel_for(chunks, [&](int c) {
-          kernel(a, c * tiles, std::min(N / kPackedTile, (c + 1) * tiles));
-        });
+        parallel_chunks(N, K, true, [&](int t0, int t1) { kernel(a, t0, t1); });
         return;
       }
       std::vector<float> xq, xsum;
@@ -266,7 +270,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
                     scale_type(scales.dtype()), out.data<float>(), M, N, K, group_size, bits};
       const RowsKernel kernel = rows_kernel();
-      parallel_for(chunks, [&](int c) { kernel(a, c * rows, std::min(a.N, (c + 1) * rows)); });
+      parallel_chunks(N, K, false, [&](int n0, int n1) { kernel(a, n0, n1); });
     });
   }
 
@@ -308,15 +312,9 @@ class NativeDequantize : public mx::UnaryPrimitive {
       KernelTimer timer;
       DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
-      const int rows = chunk_rows(a.K), chunks = (a.N + rows - 1) / rows;
-      if (packed) {  // chunk_rows is a multiple of 16
-        const int tiles = rows / kPackedTile;
-        parallel_for(chunks, [&](int c) {
-          dequant_packed_vnni(a, c * tiles, std::min(a.N / kPackedTile, (c + 1) * tiles));
-        });
-        return;
-      }
-      parallel_for(chunks, [&](int c) { dequant_rows_avx2(a, c * rows, std::min(a.N, (c + 1) * rows)); });
+      parallel_chunks(a.N, a.K, packed, [&](int u0, int u1) {
+        packed ? dequant_packed_vnni(a, u0, u1) : dequant_rows_avx2(a, u0, u1);
+      });
     });
   }
 
