@@ -46,8 +46,6 @@ def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
                                    packed=layer.packed, int8=layer.int8)
 
 
-# Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's
-# weight-format case) still finds them. MLX's __init__ is skipped: it would quantize fresh random weights.
 def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool) -> None:
     """`module`'s weight, scales and biases from `layer`'s, packed where asked and the rows allow (a multiple of 16);
     `packed` and `int8` say how the native matmul takes them."""
@@ -60,6 +58,8 @@ def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool) ->
     module.weight, module.scales, module.biases = weights
 
 
+# Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's
+# weight-format case) still finds them. MLX's __init__ is skipped: it would quantize fresh random weights.
 class NativeQuantizedLinear(nn.QuantizedLinear):
     """QuantizedLinear's parameters and call, computed by the native kernel. `packed`: the weights are in the
     packed matmul's layout (`native.pack_weights`); `int8`: it rounds x to int8."""
