@@ -38,8 +38,15 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
     26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2),
 }
-# What MLX's GGUF loader turns into arrays (mlx/io/gguf.cpp); everything else is refused up front.
-MLX_LOADABLE = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+# The tensor types mlxchat reads (core/gguf_tensors.py converts each exactly); everything else is refused up front.
+READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# llama.cpp's names for a whole file's quantization (general.file_type: enum llama_ftype in llama.h).
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS",
+    20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+}
 
 # Arrays this long are not kept as Python lists unless asked for: only their length matters to callers.
 _KEEP_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
@@ -68,6 +75,19 @@ class GGUFHeader:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each ggml type the file holds, most first."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def quantization(self) -> str:
+        """The file's quantization as users know it, and its mix: "Q4_K_M: Q4_K 25, Q6_K 5, F32 9"."""
+        mix = ", ".join(f"{name} {n}" for name, n in self.type_counts().items())
+        kind = FILE_TYPES.get(self.metadata.get("general.file_type", -1))
+        return f"{kind}: {mix}" if kind else mix
 
 
 class _Reader:
@@ -193,16 +213,19 @@ def _tensor(path: Path, size: int, data_start: int, name: str, dims: tuple[int, 
 
 
 def check_loadable(header: GGUFHeader) -> None:
-    """Refuse what MLX cannot load, naming it, before `mx.load` sees the file: tensor types it has no reader for,
-    and float64 metadata values, on which `mx.load` (MLX 0.32) dies with a segmentation fault."""
+    """Refuse what cannot be loaded, naming it, before any tensor is read: tensor types mlxchat has no reader for,
+    and float64 metadata values, on which MLX's GGUF reader (`mx.load`, MLX 0.32) dies with a segmentation fault."""
     if header.float64_keys:
         keys = ", ".join(header.float64_keys[:3]) + (" ..." if len(header.float64_keys) > 3 else "")
         raise ModelLoadError(header.path, f"metadata {keys} holds float64 values, which MLX's GGUF reader cannot "
                                           "read; rewrite them as float32 (e.g. with gguf-py)")
-    bad = sorted({t.type_name for t in header.tensors if t.type_name not in MLX_LOADABLE})
+    counts = header.type_counts()
+    bad = [name for name in counts if name not in READABLE]
     if bad:
+        holds = ", ".join(f"{name} x{n}" for name, n in counts.items())
         raise ModelLoadError(
             header.path,
-            f"tensor type {', '.join(bad)} is not supported (supported: {', '.join(sorted(MLX_LOADABLE))}); "
-            "convert the model to Q4_0, Q4_1, Q8_0 or F16",
+            f"tensor type {', '.join(bad)} is not supported (the file holds {holds}; supported: "
+            f"{', '.join(READABLE)}); use a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file of this model, or re-quantize it "
+            "with llama.cpp's llama-quantize",
         )

@@ -62,6 +62,8 @@ class LoadedModel:
     # Which weight path runs, for --stats, the TUI and the bench: "native q4/q8 (avx2, 2 threads)",
     # "native-int8 q4/q8 (avx512-vnni, 2 threads)", "MLX quantized", "fp32 (dequantized): <why>".
     weights_path: str = ""
+    architecture: str = ""  # "llama", "qwen3", "gemma2", ...
+    quantization: str = ""  # the file's as users know it: "Q4_K_M: Q4_K 25, Q6_K 5, F32 9", "MLX 4-bit (group 64)"
 
     @property
     def num_layers(self) -> int:
@@ -232,9 +234,28 @@ def _one_line(e: BaseException) -> str:
     return lines[0].rstrip(": ") + (f" ({len(lines) - 1} more lines)" if len(lines) > 1 else "")
 
 
-def _quant_bits(weights: dict[str, mx.array], prefix: str, group: int = 32) -> int:
-    w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
-    return 32 * w.shape[-1] // (s.shape[-1] * group)
+def _keeps_quantized(policy: ResolvedPolicy) -> gguf_tensors.KeepQuantized:
+    """Which quantized formats stay quantized under `policy`: those MLX's own ops run (a group of 32 or more), and
+    on the native path those its kernel runs. The rest (Q6_K's groups of 16 where the native kernel cannot run them)
+    are read dense, in float32: llama.cpp's dequantization, exactly."""
+    def keep(fmt: gguf_tensors.QuantFormat) -> bool:
+        return fmt.group_size >= 32 or (policy in NATIVE_POLICIES
+                                        and native_linear.supports_format(fmt.bits, fmt.group_size))
+    return keep
+
+
+def _quantize_like(model: nn.Module, formats: dict[str, gguf_tensors.QuantFormat]) -> None:
+    """Make the model's layers named in `formats` quantized layers of that format, ready for `load_weights`.
+    MLX quantizes the (still lazy, never computed) random weights it starts from and refuses groups below 32, so a
+    layer of 16-value groups is made at 32 and given its format's shapes after."""
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p in formats and
+                {"group_size": max(formats[p].group_size, 32), "bits": formats[p].bits})
+    for path, module in model.named_modules():
+        fmt = formats.get(path)
+        if fmt is not None and fmt.group_size != module.group_size:
+            groups = (*module["scales"].shape[:-1], module["scales"].shape[-1] * module.group_size // fmt.group_size)
+            module.group_size = fmt.group_size
+            module.scales, module.biases = mx.zeros(groups), mx.zeros(groups)
 
 
 def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
@@ -247,26 +268,21 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
     _check_hparams(header)
     tied = not any(t.name == "output.weight" for t in header.tensors)
+    # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held twice.
+    names = [t.name for t in header.tensors if (n := _mlx_name(t.name)) and (stage is None or stage.keeps(n, tied))]
     try:
-        raw = mx.load(str(path)) if stage is None else gguf_tensors.read_tensors(
-            header, [t.name for t in header.tensors if (n := _mlx_name(t.name)) and stage.keeps(n, tied)])
+        tensors = gguf_tensors.read_tensors(header, names, _keeps_quantized(policy))
     except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(path, f"MLX could not read its tensors: {e}") from None
-    weights: dict[str, mx.array] = {}
-    for name, value in raw.items():
-        new = _mlx_name(name)
-        if new is not None:
-            weights[new] = value
+        raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
+    weights = {_mlx_name(name): value for name, value in tensors.arrays.items()}
+    formats = {_mlx_name(f"{name}.weight").removesuffix(".weight"): fmt for name, fmt in tensors.formats.items()}
     try:
         args = _gguf_args(header, tied)
         model = _model_class(header.architecture, stage)(args)
         if stage is not None:
             stage.apply(model)
-        quantized = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales")}
-        if quantized:
-            # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
-            nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p in quantized and
-                        {"group_size": 32, "bits": _quant_bits(weights, p)})
+        # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
+        _quantize_like(model, formats)
         model.load_weights(list(weights.items()), strict=True)
     except ModelLoadError:
         raise
@@ -278,7 +294,9 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: {_one_line(e)}") from None
     # The file name says model, size and quantization ("SmolLM2-135M-Instruct.Q4_1"); general.name often does not.
-    return _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy)
+    loaded = _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy)
+    loaded.architecture, loaded.quantization = header.architecture, header.quantization()
+    return loaded
 
 
 # --- MLX / Hugging Face folders -----------------------------------------------------------------
@@ -340,6 +358,10 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
         threads = f"{native.threads()} thread{'s' if native.threads() > 1 else ''}"
         weights_path = f"{policy} {'/'.join(f'q{b}' for b in bits)} ({kernel}, {threads})"
     elif is_quantized and policy in ("dequantize", "fallback"):
+        # In float32: MLX dequantizes in its scales' dtype, and an f16 scale times a code does not fit f16 (Q4_0's
+        # d * q needs 15 bits), so f16 weights would not be the file's.
+        for m in quantized:
+            m.scales, m.biases = m["scales"].astype(mx.float32), m["biases"].astype(mx.float32)
         model = dequantize_model(model)
         is_quantized = False
         why = native.unavailable_reason() if policy == "fallback" else "asked for (weights=dequantize)"

@@ -25,11 +25,16 @@ DEQUANTIZE_ROWS = 16
 PACKED_DEQUANTIZE_ROWS = 48
 
 
+def supports_format(bits: int, group_size: int) -> bool:
+    """Whether the native kernel runs affine weights of `bits` per code and `group_size` values per scale."""
+    return bits in (4, 8) and group_size in (32, 64, 128)
+
+
 def supports(module: nn.Module) -> bool:
     """Whether the native kernel handles this layer's quantization."""
     return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
             and not isinstance(module, (NativeQuantizedLinear, NativeQuantizedEmbedding)) and module.mode == "affine"
-            and module.bits in (4, 8) and module.group_size in (32, 64, 128) and module.get("biases") is not None)
+            and supports_format(module.bits, module.group_size) and module.get("biases") is not None)
 
 
 def _packable(module: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from tests.model_files import hf_cache_with_tiny_model, tiny_llama_gguf
 def test_every_embedded_gguf_tensor_equals_mx_load() -> None:
     path = loader.embedded_model_path()
     header = gguf.read_header(path)
-    mine, theirs = read_tensors(header, [t.name for t in header.tensors]), mx.load(str(path))  # Q4_1, Q8_0, F32
+    mine, theirs = read_tensors(header, [t.name for t in header.tensors]).arrays, mx.load(str(path))  # Q4_1, Q8_0, F32
     assert set(mine) == set(theirs)
     for name, value in theirs.items():
         assert mine[name].dtype == value.dtype and mine[name].shape == value.shape, name
@@ -28,7 +28,7 @@ def test_every_embedded_gguf_tensor_equals_mx_load() -> None:
 def test_f16_gguf_tensors_equal_mx_load(tmp_path: Path) -> None:
     path = tiny_llama_gguf(tmp_path / "tiny.gguf", dtype=mx.float16)
     header = gguf.read_header(path)
-    mine, theirs = read_tensors(header, [t.name for t in header.tensors]), mx.load(str(path))
+    mine, theirs = read_tensors(header, [t.name for t in header.tensors]).arrays, mx.load(str(path))
     assert all(mx.array_equal(mine[k], v).item() and mine[k].dtype == v.dtype for k, v in theirs.items())
 
 

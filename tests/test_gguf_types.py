@@ -1,0 +1,116 @@
+"""llama.cpp's quantized tensor types (issue 35): Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 next to Q4_0, Q4_1 and Q8_0.
+
+The reference is gguf-py's `gguf.quants.dequantize`, maintained with llama.cpp: the weights mlxchat multiplies must
+equal it, bit for bit, on every weight path (the native kernel, MLX's quantized ops, the fp32 fallback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxchat.core import gguf, gguf_tensors, loader
+from mlxchat.core.errors import ModelLoadError
+from mlxchat.core.gguf_writer import write_gguf
+from tests.quant_models import MIXED, quantized_llama, random_blocks, reference_f32
+
+gguf_py = pytest.importorskip("gguf", reason="gguf-py (PyPI gguf) is the reference dequantizer")
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+PROMPT = [1, 504, 3058, 282, 253, 1345, 28, 198, 17, 30, 17, 279, 1055, 314, 2]
+
+
+def _reference(raw: bytes, type_name: str, rows: int) -> np.ndarray:
+    data = np.frombuffer(raw, dtype=np.uint8)
+    return gguf_py.quants.dequantize(data, gguf_py.GGMLQuantizationType[type_name]).reshape(rows, -1)
+
+
+def _one_tensor_file(path: Path, type_name: str, shape: tuple[int, int], raw: bytes) -> gguf.GGUFHeader:
+    write_gguf(path, {"general.architecture": "llama"}, [("t.weight", type_name, shape, raw)])
+    return gguf.read_header(path)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_each_type_reads_as_llama_cpp_dequantizes_it(tmp_path: Path, type_name: str) -> None:
+    shape = (8, 512)
+    raw = random_blocks(type_name, shape[0] * shape[1], np.random.default_rng(1))
+    ref = _reference(raw, type_name, shape[0])
+    header = _one_tensor_file(tmp_path / "t.gguf", type_name, shape, raw)
+
+    dense = gguf_tensors.read_tensors(header, ["t.weight"], keep=lambda f: False)
+    assert np.array_equal(np.array(dense.arrays["t.weight"]), ref)
+
+    kept = gguf_tensors.read_tensors(header, ["t.weight"])
+    fmt = kept.formats["t"]
+    assert fmt.ggml_type == type_name
+    w, scales, biases = (kept.arrays[f"t.{k}"] for k in ("weight", "scales", "biases"))
+    assert w.dtype == mx.uint32 and w.shape == (8, 512 * fmt.bits // 32) and scales.shape == (8, 512 // fmt.group_size)
+    if fmt.group_size >= 32:  # MLX's own dequantization of the kept form (Q6_K's groups of 16 are below its minimum)
+        mine = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=fmt.group_size,
+                             bits=fmt.bits)
+        assert np.array_equal(np.array(mine), ref)
+
+
+def test_a_type_mlxchat_cannot_read_is_named_with_what_the_file_holds(tmp_path: Path) -> None:
+    path = tmp_path / "iq.gguf"
+    write_gguf(path, {"general.architecture": "llama"},
+               [("a.weight", "IQ4_XS", (2, 256), bytes(2 * 136)), ("b.weight", "F32", (4,), bytes(16))])
+    with pytest.raises(ModelLoadError, match=r"tensor type IQ4_XS is not supported \(the file holds F32 x1, IQ4_XS x1; "
+                                             r"supported: .*Q4_K.*Q6_K\); use a Q4_K_M"):
+        gguf.check_loadable(gguf.read_header(path))
+
+
+def test_a_tensor_cut_short_is_one_line(tmp_path: Path) -> None:
+    path = quantized_llama(tmp_path / "m.gguf", {"attn_q": "Q4_K"})
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        loader.load(path)
+
+
+def _logits(model: loader.LoadedModel, ids: list[int]) -> np.ndarray:
+    """Every position's logits, teacher-forced: the prompt at once, then the last token again as a decode step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model.model)
+    whole = model.model(mx.array([ids[:-1]]), cache=cache)
+    step = model.model(mx.array([ids[-1:]]), cache=cache)  # one row: the fused decoder layer where it runs
+    return np.concatenate([np.array(whole[0], np.float64), np.array(step[0], np.float64)])
+
+
+@pytest.fixture(scope="module")
+def mixed_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("mixed")
+    quantized = quantized_llama(folder / "mixed.gguf", MIXED)
+    return quantized, reference_f32(quantized, folder / "mixed-f32.gguf")
+
+
+@pytest.mark.parametrize("weights", ["native", "quantized", "dequantize"])
+def test_a_model_mixing_every_type_computes_llama_cpps_weights(mixed_files: tuple[Path, Path], weights: str) -> None:
+    quantized, reference = mixed_files
+    if weights == "native" and not loader.native.available():
+        pytest.skip(loader.native.unavailable_reason())
+    mine = loader.load(quantized, weights=weights)
+    ref = _logits(loader.load(reference, weights="dequantize"), PROMPT)
+    got = _logits(mine, PROMPT)
+    # Same weights, fp32 sums in another order: agreement to float32's precision of the logits' scale.
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max(), mine.weights_path
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_the_quantization_mix_is_shown(mixed_files: tuple[Path, Path]) -> None:
+    model = loader.load(mixed_files[0], weights="dequantize")
+    assert model.architecture == "llama"
+    assert model.quantization == "Q4_K_M: F32 5, Q4_K 4, Q6_K 3, Q4_0 2, Q5_0 2, Q5_1 2, Q5_K 2"
+
+
+def test_llama_cpp_agrees_on_the_mixed_file(mixed_files: tuple[Path, Path]) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    quantized, reference = mixed_files
+    peer = llama_cpp.Llama(str(reference), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    peer.eval(PROMPT)
+    theirs = np.array(peer.scores[:len(PROMPT)], np.float64)
+    mine = _logits(loader.load(quantized), PROMPT)
+    assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
+    assert (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
