@@ -360,6 +360,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from mlxchat.core import hub
+    from mlxchat.core.loader import inspect
     from mlxchat.core.locations import Locations
 
     from .models import local_models, saved_models
@@ -367,14 +368,21 @@ def _models(args: argparse.Namespace) -> int:
     saved, problems = saved_models(Locations.resolve())
     for problem in problems:
         print(f"mlxchat: note: {problem}", file=sys.stderr)
-    rows = [(m.name, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no")
-            for m in local_models(saved)]
+    local = local_models(saved)
+    rows = [(m.name, m.architecture, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no",
+             m.quantization) for m in local]
     cached = hub.cached_models()
-    rows += [(m.repo_id, fmt_bytes(m.size_bytes), _when(m.last_used), "yes" if m.loadable else "no") for m in cached]
-    rows.insert(0, ("MODEL", "SIZE", "LAST USED", "LOADABLE"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for m in cached:
+        facts = inspect(m.snapshot) if m.loadable else None
+        rows.append((m.repo_id, facts.architecture if facts else "", fmt_bytes(m.size_bytes), _when(m.last_used),
+                     "yes" if m.loadable else "no", facts.quantization if facts else ""))
+    rows.insert(0, ("MODEL", "ARCH", "SIZE", "LAST USED", "LOADABLE", "QUANTIZATION"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
-        print("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths)), r[3]]))
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(r, widths)), r[5]]).rstrip())
+    for m in local:
+        if m.problem:
+            print(f"mlxchat: note: {m.name} cannot load: {m.problem}", file=sys.stderr)
     if not cached:
         print("no models in the Hugging Face cache; fetch one with `mlxchat pull ORG/NAME`", file=sys.stderr)
     return 0

@@ -67,10 +67,15 @@ def to_remember(spec: str | None, cache_dir: str | Path | None = None) -> tuple[
 
 
 def local_choices(paths: list[tuple[str, str]]) -> list[ModelChoice]:
+    """The picker's local models; each detail says what the file holds ("llama · Q4_K_M: Q4_K 25, ...") and where it
+    is, or why it cannot load."""
     out = []
     for path, label in paths:
-        problem = check_local(path)
-        out.append(ModelChoice(str(Path(path).expanduser()), label, "local", problem or path))
+        model = _local(path, Path(path).expanduser())
+        facts = " · ".join(x for x in (model.architecture, model.quantization) if x)
+        detail = f"{facts} · {path}" if facts else path
+        out.append(ModelChoice(str(Path(path).expanduser()), label, "local",
+                               f"cannot load: {model.problem}" if model.problem else detail))
     return out
 
 
@@ -96,6 +101,9 @@ class LocalModel:
     size_bytes: int
     last_used: float | None  # the newest access time of its files
     loadable: bool
+    architecture: str = ""
+    quantization: str = ""  # "Q4_K_M: Q4_K 25, Q6_K 5, F32 9", "MLX 4-bit (group 64)"
+    problem: str | None = None  # why it cannot load, when the file says so
 
 
 def saved_models(locations: Locations) -> tuple[list[tuple[str, str]], list[str]]:
@@ -132,10 +140,22 @@ def local_models(saved: list[tuple[str, str]]) -> list[LocalModel]:
     from mlxchat.core.loader import embedded_model_path
 
     try:
-        embedded = [LocalModel(EMBEDDED.label, *_on_disk(embedded_model_path()), True)]
+        embedded = [_local(EMBEDDED.label, embedded_model_path())]
     except ModelLoadError:  # the package that ships it is not installed
         embedded = [LocalModel(EMBEDDED.label, 0, None, False)]
-    return embedded + [LocalModel(path, *_on_disk(Path(path)), check_local(path) is None) for path, _ in saved]
+    return embedded + [_local(path, Path(path)) for path, _ in saved]
+
+
+def _local(name: str, path: Path) -> LocalModel:
+    """A model on disk with what its header or config.json says of it."""
+    problem = check_local(str(path))
+    if problem is not None:
+        return LocalModel(name, *_on_disk(path), False, problem=problem)
+    from mlxchat.core.loader import inspect
+
+    facts = inspect(path)
+    return LocalModel(name, *_on_disk(path), facts.problem is None, facts.architecture, facts.quantization,
+                      facts.problem)
 
 
 def _on_disk(path: Path) -> tuple[int, float | None]:

@@ -105,8 +105,10 @@ class Engine:
         return self.model.weights_path + (f" · {fused}" if fused else "")
 
     def describe(self) -> str:
-        """Where this engine computes and with which weights: one line for --stats, the TUI and the bench."""
-        return f"{self.backend.line()} · weights {self.decode_path()}"
+        """Where this engine computes, the model's architecture and quantization, and the weights' path: one line
+        for --stats, the TUI and the bench."""
+        model = " ".join(x for x in (self.model.architecture, self.model.quantization) if x)
+        return f"{self.backend.line()} · {model + ' · ' if model else ''}weights {self.decode_path()}"
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0,

@@ -135,6 +135,54 @@ def download(repo_id: str, cache_dir: str | Path | None = None) -> Path:
         raise ModelLoadError(repo_id, f"download failed: {str(e).splitlines()[0]}") from None
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model file or folder holds, read without loading it (for `mlxchat models` and the model picker)."""
+
+    architecture: str  # "llama", "qwen3", ... ("" when unknown)
+    quantization: str  # "Q4_K_M: Q4_K 25, Q6_K 5, F32 9", "MLX 4-bit (group 64)", "float16", ...
+    problem: str | None = None  # why mlxchat cannot load it, one line; None when it can
+
+
+def inspect(spec: str | Path) -> ModelFacts:
+    """The architecture and quantization of a .gguf file or an MLX/HF folder, and why it cannot load, if it cannot.
+    Reads the GGUF header or config.json only."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _folder_facts(path)
+    try:
+        header = gguf.read_header(path)
+    except ModelLoadError as e:
+        return ModelFacts("", "", e.problem)
+    try:
+        _check_gguf(header)
+    except ModelLoadError as e:
+        return ModelFacts(header.architecture, header.quantization(), e.problem)
+    return ModelFacts(header.architecture, header.quantization())
+
+
+def _folder_facts(path: Path) -> ModelFacts:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return ModelFacts("", "", f"config.json cannot be read: {e}")
+    return ModelFacts(str(config.get("model_type", "")), folder_quantization(config))
+
+
+def folder_quantization(config: dict) -> str:
+    """An MLX folder's quantization from config.json: "MLX 4-bit (group 64)", with the layers of other bits counted
+    ("MLX 4-bit (group 64), 3 layers 8-bit"), or the weights' dtype when it is not quantized."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, dict) or "bits" not in q:
+        return str(config.get("torch_dtype", ""))
+    line = f"MLX {q['bits']}-bit (group {q.get('group_size', 64)})"
+    others: dict[int, int] = {}
+    for value in q.values():  # per-layer overrides: {"model.layers.0.mlp.down_proj": {"bits": 8, ...}}
+        if isinstance(value, dict) and value.get("bits", q["bits"]) != q["bits"]:
+            others[value["bits"]] = others.get(value["bits"], 0) + 1
+    return line + "".join(f", {n} layers {bits}-bit" for bits, n in sorted(others.items()))
+
+
 # --- GGUF ---------------------------------------------------------------------------------------
 
 _GGUF_NAMES = [
@@ -258,15 +306,21 @@ def _quantize_like(model: nn.Module, formats: dict[str, gguf_tensors.QuantFormat
             module.scales, module.biases = mx.zeros(groups), mx.zeros(groups)
 
 
-def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
-    header = gguf.read_header(path)
+def _check_gguf(header: gguf.GGUFHeader) -> None:
+    """Everything that can be said of a GGUF before its tensors are read: its architecture, tensor types,
+    tokenizer and hyper-parameters."""
     if header.architecture not in _GGUF_ARCHS:
-        raise ModelLoadError(path, f"architecture {header.architecture or '(none)'!r} is not supported "
-                                   f"(supported: {', '.join(sorted(_GGUF_ARCHS))})")
+        raise ModelLoadError(header.path, f"architecture {header.architecture or '(none)'!r} is not supported "
+                                          f"(supported: {', '.join(sorted(_GGUF_ARCHS))})")
     gguf.check_loadable(header)
     if "tokenizer.ggml.tokens" not in header.metadata:
-        raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+        raise ModelLoadError(header.path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
     _check_hparams(header)
+
+
+def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
+    header = gguf.read_header(path)
+    _check_gguf(header)
     tied = not any(t.name == "output.weight" for t in header.tensors)
     # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held twice.
     names = [t.name for t in header.tensors if (n := _mlx_name(t.name)) and (stage is None or stage.keeps(n, tied))]
@@ -319,7 +373,9 @@ def load_folder(path: Path, policy: ResolvedPolicy, name: str | None = None, sta
         raise ModelLoadError(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     tokenizer = ChatTokenizer(wrapper._tokenizer, wrapper.eos_token_ids)
     context = int(config.get("max_position_embeddings") or config.get("n_positions") or 4096)
-    return _finish(model, tokenizer, name or path.name, str(path), context, policy)
+    loaded = _finish(model, tokenizer, name or path.name, str(path), context, policy)
+    loaded.architecture, loaded.quantization = str(config.get("model_type", "")), folder_quantization(config)
+    return loaded
 
 
 def _load_stage(path: Path, stage: "Stage") -> tuple[nn.Module, dict]:

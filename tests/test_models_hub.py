@@ -48,9 +48,12 @@ def test_models_lists_the_cache_with_sizes_and_what_loads(cache: Path, capsys) -
     assert models[0].size_bytes > 100_000 and models[0].snapshot.name == "0123456789abcdef0123456789abcdef01234567"
     rc, out, _ = run(capsys, "models")
     lines = out.splitlines()
-    assert rc == 0 and lines[0].split() == ["MODEL", "SIZE", "LAST", "USED", "LOADABLE"]
-    assert lines[1].startswith("SmolLM2-135M-Instruct (embedded)") and lines[1].endswith("yes")
-    assert lines[2].startswith("mlxchat-test/tiny-llama") and "MiB" in lines[2] and lines[2].endswith("yes")
+    assert rc == 0 and lines[0].split() == ["MODEL", "ARCH", "SIZE", "LAST", "USED", "LOADABLE", "QUANTIZATION"]
+    # Each row says the architecture and the quantization mix the file or config.json holds.
+    assert lines[1].startswith("SmolLM2-135M-Instruct (embedded)  llama") and " yes " in lines[1]
+    assert lines[1].endswith("Q4_1: Q4_1 210, F32 61, Q8_0 1")
+    assert lines[2].startswith("mlxchat-test/tiny-llama") and "MiB" in lines[2] and lines[2].rstrip().endswith("yes")
+    assert " llama " in lines[2]
     assert lines[3].startswith("someone/notes") and lines[3].endswith("no")
     # The F3 picker offers only what loads, from the same listing.
     assert [c.label for c in hf_cache_choices()] == ["mlxchat-test/tiny-llama"]
@@ -80,10 +83,14 @@ def test_models_lists_the_local_files_f3_offers(cache: Path, tmp_path: Path, cap
     store.close()
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.toml").write_text(f'models = ["{configured}", "{added}"]\n')
-    rc, out, _ = run(capsys, "models")
+    rc, out, err = run(capsys, "models")
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert rc == 0 and list(rows)[:4] == ["SmolLM2-135M-Instruct", str(gone), str(added), str(configured)]
-    assert rows[str(added)].endswith("yes") and "1004 B" in rows[str(added)] and rows[str(gone)].endswith("no")
+    assert "1004 B" in rows[str(added)] and rows[str(gone)].endswith("no")
+    # A GGUF magic and zeros: listed, read without loading, and said why it cannot load, one line each.
+    assert rows[str(added)].endswith("no")
+    assert f"mlxchat: note: {added} cannot load: GGUF version 0 is not supported (2 and 3 are)" in err.splitlines()
+    assert f"mlxchat: note: {gone} cannot load: {gone}: no such file or folder" in err.splitlines()
 
 
 def test_pull_finds_a_cached_repo_offline_and_an_unreachable_hub_is_one_line(cache: Path, capsys) -> None:
