@@ -23,7 +23,9 @@ the file's pages are not counted twice while a model loads.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -62,14 +64,21 @@ def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized =
     comes back dense in float32 (llama.cpp's dequantization, exactly)."""
     infos = {t.name: t for t in header.tensors}
     out = Tensors()
-    with open(header.path, "rb") as f:
+    # NumPy lets go of the GIL in its array work: a tensor converts on each core while the next one is read.
+    workers = os.cpu_count() or 1
+    with open(header.path, "rb") as f, ThreadPoolExecutor(workers) as pool:
+        pending = []
         for name in names:
             info = infos[name]
             f.seek(header.data_start + info.offset)
             raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)
             if raw.size != info.nbytes:
                 raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
-            _convert(header, info, raw, keep, out)
+            pending.append(pool.submit(_convert, header, info, raw, keep, out))
+            if len(pending) > 2 * workers:
+                pending.pop(0).result()  # a bounded queue: at most a few tensors' bytes in memory at once
+        for job in pending:
+            job.result()
     return out
 
 

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 def seed_file(loadable: bool = False) -> tuple[bytes, list[Field]]:
     """A small GGUF using every metadata value type, nested and string arrays, and several tensor types.
-    `loadable`: only what `check_loadable` lets through to `mx.load` (no float64, no nested arrays, no K-quants)."""
+    `loadable`: only what MLX's own GGUF reader (`mx.load`) reads (no float64, no nested arrays, no K-quants)."""
     rng = random.Random(0)
     meta = [
         ("general.architecture", STRING, "llama"),
@@ -353,21 +353,23 @@ def loadable_mutants(rng: random.Random, folder: Path, n: int, max_tries: int = 
 
 
 def tiny_model_mutants(rng: random.Random, folder: Path, n: int) -> list[Path]:
-    """Copies of a small real llama GGUF (tests/model_files.py) with noise written into the tensor data, and
-    a few with hyper-parameters changed in place, that all pass read_header."""
+    """Copies of small real llama GGUFs with noise written into the tensor data, and a few with hyper-parameters
+    changed in place, that all pass read_header. Two bases take turns: an F16 model (tests/model_files.py) and one
+    holding every quantized type mlxchat reads, K-quants included (tests/quant_models.py), whose noise lands in
+    block scales as well as codes."""
     from mlxchat.core.gguf import read_header
     from tests.model_files import tiny_llama_gguf
+    from tests.quant_models import MIXED, quantized_llama
 
-    base = tiny_llama_gguf(folder / "tiny.gguf")
-    data = base.read_bytes()
-    header = read_header(base)
-    data_start = len(data) - sum(-(-t.nbytes // 32) * 32 for t in header.tensors)
+    bases = [tiny_llama_gguf(folder / "tiny.gguf"), quantized_llama(folder / "tiny-kquants.gguf", MIXED)]
     out = []
     for i in range(n):
-        d = bytearray(data)
+        base = bases[(i // 2) % len(bases)]
+        header = read_header(base)
+        d = bytearray(base.read_bytes())
         if i % 2 == 0:  # noise over a tensor's bytes: NaN, inf or garbage weights
             t = rng.choice(header.tensors)
-            start = data_start + t.offset
+            start = header.data_start + t.offset
             for _ in range(rng.choice([1, 16, 1024])):
                 d[start + rng.randrange(t.nbytes)] = rng.getrandbits(8)
             if rng.random() < 0.5:  # a whole tensor of 0xff (F16 NaN)
