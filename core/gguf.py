@@ -84,10 +84,13 @@ class GGUFHeader:
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def quantization(self) -> str:
-        """The file's quantization as users know it, and its mix: "Q4_K_M: Q4_K 25, Q6_K 5, F32 9"."""
-        mix = ", ".join(f"{name} {n}" for name, n in self.type_counts().items())
-        kind = FILE_TYPES.get(self.metadata.get("general.file_type", -1))
-        return f"{kind}: {mix}" if kind else mix
+        """The file's quantization as users know it, and its mix: "Q4_K_M: Q4_K 25, Q6_K 5, F32 9". Without
+        general.file_type, the kind is the type most tensors have, norms (F32) aside."""
+        counts = self.type_counts()
+        mix = ", ".join(f"{name} {n}" for name, n in counts.items())
+        kind = FILE_TYPES.get(self.metadata.get("general.file_type", -1)) or next(
+            (name for name in counts if name != "F32"), "F32")
+        return f"{kind}: {mix}"
 
 
 class _Reader:

@@ -309,10 +309,13 @@ def routes(service: Service) -> list[Route]:
             raise ApiError(400, f"{where}: {msg}") from None
 
     def details() -> dict[str, Any]:
-        family = getattr(service.engine.model.model, "model_type", "") or ""
-        return {"parent_model": "", "format": "gguf" if service.engine.model.source.endswith(".gguf") else "mlx",
+        model = service.engine.model
+        family = model.architecture or getattr(model.model, "model_type", "") or ""
+        # Ollama's level is the file's kind ("Q4_K_M"): the part of the quantization line before its mix.
+        level = model.quantization.split(":")[0] or ("quantized" if model.quantized else "unquantized")
+        return {"parent_model": "", "format": "gguf" if model.source.endswith(".gguf") else "mlx",
                 "family": family, "families": [family] if family else None, "parameter_size": "",
-                "quantization_level": "quantized" if service.engine.model.quantized else "unquantized"}
+                "quantization_level": level}
 
     def modified_at() -> str:
         source = Path(service.engine.model.source)

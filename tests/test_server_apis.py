@@ -32,6 +32,7 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     [card] = client.list().models
     name = card.model
     assert name == MODEL and card.size > 0 and card.details.family == "llama"
+    assert card.details.quantization_level == "Q4_1"  # the file's kind, as Ollama shows it
     info = client.show(name)
     assert info.capabilities == ["completion", "tools"] and info.modelinfo["llama.context_length"] >= 2048
 
