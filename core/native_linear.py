@@ -1,6 +1,6 @@
 """Quantized layers that run on mlxchat's native kernel (core/native) on MLX's CPU backend.
 
-`use_native(model)` swaps each affine 4/8-bit QuantizedLinear, and the tied-head use of a QuantizedEmbedding, for
+`use_native(model)` swaps each affine 4/5/6/8-bit QuantizedLinear (groups of 16 to 128), and the tied-head use of a QuantizedEmbedding, for
 these. Where the CPU has AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows
 (the same bytes, reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's
 precision as 24-bit integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
@@ -26,10 +26,13 @@ PACKED_DEQUANTIZE_ROWS = 48
 
 
 def supports(module: nn.Module) -> bool:
-    """Whether the native kernel handles this layer's quantization."""
+    """Whether the native kernel handles this layer's quantization: MLX's affine format at 4, 5, 6 or 8 bits in
+    groups of 16 (Q6_K's sub-blocks, which MLX's own ops refuse), 32, 64 or 128, with float32/float16/bfloat16
+    scales and biases."""
     return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
             and not isinstance(module, (NativeQuantizedLinear, NativeQuantizedEmbedding)) and module.mode == "affine"
-            and module.bits in (4, 8) and module.group_size in (32, 64, 128) and module.get("biases") is not None)
+            and module.bits in (4, 5, 6, 8) and module.group_size in (16, 32, 64, 128)
+            and module.get("biases") is not None)
 
 
 def _packable(module: nn.Module) -> bool:
