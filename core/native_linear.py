@@ -1,6 +1,6 @@
 """Quantized layers that run on mlxchat's native kernel (core/native) on MLX's CPU backend.
 
-`use_native(model)` swaps each affine 4/8-bit QuantizedLinear, and the tied-head use of a QuantizedEmbedding, for
+`use_native(model)` swaps each affine 4/5/6/8-bit QuantizedLinear (groups of 16 to 128), and the tied-head use of a QuantizedEmbedding, for
 these. Where the CPU has AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows
 (the same bytes, reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's
 precision as 24-bit integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
@@ -26,12 +26,14 @@ PACKED_DEQUANTIZE_ROWS = 48
 
 
 def supports_format(bits: int, group_size: int) -> bool:
-    """Whether the native kernel runs affine weights of `bits` per code and `group_size` values per scale."""
-    return bits in (4, 8) and group_size in (32, 64, 128)
+    """Whether the native kernel runs affine weights of `bits` per code and `group_size` values per scale: 4, 5, 6
+    or 8 bits in groups of 16 (Q6_K's sub-blocks, which MLX's own ops refuse), 32, 64 or 128."""
+    return bits in (4, 5, 6, 8) and group_size in (16, 32, 64, 128)
 
 
 def supports(module: nn.Module) -> bool:
-    """Whether the native kernel handles this layer's quantization."""
+    """Whether the native kernel handles this layer's quantization: MLX's affine format in a format
+    `supports_format` accepts, with float32/float16/bfloat16 scales and biases."""
     return (isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
             and not isinstance(module, (NativeQuantizedLinear, NativeQuantizedEmbedding)) and module.mode == "affine"
             and supports_format(module.bits, module.group_size) and module.get("biases") is not None)
@@ -95,6 +97,10 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         if self.packed:
             return native.packed_lookup(x, self["weight"], self["scales"], self["biases"],
                                         group_size=self.group_size, bits=self.bits)
+        if self.group_size < 32:  # MLX's dequantize refuses groups of 16 (Q6_K); the native one takes them
+            rows = x.reshape(-1)
+            return native.dequantize(self["weight"][rows], self["scales"][rows], self["biases"][rows],
+                                     group_size=self.group_size, bits=self.bits).reshape(*x.shape, self.dims)
         return mx.dequantize(self["weight"][x], scales=self["scales"][x], biases=self["biases"][x],
                              group_size=self.group_size, bits=self.bits)
 

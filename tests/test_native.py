@@ -151,7 +151,7 @@ def test_lazy_async_and_compiled():
 @needs_native
 def test_bad_arguments_say_what_is_wrong():
     w, s, b = _quantized(8, 64, 32, 4, mx.float16)
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match="bits must be 4, 5, 6 or 8"):
         native.quantized_matmul(mx.zeros((1, 64)), w, s, b, group_size=32, bits=3)
     with pytest.raises(ValueError, match="last dimension must be 64"):
         native.quantized_matmul(mx.zeros((1, 65)), w, s, b, group_size=32, bits=4)

@@ -2,7 +2,8 @@
 built by setup.py).
 
 MLX's own CPU ``quantized_matmul`` dequantizes to fp32 first (~1 GB/s here), so without this the loader has to keep
-fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/8-bit format directly (or its bytes repacked into
+fp32 weights (5.5x the GGUF's size). These ops read MLX's affine 4/5/6/8-bit format directly (groups of 16, 32, 64
+or 128; 16 is Q6_K's sub-block, which MLX's own ops refuse) (or its bytes repacked into
 tiles of 16 rows, `pack_weights`), exact to fp32 rounding unless int8 is asked for, as lazy graph nodes
 (``mx.eval``, ``mx.async_eval`` and ``mx.compile`` work as with any MLX op).
 
@@ -77,8 +78,8 @@ def _module() -> ModuleType:
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                      bits: int, packed: bool = False, int8: bool = False) -> mx.array:
-    """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4 or 8 bits, groups of 32/64/128, with
-    fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides.
+    """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4, 5, 6 or 8 bits, groups of 16/32/64/128
+    (K a multiple of 32), with fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides.
     ``packed``: the weights come from `pack_weights`, and x is taken as integers per block of 32: with ``int8``
     rounded to 8 bits (opt-in, weights="native-int8"), else to fp32's precision (fixed24; needs `packs_exact`)."""
     return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed,
@@ -113,7 +114,8 @@ def packs_exact() -> bool:
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int,
                packed: bool = False) -> mx.array:
-    """The fp32 weight ``[N, K]`` (scale * q + bias in fp32), for long prompts where one BLAS GEMM is faster.
+    """The fp32 weight ``[N, K]``: scale * q, then + bias, in fp32 (two roundings, as ``mx.dequantize`` computes it:
+    equal to it bit for bit), for long prompts where one BLAS GEMM is faster.
     ``packed``: the weights come from `pack_weights` (where `packs_exact`)."""
     return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits, packed=packed)
 

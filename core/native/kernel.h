@@ -10,8 +10,10 @@ namespace mlxchat {
 enum class ScaleType { f32, f16, bf16 };
 
 // y[M, N] = x[M, K] @ dequant(w[N, K])^T, where dequant(q) = scale * q + bias per group of `group_size` along K.
+// Formats: 4, 5, 6 or 8 bits; groups of 16, 32, 64 or 128 (16: Q6_K's sub-blocks); K a multiple of 32.
 struct QMatmulArgs {
-  const float* xq;    // [M, K] fp32; for 4 bits each block of 32 is reordered (evens, then odds) to match nibbles
+  const float* xq;    // [M, K] fp32; for 4 bits each block of 32 is reordered (evens, then odds) to match nibbles,
+                      // for 4 bits in groups of 16 each half block of 16 is (so a group's values stay together)
   const float* xsum;  // [M, K / group_size]: sum of x over each group (the bias term is bias * sum(x))
   const uint8_t* w;   // [N, K * bits / 8]: MLX's uint32 words, little-endian, lowest bits first
   const void* scales; // [N, K / group_size]
@@ -68,18 +70,43 @@ void dequant_packed_vnni(const DequantArgs& a, int t0, int t1);
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
 
 // MLX's row-major w [N, K * bits / 8 bytes] and scales/biases [N, G] (`param_bytes` each) in the packed layout, N a
-// multiple of 16. 4 bits: each block's 256 bytes are 4 runs of 64 for k-steps s = 0..3 (4 consecutive k of the 16
-// rows, row-major), k-step s + 4 in the high nibbles; 8 bits: 8 runs of 64 bytes. Parameters: [N / 16][G][16].
+// multiple of 16. A block (16 rows by 32 k) is 16 * 32 * bits / 8 bytes: the same bytes as MLX's layout, reordered.
+// 4 bits: 4 runs of 64 bytes for k-steps s = 0..3 (4 consecutive k of the 16 rows, row-major), k-step s + 4 in the
+// high nibbles. 5 and 6 bits: the 4-bit layout of the codes' low nibbles, then a plane of their high bits (as ggml's
+// qh): 5 bits, 64 bytes, bit u of byte i the high bit of k-step u's code at place i of its run; 6 bits, two runs of
+// 64 bytes, k-step u's two high bits at bits 2 (u % 4) and 2 (u % 4) + 1 of run u / 4. The kernels then make a
+// k-step's whole codes with a shift, a mask and an OR per 64 bytes. 8 bits: 8 runs of 64 bytes. Parameters:
+// [N / 16][G][16].
 void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
                   int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
-// Where pack_weights puts the code of (row n, column k): its byte in the packed array, and in `shift` its place in
-// that byte (4: the high nibble, which holds k + 16 of the low one's k-step).
-inline size_t packed_byte(int K, int bits, int n, int k, int& shift) {
+// Code (n, k) of MLX's layout: bits [k * bits, (k + 1) * bits) of row n's little-endian bit stream.
+inline uint32_t plain_code(const uint8_t* row, int k, int bits) {
+  const size_t bit = size_t(k) * bits;
+  const uint32_t pair = row[bit / 8] | (bit % 8 + bits > 8 ? uint32_t(row[bit / 8 + 1]) << 8 : 0u);
+  return (pair >> (bit % 8)) & ((1u << bits) - 1);
+}
+// Where pack_weights puts the code of (row n, column k): its low part's byte in the packed array (all 8 bits of it
+// for 8 bits, else its low nibble), with in `shift` its place in that byte (4: the high nibble, which holds k + 16
+// of the low one's k-step); and for 5 and 6 bits the byte and shift of its high bits (`high`, `high_shift`).
+struct PackedPlace {
+  size_t byte, high;
+  int shift, high_shift;
+};
+inline PackedPlace packed_place(int K, int bits, int n, int k) {
   const int block_bytes = kPackedTile * 32 * bits / 8, j = n % kPackedTile, in_block = k % 32;
   const size_t block = (size_t(n / kPackedTile) * (K / 32) + k / 32) * block_bytes;
-  shift = bits == 4 && in_block >= 16 ? 4 : 0;
-  const int step = bits == 4 ? (in_block % 16) / 4 : in_block / 4;
-  return block + 64 * step + 4 * j + in_block % 4;
+  const int u = in_block / 4, at = 4 * j + in_block % 4;  // k-step, and place in its run of 64
+  if (bits == 8) return PackedPlace{block + 64 * u + at, 0, 0, 0};
+  const PackedPlace low{block + 64 * (u % 4) + at, 0, u >= 4 ? 4 : 0, 0};
+  if (bits == 4) return low;
+  return PackedPlace{low.byte, block + 256 + (bits == 6 ? 64 * (u / 4) : 0) + at, low.shift,
+                     bits == 6 ? 2 * (u % 4) : u};
+}
+inline uint32_t packed_code(const uint8_t* w, int K, int bits, int n, int k) {
+  const PackedPlace p = packed_place(K, bits, n, k);
+  if (bits == 8) return w[p.byte];
+  const uint32_t low = (w[p.byte] >> p.shift) & 0x0F;
+  return bits == 4 ? low : low | (((w[p.high] >> p.high_shift) & ((1u << (bits - 4)) - 1)) << 4);
 }
 // And the place of row n's parameter (scale or bias) of group g, of G.
 inline size_t packed_param(int G, int n, int g) {

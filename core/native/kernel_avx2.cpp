@@ -44,23 +44,44 @@ void load_params(ScaleType type, const void* base, size_t offset, int count, flo
 
 // 32 weights of one block as four vectors of 8 floats. 4 bits: 16 bytes, low nibbles hold the even indices and high
 // nibbles the odd ones, so the vectors come out as k = {0,2..14}, {16..30}, {1..15}, {17..31} (x is reordered to
-// match once per call). 8 bits: 32 bytes in natural order.
-template <int BITS>
+// match once per call); with G16, {0,2..14}, {1..15}, {16..30}, {17..31} (the first group's in the first two).
+// 5 and 6 bits: MLX's bit stream, unpacked with a shuffle and per-lane shifts (kernel_rows.h), in natural order.
+// 8 bits: 32 bytes in natural order.
+template <int BITS, bool G16 = false>
 inline void expand_block(const uint8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
   if constexpr (BITS == 4) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i lo = _mm_and_si128(v, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-    w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
-  } else {
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    const __m256 d = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+    w0 = a, w1 = G16 ? c : b, w2 = G16 ? b : c, w3 = d;
+  } else if constexpr (BITS == 8) {
     w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
     w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16))));
     w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 24))));
+  } else {
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i hi =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * BITS - 16)));
+    const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    auto eight = [&](auto v) {  // codes 8v .. 8v + 7
+      constexpr int first = 8 * decltype(v)::value;
+      constexpr bool from_hi = reads_hi<BITS>(first, 8);
+      static constexpr Shuffle<BITS, 4> shuffle(first, from_hi ? 4 * BITS - 16 : 0);
+      const __m256i pairs = _mm256_shuffle_epi8(from_hi ? hi : lo,
+                                                _mm256_load_si256(reinterpret_cast<const __m256i*>(shuffle.control)));
+      const __m256i shifts = _mm256_load_si256(reinterpret_cast<const __m256i*>(shuffle.shifts));
+      return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(pairs, shifts), mask));
+    };
+    w0 = eight(std::integral_constant<int, 0>{});
+    w1 = eight(std::integral_constant<int, 1>{});
+    w2 = eight(std::integral_constant<int, 2>{});
+    w3 = eight(std::integral_constant<int, 3>{});
   }
 }
 
@@ -159,8 +180,8 @@ struct Avx2 {
   static V set1(float f) { return _mm256_set1_ps(f); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(V v) { return hsum(v); }
-  template <int BITS>
-  static void expand(const uint8_t* p, V (&w)[kParts]) { expand_block<BITS>(p, w[0], w[1], w[2], w[3]); }
+  template <int BITS, bool G16>
+  static void expand(const uint8_t* p, V (&w)[kParts]) { expand_block<BITS, G16>(p, w[0], w[1], w[2], w[3]); }
   template <ScaleType ST>
   static V params(const void* base, size_t i) {
     if constexpr (ST == ScaleType::f32) {
@@ -183,47 +204,74 @@ inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-template <int BITS, int MT, ScaleType ST>
+// 5 and 6 bits: the packed layout's plane of high bits (kernel.h) for 8 rows (one half of a 16-row run), placed
+// at bits 4 (and 5) of each byte of k-step u, the rest 0: ORed into the low nibbles, the whole codes.
+template <int BITS>
+inline __m256i high_bits(const uint8_t* plane, int u) {
+  const int at = BITS == 5 ? u : 2 * (u % 4);  // where step u's bits are in its plane's bytes
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + (BITS == 6 ? 64 * (u / 4) : 0)));
+  const __m256i placed = at <= 4 ? _mm256_slli_epi16(h, 4 - at) : _mm256_srli_epi16(h, at - 4);
+  return _mm256_and_si256(placed, _mm256_set1_epi8(BITS == 5 ? 0x10 : 0x30));
+}
+
+// Integer sums per half block (k 0..15 and 16..31) where groups are 16, else per block: exact, so any order gives
+// the same result. Whole 4-6-bit codes fit VPMADDUBSW (2 * 63 * 127 < 32767); 8-bit ones go in nibbles.
+template <int BITS, int MT, ScaleType ST, bool G16>
 void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
-  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
-  constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
+  const int K = a.K, G = K / a.group_size, blocks_per_group = G16 ? 1 : a.group_size / 32;
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8, H = G16 ? 2 : 1;
   const size_t tile_bytes = size_t(K / 32) * block_bytes;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int steps = G16 ? K / 32 : G;  // blocks (each two groups), or groups
   for (int t = t0; t < t1; ++t) {
     for (int half = 0; half < 2; ++half) {  // rows 0-7 of the tile are the first 32 bytes of each run of 64
       const uint8_t* wt = a.w + size_t(t) * tile_bytes + 32 * half;
       __m256 out[MT];
       for (int i = 0; i < MT; ++i) out[i] = _mm256_setzero_ps();
-      for (int g = 0; g < G; ++g) {
-        __m256 group[MT];
+      for (int g = 0; g < steps; ++g) {
+        __m256 group[MT][H];
         for (int b = 0; b < blocks_per_group; ++b) {
           const int blk = g * blocks_per_group + b;
           const uint8_t* wb = wt + size_t(blk) * block_bytes;
-          __m256i lo[MT], hi[MT];
-          for (int i = 0; i < MT; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
-          for (int s = 0; s < block_bytes / 64; ++s) {  // runs of 64 bytes: 4 (4 bits) or 8 (8 bits)
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s));
-            const __m256i wl = _mm256_and_si256(v, nibble), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          __m256i lo[MT][H], hi[MT][H];  // hi: 8-bit codes' high nibbles
+          for (int i = 0; i < MT; ++i) {
+            for (int h = 0; h < H; ++h) lo[i][h] = hi[i][h] = _mm256_setzero_si256();
+          }
+          for (int u = 0; u < 8; ++u) {  // k-step u: k = 4u .. 4u + 3 of the 8 rows
+            const int h = G16 ? u / 4 : 0;
+            __m256i codes, high_nibbles = _mm256_setzero_si256();
+            if constexpr (BITS == 8) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * u));
+              codes = _mm256_and_si256(v, nibble);
+              high_nibbles = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            } else {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * (u % 4)));
+              codes = _mm256_and_si256(u < 4 ? v : _mm256_srli_epi16(v, 4), nibble);
+              if constexpr (BITS != 4) codes = _mm256_or_si256(codes, high_bits<BITS>(wb + 256, u));
+            }
             for (int i = 0; i < MT; ++i) {
-              const int8_t* xp = a.xq + size_t(m0 + i) * K + size_t(blk) * 32;
-              // 4 bits: the high nibbles are k-steps 4..7; 8 bits: they are the same k-step's high halves.
-              lo[i] = dot4(lo[i], wl, xp + 4 * s);
-              hi[i] = dot4(hi[i], wh, xp + (BITS == 4 ? 16 : 0) + 4 * s);
+              const int8_t* xp = a.xq + size_t(m0 + i) * K + size_t(blk) * 32 + 4 * u;
+              lo[i][h] = dot4(lo[i][h], codes, xp);
+              if constexpr (BITS == 8) hi[i][h] = dot4(hi[i][h], high_nibbles, xp);
             }
           }
           for (int i = 0; i < MT; ++i) {
-            const __m256i sum = BITS == 4 ? _mm256_add_epi32(lo[i], hi[i])
-                                          : _mm256_add_epi32(lo[i], _mm256_slli_epi32(hi[i], 4));
-            const __m256 f = _mm256_cvtepi32_ps(sum);
             const __m256 d = _mm256_set1_ps(a.xd[size_t(m0 + i) * (K / 32) + blk]);
-            group[i] = b == 0 ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, group[i]);
+            for (int h = 0; h < H; ++h) {
+              const __m256i sum = BITS == 8 ? _mm256_add_epi32(lo[i][h], _mm256_slli_epi32(hi[i][h], 4)) : lo[i][h];
+              const __m256 f = _mm256_cvtepi32_ps(sum);
+              group[i][h] = b == 0 ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, group[i][h]);
+            }
           }
         }
-        const size_t p = packed_param(G, t * kPackedTile + 8 * half, g);
-        const __m256 sv = Avx2::params<ST>(a.scales, p), bv = Avx2::params<ST>(a.biases, p);
-        for (int i = 0; i < MT; ++i) {
-          out[i] = _mm256_fmadd_ps(group[i], sv, out[i]);
-          out[i] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.xsum[size_t(m0 + i) * G + g]), out[i]);
+        for (int h = 0; h < H; ++h) {
+          const int gg = H * g + h;  // the group
+          const size_t p = packed_param(G, t * kPackedTile + 8 * half, gg);
+          const __m256 sv = Avx2::params<ST>(a.scales, p), bv = Avx2::params<ST>(a.biases, p);
+          for (int i = 0; i < MT; ++i) {
+            out[i] = _mm256_fmadd_ps(group[i][h], sv, out[i]);
+            out[i] = _mm256_fmadd_ps(bv, _mm256_set1_ps(a.xsum[size_t(m0 + i) * G + gg]), out[i]);
+          }
         }
       }
       for (int i = 0; i < MT; ++i) {
@@ -233,21 +281,21 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
   }
 }
 
-template <int BITS, ScaleType ST>
+template <int BITS, ScaleType ST, bool G16>
 void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
   constexpr int chunk = 2;  // tiles that stay in L1 while every pair of rows of x passes over them
   for (int c0 = t0; c0 < t1; c0 += chunk) {
     const int c1 = std::min(c0 + chunk, t1);
     int m = 0;
-    for (; a.M - m >= 2; m += 2) packed_tile<BITS, 2, ST>(a, c0, c1, m);
-    if (m < a.M) packed_tile<BITS, 1, ST>(a, c0, c1, m);
+    for (; a.M - m >= 2; m += 2) packed_tile<BITS, 2, ST, G16>(a, c0, c1, m);
+    if (m < a.M) packed_tile<BITS, 1, ST, G16>(a, c0, c1, m);
   }
 }
 
 template <int BITS>
 void dequant(const DequantArgs& a, int n0, int n1) {
   thread_local std::vector<float> params;
-  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
+  const int K = a.K, G = K / a.group_size;
   params.resize(2 * size_t(G));
   float* sc = params.data();
   float* bi = sc + G;
@@ -259,20 +307,23 @@ void dequant(const DequantArgs& a, int n0, int n1) {
     const uint8_t* wr = a.w + size_t(n) * row_bytes;
     float* out = a.out + size_t(n) * K;
     for (int blk = 0; blk < K / 32; ++blk) {
-      const int g = blk / blocks_per_group;
-      const __m256 s = _mm256_broadcast_ss(sc + g), b = _mm256_broadcast_ss(bi + g);
       __m256 w[4];
       expand_block<BITS>(wr + size_t(blk) * block_bytes, w[0], w[1], w[2], w[3]);
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], s, b);
-      float* o = out + size_t(blk) * 32;
       if constexpr (BITS == 4) {
         // Undo the even/odd split: interleave {0,2..14} with {1..15} and {16..30} with {17..31}.
-        _mm256_storeu_ps(o, _mm256_permute2f128_ps(_mm256_unpacklo_ps(w[0], w[2]), _mm256_unpackhi_ps(w[0], w[2]), 0x20));
-        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(_mm256_unpacklo_ps(w[0], w[2]), _mm256_unpackhi_ps(w[0], w[2]), 0x31));
-        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(_mm256_unpacklo_ps(w[1], w[3]), _mm256_unpackhi_ps(w[1], w[3]), 0x20));
-        _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(_mm256_unpacklo_ps(w[1], w[3]), _mm256_unpackhi_ps(w[1], w[3]), 0x31));
-      } else {
-        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, w[j]);
+        const __m256 e0 = w[0], e1 = w[1], o0 = w[2], o1 = w[3];
+        w[0] = _mm256_permute2f128_ps(_mm256_unpacklo_ps(e0, o0), _mm256_unpackhi_ps(e0, o0), 0x20);
+        w[1] = _mm256_permute2f128_ps(_mm256_unpacklo_ps(e0, o0), _mm256_unpackhi_ps(e0, o0), 0x31);
+        w[2] = _mm256_permute2f128_ps(_mm256_unpacklo_ps(e1, o1), _mm256_unpackhi_ps(e1, o1), 0x20);
+        w[3] = _mm256_permute2f128_ps(_mm256_unpacklo_ps(e1, o1), _mm256_unpackhi_ps(e1, o1), 0x31);
+      }
+      float* o = out + size_t(blk) * 32;
+      for (int j = 0; j < 4; ++j) {
+        // scale * q, then + bias: two roundings, as mx.dequantize (and gguf-py's reference) computes it, so the
+        // weights equal theirs bit for bit (one FMA would differ in the last bit for float32 parameters).
+        const int g = (32 * blk + 8 * j) / a.group_size;
+        _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_mul_ps(w[j], _mm256_broadcast_ss(sc + g)),
+                                                  _mm256_broadcast_ss(bi + g)));
       }
     }
   }
@@ -297,14 +348,16 @@ void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1) {
 }
 
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1) {
-  with_format(a.bits, a.scale_type, [&](auto bits, auto st) { packed_rows<bits(), st()>(a, t0, t1); });
+  with_format(a.bits, a.scale_type, a.group_size == 16,
+              [&](auto bits, auto st, auto g16) { packed_rows<bits(), st(), g16()>(a, t0, t1); });
 }
 
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1) {
-  if (a.bits == 4) {
-    dequant<4>(a, n0, n1);
-  } else {
-    dequant<8>(a, n0, n1);
+  switch (a.bits) {
+    case 4: dequant<4>(a, n0, n1); break;
+    case 5: dequant<5>(a, n0, n1); break;
+    case 6: dequant<6>(a, n0, n1); break;
+    default: dequant<8>(a, n0, n1); break;
   }
 }
 

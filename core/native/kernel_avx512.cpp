@@ -15,17 +15,39 @@ namespace mlxchat {
 namespace {
 
 // 32 weights of one block as two vectors of 16 floats. 4 bits: the low nibbles (the even indices) then the high ones
-// (the odd indices), which is how x is reordered for the AVX2 kernel too (evens of the block, then odds).
-template <int BITS>
+// (the odd indices), which is how x is reordered for the AVX2 kernel too (evens of the block, then odds); with G16
+// per half block ({0,2..14,1..15}, then {16..30,17..31}), so each vector is one group. 5 and 6 bits: MLX's bit
+// stream in natural order, each code's two bytes shuffled into a 16-bit lane (AVX2's shuffle: AVX-512F alone has no
+// byte shuffle), widened, shifted and masked (kernel_rows.h). 8 bits: natural order.
+template <int BITS, bool G16>
 inline void expand_block(const uint8_t* p, __m512& lo, __m512& hi) {
   if constexpr (BITS == 4) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
-  } else {
+    __m128i a = _mm_and_si128(v, mask), b = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    if constexpr (G16) {
+      const __m128i evens = a;
+      a = _mm_unpacklo_epi64(evens, b);
+      b = _mm_unpackhi_epi64(evens, b);
+    }
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(a));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  } else if constexpr (BITS == 8) {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  } else {
+    const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+    auto sixteen = [&](auto v) {  // codes 16v .. 16v + 15
+      constexpr int first = 16 * decltype(v)::value, base = reads_hi<BITS>(first, 16) ? 4 * BITS - 16 : 0;
+      static constexpr Shuffle<BITS, 2> shuffle(first, base);
+      const __m256i src = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + base)));
+      const __m256i pairs =
+          _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(shuffle.control)));
+      const __m512i shifted = _mm512_srlv_epi32(_mm512_cvtepu16_epi32(pairs), _mm512_load_si512(shuffle.shifts));
+      return _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask));
+    };
+    lo = sixteen(std::integral_constant<int, 0>{});
+    hi = sixteen(std::integral_constant<int, 1>{});
   }
 }
 
@@ -38,8 +60,8 @@ struct Avx512 {
   static V set1(float f) { return _mm512_set1_ps(f); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  template <int BITS>
-  static void expand(const uint8_t* p, V (&w)[kParts]) { expand_block<BITS>(p, w[0], w[1]); }
+  template <int BITS, bool G16>
+  static void expand(const uint8_t* p, V (&w)[kParts]) { expand_block<BITS, G16>(p, w[0], w[1]); }
   template <ScaleType ST>
   static V params(const void* base, size_t i) { return params16<ST>(base, i); }
 };

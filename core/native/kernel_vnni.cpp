@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kernel.h"
 #include "kernel_rows.h"
@@ -24,15 +25,45 @@ inline __m512i x4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// 5 and 6 bits: the packed layout's plane of high bits (kernel.h) placed at bits 4 (and 5) of each byte of k-step u,
+// the rest 0. `plane`: the block's high-bit plane (its byte 256).
+template <int BITS>
+inline __m512i high_bits(const uint8_t* plane, int u) {
+  const int at = BITS == 5 ? u : 2 * (u % 4);  // where step u's bits are in its plane's bytes
+  const __m512i h = _mm512_loadu_si512(plane + (BITS == 6 ? 64 * (u / 4) : 0));
+  return at <= 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, at - 4);
+}
+
+// The codes of k-steps s and s + 4 (s < 4) of a block's 16 rows, one byte each (4 k of each row, row-major).
+template <int BITS>
+inline void step_codes(const uint8_t* wb, int s, __m512i& wl, __m512i& wh) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if constexpr (BITS == 8) {
+    wl = _mm512_loadu_si512(wb + 64 * s);
+    wh = _mm512_loadu_si512(wb + 256 + 64 * s);
+  } else {
+    // 64 bytes hold k-step s (4 k of 16 rows) in the low nibbles and k-step s + 4 in the high ones.
+    const __m512i v = _mm512_loadu_si512(wb + 64 * s);
+    wl = _mm512_and_si512(v, nibble);
+    wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    if constexpr (BITS != 4) {
+      // codes | (high bits & mask) in one ternary-logic op each (0xF8: A | (B & C)).
+      const __m512i mask = _mm512_set1_epi8(BITS == 5 ? 0x10 : 0x30);
+      wl = _mm512_ternarylogic_epi32(wl, high_bits<BITS>(wb + 256, s), mask, 0xF8);
+      wh = _mm512_ternarylogic_epi32(wh, high_bits<BITS>(wb + 256, s + 4), mask, 0xF8);
+    }
+  }
+}
+
 // Tiles [t0, t1) of 16 output rows for MT rows of x from m0, x in DIGITS bytes a value. Each row of x is summed the
 // same way whatever the tile it is in (integer sums are exact; the float steps are per row), so a verify pass's rows
-// equal single steps.
-template <int BITS, int MT, ScaleType ST, int DIGITS>
+// equal single steps. G16 (groups of 16): the block's two halves (its lo and hi sums) are two groups.
+template <int BITS, int MT, ScaleType ST, int DIGITS, bool G16>
 void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
-  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
-  constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
+  const int K = a.K, G = K / a.group_size, blocks_per_group = G16 ? 1 : a.group_size / 32;
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8, H = G16 ? 2 : 1;
   const size_t tile_bytes = size_t(K / 32) * block_bytes;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int steps = G16 ? K / 32 : G;  // blocks (each two groups), or groups
   const int8_t* xr[MT];
   const float* xd[MT];
   const float* xs[MT];
@@ -45,8 +76,8 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
     const uint8_t* wt = a.w + size_t(t) * tile_bytes;
     __m512 out[MT];
     for (int i = 0; i < MT; ++i) out[i] = _mm512_setzero_ps();
-    for (int g = 0; g < G; ++g) {
-      __m512 group[MT];
+    for (int g = 0; g < steps; ++g) {
+      __m512 group[MT][H];
       for (int b = 0; b < blocks_per_group; ++b) {
         const int blk = g * blocks_per_group + b;
         const uint8_t* wb = wt + size_t(blk) * block_bytes;
@@ -55,8 +86,13 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
         for (int i = 0; i < MT; ++i) {
           for (int d = 0; d < DIGITS; ++d) lo[i][d] = hi[i][d] = _mm512_setzero_si512();
         }
-        // k-step s: 4 k of the 16 rows (wl) and the 4 k 16 further on (wh), against those k of each digit of x.
-        auto step = [&](int s, __m512i wl, __m512i wh) {
+        for (int s = 0; s < 4; ++s) {
+          // k-step s: 4 k of the 16 rows (wl) and the 4 k 16 further on (wh), against those k of each digit of x.
+          for (int line = 0; line < (block_bytes + 255) / 256; ++line) {  // 4 blocks ahead
+            _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * block_bytes + 256 * line + 64 * s), _MM_HINT_T0);
+          }
+          __m512i wl, wh;
+          step_codes<BITS>(wb, s, wl, wh);
           for (int i = 0; i < MT; ++i) {
             const int8_t* xp = xr[i] + size_t(blk) * 32 * DIGITS;
             for (int d = 0; d < DIGITS; ++d) {
@@ -64,42 +100,40 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
               hi[i][d] = _mm512_dpbusd_epi32(hi[i][d], wh, x4(xp + 32 * d + 16 + 4 * s));
             }
           }
-        };
-        if constexpr (BITS == 4) {
-          // 64 bytes hold k-step s (4 k of 16 rows) in the low nibbles and k-step s + 4 in the high ones.
-          for (int s = 0; s < 4; ++s) {
-            _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 64 * s), _MM_HINT_T0);
-            const __m512i v = _mm512_loadu_si512(wb + 64 * s);
-            step(s, _mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
-          }
-        } else {
-          for (int s = 0; s < 4; ++s) {
-            _mm_prefetch(reinterpret_cast<const char*>(wb + 2048 + 128 * s), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(wb + 2048 + 128 * s + 64), _MM_HINT_T0);
-            step(s, _mm512_loadu_si512(wb + 64 * s), _mm512_loadu_si512(wb + 256 + 64 * s));
-          }
         }
-        for (int i = 0; i < MT; ++i) {
-          __m512 f;
+        // The block's integer sums as floats: one (lo + hi), or one per half block for groups of 16.
+        auto to_float = [&](const __m512i (&sum)[DIGITS]) {
           if constexpr (DIGITS == 1) {
-            f = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[i][0], hi[i][0]));
+            return _mm512_cvtepi32_ps(sum[0]);
           } else {
             // d0 + 256 d1 is exact in int32 (|sum| < 2^28) and in the float when below 2^24; 65536 * d2's sum is
             // exact; the one FMA rounds once, as the fp32 kernel's own sums do.
-            const __m512i low = _mm512_add_epi32(_mm512_add_epi32(lo[i][0], hi[i][0]),
-                                                 _mm512_slli_epi32(_mm512_add_epi32(lo[i][1], hi[i][1]), 8));
-            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[i][2], hi[i][2])), _mm512_set1_ps(65536.0f),
-                                _mm512_cvtepi32_ps(low));
+            const __m512i low = _mm512_add_epi32(sum[0], _mm512_slli_epi32(sum[1], 8));
+            return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[2]), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(low));
+          }
+        };
+        for (int i = 0; i < MT; ++i) {
+          __m512 f[H];
+          if constexpr (G16) {
+            f[0] = to_float(lo[i]);
+            f[1] = to_float(hi[i]);
+          } else {
+            __m512i both[DIGITS];
+            for (int d = 0; d < DIGITS; ++d) both[d] = _mm512_add_epi32(lo[i][d], hi[i][d]);
+            f[0] = to_float(both);
           }
           const __m512 d = _mm512_set1_ps(xd[i][blk]);
-          group[i] = b == 0 ? _mm512_mul_ps(f, d) : _mm512_fmadd_ps(f, d, group[i]);
+          for (int h = 0; h < H; ++h) group[i][h] = b == 0 ? _mm512_mul_ps(f[h], d) : _mm512_fmadd_ps(f[h], d, group[i][h]);
         }
       }
-      const size_t p = packed_param(G, t * kPackedTile, g);
-      const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
-      for (int i = 0; i < MT; ++i) {
-        out[i] = _mm512_fmadd_ps(group[i], sv, out[i]);
-        out[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[i][g]), out[i]);
+      for (int h = 0; h < H; ++h) {
+        const int gg = H * g + h;  // the group
+        const size_t p = packed_param(G, t * kPackedTile, gg);
+        const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
+        for (int i = 0; i < MT; ++i) {
+          out[i] = _mm512_fmadd_ps(group[i][h], sv, out[i]);
+          out[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[i][gg]), out[i]);
+        }
       }
     }
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(a.y + size_t(m0 + i) * a.N + size_t(t) * kPackedTile, out[i]);
@@ -111,7 +145,7 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
 template <int DIGITS>
 constexpr int kMaxTile = DIGITS == 1 ? 6 : 3;
 
-template <int BITS, ScaleType ST, int DIGITS>
+template <int BITS, ScaleType ST, int DIGITS, bool G16>
 void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
   // Tiles of weights outermost in chunks that stay in L1 (a 16-row tile is 16 * K * bits / 8 bytes: 4.6 KB at K=576,
   // 4 bits) while every group of rows of x passes over them: a long prompt reads the weights once.
@@ -119,20 +153,21 @@ void packed_rows(const PackedMatmulArgs& a, int t0, int t1) {
   for (int c0 = t0; c0 < t1; c0 += chunk) {
     const int c1 = c0 + chunk < t1 ? c0 + chunk : t1;
     int m = 0;
-    for (; a.M - m >= most; m += most) packed_tile<BITS, most, ST, DIGITS>(a, c0, c1, m);
+    for (; a.M - m >= most; m += most) packed_tile<BITS, most, ST, DIGITS, G16>(a, c0, c1, m);
     switch (a.M - m) {
-      case 5: if constexpr (most > 5) packed_tile<BITS, 5, ST, DIGITS>(a, c0, c1, m); break;
-      case 4: if constexpr (most > 4) packed_tile<BITS, 4, ST, DIGITS>(a, c0, c1, m); break;
-      case 3: if constexpr (most > 3) packed_tile<BITS, 3, ST, DIGITS>(a, c0, c1, m); break;
-      case 2: packed_tile<BITS, 2, ST, DIGITS>(a, c0, c1, m); break;
-      case 1: packed_tile<BITS, 1, ST, DIGITS>(a, c0, c1, m); break;
+      case 5: if constexpr (most > 5) packed_tile<BITS, 5, ST, DIGITS, G16>(a, c0, c1, m); break;
+      case 4: if constexpr (most > 4) packed_tile<BITS, 4, ST, DIGITS, G16>(a, c0, c1, m); break;
+      case 3: if constexpr (most > 3) packed_tile<BITS, 3, ST, DIGITS, G16>(a, c0, c1, m); break;
+      case 2: packed_tile<BITS, 2, ST, DIGITS, G16>(a, c0, c1, m); break;
+      case 1: packed_tile<BITS, 1, ST, DIGITS, G16>(a, c0, c1, m); break;
       default: break;
     }
   }
 }
 
-// scale * q + bias (one FMA, as the fp32 dequantize) for 16 rows' codes of one group, stored to each row's 4 places
-// k0 .. k0 + 3. `codes`: 64 bytes, 4 consecutive k of each of the 16 rows (row-major); sv/bv: the rows' parameters.
+// scale * q, then + bias (two roundings, as mx.dequantize and the fp32 dequantize compute it) for 16 rows' codes of
+// 4 k, stored to each row's 4 places k0 .. k0 + 3. `codes`: 64 bytes, 4 consecutive k of each of the 16 rows
+// (row-major); sv/bv: the rows' parameters.
 inline void dequant_step(__m512i codes, __m512 sv, __m512 bv, float* out, size_t K, int k0) {
   alignas(64) uint8_t bytes[64];
   _mm512_store_si512(bytes, codes);
@@ -140,8 +175,9 @@ inline void dequant_step(__m512i codes, __m512 sv, __m512 bv, float* out, size_t
     const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
                                           _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
     const __m128i part = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * q));
-    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part)),
-                                     _mm512_permutexvar_ps(rows, sv), _mm512_permutexvar_ps(rows, bv));
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part)),
+                                                 _mm512_permutexvar_ps(rows, sv)),
+                                   _mm512_permutexvar_ps(rows, bv));
     float* o = out + size_t(4 * q) * K + k0;
     _mm_storeu_ps(o, _mm512_castps512_ps128(v));
     _mm_storeu_ps(o + K, _mm512_extractf32x4_ps(v, 1));
@@ -152,23 +188,20 @@ inline void dequant_step(__m512i codes, __m512 sv, __m512 bv, float* out, size_t
 
 template <int BITS, ScaleType ST>
 void dequant_packed(const DequantArgs& a, int t0, int t1) {
-  const int K = a.K, G = K / a.group_size, blocks_per_group = a.group_size / 32;
+  const int K = a.K, G = K / a.group_size;
   constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int t = t0; t < t1; ++t) {
     const uint8_t* wt = a.w + size_t(t) * (K / 32) * block_bytes;
     float* out = a.out + size_t(t) * kPackedTile * K;
     for (int blk = 0; blk < K / 32; ++blk) {
-      const size_t p = packed_param(G, t * kPackedTile, blk / blocks_per_group);
-      const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
       const uint8_t* wb = wt + size_t(blk) * block_bytes;
-      for (int s = 0; s < (BITS == 4 ? 4 : 8); ++s) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * s);
-        if constexpr (BITS == 4) {  // k-step s in the low nibbles, s + 4 in the high ones
-          dequant_step(_mm512_and_si512(v, nibble), sv, bv, out, K, 32 * blk + 4 * s);
-          dequant_step(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), sv, bv, out, K, 32 * blk + 16 + 4 * s);
-        } else {
-          dequant_step(v, sv, bv, out, K, 32 * blk + 4 * s);
+      for (int s = 0; s < 4; ++s) {
+        __m512i wl, wh;
+        step_codes<BITS>(wb, s, wl, wh);
+        // k-steps s and s + 4: k 32 blk + 4 s and 16 further on, each in its own group where groups are 16.
+        for (const auto& [codes, k0] : {std::pair{wl, 32 * blk + 4 * s}, std::pair{wh, 32 * blk + 16 + 4 * s}}) {
+          const size_t p = packed_param(G, t * kPackedTile, k0 / a.group_size);
+          dequant_step(codes, params16<ST>(a.scales, p), params16<ST>(a.biases, p), out, K, k0);
         }
       }
     }
@@ -178,15 +211,15 @@ void dequant_packed(const DequantArgs& a, int t0, int t1) {
 }  // namespace
 
 void dequant_packed_vnni(const DequantArgs& a, int t0, int t1) {
-  with_format(a.bits, a.scale_type, [&](auto bits, auto st) { dequant_packed<bits(), st()>(a, t0, t1); });
+  with_format(a.bits, a.scale_type, false, [&](auto bits, auto st, auto) { dequant_packed<bits(), st()>(a, t0, t1); });
 }
 
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1) {
-  with_format(a.bits, a.scale_type, [&](auto bits, auto st) {
+  with_format(a.bits, a.scale_type, a.group_size == 16, [&](auto bits, auto st, auto g16) {
     if (a.xform == XForm::int8) {
-      packed_rows<bits(), st(), 1>(a, t0, t1);
+      packed_rows<bits(), st(), 1, g16()>(a, t0, t1);
     } else {
-      packed_rows<bits(), st(), 3>(a, t0, t1);
+      packed_rows<bits(), st(), 3, g16()>(a, t0, t1);
     }
   });
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kernel.h"
 
@@ -17,16 +18,19 @@ void repack(const uint8_t* w, const void* scales, const void* biases, size_t par
   const size_t row_bytes = size_t(K) * bits / 8;
   std::memset(w_out, 0, size_t(N) * row_bytes);  // codes are ORed in
   for (int n = 0; n < N; ++n) {
+    uint8_t* plain_row = w_out + size_t(n) * row_bytes;
     for (int k = 0; k < K; ++k) {
-      const size_t plain = size_t(n) * row_bytes + (bits == 4 ? k / 2 : k);
-      const int plain_shift = bits == 4 ? 4 * (k % 2) : 0;
-      int packed_shift;
-      const size_t packed = packed_byte(K, bits, n, k, packed_shift);
-      const uint8_t mask = bits == 4 ? 0x0F : 0xFF;
+      const uint32_t code = pack ? plain_code(w + size_t(n) * row_bytes, k, bits) : packed_code(w, K, bits, n, k);
       if (pack) {
-        w_out[packed] |= uint8_t(((w[plain] >> plain_shift) & mask) << packed_shift);
+        const PackedPlace p = packed_place(K, bits, n, k);
+        w_out[p.byte] |= uint8_t((bits == 8 ? code : code & 0x0F) << p.shift);
+        if (bits == 5 || bits == 6) w_out[p.high] |= uint8_t((code >> 4) << p.high_shift);
       } else {
-        w_out[plain] |= uint8_t(((w[packed] >> packed_shift) & mask) << plain_shift);
+        // The code's bits [k * bits, (k + 1) * bits) of the row's stream, in at most two bytes.
+        const size_t bit = size_t(k) * bits;
+        const uint32_t placed = code << (bit % 8);
+        plain_row[bit / 8] |= uint8_t(placed);
+        if (placed >> 8) plain_row[bit / 8 + 1] |= uint8_t(placed >> 8);
       }
     }
   }
@@ -66,16 +70,16 @@ float block_amax(const float* xb) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
-// int8: round(x / d) with d = max|x| / 127 (amax: the block's, finite). Returns the block's sum of the rounded x.
-float int8_block(const float* xb, float amax, int8_t* q, float& d) {
+// int8: round(x / d) with d = max|x| / 127 (amax: the block's, finite). Sets the sums of the two halves' integers
+// (the rounded x is d times them).
+void int8_block(const float* xb, float amax, int8_t* q, float& d, int64_t (&half_sums)[2]) {
   d = amax / 127.0f;
   const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-  int q_sum = 0;
+  half_sums[0] = half_sums[1] = 0;
   for (int k = 0; k < 32; ++k) {
     q[k] = int8_t(std::nearbyint(xb[k] * inv));
-    q_sum += q[k];
+    half_sums[k / 16] += q[k];
   }
-  return d * float(q_sum);
 }
 
 // The largest integer a fixed24 block holds: three signed bytes m = d0 + 256 d1 + 65536 d2, d0 and d1 balanced
@@ -85,20 +89,20 @@ constexpr double kFixed24Max = 127.0 * 65536 + 127 * 256 + 127;
 // fixed24: x = 2^e * m with m an integer, 2^e the smallest power of two that puts the block's max |x| (amax,
 // finite) within kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits, 23 when
 // the top digit would overflow). Scaling by a power of two is exact: rounding to an integer is the only step that
-// loses bits, and only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Returns the
-// block's sum.
-double fixed24_block(const float* xb, float amax, int8_t* q, float& d) {
+// loses bits, and only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Sets the
+// sums of the two halves' integers m (the rounded x is d times them).
+void fixed24_block(const float* xb, float amax, int8_t* q, float& d, int64_t (&half_sums)[2]) {
+  half_sums[0] = half_sums[1] = 0;
   if (amax == 0.0f) {
     std::memset(q, 0, 96);
     d = 0.0f;
-    return 0.0;
+    return;
   }
   int e2;
   std::frexp(amax, &e2);  // amax = f * 2^e2, f in [0.5, 1)
   int e = e2 - 23;
   if (std::ldexp(double(amax), -e) > kFixed24Max) ++e;
   const double inv = std::ldexp(1.0, -e);
-  int64_t m_sum = 0;
   for (int k = 0; k < 32; ++k) {
     const int32_t m = int32_t(std::nearbyint(double(xb[k]) * inv));
     const int32_t d0 = ((m + 128) & 255) - 128, r = (m - d0) >> 8;
@@ -106,38 +110,55 @@ double fixed24_block(const float* xb, float amax, int8_t* q, float& d) {
     q[k] = int8_t(d0);
     q[32 + k] = int8_t(d1);
     q[64 + k] = int8_t(d2);
-    m_sum += m;
+    half_sums[k / 16] += m;
   }
   d = float(std::ldexp(1.0, e));
-  return std::ldexp(double(m_sum), e);
 }
 
 }  // namespace
 
 void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int8_t* xq, float* xd, float* xsum) {
-  const int G = K / group_size, blocks_per_group = group_size / 32, digits = digits_of(form);
+  const int blocks = K / 32, digits = digits_of(form);
+  // The rounded x's sum over each block, or over each half block where groups are 16 (Q6_K's): the bias term's.
+  const bool halves = group_size == 16;
+  const int parts_per_group = halves ? 1 : group_size / 32;
+  std::vector<double> parts(halves ? 2 * blocks : blocks);
   for (int m = 0; m < M; ++m) {
     const float* xr = x + size_t(m) * K;
-    for (int g = 0; g < G; ++g) {
+    for (int b = 0; b < blocks; ++b) {
+      int8_t* q = xq + size_t(m) * digits * K + size_t(b) * 32 * digits;
+      float& d = xd[size_t(m) * blocks + b];
+      const float amax = block_amax(xr + 32 * b);
+      int64_t h[2] = {0, 0};
+      if (!std::isfinite(amax)) {  // NaN or inf in: a NaN scale, so NaN out (as the fp32 kernel's sums give)
+        std::memset(q, 0, size_t(32) * digits);
+        d = std::numeric_limits<float>::quiet_NaN();
+      } else if (form == XForm::int8) {
+        int8_block(xr + 32 * b, amax, q, d, h);
+      } else {
+        fixed24_block(xr + 32 * b, amax, q, d, h);
+      }
+      // The rounded x is d times the integers: int8 rounds that product to float (d * sum, as llama.cpp does),
+      // fixed24's is exact in double (d is a power of two).
+      auto value = [&](int64_t sum) {
+        return form == XForm::int8 ? double(d * float(sum)) : double(sum) * double(d);
+      };
+      if (halves) {
+        parts[2 * b] = value(h[0]);
+        parts[2 * b + 1] = value(h[1]);
+      } else {
+        parts[b] = value(h[0] + h[1]);
+      }
+    }
+    for (int g = 0; g < K / group_size; ++g) {
       // The bias term takes the sum of the rounded x, not of x: then a group's error is sum((scale * q + bias) *
       // (x_rounded - x)), over centred weights. With the exact sum it was sum(scale * q * (x_rounded - x)) over
       // codes 0..15 that all share a sign, which did not cancel. Measured on the embedded model (4 chat questions,
       // 192 reply positions, KL from the exact path): 0.014 nats with the exact sum, 0.0027 with this one;
       // llama.cpp, which rounds x the same way, 0.0030.
       double sum = 0.0;
-      for (int b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-        int8_t* q = xq + (size_t(m) * digits * K) + size_t(b) * 32 * digits;
-        float& d = xd[size_t(m) * (K / 32) + b];
-        const float amax = block_amax(xr + 32 * b);
-        if (!std::isfinite(amax)) {  // NaN or inf in: a NaN scale, so NaN out (as the fp32 kernel's sums give)
-          std::memset(q, 0, size_t(32) * digits);
-          d = std::numeric_limits<float>::quiet_NaN();
-          sum += d;
-        } else {
-          sum += form == XForm::int8 ? int8_block(xr + 32 * b, amax, q, d) : fixed24_block(xr + 32 * b, amax, q, d);
-        }
-      }
-      xsum[size_t(m) * G + g] = float(sum);
+      for (int i = g * parts_per_group; i < (g + 1) * parts_per_group; ++i) sum += parts[i];
+      xsum[size_t(m) * (K / group_size) + g] = float(sum);
     }
   }
 }

@@ -154,11 +154,18 @@ ScaleType scale_type(mx::Dtype t) {
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                    bool packed, bool int8) {
   if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8, got " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("bits must be 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("group_size must be 16, 32, 64 or 128, got " + std::to_string(group_size));
   }
   if (w.ndim() != 2 || w.dtype() != mx::uint32) throw std::invalid_argument("w must be a 2-D uint32 array");
+  // The kernels work in blocks of 32 values (4 * bits bytes of MLX's bit stream).
+  if (w.shape(1) % bits != 0) {
+    throw std::invalid_argument("w's rows must hold a multiple of 32 values (" + std::to_string(w.shape(1)) +
+                                " words of " + std::to_string(bits) + "-bit codes do not)");
+  }
   if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
     throw std::invalid_argument("scales and biases must be 2-D arrays of the same shape and dtype");
   }
@@ -184,8 +191,8 @@ namespace {
 
 // ---- x preparation -------------------------------------------------------------------------------------------
 
-// x as dense fp32 rows, reordered per block of 32 for 4 bits (evens then odds, as the nibbles come out), and the
-// per-group sums of x for the bias term.
+// x as dense fp32 rows, reordered for 4 bits per block of 32 (evens then odds, as the nibbles come out) or, for
+// groups of 16, per half block (each group's values together), and the per-group sums of x for the bias term.
 void prepare_rows(std::vector<float> plain, int M, int K, int group_size, int bits, std::vector<float>& xq,
                   std::vector<float>& xsum) {
   const int G = K / group_size;
@@ -193,15 +200,16 @@ void prepare_rows(std::vector<float> plain, int M, int K, int group_size, int bi
   for (int m = 0; m < M; ++m) {
     for (int k = 0; k < K; ++k) xsum[size_t(m) * G + k / group_size] += plain[size_t(m) * K + k];
   }
-  if (bits == 8) {
+  if (bits != 4) {  // 5, 6 and 8 bits expand in natural order
     xq = std::move(plain);
     return;
   }
   xq.resize(plain.size());
-  for (size_t base = 0; base < plain.size(); base += 32) {
-    for (int j = 0; j < 16; ++j) {
+  const size_t span = group_size == 16 ? 16 : 32;
+  for (size_t base = 0; base < plain.size(); base += span) {
+    for (size_t j = 0; j < span / 2; ++j) {
       xq[base + j] = plain[base + 2 * j];
-      xq[base + 16 + j] = plain[base + 2 * j + 1];
+      xq[base + span / 2 + j] = plain[base + 2 * j + 1];
     }
   }
 }
@@ -343,10 +351,9 @@ template <typename T>
 void packed_row(const uint8_t* w, const T* scales, const T* biases, int K, int group_size, int bits, int n, T* out) {
   const int G = K / group_size;
   for (int k = 0; k < K; ++k) {
-    int shift;
-    const uint8_t q = uint8_t((w[packed_byte(K, bits, n, k, shift)] >> shift) & (bits == 4 ? 0x0F : 0xFF));
+    const uint32_t q = packed_code(w, K, bits, n, k);
     const size_t p = packed_param(G, n, k / group_size);
-    out[k] = scales[p] * static_cast<T>(q) + biases[p];
+    out[k] = scales[p] * static_cast<T>(float(q)) + biases[p];
   }
 }
 

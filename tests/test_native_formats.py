@@ -1,0 +1,235 @@
+"""The native kernel on every format a GGUF converts to (issue 35): 4, 5, 6 and 8 bits, groups of 16 (Q6_K's
+sub-blocks, which MLX's own ops refuse), 32, 64 and 128, with float32 (K-quants: d * sc is not exact in fp16),
+float16 and bfloat16 parameters. Codes and parameters are random; the references are NumPy's (and MLX's where it has
+the format): dequantize bit for bit, the matmuls within the fp32 rounding bound of tests/test_native.py, and a tiny
+llama whose projections mix the formats, fused against the MLX-op layers and against fp32 weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from mlxchat.core import native, native_linear
+from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
+from mlxchat.core.native_linear import NativeQuantizedLinear
+from tests.avx2_process import run_on_avx2
+from tests.markers import needs_native
+from tests.test_native_decoder import _greedy, _tiny_quantized
+from tests.test_native_packed import _rounded, needs_fixed24
+
+EPS = float(np.finfo(np.float32).eps)
+BITS, GROUPS, DTYPES = (4, 5, 6, 8), (16, 32, 64, 128), (mx.float32, mx.float16, mx.bfloat16)
+# (bits, group size, parameter dtype) as the loader converts them: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, Q4_K, Q5_K, Q6_K, and
+# mlx-community's MLX folders (4 and 8 bits in groups of 64, fp16 or bf16 parameters).
+FORMATS = [(4, 32, mx.float16), (8, 32, mx.float16), (5, 32, mx.float16), (4, 32, mx.float32),
+           (5, 32, mx.float32), (6, 16, mx.float32), (4, 64, mx.float16), (8, 64, mx.bfloat16)]
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> mx.array:
+    """Codes [N, K] in MLX's layout: each row a little-endian bit stream in uint32 words, code k in bits
+    [k * bits, (k + 1) * bits)."""
+    n, k = codes.shape
+    stream = ((codes[..., None] >> np.arange(bits)) & 1).astype(np.uint8).reshape(n, k * bits)
+    return mx.array(np.packbits(stream, axis=1, bitorder="little").view("<u4"))
+
+
+def random_format(n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype, seed: int = 0):
+    """(w, scales, biases) of random codes and parameters, and the weight as NumPy computes it in float32:
+    scale * q, then + bias (two roundings, as gguf-py's reference and mx.dequantize)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2 ** bits, (n, k))
+    scales = mx.array((rng.standard_normal((n, k // group_size)) * 0.02).astype(np.float32)).astype(dtype)
+    biases = mx.array((rng.standard_normal((n, k // group_size)) * 0.1).astype(np.float32)).astype(dtype)
+    s32 = np.repeat(np.array(scales.astype(mx.float32)), group_size, axis=1)
+    b32 = np.repeat(np.array(biases.astype(mx.float32)), group_size, axis=1)
+    return (pack_codes(codes, bits), scales, biases), s32 * codes.astype(np.float32) + b32
+
+
+def _assert_within_fp32_bound(y: mx.array, x: np.ndarray, deq: np.ndarray) -> None:
+    """test_native.py's bound: |y - x @ W.T| <= K * eps * (|x| @ |W|.T), against float64."""
+    xd, wd = x.astype(np.float64), deq.astype(np.float64)
+    err = np.abs(np.array(y, dtype=np.float64) - xd @ wd.T)
+    bound = x.shape[-1] * EPS * (np.abs(xd) @ np.abs(wd).T) + 1e-30
+    assert (err <= bound).all(), f"max error {err.max():.3g} where the bound is {bound[err > bound].min():.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_equals_the_reference_bit_for_bit(bits: int, group_size: int, dtype: mx.Dtype):
+    (w, s, b), deq = random_format(48, 256, bits, group_size, dtype)
+    ours = native.dequantize(w, s, b, group_size=group_size, bits=bits)
+    assert ours.dtype == mx.float32 and np.array_equal(np.array(ours), deq)
+    if group_size != 16:  # where MLX has the format, its own dequantize gives the same bits
+        theirs = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits)
+        assert mx.array_equal(ours, theirs).item()
+    packed = native.pack_weights(w, s, b, group_size=group_size, bits=bits)
+    assert all(mx.array_equal(u, v).item()
+               for u, v in zip(native.unpack_weights(*packed, group_size=group_size, bits=bits), (w, s, b)))
+    if native.packs_exact():
+        assert mx.array_equal(native.dequantize(*packed, group_size=group_size, bits=bits, packed=True), ours).item()
+    # The embedding lookup on packed weights computes in the parameters' dtype, as mx.dequantize does.
+    ids = mx.array([[0, 47, 17], [16, 5, 5]])
+    rows = native.packed_lookup(ids, *packed, group_size=group_size, bits=bits)
+    assert rows.shape == (2, 3, 256) and rows.dtype == dtype
+    if group_size != 16:
+        theirs = mx.dequantize(w[ids], scales=s[ids], biases=b[ids], group_size=group_size, bits=bits)
+        assert mx.array_equal(rows, theirs).item()
+    elif dtype == mx.float32:
+        assert np.array_equal(np.array(rows), deq[np.array(ids)])
+
+
+@needs_native
+@pytest.mark.parametrize("bits, group_size, dtype", FORMATS)
+def test_quantized_matmul_within_the_fp32_bound(bits: int, group_size: int, dtype: mx.Dtype):
+    (w, s, b), deq = random_format(80, 384, bits, group_size, dtype, seed=bits)
+    for m in (1, 5, 17, 64):
+        x = mx.random.normal((m, 384), key=mx.random.key(m))
+        y = native.quantized_matmul(x, w, s, b, group_size=group_size, bits=bits)
+        assert y.shape == (m, 80) and y.dtype == mx.float32
+        _assert_within_fp32_bound(y, np.array(x), deq)
+
+
+@needs_native
+def test_rows_are_independent_on_the_new_formats():
+    # A verify pass's rows equal single steps (the fp32 kernel, and the packed one where it runs).
+    for bits, group_size in ((6, 16), (5, 32)):
+        (w, s, b), _ = random_format(64, 256, bits, group_size, mx.float32)
+        weights = [((w, s, b), {})]
+        if native.packs_exact():
+            weights.append((native.pack_weights(w, s, b, group_size=group_size, bits=bits), {"packed": True}))
+        x = mx.random.normal((7, 256), key=mx.random.key(2))
+        for arrays, how in weights:
+            together = np.array(native.quantized_matmul(x, *arrays, group_size=group_size, bits=bits, **how))
+            for i in range(7):
+                alone = native.quantized_matmul(x[i:i + 1], *arrays, group_size=group_size, bits=bits, **how)
+                np.testing.assert_array_equal(together[i:i + 1], np.array(alone))
+
+
+@needs_fixed24
+@pytest.mark.parametrize("bits, group_size, dtype", FORMATS)
+def test_packed_matmul_with_fixed24_x_within_the_fp32_bound(bits: int, group_size: int, dtype: mx.Dtype):
+    (w, s, b), deq = random_format(48, 384, bits, group_size, dtype, seed=bits)
+    packed = native.pack_weights(w, s, b, group_size=group_size, bits=bits)
+    for m in (1, 5, 17, 64):
+        key = mx.random.key(m)  # x over ~5 binades within a block, as test_native_packed.py draws it
+        x = mx.random.normal((m, 384), key=key) * mx.exp(2 * mx.random.normal((m, 384), key=mx.random.split(key)[0]))
+        y = native.quantized_matmul(x, *packed, group_size=group_size, bits=bits, packed=True)
+        _assert_within_fp32_bound(y, np.array(x), deq)
+
+
+@needs_native
+@pytest.mark.parametrize("bits, group_size, dtype", FORMATS)
+def test_packed_matmul_with_int8_x_is_the_weights_times_x_rounded(bits: int, group_size: int, dtype: mx.Dtype):
+    (w, s, b), deq = random_format(48, 384, bits, group_size, dtype, seed=bits)
+    packed = native.pack_weights(w, s, b, group_size=group_size, bits=bits)
+    for m in (1, 5, 17, 64):
+        x = mx.random.normal((m, 384), key=mx.random.key(m)) * 3
+        y = native.quantized_matmul(x, *packed, group_size=group_size, bits=bits, packed=True, int8=True)
+        _assert_within_fp32_bound(y, _rounded(np.array(x)), deq)
+
+
+@needs_native
+def test_the_avx2_kernels_too_where_wider_ones_run():
+    """CPUs without AVX-512 or VNNI run the AVX2 fp32 and int8 kernels (chosen once per process): in a child."""
+    if native.kernel_name() == "avx2" and native.int8_kernel_name() == "avx2":
+        pytest.skip("this CPU runs the AVX2 kernels: the tests above check them")
+    run_on_avx2("assert native.kernel_name() == native.int8_kernel_name() == 'avx2'",
+                ["import tests.test_native_formats as t"]
+                + [f"t.test_quantized_matmul_within_the_fp32_bound({b}, {g}, mx.{d})" for b, g, d in
+                   (("6", "16", "float32"), ("5", "32", "float32"), ("4", "32", "float32"), ("8", "64", "bfloat16"))]
+                + [f"t.test_packed_matmul_with_int8_x_is_the_weights_times_x_rounded({b}, {g}, mx.{d})" for b, g, d in
+                   (("6", "16", "float32"), ("5", "32", "float16"), ("8", "32", "float16"))]
+                + ["t.test_dequantize_equals_the_reference_bit_for_bit(6, 16, mx.float32)",
+                   "t.test_dequantize_equals_the_reference_bit_for_bit(5, 64, mx.float16)",
+                   "t.test_rows_are_independent_on_the_new_formats()"])
+
+
+@needs_native
+def test_bad_formats_say_what_is_wrong():
+    (w, s, b), _ = random_format(16, 64, 6, 16, mx.float32)
+    with pytest.raises(ValueError, match="group_size must be 16, 32, 64 or 128, got 8"):
+        native.quantized_matmul(mx.zeros((1, 64)), w, s, b, group_size=8, bits=6)
+    # 16 values of 6 bits are 3 words: MLX's layout allows it, the kernels' blocks of 32 do not.
+    with pytest.raises(ValueError, match="multiple of 32 values"):
+        native.dequantize(w[:, :3], s[:, :1], b[:, :1], group_size=16, bits=6)
+
+
+def _quantized_linear(codes_format: tuple[int, int, mx.Dtype], linear: nn.Module, seed: int) -> nn.QuantizedLinear:
+    """A QuantizedLinear of `linear`'s shape holding random codes and parameters in the format (bits, group size,
+    dtype), as the loader builds one from a GGUF tensor (MLX's own quantize refuses groups of 16)."""
+    bits, group_size, dtype = codes_format
+    n, k = linear.weight.shape[0], linear.weight.shape[1] * 32 // linear.bits
+    layer = nn.QuantizedLinear(k, n, bias=False, group_size=32, bits=bits)
+    (layer.weight, layer.scales, layer.biases), _ = random_format(n, k, bits, group_size, dtype, seed)
+    layer.group_size = group_size
+    return layer
+
+
+def test_the_native_path_takes_every_format():
+    layer = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=6)
+    assert native_linear.supports(layer)
+    layer.group_size = 16
+    assert native_linear.supports(layer)
+    assert not native_linear.supports(nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=3))
+
+
+@needs_native
+def test_a_llama_mixing_formats_fused_equals_the_mlx_op_layers_and_fp32(monkeypatch: pytest.MonkeyPatch):
+    # nn.quantize's 5/6/8-bit projections at groups of 32 and 64 (fp16 parameters), then a K-quant mix as a GGUF
+    # gives it: Q6_K (6 bits, groups of 16, float32 parameters) on o_proj and down_proj, Q4_K and Q5_K (float32) on
+    # others; the q/k/v and gate/up jobs mix formats.
+    model = _tiny_quantized(llama, {"q_proj": {"group_size": 32, "bits": 5}, "k_proj": {"group_size": 64, "bits": 6},
+                                    "v_proj": {"group_size": 32, "bits": 8}, "gate_proj": {"group_size": 64, "bits": 5},
+                                    "up_proj": {"group_size": 32, "bits": 6}})
+    for block in model.model.layers:  # nn.quantize gives float32 parameters to a float32 model; GGUFs have fp16
+        for layer, dtype in ((block.self_attn.q_proj, mx.float16), (block.self_attn.v_proj, mx.float16),
+                             (block.mlp.gate_proj, mx.bfloat16)):
+            layer.scales, layer.biases = layer.scales.astype(dtype), layer.biases.astype(dtype)
+    k_quants = {"o_proj": (6, 16, mx.float32), "down_proj": (6, 16, mx.float32), "up_proj": (4, 32, mx.float32),
+                "k_proj": (5, 32, mx.float32)}
+    pack = native.packs_exact()
+    for i, block in enumerate(model.model.layers):
+        for name, fmt in k_quants.items():
+            parent = block.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else block.mlp
+            if i == 1 and name == "k_proj":
+                continue  # layer 1 keeps nn.quantize's 6-bit k_proj
+            setattr(parent, name, NativeQuantizedLinear(_quantized_linear(fmt, getattr(parent, name), 10 * i), pack))
+    mx.eval(model.parameters())
+    assert use_fused_layers(model) == 2 and isinstance(model.model.layers[0], FusedTransformerBlock)
+    formats = {(p.bits, p.group_size, p["scales"].dtype) for _, p in model.named_modules()
+               if isinstance(p, NativeQuantizedLinear)}
+    assert formats == {(6, 16, mx.float32), (4, 32, mx.float32), (5, 32, mx.float32), (5, 32, mx.float16),
+                       (8, 32, mx.float16), (5, 64, mx.bfloat16), (6, 64, mx.float32)}
+
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 64, 40)]
+    caches = lambda: [KVCache() for _ in range(2)]  # noqa: E731
+    want = _greedy(model, prompt, 12, caches, monkeypatch, fused=False, verify=5)
+    got = _greedy(model, prompt, 12, caches, monkeypatch, fused=True, verify=5)
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+    # And the same model with every projection dequantized to an fp32 nn.Linear (MLX's own matmul, the blocks' own
+    # calls): the quantized model's weights are those.
+    for block in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(block.self_attn, name, _dequantized_linear(getattr(block.self_attn, name)))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(block.mlp, name, _dequantized_linear(getattr(block.mlp, name)))
+    reference = _greedy(model, prompt, 12, caches, monkeypatch, fused=False)
+    assert reference[0] == got[0]
+    for a, b in zip(got[1], reference[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def _dequantized_linear(layer: NativeQuantizedLinear) -> nn.Linear:
+    w, s, b = native_linear.mlx_weights(layer)
+    linear = nn.Linear(1, 1, bias=False)
+    linear.weight = native.dequantize(w, s, b, group_size=layer.group_size, bits=layer.bits)
+    return linear
