@@ -220,8 +220,10 @@ def model_args(h: gguf.GGUFHeader, tied: bool) -> Any:  # noqa: ANN401 - the arc
 
 @dataclass
 class Gemma2Args(gemma2.ModelArgs):
-    """mlx-lm's gemma2 arguments and the sliding window its class leaves out (it runs every layer globally)."""
+    """mlx-lm's gemma2 arguments, the sliding window its class leaves out (it runs every layer globally), and the
+    context length (the loader's, which mlx-lm's gemma2 does not keep)."""
 
+    max_position_embeddings: int = 8192
     sliding_window: int = 4096
     sliding_window_pattern: int = 2
 
