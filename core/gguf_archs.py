@@ -91,6 +91,9 @@ def check_hparams(h: gguf.GGUFHeader) -> None:
     m, arch = h.metadata, h.architecture
     for key in _POSITIVE:
         value = m.get(f"{arch}.{key}")
+        if isinstance(value, list):
+            raise ModelLoadError(h.path, f"metadata {arch}.{key} has a value per layer, which mlx-lm's classes "
+                                         "cannot run (one value for all layers)")
         if value is not None and (type(value) is not int or not 0 < value < 2**31):
             raise ModelLoadError(h.path, f"metadata {arch}.{key} is {value!r}, not a positive integer")
     layers = {int(x.group(1)) for t in h.tensors if (x := re.match(r"blk\.(\d+)\.", t.name))}

@@ -52,10 +52,12 @@ def _tokenizer(writer, arch: str) -> int:  # noqa: ANN001 - gguf.GGUFWriter (ggu
 
 
 def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q8_as_f32: bool = False,
-                seed: int = 0, file_arch: str | None = None, drop: tuple[str, ...] = ()) -> Path:
+                seed: int = 0, file_arch: str | None = None, drop: tuple[str, ...] = (),
+                sliding_pattern: int | list[bool] = 3) -> Path:
     """Write the test model of `arch` (one of ARCHS: "llama3" is a llama file with `rope_freqs`) to `path`, its
     matrices in F32 or F16, or the layers' in Q8_0 (`q8`), or in F32 holding exactly the Q8_0 file's values
     (`q8_as_f32`: its reference); norms and rope_freqs in F32, as llama.cpp writes them.
+    gemma3's `sliding_pattern`: a number or llama.cpp's per-layer list (true: local).
     Bad files: `file_arch` names another architecture (its keys follow), `drop` leaves out metadata keys."""
     import gguf
 
@@ -96,7 +98,7 @@ def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q
         writer.add_sliding_window(WINDOW)
     if arch == "gemma3":
         writer.add_sliding_window(WINDOW)
-        writer.add_sliding_window_pattern(3)  # layers 0 and 1 local, 2 global
+        writer.add_sliding_window_pattern(sliding_pattern)  # 3: layers 0 and 1 local, 2 global
         writer.add_float32(f"{gguf_arch}.rope.freq_base_swa", 10000.0)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)

@@ -146,3 +146,19 @@ def test_a_pipeline_stage_refuses_what_it_cannot_split(f32_files: dict[str, Path
     with pytest.raises(ModelLoadError) as e:
         loader.load(f32_files["gemma3"], weights="dequantize", stage=Stage(0, (1, 2)))
     assert "'gemma3' cannot be split across machines (supported: llama, mistral, qwen2)" in str(e.value)
+
+
+def test_a_pipeline_stage_keeps_llama_3s_rope_freqs(f32_files: dict[str, Path]):
+    from mlxchat.core.gguf_archs import FrequencyRoPE
+
+    for rank in (0, 1):
+        model = loader.load(f32_files["llama3"], weights="dequantize", stage=Stage(rank, (1, 1))).model
+        assert [type(layer.self_attn.rope) for layer in model.layers] == [FrequencyRoPE]
+
+
+def test_a_sliding_pattern_mlx_lm_cannot_run_is_one_line(tmp_path: Path):
+    # llama.cpp's per-layer form: layers 0 and 1 local, 2 global is pattern 3; local, global, global repeats nothing.
+    good = write_model(tmp_path / "good.gguf", "gemma3", sliding_pattern=[True, True, False])
+    assert loader.load(good, weights="dequantize").model.args.sliding_window_pattern == 3
+    _one_line_error(write_model(tmp_path / "bad.gguf", "gemma3", sliding_pattern=[True, False, False]),
+                    "sliding_window_pattern", "not a repeating local/global pattern")
