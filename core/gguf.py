@@ -174,7 +174,11 @@ def _parse(r: _Reader) -> GGUFHeader:
         for _ in range(n_kv):
             key = r.string()
             r.float64 = False
-            header.metadata[key] = r.value(r.scalar("<I"), keep=key in _KEEP_ARRAYS)
+            # The architecture's arrays are per-layer values (a few, and they matter: gemma's sliding pattern);
+            # writers put general.architecture first.
+            arch = header.metadata.get("general.architecture")
+            keep = key in _KEEP_ARRAYS or (isinstance(arch, str) and key.startswith(f"{arch}."))
+            header.metadata[key] = r.value(r.scalar("<I"), keep=keep)
             if r.float64:
                 header.float64_keys.append(key)
         infos = []

@@ -21,15 +21,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama, qwen2
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, gguf_tensors, native, native_blocks, native_decoder, native_linear
+from . import gguf, gguf_archs, gguf_tensors, native, native_blocks, native_decoder, native_linear
 from .errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
@@ -185,94 +184,14 @@ def folder_quantization(config: dict) -> str:
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
-_GGUF_NAMES = [
-    (r"^token_embd\.", "model.embed_tokens."),
-    (r"^output_norm\.", "model.norm."),
-    (r"^output\.", "lm_head."),
-    (r"^blk\.(\d+)\.attn_q\.", r"model.layers.\1.self_attn.q_proj."),
-    (r"^blk\.(\d+)\.attn_k\.", r"model.layers.\1.self_attn.k_proj."),
-    (r"^blk\.(\d+)\.attn_v\.", r"model.layers.\1.self_attn.v_proj."),
-    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^blk\.(\d+)\.ffn_gate\.", r"model.layers.\1.mlp.gate_proj."),
-    (r"^blk\.(\d+)\.ffn_up\.", r"model.layers.\1.mlp.up_proj."),
-    (r"^blk\.(\d+)\.ffn_down\.", r"model.layers.\1.mlp.down_proj."),
-    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
-]
-_GGUF_ARCHS = {"llama": llama, "mistral": llama, "qwen2": qwen2}
-
-
-def _mlx_name(name: str) -> str | None:
-    for pattern, repl in _GGUF_NAMES:
-        new, n = re.subn(pattern, repl, name)
-        if n:
-            return new
-    return None
-
-
-def _gguf_args(h: gguf.GGUFHeader, tied: bool) -> Any:
-    m, arch = h.metadata, h.architecture
-
-    def get(key: str, default: Any = None) -> Any:
-        value = m.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(h.path, f"metadata key {arch}.{key} is missing")
-        return value
-
-    heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    common = dict(
-        hidden_size=hidden, num_hidden_layers=get("block_count"), intermediate_size=get("feed_forward_length"),
-        num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=get("vocab_size", m.get("tokenizer.ggml.tokens") and len(m["tokenizer.ggml.tokens"])),
-        rope_theta=float(get("rope.freq_base", 10000.0)), max_position_embeddings=get("context_length", 4096),
-        tie_word_embeddings=tied,
-    )
-    scaling = m.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        common["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
-    if arch == "qwen2":
-        return qwen2.ModelArgs(model_type="qwen2", **common)
-    # llama.cpp's converter permutes llama Q/K rows for interleaved RoPE: traditional=True undoes that.
-    return llama.ModelArgs(model_type="llama", head_dim=get("attention.key_length", hidden // heads),
-                           rope_traditional=True, **common)
-
-
-_POSITIVE = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-             "attention.head_count_kv", "attention.key_length", "context_length", "vocab_size")
-
-
-def _check_hparams(h: gguf.GGUFHeader) -> None:
-    """The hyper-parameters must be sane and agree with the tensor table, before a model is built from them: a
-    corrupt count otherwise divides by zero, overflows int32 in MLX, or builds 2**31 layers (all memory)."""
-    m, arch = h.metadata, h.architecture
-    for key in _POSITIVE:
-        value = m.get(f"{arch}.{key}")
-        if value is not None and (type(value) is not int or not 0 < value < 2**31):
-            raise ModelLoadError(h.path, f"metadata {arch}.{key} is {value!r}, not a positive integer")
-    layers = {int(x.group(1)) for t in h.tensors if (x := re.match(r"blk\.(\d+)\.", t.name))}
-    count = m.get(f"{arch}.block_count")
-    if count is not None and layers != set(range(count)):
-        raise ModelLoadError(h.path, f"metadata {arch}.block_count is {count} but the file has tensors for "
-                                     f"{len(layers)} layers")
-    hidden, heads = m.get(f"{arch}.embedding_length"), m.get(f"{arch}.attention.head_count")
-    embed = next((t for t in h.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise ModelLoadError(h.path, "the file has no token_embd.weight tensor")
-    if hidden is not None and embed.shape[-1] != hidden:
-        raise ModelLoadError(h.path, f"metadata {arch}.embedding_length is {hidden} but token_embd.weight has "
-                                     f"rows of {embed.shape[-1]}")
-    if hidden is not None and heads is not None and hidden % heads:
-        raise ModelLoadError(h.path, f"metadata {arch}.embedding_length {hidden} is not a multiple of "
-                                     f"{arch}.attention.head_count {heads}")
-
-
-def _model_class(arch: str, stage: "Stage | None") -> type[nn.Module]:
+def _model_class(path: Path, arch: str, stage: "Stage | None") -> type[nn.Module]:
     if stage is None:
-        return _GGUF_ARCHS[arch].Model
+        return gguf_archs.model_class(arch)
     from .distributed.stage import STAGE_CLASSES
 
+    if arch not in STAGE_CLASSES:
+        raise ModelLoadError(path, f"architecture {arch!r} cannot be split across machines "
+                                   f"(supported: {', '.join(sorted(STAGE_CLASSES))})")
     return STAGE_CLASSES[arch]
 
 
@@ -309,39 +228,44 @@ def _quantize_like(model: nn.Module, formats: dict[str, gguf_tensors.QuantFormat
 def _check_gguf(header: gguf.GGUFHeader) -> None:
     """Everything that can be said of a GGUF before its tensors are read: its architecture, tensor types,
     tokenizer and hyper-parameters."""
-    if header.architecture not in _GGUF_ARCHS:
-        raise ModelLoadError(header.path, f"architecture {header.architecture or '(none)'!r} is not supported "
-                                          f"(supported: {', '.join(sorted(_GGUF_ARCHS))})")
+    arch = header.architecture
+    if arch not in gguf_archs.ARCHITECTURES:
+        raise ModelLoadError(header.path, f"architecture {arch or '(none)'!r} is not supported "
+                                          f"(supported: {', '.join(gguf_archs.ARCHITECTURES)})")
     gguf.check_loadable(header)
     if "tokenizer.ggml.tokens" not in header.metadata:
         raise ModelLoadError(header.path, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    _check_hparams(header)
+    gguf_archs.check_hparams(header)
 
 
 def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
     header = gguf.read_header(path)
     _check_gguf(header)
+    arch = header.architecture
     tied = not any(t.name == "output.weight" for t in header.tensors)
     # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held twice.
-    names = [t.name for t in header.tensors if (n := _mlx_name(t.name)) and (stage is None or stage.keeps(n, tied))]
+    names = [t.name for t in header.tensors
+             if (n := gguf_archs.mlx_name(arch, t.name)) and (stage is None or stage.keeps(n, tied))]
     try:
         tensors = gguf_tensors.read_tensors(header, names, _keeps_quantized(policy))
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
-    weights = {_mlx_name(name): value for name, value in tensors.arrays.items()}
-    formats = {_mlx_name(f"{name}.weight").removesuffix(".weight"): fmt for name, fmt in tensors.formats.items()}
+    weights = {gguf_archs.mlx_name(arch, name): value for name, value in tensors.arrays.items()}
+    formats = {gguf_archs.mlx_name(arch, f"{name}.weight").removesuffix(".weight"): fmt
+               for name, fmt in tensors.formats.items()}
     try:
-        args = _gguf_args(header, tied)
-        model = _model_class(header.architecture, stage)(args)
+        args = gguf_archs.model_args(header, tied)
+        model = _model_class(path, arch, stage)(args)
         if stage is not None:
             stage.apply(model)
+        weights = gguf_archs.fix_weights(arch, model, weights)
         # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
         _quantize_like(model, formats)
         model.load_weights(list(weights.items()), strict=True)
     except ModelLoadError:
         raise
     except (ValueError, TypeError, ArithmeticError, AssertionError, KeyError, IndexError) as e:
-        raise ModelLoadError(path, f"its tensors do not fit a {header.architecture} model: "
+        raise ModelLoadError(path, f"its tensors do not fit a {arch} model: "
                                    f"{_one_line(e)}") from None
     try:
         tokenizer = from_gguf_metadata(header.metadata)

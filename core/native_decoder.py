@@ -3,7 +3,8 @@
 On MLX's CPU backend every graph node costs ~20-40 us of dispatch, and a llama layer in MLX ops is ~110 nodes (RMSNorm
 and RoPE are composed of small ops on the CPU, the KV cache update is four more): measured on the embedded model, a
 decode step was 26 ms of which 11 ms in the native kernels, the rest mostly dispatch. `use_fused_layers(model)`
-re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama) in place to a subclass whose call
+re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama; exactly those classes: qwen3's
+and Gemma's blocks, with q/k norms, four norms or soft-capping, keep their own call) in place to a subclass whose call
 is one `native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache,
 attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the block computes:
 float32 activations, all seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's),
@@ -179,6 +180,14 @@ def use_fused_layers(model: nn.Module) -> int:
         object.__setattr__(module, "_mlxchat_plan", plan)
         changed += plan is not None
     return changed
+
+
+def fused_layers(model: nn.Module) -> tuple[int, int]:
+    """(fused, all) decoder layers of `model`, for "fused layers: 0/28" in --stats: every architecture's layers
+    count (those of qwen3 and the gemma families run on MLX ops); 0 fused while fused layers are switched off."""
+    layers = [layer for layer in getattr(model, "layers", []) if layer is not None]
+    fused = sum(isinstance(layer, FusedTransformerBlock) for layer in layers) if enabled() else 0
+    return fused, len(layers)
 
 
 def describe(model: nn.Module) -> str:
