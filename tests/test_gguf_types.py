@@ -114,3 +114,39 @@ def test_llama_cpp_agrees_on_the_mixed_file(mixed_files: tuple[Path, Path]) -> N
     mine = _logits(loader.load(quantized), PROMPT)
     assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
     assert (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("embedding", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("weights", ["native", "quantized"])
+def test_embedding_rows_are_the_files_values_in_float32(tmp_path: Path, embedding: str, weights: str) -> None:
+    """A lookup is not rounded to its f16 scales' precision (Q8_0's d * q needs 15 bits): the rows are llama.cpp's."""
+    if weights == "native" and not loader.native.available():
+        pytest.skip(loader.native.unavailable_reason())
+    path = quantized_llama(tmp_path / "m.gguf", {"token_embd": embedding})
+    header = gguf.read_header(path)
+    ref = np.array(gguf_tensors.read_tensors(header, ["token_embd.weight"], keep=lambda f: False)
+                   .arrays["token_embd.weight"])
+    ids = [1, 2, 17, 504, 49151]
+    rows = loader.load(path, weights=weights).model.model.embed_tokens(mx.array([ids]))
+    assert rows.dtype == mx.float32 and np.array_equal(np.array(rows[0]), ref[ids])
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_llama_cpps_q4_k_m_of_each_architecture_runs_exactly(tmp_path: Path, arch: str) -> None:
+    """llama.cpp's own quantizer (Q4_K_M: K-quants where rows allow, Q5_0/Q8_0 elsewhere) on each architecture's
+    test model: every weight path computes the F32 file of the same values."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from tests.arch_models import write_model
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = 15, 2  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    source, quantized = write_model(tmp_path / "f32.gguf", arch), tmp_path / "q4km.gguf"
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
+    ref = _logits(loader.load(reference_f32(quantized, tmp_path / "ref.gguf"), weights="dequantize"), PROMPT)
+    for weights in ("native", "quantized", "dequantize") if loader.native.available() else ("quantized", "dequantize"):
+        model = loader.load(quantized, weights=weights)
+        assert model.quantization.startswith("Q4_K_M: ")
+        got = _logits(model, PROMPT)
+        assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max(), (weights, model.weights_path)
