@@ -262,8 +262,29 @@ class Gemma2Model(gemma2.Model):
                 for i in range(len(self.layers))]
 
 
+class _Gemma3Body(gemma3_text.Gemma3Model):
+    """llama.cpp scales gemma3's embeddings by √hidden in float32; mlx-lm rounds √hidden to bfloat16 first (as HF
+    does for bf16 weights): 33.94 against 34.0 for gemma-3-1b's hidden 1152. The embeddings go in multiplied by the
+    ratio, so mlx-lm's factor leaves llama.cpp's scaling (to one float32 rounding)."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
+        if input_embeddings is None:
+            exact = self.args.hidden_size ** 0.5
+            rounded = mx.array(exact, mx.bfloat16).item()
+            input_embeddings = self.embed_tokens(inputs) * (exact / rounded)
+        return super().__call__(inputs, cache, input_embeddings)
+
+
+class Gemma3Model(gemma3_text.Model):
+    """mlx-lm's gemma3_text `Model` with llama.cpp's float32 embedding scale."""
+
+    def __init__(self, args: gemma3_text.ModelArgs) -> None:
+        super().__init__(args)
+        self.model = _Gemma3Body(args)
+
+
 _CLASSES: dict[str, type[nn.Module]] = {"llama": llama.Model, "mistral": llama.Model, "qwen2": qwen2.Model,
-                                        "qwen3": qwen3.Model, "gemma2": Gemma2Model, "gemma3": gemma3_text.Model}
+                                        "qwen3": qwen3.Model, "gemma2": Gemma2Model, "gemma3": Gemma3Model}
 
 
 def model_class(arch: str) -> type[nn.Module]:

@@ -53,11 +53,11 @@ def _tokenizer(writer, arch: str) -> int:  # noqa: ANN001 - gguf.GGUFWriter (ggu
 
 def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q8_as_f32: bool = False,
                 seed: int = 0, file_arch: str | None = None, drop: tuple[str, ...] = (),
-                sliding_pattern: int | list[bool] = 3) -> Path:
+                sliding_pattern: int | list[bool] = 3, hidden: int = HIDDEN) -> Path:
     """Write the test model of `arch` (one of ARCHS: "llama3" is a llama file with `rope_freqs`) to `path`, its
     matrices in F32 or F16, or the layers' in Q8_0 (`q8`), or in F32 holding exactly the Q8_0 file's values
     (`q8_as_f32`: its reference); norms and rope_freqs in F32, as llama.cpp writes them.
-    gemma3's `sliding_pattern`: a number or llama.cpp's per-layer list (true: local).
+    gemma3's `sliding_pattern`: a number or llama.cpp's per-layer list (true: local). `hidden`: the width.
     Bad files: `file_arch` names another architecture (its keys follow), `drop` leaves out metadata keys."""
     import gguf
 
@@ -65,7 +65,7 @@ def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q
     gemma = arch.startswith("gemma")
     layers = 3 if arch == "gemma3" else 2
     # qwen3 and gemma: a head size of their own, not hidden/heads.
-    head_dim = 32 if arch in ("qwen3", "gemma2", "gemma3") else HIDDEN // HEADS
+    head_dim = 32 if arch in ("qwen3", "gemma2", "gemma3") else hidden // HEADS
     rng = np.random.default_rng(seed)
     dtype = np.float16 if f16 else np.float32
 
@@ -81,14 +81,14 @@ def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q
     writer.add_name(f"test-{arch}")
     writer.add_block_count(layers)
     writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim != HIDDEN // HEADS:
+    if head_dim != hidden // HEADS:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base({"qwen2": 1000000.0, "qwen3": 1000000.0, "gemma3": 1000000.0}.get(arch, 10000.0))
@@ -103,10 +103,10 @@ def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)
 
-    writer.add_tensor("token_embd.weight", matrix(vocab, HIDDEN, 1.0 if gemma else 0.1))
-    writer.add_tensor("output_norm.weight", norm(HIDDEN))
+    writer.add_tensor("token_embd.weight", matrix(vocab, hidden, 1.0 if gemma else 0.1))
+    writer.add_tensor("output_norm.weight", norm(hidden))
     if arch in ("llama", "qwen3"):  # the others are tied: the head is the embedding matrix
-        writer.add_tensor("output.weight", matrix(vocab, HIDDEN))
+        writer.add_tensor("output.weight", matrix(vocab, hidden))
     if arch == "llama3":
         # Llama 3.1's factors for this head size (convert_hf_to_gguf.py, factor 8, low 1, high 4, original
         # context 8192) would all be 1 at dims 16: spread them instead, so every kind of pair is covered.
@@ -114,11 +114,11 @@ def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q
     for i in range(layers):
         b = f"blk.{i}."
         q, kv = HEADS * head_dim, KV_HEADS * head_dim
-        tensors = {"attn_norm.weight": norm(HIDDEN), "attn_q.weight": matrix(q, HIDDEN),
-                   "attn_k.weight": matrix(kv, HIDDEN), "attn_v.weight": matrix(kv, HIDDEN),
-                   "attn_output.weight": matrix(HIDDEN, q), "ffn_norm.weight": norm(HIDDEN),
-                   "ffn_gate.weight": matrix(FFN, HIDDEN), "ffn_up.weight": matrix(FFN, HIDDEN),
-                   "ffn_down.weight": matrix(HIDDEN, FFN)}
+        tensors = {"attn_norm.weight": norm(hidden), "attn_q.weight": matrix(q, hidden),
+                   "attn_k.weight": matrix(kv, hidden), "attn_v.weight": matrix(kv, hidden),
+                   "attn_output.weight": matrix(hidden, q), "ffn_norm.weight": norm(hidden),
+                   "ffn_gate.weight": matrix(FFN, hidden), "ffn_up.weight": matrix(FFN, hidden),
+                   "ffn_down.weight": matrix(hidden, FFN)}
         if arch == "qwen2":
             tensors |= {"attn_q.bias": matrix(1, q)[0].astype(np.float32),
                         "attn_k.bias": matrix(1, kv)[0].astype(np.float32),
@@ -126,7 +126,7 @@ def write_model(path: Path, arch: str, *, f16: bool = False, q8: bool = False, q
         if arch in ("qwen3", "gemma3"):
             tensors |= {"attn_q_norm.weight": norm(head_dim), "attn_k_norm.weight": norm(head_dim)}
         if gemma:
-            tensors |= {"post_attention_norm.weight": norm(HIDDEN), "post_ffw_norm.weight": norm(HIDDEN)}
+            tensors |= {"post_attention_norm.weight": norm(hidden), "post_ffw_norm.weight": norm(hidden)}
         for name, value in tensors.items():
             if (q8 or q8_as_f32) and value.ndim == 2:
                 q = gguf.quants.quantize(value.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)

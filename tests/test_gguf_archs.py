@@ -78,6 +78,16 @@ def test_logits_match_llama_cpp(arch: str, f32_files: dict[str, Path], monkeypat
         assert (ours.argmax(axis=1) == ref.argmax(axis=1)).all()
 
 
+def test_gemma3_scales_embeddings_as_llama_cpp_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """At gemma-3-1b's width (1152) √hidden is 33.94, which mlx-lm rounds to bfloat16's 34.0 (4e-5 off llama.cpp
+    here); at the other tests' width (64) the two agree, so this one is wide."""
+    path = write_model(tmp_path / "wide.gguf", "gemma3", hidden=1152)
+    ref = _llama_cpp_logits(path)
+    monkeypatch.setattr(nn, "gelu_approx", _table_gelu)
+    err = _relative(_prefill(loader.load(path, weights="dequantize").model), ref)
+    assert err.max() < 1e-5, f"off by {err.max():.1e}"
+
+
 def test_the_compared_features_matter(f32_files: dict[str, Path]):
     """The comparison above would catch a lost window or rope_freqs: without them the logits move far past it."""
     ref = _llama_cpp_logits(f32_files["gemma2"])
