@@ -93,6 +93,11 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         if self.packed:
             return native.packed_lookup(x, self["weight"], self["scales"], self["biases"],
                                         group_size=self.group_size, bits=self.bits)
+        if native.is_compact(self["scales"]):  # only the native ops read compact parameters: the rows, dequantized
+            rows = x.reshape(-1)
+            weight = native.dequantize(self["weight"][rows], self["scales"][rows], self["biases"][rows],
+                                       group_size=self.group_size, bits=self.bits)
+            return weight.reshape(*x.shape, weight.shape[-1])
         return mx.dequantize(self["weight"][x], scales=self["scales"][x], biases=self["biases"][x],
                              group_size=self.group_size, bits=self.bits)
 
@@ -116,11 +121,14 @@ def use_native(model: nn.Module, int8: bool = False) -> int:
 
 
 def mlx_weights(module: nn.Module) -> tuple[mx.array, mx.array, mx.array]:
-    """A quantized layer's (weight, scales, biases) in MLX's layout, unpacked if it is packed."""
-    weights = (module["weight"], module["scales"], module["biases"])
+    """A quantized layer's (weight, scales, biases) in MLX's layout, unpacked if it is packed, with float32
+    parameters if they are `native.compact_params`'s."""
+    w, scales, biases = module["weight"], module["scales"], module["biases"]
     if getattr(module, "packed", False):
-        return native.unpack_weights(*weights, group_size=module.group_size, bits=module.bits)
-    return weights
+        w, scales, biases = native.unpack_weights(w, scales, biases, group_size=module.group_size, bits=module.bits)
+    if native.is_compact(scales):
+        scales, biases = native.expand_params(scales, biases, group_size=module.group_size)
+    return w, scales, biases
 
 
 def use_mlx_layout(model: nn.Module) -> int:
