@@ -97,7 +97,8 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         if self.packed:
             return native.packed_lookup(x, self["weight"], self["scales"], self["biases"],
                                         group_size=self.group_size, bits=self.bits)
-        if self.group_size < 32:  # MLX's dequantize refuses groups of 16 (Q6_K); the native one takes them
+        # MLX's dequantize reads neither groups of 16 (Q6_K) nor compact parameters: the native one takes both.
+        if self.group_size < 32 or native.is_compact(self["scales"]):
             rows = x.reshape(-1)
             return native.dequantize(self["weight"][rows], self["scales"][rows], self["biases"][rows],
                                      group_size=self.group_size, bits=self.bits).reshape(*x.shape, self.dims)
@@ -124,11 +125,14 @@ def use_native(model: nn.Module, int8: bool = False) -> int:
 
 
 def mlx_weights(module: nn.Module) -> tuple[mx.array, mx.array, mx.array]:
-    """A quantized layer's (weight, scales, biases) in MLX's layout, unpacked if it is packed."""
-    weights = (module["weight"], module["scales"], module["biases"])
+    """A quantized layer's (weight, scales, biases) in MLX's layout, unpacked if it is packed, with float32
+    parameters if they are `native.compact_params`'s."""
+    w, scales, biases = module["weight"], module["scales"], module["biases"]
     if getattr(module, "packed", False):
-        return native.unpack_weights(*weights, group_size=module.group_size, bits=module.bits)
-    return weights
+        w, scales, biases = native.unpack_weights(w, scales, biases, group_size=module.group_size, bits=module.bits)
+    if native.is_compact(scales):
+        scales, biases = native.expand_params(scales, biases, group_size=module.group_size)
+    return w, scales, biases
 
 
 def use_mlx_layout(model: nn.Module) -> int:

@@ -49,6 +49,26 @@ def random_format(n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype, s
     return (pack_codes(codes, bits), scales, biases), s32 * codes.astype(np.float32) + b32
 
 
+def kquant_format(n: int, k: int, bits: int, group_size: int, seed: int = 0):
+    """Like `random_format`, with parameters as the loader makes them from a K-quant (float32, per super-block of
+    256 an fp16 d and dmin): groups of 32 (Q4_K, Q5_K) scale d * sc and bias -(dmin * m), sc and m 6-bit; groups of
+    16 (Q6_K) scale d * sc and bias -32 * d * sc, sc int8."""
+    rng = np.random.default_rng(seed)
+    shape = (n, k // 256, 256 // group_size)
+    d = (rng.random(shape[:2] + (1,)) * 0.01).astype(np.float16).astype(np.float32)
+    if group_size == 16:
+        scales = d * rng.integers(-128, 128, shape).astype(np.float32)
+        biases = np.float32(-32) * scales
+    else:
+        dmin = (rng.random(shape[:2] + (1,)) * 0.01).astype(np.float16).astype(np.float32)
+        scales = d * rng.integers(0, 64, shape).astype(np.float32)
+        biases = -(dmin * rng.integers(0, 64, shape).astype(np.float32))
+    codes = rng.integers(0, 2 ** bits, (n, k))
+    s32, b32 = scales.reshape(n, -1), biases.reshape(n, -1)
+    deq = np.repeat(s32, group_size, axis=1) * codes.astype(np.float32) + np.repeat(b32, group_size, axis=1)
+    return (pack_codes(codes, bits), mx.array(s32), mx.array(b32)), deq
+
+
 def _assert_within_fp32_bound(y: mx.array, x: np.ndarray, deq: np.ndarray) -> None:
     """test_native.py's bound: |y - x @ W.T| <= K * eps * (|x| @ |W|.T), against float64."""
     xd, wd = x.astype(np.float64), deq.astype(np.float64)
@@ -200,12 +220,19 @@ def test_a_llama_mixing_formats_fused_equals_the_mlx_op_layers_and_fp32(monkeypa
             if i == 1 and name == "k_proj":
                 continue  # layer 1 keeps nn.quantize's 6-bit k_proj
             setattr(parent, name, NativeQuantizedLinear(_quantized_linear(fmt, getattr(parent, name), 10 * i), pack))
+    for block in model.model.layers:  # Q6_K's down_proj (K = 256) in the compact form, as the loader keeps it
+        down = block.mlp.down_proj
+        (down.weight, scales, biases), _ = kquant_format(down.weight.shape[0], 256, 6, 16, seed=7)
+        down.scales, down.biases = native.compact_params(scales, biases, group_size=16)
+        if down.packed:
+            down.weight, down.scales, down.biases = native.pack_weights(down.weight, down.scales, down.biases,
+                                                                        group_size=16, bits=6)
     mx.eval(model.parameters())
     assert use_fused_layers(model) == 2 and isinstance(model.model.layers[0], FusedTransformerBlock)
     formats = {(p.bits, p.group_size, p["scales"].dtype) for _, p in model.named_modules()
                if isinstance(p, NativeQuantizedLinear)}
     assert formats == {(6, 16, mx.float32), (4, 32, mx.float32), (5, 32, mx.float32), (5, 32, mx.float16),
-                       (8, 32, mx.float16), (5, 64, mx.bfloat16), (6, 64, mx.float32)}
+                       (8, 32, mx.float16), (5, 64, mx.bfloat16), (6, 64, mx.float32), (6, 16, mx.uint8)}
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 64, 40)]
     caches = lambda: [KVCache() for _ in range(2)]  # noqa: E731
@@ -233,3 +260,84 @@ def _dequantized_linear(layer: NativeQuantizedLinear) -> nn.Linear:
     linear = nn.Linear(1, 1, bias=False)
     linear.weight = native.dequantize(w, s, b, group_size=layer.group_size, bits=layer.bits)
     return linear
+
+
+# --- the K-quants' compact parameters (native.compact_params) -------------------------------------------------------
+
+K_QUANTS = [(4, 32), (5, 32), (6, 16)]  # Q4_K, Q5_K, Q6_K
+
+
+def _same_bits(a: mx.array, b: mx.array) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(np.array(a).view(np.uint8),
+                                                                       np.array(b).view(np.uint8))
+
+
+@needs_native
+@pytest.mark.parametrize("bits, group_size", K_QUANTS)
+def test_compact_params_give_every_op_the_same_bits_at_the_files_size(bits: int, group_size: int):
+    (w, s, b), deq = kquant_format(64, 512, bits, group_size, seed=bits)
+    compact = native.compact_params(s, b, group_size=group_size)
+    assert compact is not None and native.is_compact(compact[0]) and not native.is_compact(s)
+    cs, cb = compact
+    # Weights and parameters against the GGUF's bits a weight (Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625): <= 1.1x.
+    file_bits = {4: 4.5, 5: 5.5, 6: 6.5625}[bits]
+    assert (w.nbytes + cs.nbytes + cb.nbytes) * 8 / (64 * 512) <= 1.1 * file_bits
+    assert all(_same_bits(x, y) for x, y in zip(native.expand_params(cs, cb, group_size=group_size), (s, b)))
+    ours = native.dequantize(w, cs, cb, group_size=group_size, bits=bits)
+    assert np.array_equal(np.array(ours), deq)
+    x = mx.random.normal((17, 512), key=mx.random.key(bits))
+    fmt = {"group_size": group_size, "bits": bits}
+    assert _same_bits(native.quantized_matmul(x, w, cs, cb, **fmt), native.quantized_matmul(x, w, s, b, **fmt))
+    packed_f32 = native.pack_weights(w, s, b, **fmt)
+    packed = native.pack_weights(w, cs, cb, **fmt)
+    assert all(_same_bits(x, y) for x, y in zip(native.unpack_weights(*packed, **fmt), (w, cs, cb)))
+    assert all(_same_bits(x, y)
+               for x, y in zip(native.expand_params(packed[1], packed[2], group_size=group_size, packed=True), (s, b)))
+    ids = mx.array([[3, 63], [16, 0]])
+    assert _same_bits(native.packed_lookup(ids, *packed, **fmt), native.packed_lookup(ids, *packed_f32, **fmt))
+    kinds = [{"int8": True}] + ([{}] if native.packs_exact() else [])
+    for how in kinds:
+        assert _same_bits(native.quantized_matmul(x, *packed, packed=True, **fmt, **how),
+                          native.quantized_matmul(x, *packed_f32, packed=True, **fmt, **how))
+    if native.packs_exact():
+        assert np.array_equal(np.array(native.dequantize(*packed, packed=True, **fmt)), deq)
+
+
+@needs_native
+def test_compact_params_are_refused_where_they_would_not_be_exact():
+    (_, s, b), _ = kquant_format(16, 256, 4, 32)
+    assert native.compact_params(s + 1e-3, b, group_size=32) is None  # not fp16 times an integer
+    assert native.compact_params(s[:, :4], b[:, :4], group_size=32) is None  # K = 128: no super-block of 256
+    assert native.compact_params(mx.repeat(s, 2, axis=1), mx.repeat(b, 2, axis=1), group_size=64) is None
+    with pytest.raises(ValueError, match="float32"):
+        native.compact_params(s.astype(mx.float16), b.astype(mx.float16), group_size=32)
+
+
+@needs_native
+def test_compact_params_on_the_avx2_kernels_too():
+    if native.kernel_name() == "avx2" and native.int8_kernel_name() == "avx2":
+        pytest.skip("this CPU runs the AVX2 kernels: the test above checks them")
+    run_on_avx2("assert native.kernel_name() == 'avx2'",
+                ["import tests.test_native_formats as t"]
+                + [f"t.test_compact_params_give_every_op_the_same_bits_at_the_files_size({b}, {g})"
+                   for b, g in K_QUANTS])
+
+
+@needs_native
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_compact_embedding_looks_up_the_files_rows(pack: bool):
+    if pack and not native.packs_exact():
+        pytest.skip("the native path packs where fixed24 x runs (AVX512-VNNI)")
+    (w, s, b), deq = kquant_format(64, 256, 6, 16)
+    layer = nn.QuantizedEmbedding(64, 256, group_size=32, bits=6)
+    layer.weight, layer.group_size = w, 16
+    layer.scales, layer.biases = native.compact_params(s, b, group_size=16)
+    embedding = native_linear.NativeQuantizedEmbedding(layer, pack)
+    assert embedding.packed == pack
+    ids = mx.array([[0, 63, 17], [5, 5, 40]])
+    rows = embedding(ids)
+    assert rows.shape == (2, 3, 256) and np.array_equal(np.array(rows), deq[np.array(ids)])
+    x = mx.random.normal((3, 256))
+    _assert_within_fp32_bound(embedding.as_linear(x), np.array(x), deq)
+    mlx = native_linear.mlx_weights(embedding)  # what code that reads MLX's layout gets: float32 parameters
+    assert all(_same_bits(u, v) for u, v in zip(mlx, (w, s, b)))

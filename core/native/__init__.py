@@ -106,6 +106,39 @@ def packed_lookup(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array
     return _module().packed_lookup(ids, w, scales, biases, group_size=group_size, bits=bits)
 
 
+def compact_params(scales: mx.array, biases: mx.array, *, group_size: int) -> tuple[mx.array, mx.array] | None:
+    """A K-quant layer's float32 ``scales`` and ``biases`` ``[N, K / group_size]`` (MLX's layout) in a compact
+    two-level form at about the GGUF's size, or None where they do not fit it exactly (then keep the float32 ones).
+
+    The form: per super-block of 256 values along K an fp16 ``D``, and per group an int8 multiplier ``q``, the
+    parameter being ``float(D) * q`` (exact in float32). Q4_K/Q5_K's scales ``d * sc`` and biases ``-(dmin * m)``
+    and Q6_K's ``d * sc`` and ``-32 * d * sc`` fit it bit for bit; Q4_K's parameters go from 1.5 bits a weight to
+    0.625 (the file: 0.5), Q6_K's from 4 to 1.125 (the file: 0.56), so Q4_K weights take 1.03x the file and Q6_K's
+    1.09x. Needs ``group_size`` 16 or 32 and K a multiple of 256 (else None).
+
+    Returns two uint8 arrays ``[N, K / 256 * (2 + 256 / group_size)]`` that take the float32 arrays' place in every
+    op of this module (`quantized_matmul`, `dequantize`, `pack_weights`/`unpack_weights`, `packed_lookup`,
+    `layer_weights`), with the same w, ``group_size`` and ``bits``: the results are bit for bit those of the float32
+    parameters (each piece of rows gets its parameters expanded to float32 in cache just before the kernel runs).
+    MLX's own ops cannot read them: `expand_params` gives the float32 ones back. Computed now (evaluates its inputs).
+    """
+    out = _module().compact_params(scales, biases, group_size=group_size)
+    return None if out is None else (out[0], out[1])
+
+
+def expand_params(scales: mx.array, biases: mx.array, *, group_size: int,
+                  packed: bool = False) -> tuple[mx.array, mx.array]:
+    """`compact_params`'s arrays (in MLX's layout, or `pack_weights`'s with ``packed``) back as the float32 scales
+    and biases ``[N, K / group_size]`` in MLX's layout, bit for bit."""
+    out = _module().expand_params(scales, biases, group_size=group_size, packed=packed)
+    return out[0], out[1]
+
+
+def is_compact(scales: mx.array) -> bool:
+    """Whether a layer's scales are `compact_params`'s form (which only this module's ops read)."""
+    return scales.dtype == mx.uint8
+
+
 def packs_exact() -> bool:
     """Whether the packed matmul takes x at fp32's precision here (AVX512-VNNI, and MLXCHAT_NATIVE_ISA is not avx2):
     then weights="native" packs its weights too; elsewhere it keeps MLX's layout and the fp32 kernel."""

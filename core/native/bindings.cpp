@@ -1,6 +1,7 @@
 // Python bindings. NB_DOMAIN mlx (set in CMakeLists.txt) shares nanobind's type registry with mlx.core, so mx.array
 // arguments and results pass through as MLX's own type.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -24,6 +25,10 @@ NB_MODULE(_ext, m) {
         "bits"_a, "pack_weights's [w, scales, biases] back in MLX's layout.");
   m.def("packed_lookup", &mlxchat::packed_lookup, "ids"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "Rows ids of a packed weight, dequantized as MLX's dequantize does.");
+  m.def("compact_params", &mlxchat::compact_params, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a,
+        "float32 K-quant scales and biases in the compact two-level form (uint8 arrays), or None if not exact.");
+  m.def("expand_params", &mlxchat::expand_params, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a,
+        "packed"_a = false, "compact_params's arrays back as float32 [N, G] in MLX's layout.");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("packs_exact", &mlxchat::packs_exact);
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,

@@ -7,7 +7,17 @@
 
 namespace mlxchat {
 
-enum class ScaleType { f32, f16, bf16 };
+// compact: the K-quants' two levels, at about the GGUF's size (float32 parameters cost Q4_K 6 bits a weight against
+// the file's 4.5, Q6_K 10 against 6.56). Per super-block of 256 values along K (P = 256 / group_size groups, group
+// sizes 16 and 32 only): an fp16 D, then P int8 multipliers q, each group's parameter float(D) * q, which is exact
+// in fp32 (11 significant bits times 8): the same float32 values as the parameters it was made from
+// (compact_from_f32). Layout, uint8: MLX's rows [N][K / 256][2 + P] (D little-endian, then the q's); packed
+// (pack_weights) [N / 16][K / 256][16 D's, then for each of the P groups the 16 rows' q]. The kernels never read it:
+// each piece of rows has its parameters expanded to fp32 first (expand_compact_avx2), in cache.
+enum class ScaleType { f32, f16, bf16, compact };
+// A compact super-block's bytes (one row) and groups.
+inline int compact_groups(int group_size) { return 256 / group_size; }
+inline int compact_bytes(int group_size) { return 2 + compact_groups(group_size); }
 
 // y[M, N] = x[M, K] @ dequant(w[N, K])^T, where dequant(q) = scale * q + bias per group of `group_size` along K.
 // Formats: 4, 5, 6 or 8 bits; groups of 16, 32, 64 or 128 (16: Q6_K's sub-blocks); K a multiple of 32.
@@ -37,6 +47,9 @@ void qmm_rows_avx2(const QMatmulArgs& a, int n0, int n1);
 // The same with AVX-512F (kernel_avx512.cpp, built with -mavx512f): needs AVX512F besides the above.
 void qmm_rows_avx512(const QMatmulArgs& a, int n0, int n1);
 void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
+// Compact parameters (ScaleType::compact) of units [u0, u1) as fp32, from unit u0 on: rows [u0, u1) of MLX's layout
+// into out [u1 - u0][G], or with `packed` tiles [u0, u1) into out [u1 - u0][G][16] (packed_param's order).
+void expand_compact_avx2(const uint8_t* c, int K, int group_size, bool packed, int u0, int u1, float* out);
 
 // The packed matmul: the weights repacked into tiles of kPackedTile output rows (`pack_weights`) so that one integer
 // dot instruction (VPDPBUSD: 4 unsigned weight bytes times 4 signed bytes of x, into 16 int32 lanes) serves 16
@@ -77,6 +90,7 @@ void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
 // 64 bytes, k-step u's two high bits at bits 2 (u % 4) and 2 (u % 4) + 1 of run u / 4. The kernels then make a
 // k-step's whole codes with a shift, a mask and an OR per 64 bytes. 8 bits: 8 runs of 64 bytes. Parameters:
 // [N / 16][G][16].
+// param_bytes 0: compact parameters (ScaleType::compact), repacked per super-block.
 void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
                   int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
 // Code (n, k) of MLX's layout: bits [k * bits, (k + 1) * bits) of row n's little-endian bit stream.

@@ -361,6 +361,35 @@ void dequant_rows_avx2(const DequantArgs& a, int n0, int n1) {
   }
 }
 
+void expand_compact_avx2(const uint8_t* c, int K, int group_size, bool packed, int u0, int u1, float* out) {
+  const int S = K / 256, P = compact_groups(group_size), B = compact_bytes(group_size), G = S * P;
+  // 8 multipliers times D (float(D) * q is exact: the parameter the compact form was made from).
+  auto eight = [](const uint8_t* q, __m256 d, float* o) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+  };
+  for (int u = u0; u < u1; ++u) {
+    for (int s = 0; s < S; ++s) {
+      if (!packed) {
+        const uint8_t* sb = c + (size_t(u) * S + s) * B;
+        uint16_t h;
+        std::memcpy(&h, sb, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+        for (int g = 0; g < P; g += 8) eight(sb + 2 + g, d, out + size_t(u - u0) * G + s * P + g);
+      } else {
+        const uint8_t* sb = c + (size_t(u) * S + s) * kPackedTile * B;  // 16 D's, then each group's 16 q's
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
+        for (int g = 0; g < P; ++g) {
+          float* o = out + (size_t(u - u0) * G + s * P + g) * kPackedTile;
+          eight(sb + 2 * kPackedTile + g * kPackedTile, d0, o);
+          eight(sb + 2 * kPackedTile + g * kPackedTile + 8, d1, o + 8);
+        }
+      }
+    }
+  }
+}
+
 void softmax_rows_avx2(const float* x, float* out, size_t rows, int S, int L, float scale, bool causal) {
   for (size_t r = 0; r < rows; ++r) {
     const int valid = causal ? std::min(S, S - L + int(r % size_t(L)) + 1) : S;

@@ -1,14 +1,18 @@
 #include "qmm.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "graph.h"
@@ -146,7 +150,37 @@ void parallel_chunks(int N, int K, bool packed, const std::function<void(int, in
 ScaleType scale_type(mx::Dtype t) {
   if (t == mx::float32) return ScaleType::f32;
   if (t == mx::float16) return ScaleType::f16;
+  if (t == mx::uint8) return ScaleType::compact;
   return ScaleType::bf16;
+}
+
+// kernel(args, u0, u1) over units (rows, or tiles of 16 rows where `packed`) [u0, u1). Compact parameters are
+// expanded to fp32 for those units first, into a thread-local buffer that the kernel then reads from cache, and the
+// kernel runs on a view of the arguments whose units count from u0 (weights, parameters and outputs moved there).
+template <typename Args, typename Kernel>
+void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
+  if (a.scale_type != ScaleType::compact) {
+    kernel(a, u0, u1);
+    return;
+  }
+  thread_local std::vector<float> params;
+  const int G = a.K / a.group_size, rows = packed ? kPackedTile : 1;
+  const size_t count = size_t(u1 - u0) * rows * G, unit_bytes = size_t(rows) * a.K * a.bits / 8;
+  params.resize(2 * count);
+  expand_compact_avx2(static_cast<const uint8_t*>(a.scales), a.K, a.group_size, packed, u0, u1, params.data());
+  expand_compact_avx2(static_cast<const uint8_t*>(a.biases), a.K, a.group_size, packed, u0, u1,
+                      params.data() + count);
+  Args view = a;
+  view.w = a.w + u0 * unit_bytes;
+  view.scales = params.data();
+  view.biases = params.data() + count;
+  view.scale_type = ScaleType::f32;
+  if constexpr (std::is_same_v<Args, DequantArgs>) {
+    view.out = a.out + size_t(u0) * rows * a.K;
+  } else {
+    view.y = a.y + size_t(u0) * rows;  // y [M, N] keeps its row stride N
+  }
+  kernel(view, 0, u1 - u0);
 }
 
 }  // namespace
@@ -169,11 +203,21 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
   if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
     throw std::invalid_argument("scales and biases must be 2-D arrays of the same shape and dtype");
   }
-  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) {
-    throw std::invalid_argument("scales must be float32, float16 or bfloat16");
+  if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16 &&
+      scales.dtype() != mx::uint8) {
+    throw std::invalid_argument("scales must be float32, float16, bfloat16 or uint8 (compact_params)");
   }
   const int K = w.shape(1) * 32 / bits;
-  if (scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != K) {
+  if (scales.dtype() == mx::uint8) {
+    if ((group_size != 16 && group_size != 32) || K % 256 != 0) {
+      throw std::invalid_argument("compact parameters need groups of 16 or 32 and rows of a multiple of 256 values");
+    }
+    if (scales.shape(0) != w.shape(0) || scales.shape(1) != K / 256 * compact_bytes(group_size)) {
+      throw std::invalid_argument("compact parameters of shape (" + std::to_string(scales.shape(0)) + ", " +
+                                  std::to_string(scales.shape(1)) + ") do not match w for group_size " +
+                                  std::to_string(group_size) + " and bits " + std::to_string(bits));
+    }
+  } else if (scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != K) {
     throw std::invalid_argument("scales of shape (" + std::to_string(scales.shape(0)) + ", " +
                                 std::to_string(scales.shape(1)) + ") do not match w for group_size " +
                                 std::to_string(group_size) + " and bits " + std::to_string(bits));
@@ -270,7 +314,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
         const PackedRows xr(plain_x(x).data(), M, K, group_size, xform_of(int8));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const PackedKernel kernel = packed_kernel();  // the VNNI one for fixed24 (check_weights)
-        parallel_chunks(N, K, true, [&](int t0, int t1) { kernel(a, t0, t1); });
+        parallel_chunks(N, K, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
         return;
       }
       std::vector<float> xq, xsum;
@@ -278,7 +322,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
                     scale_type(scales.dtype()), out.data<float>(), M, N, K, group_size, bits};
       const RowsKernel kernel = rows_kernel();
-      parallel_chunks(N, K, false, [&](int n0, int n1) { kernel(a, n0, n1); });
+      parallel_chunks(N, K, false, [&](int n0, int n1) { run_units(a, n0, n1, false, kernel); });
     });
   }
 
@@ -321,7 +365,7 @@ class NativeDequantize : public mx::UnaryPrimitive {
       DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
       parallel_chunks(a.N, a.K, packed, [&](int u0, int u1) {
-        packed ? dequant_packed_vnni(a, u0, u1) : dequant_rows_avx2(a, u0, u1);
+        run_units(a, u0, u1, packed, packed ? &dequant_packed_vnni : &dequant_rows_avx2);
       });
     });
   }
@@ -346,13 +390,15 @@ class NativeDequantize : public mx::UnaryPrimitive {
   bool packed_;
 };
 
-// Row n of a packed weight as T (the parameters' type: MLX's dequantize computes scale * q + bias in it).
+// Row n of a packed weight as T (the parameters' type: MLX's dequantize computes scale * q + bias in it). The
+// parameters are read at packed_param(G, n, g), counted from `first_tile` (compact ones are expanded to fp32 first).
 template <typename T>
-void packed_row(const uint8_t* w, const T* scales, const T* biases, int K, int group_size, int bits, int n, T* out) {
+void packed_row(const uint8_t* w, const T* scales, const T* biases, int first_tile, int K, int group_size, int bits,
+                int n, T* out) {
   const int G = K / group_size;
   for (int k = 0; k < K; ++k) {
     const uint32_t q = packed_code(w, K, bits, n, k);
-    const size_t p = packed_param(G, n, k / group_size);
+    const size_t p = packed_param(G, n - first_tile * kPackedTile, k / group_size);
     out[k] = scales[p] * static_cast<T>(float(q)) + biases[p];
   }
 }
@@ -378,14 +424,27 @@ class NativePackedLookup : public mx::UnaryPrimitive {
         for (size_t r = 0; r < ids.size(); ++r) {
           // Out of range reads no memory: the row is NaN, as a bad id gives no real embedding.
           if (id[r] >= uint32_t(N)) {
-            std::fill_n(out.data<T>() + r * K, K, static_cast<T>(std::numeric_limits<float>::quiet_NaN()));
+            using O = std::conditional_t<std::is_same_v<T, uint8_t>, float, T>;  // compact rows come out fp32
+            std::fill_n(out.data<O>() + r * K, K, static_cast<O>(std::numeric_limits<float>::quiet_NaN()));
             continue;
           }
-          packed_row<T>(w.data<uint8_t>(), scales.data<T>(), biases.data<T>(), K, group_size, bits, int(id[r]),
-                        out.data<T>() + r * K);
+          if constexpr (std::is_same_v<T, uint8_t>) {  // compact: the row's tile's parameters as fp32
+            const int G = K / group_size, tile = int(id[r]) / kPackedTile;
+            std::vector<float> params(size_t(2) * G * kPackedTile);
+            expand_compact_avx2(scales.data<uint8_t>(), K, group_size, true, tile, tile + 1, params.data());
+            expand_compact_avx2(biases.data<uint8_t>(), K, group_size, true, tile, tile + 1,
+                                params.data() + size_t(G) * kPackedTile);
+            packed_row<float>(w.data<uint8_t>(), params.data(), params.data() + size_t(G) * kPackedTile, tile, K,
+                              group_size, bits, int(id[r]), out.data<float>() + r * K);
+          } else {
+            packed_row<T>(w.data<uint8_t>(), scales.data<T>(), biases.data<T>(), 0, K, group_size, bits, int(id[r]),
+                          out.data<T>() + r * K);
+          }
         }
       };
-      if (scales.dtype() == mx::float32) {
+      if (scales.dtype() == mx::uint8) {
+        rows(uint8_t{});
+      } else if (scales.dtype() == mx::float32) {
         rows(float{});
       } else if (scales.dtype() == mx::float16) {
         rows(mx::float16_t{});
@@ -475,7 +534,8 @@ std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, con
   };
   std::vector<mx::array> out{fresh(wd), fresh(sd), fresh(bd)};
   const int K = w.shape(1) * 32 / bits;
-  repack(wd.data<uint8_t>(), sd.data<void>(), bd.data<void>(), mx::size_of(sd.dtype()), w.shape(0), K, group_size,
+  const size_t param_bytes = sd.dtype() == mx::uint8 ? 0 : mx::size_of(sd.dtype());  // 0: compact (kernel.h)
+  repack(wd.data<uint8_t>(), sd.data<void>(), bd.data<void>(), param_bytes, w.shape(0), K, group_size,
          bits, out[0].data<uint8_t>(), out[1].data<void>(), out[2].data<void>());
   return out;
 }
@@ -499,7 +559,8 @@ mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::arra
   auto s = cpu_stream();
   mx::Shape shape = ids.shape();
   shape.push_back(w.shape(1) * 32 / bits);
-  return mx::array(shape, scales.dtype(), std::make_shared<NativePackedLookup>(s, group_size, bits),
+  const mx::Dtype type = scales.dtype() == mx::uint8 ? mx::float32 : scales.dtype();  // compact: fp32 rows
+  return mx::array(shape, type, std::make_shared<NativePackedLookup>(s, group_size, bits),
                    {dense(mx::astype(ids, mx::uint32, s), s), dense(w, s), dense(scales, s), dense(biases, s)});
 }
 
@@ -574,9 +635,9 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
     const Job& job = jobs[i];
     const int u0 = int(int64_t(job.units) * c / job.pieces), u1 = int(int64_t(job.units) * (c + 1) / job.pieces);
     if (job.is_packed) {
-      packed(job.packed, u0, u1);
+      run_units(job.packed, u0, u1, true, packed);
     } else {
-      kernel(job.plain, u0, u1);
+      run_units(job.plain, u0, u1, false, kernel);
     }
   });
 }
@@ -603,6 +664,99 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   return mx::array(mx::Shape{w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
                    std::make_shared<NativeDequantize>(s, group_size, bits, packed),
                    {dense(w, s), dense(scales, s), dense(biases, s)});
+}
+
+namespace {
+
+// One super-block's P float32 parameters v as float(D) * q with D an fp16 and q int8 (exact: 11 by 8 significant
+// bits), written as compact's bytes (D, then the q's); false where no such D and q give v bit for bit. D is found from
+// the largest |v|, whose q is +-k for some k in 1..128: |D| = max|v| / k is then exact (a representable quotient),
+// and the first k and sign whose D is an fp16 that gives every v exactly is taken (any such D reproduces v: the
+// file's own d * sc is one of them). Both signs: Q4_K's biases -(dmin * m) are -0.0 where m is 0, which only a
+// negative D gives back (0 * D).
+bool compact_super(const float* v, int P, uint8_t* out) {
+  float amax = 0.0f;
+  for (int i = 0; i < P; ++i) {
+    if (!std::isfinite(v[i])) return false;
+    amax = std::max(amax, std::abs(v[i]));
+  }
+  for (int k = 1; k <= 128; ++k) {
+    for (const float sign : {1.0f, -1.0f}) {
+      const float d = sign * (amax == 0.0f ? 1.0f : amax / float(k));
+      const mx::float16_t h(d);
+      if (static_cast<float>(h) != d) continue;
+      bool exact = true;
+      for (int i = 0; i < P && exact; ++i) {
+        const float r = std::nearbyint(v[i] / d);
+        if (!(r >= -128.0f && r <= 127.0f)) {
+          exact = false;
+          break;
+        }
+        const int8_t q = int8_t(r);
+        const float back = float(q) * d;  // as expand_compact computes it (q = 0 gives +0 or -0 by D's sign)
+        exact = std::memcmp(&back, &v[i], sizeof(float)) == 0;
+        out[2 + i] = uint8_t(q);
+      }
+      if (exact) {
+        std::memcpy(out, &h, 2);
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+std::optional<std::vector<mx::array>> compact_params(const mx::array& scales, const mx::array& biases,
+                                                     int group_size) {
+  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != mx::float32 ||
+      biases.dtype() != mx::float32) {
+    throw std::invalid_argument("compact_params takes float32 scales and biases of one shape [N, G]");
+  }
+  const int N = scales.shape(0), G = scales.shape(1), K = G * group_size;
+  if ((group_size != 16 && group_size != 32) || K % 256 != 0) return std::nullopt;
+  auto s = cpu_stream();
+  std::vector<mx::array> in{mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
+  mx::eval(in);
+  const int S = K / 256, P = compact_groups(group_size), B = compact_bytes(group_size);
+  std::vector<mx::array> out;
+  for (const auto& a : in) {
+    mx::array c(mx::allocator::malloc(size_t(N) * S * B), {N, S * B}, mx::uint8);
+    const float* v = a.data<float>();
+    uint8_t* o = c.data<uint8_t>();
+    for (size_t sb = 0; sb < size_t(N) * S; ++sb) {
+      if (!compact_super(v + sb * P, P, o + sb * B)) return std::nullopt;
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::vector<mx::array> expand_params(const mx::array& scales, const mx::array& biases, int group_size, bool packed) {
+  if (scales.ndim() != 2 || scales.dtype() != mx::uint8 || biases.shape() != scales.shape() ||
+      biases.dtype() != mx::uint8 || (group_size != 16 && group_size != 32) ||
+      scales.shape(1) % compact_bytes(group_size) != 0 || (packed && scales.shape(0) % kPackedTile != 0)) {
+    throw std::invalid_argument("expand_params takes compact_params's arrays");
+  }
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  auto s = cpu_stream();
+  std::vector<mx::array> in{dense(scales, s), dense(biases, s)};
+  mx::eval(in);
+  const int N = scales.shape(0), K = scales.shape(1) / compact_bytes(group_size) * 256, G = K / group_size;
+  std::vector<mx::array> out;
+  for (const auto& c : in) {
+    mx::array v(mx::allocator::malloc(size_t(N) * G * sizeof(float)), {N, G}, mx::float32);
+    // Packed: tiles of [G][16] into rows [16][G].
+    std::vector<float> tiles(packed ? size_t(N) * G : 0);
+    expand_compact_avx2(c.data<uint8_t>(), K, group_size, packed, 0, packed ? N / kPackedTile : N,
+                        packed ? tiles.data() : v.data<float>());
+    for (size_t n = 0; packed && n < size_t(N); ++n) {
+      for (int g = 0; g < G; ++g) v.data<float>()[n * G + g] = tiles[packed_param(G, int(n), g)];
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
 }
 
 void set_threads(int n) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,15 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
 // layout (needs packs_exact()).
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                      bool packed = false);
+
+// The K-quants' float32 scales and biases [N, G] (groups of 16 or 32, K a multiple of 256) in the compact form
+// (kernel.h's ScaleType::compact: per 256 values an fp16 D and int8 multipliers, ~the GGUF's size), or nothing where
+// some super-block's values are not exactly float(D) * q. The two uint8 arrays take the float32 ones' place in every
+// op (with MLX's layout of w, or pack_weights's); every op computes with the same float32 values. Computed now.
+std::optional<std::vector<mx::array>> compact_params(const mx::array& scales, const mx::array& biases,
+                                                     int group_size);
+// The inverse: compact parameters (MLX's layout, or pack_weights's with `packed`) as float32 [N, G] in MLX's layout.
+std::vector<mx::array> expand_params(const mx::array& scales, const mx::array& biases, int group_size, bool packed);
 
 // Worker threads used by both ops (the calling thread counts as one).
 void set_threads(int n);
