@@ -23,7 +23,9 @@ the file's pages are not counted twice while a model loads.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import ModelLoadError
-from .gguf import READABLE, GGUFHeader, TensorInfo
+from .gguf import GGML_TYPES, READABLE, GGUFHeader, TensorInfo
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,18 @@ class Tensors:
 # (codes [blocks, values], scales [blocks, groups], biases [blocks, groups]) of an array of whole blocks.
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
 KeepQuantized = Callable[[QuantFormat], bool]
+# What becomes of a kept tensor's scales and biases once they are MLX arrays (the native path compacts the K-quants'
+# float32 ones tensor by tensor, so the whole model's are never held in float32 at once).
+Params = Callable[[QuantFormat, mx.array, mx.array], tuple[mx.array, mx.array]]
 _FLOATS = {"F32": np.float32, "F16": np.float16}
 
 
-def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized = lambda f: True) -> Tensors:
+def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized = lambda f: True,
+                 params: Params = lambda f, s, b: (s, b)) -> Tensors:
     """The named tensors (GGUF names, e.g. ``blk.3.attn_q.weight``). A quantized tensor whose format `keep` refuses
-    comes back dense in float32 (llama.cpp's dequantization, exactly)."""
+    comes back dense in float32 (llama.cpp's dequantization, exactly); a kept one's scales and biases go through
+    `params`."""
+    _return_large_frees()
     infos = {t.name: t for t in header.tensors}
     out = Tensors()
     # NumPy lets go of the GIL in its array work: a tensor converts on each core while the next one is read.
@@ -74,15 +82,27 @@ def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized =
             raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)
             if raw.size != info.nbytes:
                 raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
-            pending.append(pool.submit(_convert, header, info, raw, keep, out))
-            if len(pending) > 2 * workers:
-                pending.pop(0).result()  # a bounded queue: at most a few tensors' bytes in memory at once
+            if len(pending) >= workers:
+                pending.pop(0).result()  # a bounded queue: at most one tensor a core in memory at once
+            pending.append(pool.submit(_convert, header, info, raw, keep, params, out))
         for job in pending:
             job.result()
     return out
 
 
-def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQuantized, out: Tensors) -> None:
+def _return_large_frees() -> None:
+    """glibc raises its mmap threshold each time a large block is freed, and blocks of that size then come from the
+    heap, which keeps them when they are freed: converting tensors of hundreds of MB through temporaries left a 1.1B
+    model's load at 2x the file's size in RSS for that alone. A fixed threshold (1 MiB) gives large blocks back."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+        except (OSError, AttributeError):  # another C library: it keeps its own policy
+            pass
+
+
+def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQuantized, params: Params,
+             out: Tensors) -> None:
     if info.type_name in _FLOATS:
         out.arrays[info.name] = mx.array(raw.view(_FLOATS[info.type_name]).reshape(info.shape))
         return
@@ -94,15 +114,37 @@ def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQu
         raise ModelLoadError(header.path, f"tensor {info.name!r} has type {info.type_name}, which mlxchat cannot "
                                           f"read (supported: {', '.join(READABLE)})")
     unpack, block_bytes, fmt = quant
-    q, scales, biases = unpack(raw.reshape(-1, block_bytes))
+    blocks = raw.reshape(-1, block_bytes)
+    values = blocks.shape[0] * _BLOCK_VALUES[info.type_name]
     rows, cols = info.shape[:-1], info.shape[-1]
-    if not keep(fmt):
-        out.arrays[info.name] = mx.array(_dense(q, scales, biases, fmt.group_size).reshape(info.shape))
+    dense = not keep(fmt)
+    # Unpacked a chunk at a time into the outputs: a big tensor's temporaries (codes a byte each, shifted copies)
+    # would otherwise be several times its size while the model loads.
+    step = max(1, _CHUNK_VALUES // _BLOCK_VALUES[info.type_name])
+    if dense:
+        weight = np.empty(values, np.float32)
+    else:
+        weight = np.empty(values * fmt.bits // 8, np.uint8)
+    scales = biases = None
+    for start in range(0, blocks.shape[0], step):
+        q, s, b = unpack(blocks[start:start + step])
+        first, count = start * _BLOCK_VALUES[info.type_name], q.size
+        if dense:
+            weight[first:first + count] = _dense(q, s, b, fmt.group_size).reshape(-1)
+            continue
+        if scales is None:
+            scales, biases = np.empty(values // fmt.group_size, s.dtype), np.empty(values // fmt.group_size, b.dtype)
+        weight[first * fmt.bits // 8:(first + count) * fmt.bits // 8] = pack_codes(q, fmt.bits).view(np.uint8)
+        scales[first // fmt.group_size:(first + count) // fmt.group_size] = s.reshape(-1)
+        biases[first // fmt.group_size:(first + count) // fmt.group_size] = b.reshape(-1)
+    if dense:
+        out.arrays[info.name] = mx.array(weight.reshape(info.shape))
         return
     base = info.name.removesuffix(".weight")
-    out.arrays[f"{base}.weight"] = mx.array(pack_codes(q, fmt.bits).reshape(*rows, cols * fmt.bits // 32))
-    out.arrays[f"{base}.scales"] = mx.array(scales.reshape(*rows, cols // fmt.group_size))
-    out.arrays[f"{base}.biases"] = mx.array(biases.reshape(*rows, cols // fmt.group_size))
+    out.arrays[f"{base}.weight"] = mx.array(weight.view(np.uint32).reshape(*rows, cols * fmt.bits // 32))
+    groups = (*rows, cols // fmt.group_size)
+    out.arrays[f"{base}.scales"], out.arrays[f"{base}.biases"] = params(
+        fmt, mx.array(scales.reshape(groups)), mx.array(biases.reshape(groups)))
     out.formats[base] = fmt
 
 
@@ -120,9 +162,13 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     elif bits == 4:
         packed = q[0::2] | (q[1::2] << 4)
     else:
-        # 8 codes of b bits are b whole bytes: assemble them in a uint64 and keep its low b bytes.
-        words = (q.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * bits)).sum(axis=1)
-        packed = words.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :bits]
+        # 8 codes of b bits are b whole bytes: assemble them in a uint64 and keep its low b bytes. Column by column,
+        # so the temporaries are one uint64 per 8 codes, not per code (a 100M-value tensor: 100 MB, not 800).
+        eights = q.reshape(-1, 8)
+        words = np.zeros(len(eights), dtype="<u8")
+        for i in range(8):
+            words |= eights[:, i].astype("<u8") << np.uint64(i * bits)
+        packed = words.view(np.uint8).reshape(-1, 8)[:, :bits]
     return np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1).view(np.uint32)
 
 
@@ -209,6 +255,9 @@ def _q6_k(b: np.ndarray) -> Unpacked:
     return q, scales, scales * np.float32(-32)
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+_CHUNK_VALUES = 1 << 20
+_BLOCK_VALUES = {name: block for name, block, _ in GGML_TYPES.values()}
 _QUANTS: dict[str, tuple[Callable[[np.ndarray], Unpacked], int, QuantFormat]] = {
     "Q4_0": (_q4_0, 18, QuantFormat(4, 32, "Q4_0")),
     "Q4_1": (_q4_1, 20, QuantFormat(4, 32, "Q4_1")),

@@ -211,18 +211,29 @@ def _keeps_quantized(policy: ResolvedPolicy) -> gguf_tensors.KeepQuantized:
     return keep
 
 
-def _quantize_like(model: nn.Module, formats: dict[str, gguf_tensors.QuantFormat]) -> None:
+def _native_params(policy: ResolvedPolicy) -> gguf_tensors.Params:
+    """On the native path, the K-quants' float32 parameters (1.5-4 bits a weight) in the native kernel's two-level
+    form (~the file's 0.5), tensor by tensor as they are read, where it gives every value back bit for bit."""
+    def params(fmt: gguf_tensors.QuantFormat, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+        if policy in NATIVE_POLICIES and scales.dtype == mx.float32 and native_linear.supports_format(
+                fmt.bits, fmt.group_size):
+            return native.compact_params(scales, biases, group_size=fmt.group_size) or (scales, biases)
+        return scales, biases
+    return params
+
+
+def _quantize_like(model: nn.Module, formats: dict[str, gguf_tensors.QuantFormat],
+                   weights: dict[str, mx.array]) -> None:
     """Make the model's layers named in `formats` quantized layers of that format, ready for `load_weights`.
     MLX quantizes the (still lazy, never computed) random weights it starts from and refuses groups below 32, so a
-    layer of 16-value groups is made at 32 and given its format's shapes after."""
+    layer of 16-value groups is made at 32 and given its format after; its scales and biases are the file's arrays
+    (their shapes follow the group size, or the native path's compact form)."""
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p in formats and
                 {"group_size": max(formats[p].group_size, 32), "bits": formats[p].bits})
     for path, module in model.named_modules():
-        fmt = formats.get(path)
-        if fmt is not None and fmt.group_size != module.group_size:
-            groups = (*module["scales"].shape[:-1], module["scales"].shape[-1] * module.group_size // fmt.group_size)
-            module.group_size = fmt.group_size
-            module.scales, module.biases = mx.zeros(groups), mx.zeros(groups)
+        if path in formats:
+            module.group_size = formats[path].group_size
+            module.scales, module.biases = weights[f"{path}.scales"], weights[f"{path}.biases"]
 
 
 def _check_gguf(header: gguf.GGUFHeader) -> None:
@@ -247,7 +258,7 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     names = [t.name for t in header.tensors
              if (n := gguf_archs.mlx_name(arch, t.name)) and (stage is None or stage.keeps(n, tied))]
     try:
-        tensors = gguf_tensors.read_tensors(header, names, _keeps_quantized(policy))
+        tensors = gguf_tensors.read_tensors(header, names, _keeps_quantized(policy), _native_params(policy))
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
     weights = {gguf_archs.mlx_name(arch, name): value for name, value in tensors.arrays.items()}
@@ -260,8 +271,10 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
             stage.apply(model)
         weights = gguf_archs.fix_weights(arch, model, weights)
         # Each GGUF tensor has its own type (8-bit embeddings, 4-bit layers): quantize layer by layer to match.
-        _quantize_like(model, formats)
+        _quantize_like(model, formats, weights)
         model.load_weights(list(weights.items()), strict=True)
+        # The model holds the arrays now: no second reference may keep them alive while _finish repacks them.
+        del tensors, weights
     except ModelLoadError:
         raise
     except (ValueError, TypeError, ArithmeticError, AssertionError, KeyError, IndexError) as e:
@@ -327,7 +340,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     is_quantized = bool(quantized)
     if mx.default_device() == mx.cpu:
         for m in quantized:
-            if isinstance(m, nn.QuantizedEmbedding):
+            if isinstance(m, nn.QuantizedEmbedding) and m["scales"].dtype in (mx.float16, mx.bfloat16):
                 # A lookup comes out in its scales' dtype, and an f16 scale times a code does not fit f16: rows of
                 # the file's exact values (as llama.cpp reads them) need f32 parameters. They are the embedding's
                 # alone (~1/64 of its bytes), and the activations on the CPU are float32 anyway.
@@ -335,6 +348,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     weights_path = "MLX quantized" if is_quantized else "float (not quantized)"
     if is_quantized and policy in NATIVE_POLICIES:
         bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
+        quantized.clear()  # the layers about to be replaced: their arrays must go as use_native repacks them
         native_linear.use_native(model, int8=policy == "native-int8")
         # The KV store's fingerprint keys on this line less its thread count: int8's keys and values differ from the
         # exact path's, and the packed (fixed24) kernel's from the fp32 one's in the last bits.

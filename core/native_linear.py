@@ -114,14 +114,23 @@ def use_native(model: nn.Module, int8: bool = False) -> int:
     `native.packs_exact()` or `int8` (x rounded to int8), for layers whose rows are a multiple of 16 (the rest keep
     MLX's layout and the fp32 kernel)."""
     pack = int8 or native.packs_exact()
-    swaps = []
-    for path, module in model.named_modules():
-        if supports(module):
-            cls = NativeQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else NativeQuantizedLinear
-            swaps.append((path, cls(module, pack, int8)))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
-    return len(swaps)
+    paths = [path for path, module in model.named_modules() if supports(module)]
+    for path in paths:
+        # One at a time, each evaluated and swapped in before the next is packed: the old arrays go as the new ones
+        # come, so a model is never held twice (a 1.1B model's load peaked at twice its weights).
+        module = _submodule(model, path)
+        cls = NativeQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else NativeQuantizedLinear
+        new = cls(module, pack, int8)
+        mx.eval(new.parameters())
+        model.update_modules(tree_unflatten([(path, new)]))
+    return len(paths)
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module:
+    module = model
+    for part in path.split("."):
+        module = module[int(part)] if isinstance(module, list) else module[part]
+    return module
 
 
 def mlx_weights(module: nn.Module) -> tuple[mx.array, mx.array, mx.array]:

@@ -31,7 +31,8 @@ def random_blocks(type_name: str, values: int, rng: np.random.Generator) -> byte
     blocks = rng.integers(0, 256, size=(values // block, block_bytes), dtype=np.uint8)
     fields, size = _F16_FIELDS[type_name]
     for at in fields:
-        d = (np.abs(rng.standard_normal(len(blocks))) * size).astype(np.float16)
+        # Never 0 in f16: a real quantizer writes d = 0 only for an all-zero block, whose scales are then all 0.
+        d = ((0.5 + np.abs(rng.standard_normal(len(blocks)))) * size).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.tobytes()
 

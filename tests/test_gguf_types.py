@@ -108,12 +108,13 @@ def test_the_quantization_mix_is_shown(mixed_files: tuple[Path, Path]) -> None:
 def test_llama_cpp_agrees_on_the_mixed_file(mixed_files: tuple[Path, Path]) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     quantized, reference = mixed_files
-    peer = llama_cpp.Llama(str(reference), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    # F32 keys and values: llama.cpp's default F16 cache alone moves the logits by ~1e-3.
+    peer = llama_cpp.Llama(str(reference), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
     peer.eval(PROMPT)
     theirs = np.array(peer.scores[:len(PROMPT)], np.float64)
     mine = _logits(loader.load(quantized), PROMPT)
-    assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
-    assert (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+    assert np.abs(mine - theirs).max() <= 1e-4 * np.abs(theirs).max()
+    assert (mine.argmax(-1) == theirs.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("embedding", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
