@@ -153,6 +153,15 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: i
     return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits, packed=packed)
 
 
+def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                       bits: int, packed: bool = False) -> mx.array:
+    """``x @ dequantize(w, scales, biases).T`` by BLAS's GEMM (the one MLX's matmul calls), for prompts long enough
+    that it beats the kernels: the fp32 weight is made a cache-sized piece of rows at a time and each piece
+    multiplied as it comes, never held whole (a 1.1B model's MLP matrix is 46 MB of fp32). Takes what
+    `quantized_matmul` takes; ``packed``: `pack_weights`'s layout (where `packs_exact`)."""
+    return _module().dequantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed)
+
+
 def softmax(x: mx.array, *, scale: float = 1.0, causal: bool = False) -> mx.array:
     """``softmax(scale * x)`` along the last axis of float32 ``x [..., L, S]``, with a vectorised exp (MLX's CPU exp
     is scalar on x86). ``causal``: query ``i`` of the ``L`` sees keys ``0 .. S - L + i`` (MLX's "causal" mask, aligned
