@@ -99,7 +99,8 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         if self.packed:
             return native.packed_lookup(x, self["weight"], self["scales"], self["biases"],
                                         group_size=self.group_size, bits=self.bits)
-        if native.is_compact(self["scales"]):  # only the native ops read compact parameters: the rows, dequantized
+        # Only the native ops read compact parameters or groups of 16 (Q6_K's): the rows, dequantized by them.
+        if native.is_compact(self["scales"]) or self.group_size == 16:
             rows = x.reshape(-1)
             weight = native.dequantize(self["weight"][rows], self["scales"][rows], self["biases"][rows],
                                        group_size=self.group_size, bits=self.bits)

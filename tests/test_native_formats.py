@@ -348,13 +348,14 @@ def test_compact_params_on_the_avx2_kernels_too():
 
 @needs_native
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_compact_embedding_looks_up_the_files_rows(pack: bool):
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_q6_k_embedding_looks_up_the_files_rows(pack: bool, compact: bool):
     if pack and not native.packs_exact():
         pytest.skip("the native path packs where fixed24 x runs (AVX512-VNNI)")
     (w, s, b), deq = kquant_format(64, 256, 6, 16)
     layer = nn.QuantizedEmbedding(64, 256, group_size=32, bits=6)
     layer.weight, layer.group_size = w, 16
-    layer.scales, layer.biases = native.compact_params(s, b, group_size=16)
+    layer.scales, layer.biases = native.compact_params(s, b, group_size=16) if compact else (s, b)
     embedding = native_linear.NativeQuantizedEmbedding(layer, pack)
     assert embedding.packed == pack
     ids = mx.array([[0, 63, 17], [5, 5, 40]])
