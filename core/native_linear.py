@@ -1,9 +1,10 @@
 """Quantized layers that run on mlxchat's native kernel (core/native) on MLX's CPU backend.
 
-`use_native(model)` swaps each affine 4/5/6/8-bit QuantizedLinear (groups of 16 to 128), and the tied-head use of a QuantizedEmbedding, for
-these. Where the CPU has AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows
-(the same bytes, reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's
-precision as 24-bit integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
+`use_native(model)` swaps each affine 4/5/6/8-bit QuantizedLinear (groups of 16 to 128; float32, float16, bfloat16
+or `native.compact_params` parameters), and the tied-head use of a QuantizedEmbedding, for these. Where the CPU has
+AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows (the same bytes,
+reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's precision as 24-bit
+integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
 
 `use_native(model, int8=True)` (weights="native-int8", opt-in) always packs, and rounds x to int8 per block of 32 as
 llama.cpp rounds it: the results move by that rounding (the bench's native section measures how far).

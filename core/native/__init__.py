@@ -79,7 +79,8 @@ def _module() -> ModuleType:
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                      bits: int, packed: bool = False, int8: bool = False) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4, 5, 6 or 8 bits, groups of 16/32/64/128
-    (K a multiple of 32), with fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides.
+    (K a multiple of 32), with fp32/fp16/bf16 scales (or `compact_params`'s); x of any shape ``[..., K]`` and float
+    dtype (the result has x's dtype), any strides.
     ``packed``: the weights come from `pack_weights`, and x is taken as integers per block of 32: with ``int8``
     rounded to 8 bits (opt-in, weights="native-int8"), else to fp32's precision (fixed24; needs `packs_exact`)."""
     return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed,

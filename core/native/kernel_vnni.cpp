@@ -123,7 +123,9 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
             f[0] = to_float(both);
           }
           const __m512 d = _mm512_set1_ps(xd[i][blk]);
-          for (int h = 0; h < H; ++h) group[i][h] = b == 0 ? _mm512_mul_ps(f[h], d) : _mm512_fmadd_ps(f[h], d, group[i][h]);
+          for (int h = 0; h < H; ++h) {
+            group[i][h] = b == 0 ? _mm512_mul_ps(f[h], d) : _mm512_fmadd_ps(f[h], d, group[i][h]);
+          }
         }
       }
       for (int h = 0; h < H; ++h) {
