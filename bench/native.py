@@ -154,8 +154,8 @@ def gemv_breakdown(engine: Any, repeats: int) -> dict[str, Any]:
 
 
 def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
-    """One transformer layer's matmuls at M rows: the kernel vs dequantize-then-BLAS, on the weights as loaded (packed
-    or not) (ms, medians)."""
+    """One transformer layer's matmuls at M rows: the kernel vs dequantize-then-BLAS (`native.dequantized_matmul`,
+    what the layers run past native_linear's crossover), on the weights as loaded (packed or not) (ms, medians)."""
     import mlx.core as mx
 
     from mlxchat.core import native
@@ -172,7 +172,8 @@ def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[
             kernel = lambda: [native.quantized_matmul(x, w, s, b, group_size=g, bits=n,  # noqa: E731
                                                       packed=lyr.packed, int8=lyr.int8)
                               for lyr, (x, w, s, b, g, n) in zip(layers, args)]
-            deq = lambda: [x @ native.dequantize(w, s, b, group_size=g, bits=n, packed=lyr.packed).T  # noqa: E731
+            deq = lambda: [native.dequantized_matmul(x, w, s, b, group_size=g, bits=n,  # noqa: E731
+                                                     packed=lyr.packed)
                            for lyr, (x, w, s, b, g, n) in zip(layers, args)]
             k_t, d_t = [], []
             for _ in range(repeats):

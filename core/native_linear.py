@@ -1,9 +1,10 @@
 """Quantized layers that run on mlxchat's native kernel (core/native) on MLX's CPU backend.
 
-`use_native(model)` swaps each affine 4/5/6/8-bit QuantizedLinear (groups of 16 to 128), and the tied-head use of a QuantizedEmbedding, for
-these. Where the CPU has AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows
-(the same bytes, reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's
-precision as 24-bit integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
+`use_native(model)` swaps each affine 4/5/6/8-bit QuantizedLinear (groups of 16 to 128; float32, float16, bfloat16
+or `native.compact_params` parameters), and the tied-head use of a QuantizedEmbedding, for these. Where the CPU has
+AVX512-VNNI (`native.packs_exact`) the weights are repacked in place into tiles of 16 rows (the same bytes,
+reordered: memory stays at the file's size) for the packed matmul, which takes x at fp32's precision as 24-bit
+integers per block; elsewhere they stay the arrays the GGUF gave (MLX's layout, the fp32 kernel).
 
 `use_native(model, int8=True)` (weights="native-int8", opt-in) always packs, and rounds x to int8 per block of 32 as
 llama.cpp rounds it: the results move by that rounding (the bench's native section measures how far).
@@ -17,12 +18,17 @@ from mlx.utils import tree_unflatten
 
 from . import native
 
-# Rows of x above which dequantizing the layer to fp32 and running one BLAS GEMM beats the kernel (prompt prefill).
-# Measured by `mlxchat bench` (the native section's prefill crossover): on MLX's layout, equal at 16 rows here, BLAS
-# 1.6x faster at 32; on packed weights (fixed24 x), equal at ~48 rows, BLAS 1.3x faster at 128 and 1.6x at 512.
+# Rows of x above which BLAS's GEMM on the dequantized weight (`native.dequantized_matmul`, a cache-sized piece of
+# rows at a time) beats the kernel (prompt prefill). On MLX's layout (the fp32 kernel): equal at 16 rows on the
+# embedded model, and on a 1.1B-shaped one (hidden 2048, FFN 5632) TTFT grows smoothly past it (CPU seconds a layer,
+# one thread each: 50 / 83 / 116 / 200 ms at 16 / 32 / 64 / 128 rows, against 49 / 96 / 208 / 412 on the kernel).
+# On packed weights (fixed24 x) the kernel's rows are cheap: measured the same way, it is as fast as the GEMM up to
+# ~256 rows on both model sizes (1.1B: 77 vs 96-126 ms at 50 rows, 187-200 vs 200 at 128, 406-417 vs 388-398 at
+# 256, 914 vs 824-863 at 512; 135M-shaped: 34.5 vs 33.7 at 128, 72 vs 66 at 256, 173 vs 150 at 512). It was 48
+# when the GEMM took the whole fp32 weight at once: on the 1.1B model that was a 3.3x step from 40 to 50 rows.
 # int8 x stays on its kernel at any length: it is what that option asks for.
 DEQUANTIZE_ROWS = 16
-PACKED_DEQUANTIZE_ROWS = 48
+PACKED_DEQUANTIZE_ROWS = 256
 
 
 def supports_format(bits: int, group_size: int) -> bool:
@@ -44,11 +50,12 @@ def _packable(module: nn.Module) -> bool:
 
 
 def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
+    """x @ the layer's weight.T: on the kernel for a few rows, by BLAS for a long prompt."""
     w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     rows = x.size // x.shape[-1]
     if rows > (PACKED_DEQUANTIZE_ROWS if layer.packed else DEQUANTIZE_ROWS) and not layer.int8:
-        return x @ native.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits,
-                                     packed=layer.packed).T
+        return native.dequantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,
+                                         packed=layer.packed)
     return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,
                                    packed=layer.packed, int8=layer.int8)
 

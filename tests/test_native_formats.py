@@ -116,6 +116,25 @@ def test_quantized_matmul_within_the_fp32_bound(bits: int, group_size: int, dtyp
 
 
 @needs_native
+@pytest.mark.parametrize("bits, group_size, dtype", FORMATS)
+def test_dequantized_matmul_within_the_fp32_bound(bits: int, group_size: int, dtype: mx.Dtype):
+    # The long-prompt path: BLAS on the weight dequantized a piece of rows at a time (304 rows of 1024: two pieces).
+    (w, s, b), deq = random_format(304, 1024, bits, group_size, dtype, seed=bits)
+    weights = [((w, s, b), {})]
+    if native.packs_exact():
+        weights.append((native.pack_weights(w, s, b, group_size=group_size, bits=bits), {"packed": True}))
+    for m in (1, 50, 300):
+        x = mx.random.normal((m, 1024), key=mx.random.key(m))
+        for arrays, how in weights:
+            y = native.dequantized_matmul(x, *arrays, group_size=group_size, bits=bits, **how)
+            assert y.shape == (m, 304) and y.dtype == mx.float32
+            _assert_within_fp32_bound(y, np.array(x), deq)
+    x16 = mx.random.normal((2, 3, 1024)).astype(mx.float16)  # any leading shape; x's dtype back
+    y16 = native.dequantized_matmul(x16, w, s, b, group_size=group_size, bits=bits)
+    assert y16.shape == (2, 3, 304) and y16.dtype == mx.float16
+
+
+@needs_native
 def test_rows_are_independent_on_the_new_formats():
     # A verify pass's rows equal single steps (the fp32 kernel, and the packed one where it runs).
     for bits, group_size in ((6, 16), (5, 32)):
@@ -165,7 +184,8 @@ def test_the_avx2_kernels_too_where_wider_ones_run():
                    (("6", "16", "float32"), ("5", "32", "float32"), ("4", "32", "float32"), ("8", "64", "bfloat16"))]
                 + [f"t.test_packed_matmul_with_int8_x_is_the_weights_times_x_rounded({b}, {g}, mx.{d})" for b, g, d in
                    (("6", "16", "float32"), ("5", "32", "float16"), ("8", "32", "float16"))]
-                + ["t.test_dequantize_equals_the_reference_bit_for_bit(6, 16, mx.float32)",
+                + ["t.test_dequantized_matmul_within_the_fp32_bound(6, 16, mx.float32)",
+                   "t.test_dequantize_equals_the_reference_bit_for_bit(6, 16, mx.float32)",
                    "t.test_dequantize_equals_the_reference_bit_for_bit(5, 64, mx.float16)",
                    "t.test_rows_are_independent_on_the_new_formats()"])
 
@@ -301,6 +321,9 @@ def test_compact_params_give_every_op_the_same_bits_at_the_files_size(bits: int,
                           native.quantized_matmul(x, *packed_f32, packed=True, **fmt, **how))
     if native.packs_exact():
         assert np.array_equal(np.array(native.dequantize(*packed, packed=True, **fmt)), deq)
+        assert _same_bits(native.dequantized_matmul(x, *packed, packed=True, **fmt),
+                          native.dequantized_matmul(x, *packed_f32, packed=True, **fmt))
+    assert _same_bits(native.dequantized_matmul(x, w, cs, cb, **fmt), native.dequantized_matmul(x, w, s, b, **fmt))
 
 
 @needs_native
@@ -325,13 +348,14 @@ def test_compact_params_on_the_avx2_kernels_too():
 
 @needs_native
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_compact_embedding_looks_up_the_files_rows(pack: bool):
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_q6_k_embedding_looks_up_the_files_rows(pack: bool, compact: bool):
     if pack and not native.packs_exact():
         pytest.skip("the native path packs where fixed24 x runs (AVX512-VNNI)")
     (w, s, b), deq = kquant_format(64, 256, 6, 16)
     layer = nn.QuantizedEmbedding(64, 256, group_size=32, bits=6)
     layer.weight, layer.group_size = w, 16
-    layer.scales, layer.biases = native.compact_params(s, b, group_size=16)
+    layer.scales, layer.biases = native.compact_params(s, b, group_size=16) if compact else (s, b)
     embedding = native_linear.NativeQuantizedEmbedding(layer, pack)
     assert embedding.packed == pack
     ids = mx.array([[0, 63, 17], [5, 5, 40]])

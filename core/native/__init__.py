@@ -79,7 +79,8 @@ def _module() -> ModuleType:
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                      bits: int, packed: bool = False, int8: bool = False) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` for MLX's affine format, 4, 5, 6 or 8 bits, groups of 16/32/64/128
-    (K a multiple of 32), with fp32/fp16/bf16 scales; x of any shape ``[..., K]`` and float dtype (the result has x's dtype), any strides.
+    (K a multiple of 32), with fp32/fp16/bf16 scales (or `compact_params`'s); x of any shape ``[..., K]`` and float
+    dtype (the result has x's dtype), any strides.
     ``packed``: the weights come from `pack_weights`, and x is taken as integers per block of 32: with ``int8``
     rounded to 8 bits (opt-in, weights="native-int8"), else to fp32's precision (fixed24; needs `packs_exact`)."""
     return _module().quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed,
@@ -151,6 +152,15 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: i
     equal to it bit for bit), for long prompts where one BLAS GEMM is faster.
     ``packed``: the weights come from `pack_weights` (where `packs_exact`)."""
     return _module().dequantize(w, scales, biases, group_size=group_size, bits=bits, packed=packed)
+
+
+def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                       bits: int, packed: bool = False) -> mx.array:
+    """``x @ dequantize(w, scales, biases).T`` by BLAS's GEMM (the one MLX's matmul calls), for prompts long enough
+    that it beats the kernels: the fp32 weight is made a cache-sized piece of rows at a time and each piece
+    multiplied as it comes, never held whole (a 1.1B model's MLP matrix is 46 MB of fp32). Takes what
+    `quantized_matmul` takes; ``packed``: `pack_weights`'s layout (where `packs_exact`)."""
+    return _module().dequantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, packed=packed)
 
 
 def softmax(x: mx.array, *, scale: float = 1.0, causal: bool = False) -> mx.array:

@@ -31,6 +31,9 @@ NB_MODULE(_ext, m) {
         "packed"_a = false, "compact_params's arrays back as float32 [N, G] in MLX's layout.");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("packs_exact", &mlxchat::packs_exact);
+  m.def("dequantized_matmul", &mlxchat::dequantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "packed"_a = false,
+        "x @ dequantize(w).T by BLAS's GEMM on cache-sized pieces of the dequantized weight (long prompts).");
   m.def("dequantize", &mlxchat::dequantize, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "packed"_a = false, "The fp32 weight [N, K] of an affine-quantized one (packed: pack_weights's layout).");
   m.def("softmax", &mlxchat::softmax, "x"_a, nb::kw_only(), "scale"_a = 1.0f, "causal"_a = false,

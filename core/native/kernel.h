@@ -81,6 +81,9 @@ void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
 // layout), for long prompts where one BLAS GEMM beats the packed kernel. Needs AVX-512F.
 void dequant_packed_vnni(const DequantArgs& a, int t0, int t1);
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
+// The same weight transposed: wt[k][16 (t - t0) + j] = row 16 t + j's value at k, ld floats apart, for the GEMM
+// x @ wt of a long prompt (a contiguous 64-byte store per k). Needs AVX-512F.
+void dequant_packed_t_vnni(const DequantArgs& a, int t0, int t1, float* wt, size_t ld);
 
 // MLX's row-major w [N, K * bits / 8 bytes] and scales/biases [N, G] (`param_bytes` each) in the packed layout, N a
 // multiple of 16. A block (16 rows by 32 k) is 16 * 32 * bits / 8 bytes: the same bytes as MLX's layout, reordered.

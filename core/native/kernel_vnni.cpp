@@ -123,7 +123,9 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
             f[0] = to_float(both);
           }
           const __m512 d = _mm512_set1_ps(xd[i][blk]);
-          for (int h = 0; h < H; ++h) group[i][h] = b == 0 ? _mm512_mul_ps(f[h], d) : _mm512_fmadd_ps(f[h], d, group[i][h]);
+          for (int h = 0; h < H; ++h) {
+            group[i][h] = b == 0 ? _mm512_mul_ps(f[h], d) : _mm512_fmadd_ps(f[h], d, group[i][h]);
+          }
         }
       }
       for (int h = 0; h < H; ++h) {
@@ -208,7 +210,43 @@ void dequant_packed(const DequantArgs& a, int t0, int t1) {
   }
 }
 
+// Tiles [t0, t1) dequantized into the transposed weight: wt[k][16 (t - t0) + j] for row 16 t + j (ld floats a k).
+// A k-step's 64 bytes are 4 k of each of the 16 rows, one dword a row: byte kk of every dword is column k0 + kk of
+// the 16 rows, in the lanes their parameters are in, so each k is one shift, mask, conversion, multiply, add and a
+// 64-byte store (against dequant_step's shuffles and 16-byte stores to 4 rows).
+template <int BITS, ScaleType ST>
+void dequant_packed_t(const DequantArgs& a, int t0, int t1, float* wt, size_t ld) {
+  const int K = a.K, G = K / a.group_size;
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int t = t0; t < t1; ++t) {
+    const uint8_t* wtile = a.w + size_t(t) * (K / 32) * block_bytes;
+    float* col = wt + size_t(t - t0) * kPackedTile;
+    for (int blk = 0; blk < K / 32; ++blk) {
+      const uint8_t* wb = wtile + size_t(blk) * block_bytes;
+      for (int s = 0; s < 4; ++s) {
+        __m512i wl, wh;
+        step_codes<BITS>(wb, s, wl, wh);
+        for (const auto& [codes, k0] : {std::pair{wl, 32 * blk + 4 * s}, std::pair{wh, 32 * blk + 16 + 4 * s}}) {
+          const size_t p = packed_param(G, t * kPackedTile, k0 / a.group_size);
+          const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
+          for (int kk = 0; kk < 4; ++kk) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * kk), byte));
+            // scale * q, then + bias: dequantize's two roundings (the same fp32 weight)
+            _mm512_storeu_ps(col + size_t(k0 + kk) * ld, _mm512_add_ps(_mm512_mul_ps(q, sv), bv));
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void dequant_packed_t_vnni(const DequantArgs& a, int t0, int t1, float* wt, size_t ld) {
+  with_format(a.bits, a.scale_type, false,
+              [&](auto bits, auto st, auto) { dequant_packed_t<bits(), st()>(a, t0, t1, wt, ld); });
+}
 
 void dequant_packed_vnni(const DequantArgs& a, int t0, int t1) {
   with_format(a.bits, a.scale_type, false, [&](auto bits, auto st, auto) { dequant_packed<bits(), st()>(a, t0, t1); });

@@ -154,9 +154,38 @@ ScaleType scale_type(mx::Dtype t) {
   return ScaleType::bf16;
 }
 
-// kernel(args, u0, u1) over units (rows, or tiles of 16 rows where `packed`) [u0, u1). Compact parameters are
-// expanded to fp32 for those units first, into a thread-local buffer that the kernel then reads from cache, and the
-// kernel runs on a view of the arguments whose units count from u0 (weights, parameters and outputs moved there).
+// The arguments for units (rows, or tiles of 16 rows where `packed`) [u0, u1) as a view whose units count from 0:
+// weights, parameters and outputs moved to unit u0. Compact parameters are expanded to fp32 for those units, into
+// `params`, which the kernel then reads from cache.
+template <typename Args>
+Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& params) {
+  const int G = a.K / a.group_size, rows = packed ? kPackedTile : 1;
+  const size_t unit_bytes = size_t(rows) * a.K * a.bits / 8, first = size_t(u0) * rows * G;
+  Args view = a;
+  view.w = a.w + u0 * unit_bytes;
+  if (a.scale_type == ScaleType::compact) {
+    const size_t count = size_t(u1 - u0) * rows * G;
+    params.resize(2 * count);
+    expand_compact_avx2(static_cast<const uint8_t*>(a.scales), a.K, a.group_size, packed, u0, u1, params.data());
+    expand_compact_avx2(static_cast<const uint8_t*>(a.biases), a.K, a.group_size, packed, u0, u1,
+                        params.data() + count);
+    view.scales = params.data();
+    view.biases = params.data() + count;
+    view.scale_type = ScaleType::f32;
+  } else {
+    const size_t bytes = first * (a.scale_type == ScaleType::f32 ? 4 : 2);
+    view.scales = static_cast<const char*>(a.scales) + bytes;
+    view.biases = static_cast<const char*>(a.biases) + bytes;
+  }
+  if constexpr (std::is_same_v<Args, DequantArgs>) {
+    view.out = a.out + size_t(u0) * rows * a.K;
+  } else {
+    view.y = a.y + size_t(u0) * rows;  // y [M, N] keeps its row stride N
+  }
+  return view;
+}
+
+// kernel(args, u0, u1) over units [u0, u1); with compact parameters on units_view's view (their fp32 expansion).
 template <typename Args, typename Kernel>
 void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
   if (a.scale_type != ScaleType::compact) {
@@ -164,23 +193,7 @@ void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
     return;
   }
   thread_local std::vector<float> params;
-  const int G = a.K / a.group_size, rows = packed ? kPackedTile : 1;
-  const size_t count = size_t(u1 - u0) * rows * G, unit_bytes = size_t(rows) * a.K * a.bits / 8;
-  params.resize(2 * count);
-  expand_compact_avx2(static_cast<const uint8_t*>(a.scales), a.K, a.group_size, packed, u0, u1, params.data());
-  expand_compact_avx2(static_cast<const uint8_t*>(a.biases), a.K, a.group_size, packed, u0, u1,
-                      params.data() + count);
-  Args view = a;
-  view.w = a.w + u0 * unit_bytes;
-  view.scales = params.data();
-  view.biases = params.data() + count;
-  view.scale_type = ScaleType::f32;
-  if constexpr (std::is_same_v<Args, DequantArgs>) {
-    view.out = a.out + size_t(u0) * rows * a.K;
-  } else {
-    view.y = a.y + size_t(u0) * rows;  // y [M, N] keeps its row stride N
-  }
-  kernel(view, 0, u1 - u0);
+  kernel(units_view(a, u0, u1, packed, params), 0, u1 - u0);
 }
 
 }  // namespace
@@ -655,6 +668,103 @@ void parallel_pieces(int pieces, const std::function<void(int)>& fn) {
   // more than the second thread saved (measured on the embedded model, 2 threads: 13.0 ms a token with no linger,
   // 10.6-12.0 with 100-300 us).
   parallel_for(pieces, fn, std::chrono::microseconds(200));
+}
+
+namespace {
+
+// BLAS's single-precision GEMM: the one MLX's own matmul calls (libmlx needs it: it resolves to the BLAS that
+// core/blas.py preloads, else to the one the mlx wheel ships), declared here as its C interface defines it.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
+                            int lda, const float* B, int ldb, float beta, float* C, int ldc);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
+
+// Weight rows dequantized at a time for the GEMM: ~1 MB of fp32, so each piece is written and read back in cache.
+// The whole matrix at once (x @ dequantize(w).T) was 46 MB for a 1.1B model's 5632 x 2048 MLP matrix, written to
+// fresh pages: ~30 ms of page faults and stores, as long as ~140 rows of the packed kernel, which made a 50-token
+// prompt 3.3x slower than a 40-token one (the cliff).
+int gemm_rows(int K) {
+  return std::max(kPackedTile, (262144 / K + kPackedTile - 1) / kPackedTile * kPackedTile);
+}
+
+class NativeDequantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  NativeDequantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]),
+                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+                      group_size = group_size_, bits = bits_, packed = packed_]() mutable {
+      KernelTimer timer;
+      const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0), unit = packed ? kPackedTile : 1;
+      const std::vector<float> xs = plain_x(x);
+      const DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+                          nullptr, N, K, group_size, bits};
+      const int rows = gemm_rows(K);
+      thread_local std::vector<float> weights, params;
+      weights.resize(size_t(rows) * K);
+      for (int n0 = 0; n0 < N; n0 += rows) {
+        const int n1 = std::min(N, n0 + rows);
+        DequantArgs view = units_view(a, n0 / unit, n1 / unit, packed, params);
+        view.out = weights.data();
+        float* y = out.data<float>() + n0;  // y[:, n0:n1], row stride N
+        if (packed) {  // the piece transposed, [K][n1 - n0]: y = x @ piece
+          dequant_packed_t_vnni(view, 0, (n1 - n0) / unit, weights.data(), size_t(n1 - n0));
+          cblas_sgemm(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, M, n1 - n0, K, 1.0f, xs.data(), K,
+                      weights.data(), n1 - n0, 0.0f, y, N);
+        } else {  // the piece's rows, [n1 - n0][K]: y = x @ piece^T
+          dequant_rows_avx2(view, 0, n1 - n0);
+          cblas_sgemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, M, n1 - n0, K, 1.0f, xs.data(), K,
+                      weights.data(), K, 0.0f, y, N);
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's dequantized matmul runs on the CPU only");
+  }
+
+  const char* name() const override { return "MlxchatDequantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const NativeDequantizedMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_, bits_;
+  bool packed_;
+};
+
+}  // namespace
+
+mx::array dequantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                             const mx::array& biases, int group_size, int bits, bool packed) {
+  check_weights(w, scales, biases, group_size, bits, packed);  // packed as for fixed24: on the VNNI kernel
+  const int K = w.shape(1) * 32 / bits, N = w.shape(0);
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    throw std::invalid_argument("x's last dimension must be " + std::to_string(K) + " (the weight's input size)");
+  }
+  auto s = cpu_stream();
+  const bool kept = x.dtype() == mx::float32 || x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
+  mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  mx::array y(shape, mx::float32, std::make_shared<NativeDequantizedMatmul>(s, group_size, bits, packed),
+              {x2, dense(w, s), dense(scales, s), dense(biases, s)});
+  return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
 }
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,

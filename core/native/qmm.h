@@ -81,6 +81,11 @@ std::optional<std::vector<mx::array>> compact_params(const mx::array& scales, co
 // The inverse: compact parameters (MLX's layout, or pack_weights's with `packed`) as float32 [N, G] in MLX's layout.
 std::vector<mx::array> expand_params(const mx::array& scales, const mx::array& biases, int group_size, bool packed);
 
+// x @ dequantize(w, scales, biases, packed).T by BLAS's GEMM, for prompts long enough that it beats the kernels:
+// the weight is dequantized a cache-sized piece of rows at a time (never whole), each piece multiplied as it comes.
+mx::array dequantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                             const mx::array& biases, int group_size, int bits, bool packed = false);
+
 // Worker threads used by both ops (the calling thread counts as one).
 void set_threads(int n);
 // Total seconds spent running the ops' CPU tasks in this process (for per-token breakdowns).
