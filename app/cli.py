@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub into its cache, by repo id")
     pull.add_argument("repo_id", help="ORG/NAME, e.g. mlx-community/SmolLM2-135M-Instruct")
     sub.add_parser("models", help="list the models mlxchat can load here (the embedded one, local files you added, the "
-                                   "Hugging Face cache): size, last used, loadable")
+                                   "Hugging Face cache): architecture, size, last used, loadable, quantization mix")
     rm = sub.add_parser("rm", help="delete a model from the Hugging Face cache")
     rm.add_argument("repo_id", help="ORG/NAME, as `mlxchat models` lists it")
     rm.add_argument("--yes", "-y", action="store_true", help="delete without asking (for scripts)")

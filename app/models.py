@@ -18,7 +18,7 @@ class ModelChoice:
     detail: str = ""
 
 
-EMBEDDED = ModelChoice(None, "SmolLM2-135M-Instruct (embedded)", "embedded", "Q4_1 GGUF shipped with mlxchat")
+EMBEDDED = ModelChoice(None, "SmolLM2-135M-Instruct (embedded)", "embedded", "llama · Q4_1 GGUF shipped with mlxchat")
 
 
 @dataclass(frozen=True)

@@ -338,12 +338,13 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
             policy: ResolvedPolicy) -> LoadedModel:
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     is_quantized = bool(quantized)
-    if mx.default_device() == mx.cpu:
+    if mx.default_device() == mx.cpu and policy not in NATIVE_POLICIES:
         for m in quantized:
             if isinstance(m, nn.QuantizedEmbedding) and m["scales"].dtype in (mx.float16, mx.bfloat16):
-                # A lookup comes out in its scales' dtype, and an f16 scale times a code does not fit f16: rows of
-                # the file's exact values (as llama.cpp reads them) need f32 parameters. They are the embedding's
-                # alone (~1/64 of its bytes), and the activations on the CPU are float32 anyway.
+                # MLX's lookup comes out in its scales' dtype, and an f16 scale times a code does not fit f16: rows
+                # of the file's exact values (as llama.cpp reads them) need f32 parameters (the native path's
+                # lookups compute in f32 from the f16 ones). They are the embedding's alone (~1/64 of its bytes),
+                # and the activations on the CPU are float32 anyway.
                 m.scales, m.biases = m["scales"].astype(mx.float32), m["biases"].astype(mx.float32)
     weights_path = "MLX quantized" if is_quantized else "float (not quantized)"
     if is_quantized and policy in NATIVE_POLICIES:

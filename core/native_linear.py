@@ -109,8 +109,10 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
             rows = x.reshape(-1)
             return native.dequantize(self["weight"][rows], self["scales"][rows], self["biases"][rows],
                                      group_size=self.group_size, bits=self.bits).reshape(*x.shape, self.dims)
-        return mx.dequantize(self["weight"][x], scales=self["scales"][x], biases=self["biases"][x],
-                             group_size=self.group_size, bits=self.bits)
+        # In float32: MLX dequantizes in its scales' dtype, and an f16 scale times a code does not fit f16 (Q8_0's
+        # d * q needs 15 bits). The rows' parameters only are widened: the embedding stays at the file's size.
+        return mx.dequantize(self["weight"][x], scales=self["scales"][x].astype(mx.float32),
+                             biases=self["biases"][x].astype(mx.float32), group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _matmul(x, self)

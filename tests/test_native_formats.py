@@ -93,15 +93,11 @@ def test_dequantize_equals_the_reference_bit_for_bit(bits: int, group_size: int,
                for u, v in zip(native.unpack_weights(*packed, group_size=group_size, bits=bits), (w, s, b)))
     if native.packs_exact():
         assert mx.array_equal(native.dequantize(*packed, group_size=group_size, bits=bits, packed=True), ours).item()
-    # The embedding lookup on packed weights computes in the parameters' dtype, as mx.dequantize does.
+    # The embedding lookup on packed weights computes in float32, whatever the parameters' dtype: the reference rows.
     ids = mx.array([[0, 47, 17], [16, 5, 5]])
     rows = native.packed_lookup(ids, *packed, group_size=group_size, bits=bits)
-    assert rows.shape == (2, 3, 256) and rows.dtype == dtype
-    if group_size != 16:
-        theirs = mx.dequantize(w[ids], scales=s[ids], biases=b[ids], group_size=group_size, bits=bits)
-        assert mx.array_equal(rows, theirs).item()
-    elif dtype == mx.float32:
-        assert np.array_equal(np.array(rows), deq[np.array(ids)])
+    assert rows.shape == (2, 3, 256) and rows.dtype == mx.float32
+    assert np.array_equal(np.array(rows), deq[np.array(ids)])
 
 
 @needs_native

@@ -166,8 +166,9 @@ class ChatScreen(Screen):
         """The state line with nothing in flight: what is loaded, and none of the last chat's numbers."""
         engine = self.controller.engine
         if engine is not None:
-            self.stats.show_state("idle", "● ready", f"{engine.name} · context {engine.context_length} · "
-                                                      f"{engine.decode_path()}")
+            kind = engine.model_kind()
+            self.stats.show_state("idle", "● ready", f"{engine.name} · {kind + ' · ' if kind else ''}"
+                                                      f"context {engine.context_length} · {engine.decode_path()}")
         elif self.controller.loading:
             self.stats.show_state("loading", "◌ loading", "loading the model…")
         else:

@@ -102,8 +102,9 @@ def unpack_weights(w: mx.array, scales: mx.array, biases: mx.array, *, group_siz
 
 def packed_lookup(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                   bits: int) -> mx.array:
-    """Rows ``ids`` of a `pack_weights` weight, ``[*ids.shape, K]``, exactly as ``mx.dequantize`` gives them from
-    MLX's layout (in the scales' dtype): a tied embedding's lookup when its head is packed."""
+    """Rows ``ids`` of a `pack_weights` weight, ``[*ids.shape, K]``, in float32 (scale * q, then + bias: as
+    ``mx.dequantize`` computes them from MLX's layout with float32 parameters, whatever the parameters' type): a tied
+    embedding's lookup when its head is packed."""
     return _module().packed_lookup(ids, w, scales, biases, group_size=group_size, bits=bits)
 
 

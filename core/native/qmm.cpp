@@ -403,16 +403,18 @@ class NativeDequantize : public mx::UnaryPrimitive {
   bool packed_;
 };
 
-// Row n of a packed weight as T (the parameters' type: MLX's dequantize computes scale * q + bias in it). The
-// parameters are read at packed_param(G, n, g), counted from `first_tile` (compact ones are expanded to fp32 first).
+// Row n of a packed weight in float32: scale * q, then + bias, in float32 whatever the parameters' type (an f16
+// scale times a code does not fit f16: Q8_0's d * q needs 15 bits), so the rows are the file's values as llama.cpp
+// reads them. The parameters are read at packed_param(G, n, g), counted from `first_tile` (compact ones are expanded
+// to fp32 first).
 template <typename T>
 void packed_row(const uint8_t* w, const T* scales, const T* biases, int first_tile, int K, int group_size, int bits,
-                int n, T* out) {
+                int n, float* out) {
   const int G = K / group_size;
   for (int k = 0; k < K; ++k) {
     const uint32_t q = packed_code(w, K, bits, n, k);
     const size_t p = packed_param(G, n - first_tile * kPackedTile, k / group_size);
-    out[k] = scales[p] * static_cast<T>(float(q)) + biases[p];
+    out[k] = static_cast<float>(scales[p]) * float(q) + static_cast<float>(biases[p]);
   }
 }
 
@@ -437,8 +439,7 @@ class NativePackedLookup : public mx::UnaryPrimitive {
         for (size_t r = 0; r < ids.size(); ++r) {
           // Out of range reads no memory: the row is NaN, as a bad id gives no real embedding.
           if (id[r] >= uint32_t(N)) {
-            using O = std::conditional_t<std::is_same_v<T, uint8_t>, float, T>;  // compact rows come out fp32
-            std::fill_n(out.data<O>() + r * K, K, static_cast<O>(std::numeric_limits<float>::quiet_NaN()));
+            std::fill_n(out.data<float>() + r * K, K, std::numeric_limits<float>::quiet_NaN());
             continue;
           }
           if constexpr (std::is_same_v<T, uint8_t>) {  // compact: the row's tile's parameters as fp32
@@ -451,7 +452,7 @@ class NativePackedLookup : public mx::UnaryPrimitive {
                               group_size, bits, int(id[r]), out.data<float>() + r * K);
           } else {
             packed_row<T>(w.data<uint8_t>(), scales.data<T>(), biases.data<T>(), 0, K, group_size, bits, int(id[r]),
-                          out.data<T>() + r * K);
+                          out.data<float>() + r * K);
           }
         }
       };
@@ -572,8 +573,7 @@ mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::arra
   auto s = cpu_stream();
   mx::Shape shape = ids.shape();
   shape.push_back(w.shape(1) * 32 / bits);
-  const mx::Dtype type = scales.dtype() == mx::uint8 ? mx::float32 : scales.dtype();  // compact: fp32 rows
-  return mx::array(shape, type, std::make_shared<NativePackedLookup>(s, group_size, bits),
+  return mx::array(shape, mx::float32, std::make_shared<NativePackedLookup>(s, group_size, bits),
                    {dense(mx::astype(ids, mx::uint32, s), s), dense(w, s), dense(scales, s), dense(biases, s)});
 }
 
