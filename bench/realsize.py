@@ -192,11 +192,12 @@ def _record(path: Path) -> dict[str, Any]:
         return {}
 
 
-def make_files(folder: Path, shape: Shape = TINYLLAMA,
-               quants: tuple[Quant, ...] = (Q4_K_M, Q4_0)) -> dict[str, Any]:
-    """The real-size files, made once per cache folder and shape: ``{"files": {label: path}, "made": {...},
-    "reused": [...], "params": N}``, or ``{"reason": why not}`` when gguf-py or llama-cpp-python is missing. A file
-    that exists is reused; ``made`` holds the seconds each step took in this run, ``record`` the first run's."""
+def make_files(folder: Path, shape: Shape = TINYLLAMA, quants: tuple[Quant, ...] = (Q4_K_M, Q4_0),
+               embedded: bool = True) -> dict[str, Any]:
+    """The real-size files, made once per cache folder and shape (and, with ``embedded``, the embedded model's
+    Q4_K_M): ``{"files": {label: path}, "made": {...}, "reused": [...], "params": N}``, or ``{"reason": why not}``
+    when gguf-py or llama-cpp-python is missing. A file that exists is reused; ``made`` holds the seconds each step
+    took in this run, ``record`` the first run's."""
     from mlxchat.core.loader import embedded_model_path
 
     if not llama_cpp_available():
@@ -223,11 +224,12 @@ def make_files(folder: Path, shape: Shape = TINYLLAMA,
             made[q.name] = quantize(f16, dst, q)
         files[q.name] = str(dst)
     f16.unlink(missing_ok=True)  # 2 bytes a parameter, and remade in ~25 s when a new quantization needs it
-    embedded = embedded_model_path()
-    small = folder / f"{embedded.stem}-{embedded.stat().st_size}-q4_k_m.gguf"
-    if not small.exists():
-        made["embedded Q4_K_M"] = quantize(embedded, small, Q4_K_M, requantize=True)
-    files["embedded Q4_K_M"] = str(small)
+    if embedded:
+        source = embedded_model_path()
+        small = folder / f"{source.stem}-{source.stat().st_size}-q4_k_m.gguf"
+        if not small.exists():
+            made["embedded Q4_K_M"] = quantize(source, small, Q4_K_M, requantize=True)
+        files["embedded Q4_K_M"] = str(small)
     if made:
         record |= {"shape": asdict(shape), "made_s": record.get("made_s", {}) | made,
                    "llama_cpp_python": llama_cpp_version(), "made_at": time.strftime("%Y-%m-%d %H:%M:%S")}
