@@ -376,7 +376,8 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
               threads: int = DEFAULT_LLAMA_THREADS) -> dict[str, Any]:
     """mlxchat and llama.cpp on one file: the interleaved rows of ``plan`` ((prompt tokens, generated tokens)), then
     load time and memory in child processes. When mlxchat cannot load the file, ``mlxchat_error`` says why and
-    nothing else is run."""
+    nothing else is run; without a llama.cpp that runs, ``llama_cpp_error`` says why and mlxchat runs alone (its
+    cliff, memory and peak RSS need no peer)."""
     from mlxchat.core import Engine
 
     out: dict[str, Any] = {"label": label, "file": path, "file_bytes": Path(path).stat().st_size}
@@ -392,8 +393,7 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
         llama, why = make_llama_cpp(path, sorted(engine.model.tokenizer.eos_ids), n_ctx, threads)
         if llama is None:
             out["llama_cpp_error"] = why
-            return out
-        runners = {"mlxchat": EngineRunner(engine), "llama.cpp": llama}
+        runners = {"mlxchat": EngineRunner(engine)} | ({"llama.cpp": llama} if llama else {})
         # Warm-up (not counted): the first calls fault the weights in and compile kernels.
         interleaved_rows(runners, engine.model.tokenizer, [(min(n for n, _ in plan), 2)], 1)
         out["rows"] = interleaved_rows(runners, engine.model.tokenizer, plan, repeats)
@@ -402,7 +402,8 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
         if llama is not None:
             llama.close()
     if load_repeats:
-        out["load"] = measure_loads(path, n_ctx, threads, load_repeats)
+        out["load"] = measure_loads(path, n_ctx, threads, load_repeats,
+                                    ("mlxchat", "llama.cpp") if llama else ("mlxchat",))
     return out
 
 
@@ -453,13 +454,12 @@ def _ratio(f: dict[str, Any], n: int, key: str) -> float | None:
     return a[key] / b[key]
 
 
-def _why_not(f: dict[str, Any]) -> str | None:
+def _why_not(f: dict[str, Any], peer: bool = True) -> str | None:
+    """Why a figure of this file is missing: mlxchat could not load it, or (``peer``: a comparison) no llama.cpp."""
     if f.get("mlxchat_error"):
         return f"mlxchat cannot load it: {f['mlxchat_error']}"
-    if f.get("llama_cpp_error"):
+    if peer and f.get("llama_cpp_error"):
         return f"no llama.cpp to compare: {f['llama_cpp_error']}"
-    if f.get("error"):
-        return f["error"]
     return None
 
 
@@ -476,69 +476,62 @@ def cliff(f: dict[str, Any]) -> tuple[float | None, str]:
     return max(s[2] for s in steps), ", ".join(f"{a}->{b}: {g:.2f}x" for a, b, g in steps)
 
 
+def _check(v: float | None, threshold: float, at_least: bool = False) -> bool | None:
+    return None if v is None else (v >= threshold if at_least else v <= threshold)
+
+
 def file_targets(f: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets on one file, ``n/a`` (passed None) with the reason where they cannot be measured."""
-    label = f["label"]
-    names = [f"{label}: decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp (every prompt length)",
-             f"{label}: TTFT at {TTFT_LENGTH} <= {TTFT_VS_LLAMA_CPP:g}x llama.cpp's",
-             f"{label}: no TTFT cliff (TTFT per prompt token <= {CLIFF:g}x the shorter length's)",
-             f"{label}: memory after load <= {MEMORY_VS_FILE:g}x the file",
-             f"{label}: load time <= {LOAD_VS_LLAMA_CPP:g}x llama.cpp's",
-             f"{label}: peak RSS while loading <= {PEAK_LOAD_VS_FILE:g}x the file"]
-    why = _why_not(f)
-    if why:
-        return [_target(n, None, t, None, why) for n, t in
-                zip(names, (DECODE_VS_LLAMA_CPP, TTFT_VS_LLAMA_CPP, CLIFF, MEMORY_VS_FILE, LOAD_VS_LLAMA_CPP,
-                            PEAK_LOAD_VS_FILE))]
+    label, size = f["label"], f["file_bytes"]
+    vs, alone = _why_not(f), _why_not(f, peer=False)
     decode = [(n, v) for n in DECODE_LENGTHS if (v := _ratio(f, n, "decode_tokens_per_s")) is not None]
-    worst = min(decode, key=lambda x: x[1]) if decode else None
+    worst = min(v for _, v in decode) if decode else None
     ttft = _ratio(f, TTFT_LENGTH, "ttft_s")
     jump, steps = cliff(f)
-    size = f["file_bytes"]
     load = f.get("load") or {}
     ours, theirs = load.get("mlxchat") or {}, load.get("llama.cpp") or {}
-    mem = ours.get("mlx_active_bytes")
+    mem = ours["mlx_active_bytes"] / size if ours.get("mlx_active_bytes") else None
     load_ratio = ours["load_s"] / theirs["load_s"] if ours.get("load_s") and theirs.get("load_s") else None
-    peak = ours.get("peak_load_bytes")
-
-    def check(v: float | None, t: float, at_least: bool = False) -> bool | None:
-        return None if v is None else (v >= t if at_least else v <= t)
-
+    peak = ours["peak_load_bytes"] / size if ours.get("peak_load_bytes") else None
+    a, b = _row(f, "mlxchat", TTFT_LENGTH), _row(f, "llama.cpp", TTFT_LENGTH)
+    theirs_peak = f" (llama.cpp +{theirs['peak_load_bytes'] / 1e6:.0f} MB)" if theirs.get("peak_load_bytes") else ""
     return [
-        _target(names[0], worst[1] if worst else None, DECODE_VS_LLAMA_CPP,
-                check(worst[1] if worst else None, DECODE_VS_LLAMA_CPP, at_least=True),
-                ", ".join(f"{n}: {v:.2f}x" for n, v in decode) or "not measured"),
-        _target(names[1], ttft, TTFT_VS_LLAMA_CPP, check(ttft, TTFT_VS_LLAMA_CPP),
-                f"{_row(f, 'mlxchat', TTFT_LENGTH)['ttft_s']:.2f} vs {_row(f, 'llama.cpp', TTFT_LENGTH)['ttft_s']:.2f}"
-                " s" if ttft is not None else "not measured"),
-        _target(names[2], jump, CLIFF, check(jump, CLIFF), steps),
-        _target(names[3], mem / size if mem else None, MEMORY_VS_FILE, check(mem / size if mem else None,
-                                                                                 MEMORY_VS_FILE),
-                f"MLX active {mem / 1e6:.0f} MB for a {size / 1e6:.0f} MB file, in a fresh process"
-                if mem else "not measured"),
-        _target(names[4], load_ratio, LOAD_VS_LLAMA_CPP, check(load_ratio, LOAD_VS_LLAMA_CPP),
-                f"{ours['load_s']:.2f} vs {theirs['load_s']:.2f} s" if load_ratio else "not measured"),
-        _target(names[5], peak / size if peak else None, PEAK_LOAD_VS_FILE,
-                check(peak / size if peak else None, PEAK_LOAD_VS_FILE),
-                f"+{peak / 1e6:.0f} MB over the process before loading (llama.cpp +"
-                f"{(theirs.get('peak_load_bytes') or 0) / 1e6:.0f} MB)" if peak else "not measured"),
+        _target(f"{label}: decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp (every prompt length)", worst,
+                DECODE_VS_LLAMA_CPP, _check(worst, DECODE_VS_LLAMA_CPP, at_least=True),
+                vs or ", ".join(f"{n}: {v:.2f}x" for n, v in decode) or "not measured"),
+        _target(f"{label}: TTFT at {TTFT_LENGTH} <= {TTFT_VS_LLAMA_CPP:g}x llama.cpp's", ttft, TTFT_VS_LLAMA_CPP,
+                _check(ttft, TTFT_VS_LLAMA_CPP),
+                vs or (f"{a['ttft_s']:.2f} vs {b['ttft_s']:.2f} s" if ttft is not None else "not measured")),
+        _target(f"{label}: no TTFT cliff (TTFT per prompt token <= {CLIFF:g}x the next shorter prompt's)", jump,
+                CLIFF, _check(jump, CLIFF), alone or steps),
+        _target(f"{label}: memory after load <= {MEMORY_VS_FILE:g}x the file", mem, MEMORY_VS_FILE,
+                _check(mem, MEMORY_VS_FILE),
+                alone or (f"MLX active {ours['mlx_active_bytes'] / 1e6:.0f} MB for a {size / 1e6:.0f} MB file, "
+                          "in a fresh process" if mem else "not measured")),
+        _target(f"{label}: load time <= {LOAD_VS_LLAMA_CPP:g}x llama.cpp's", load_ratio, LOAD_VS_LLAMA_CPP,
+                _check(load_ratio, LOAD_VS_LLAMA_CPP),
+                vs or (f"{ours['load_s']:.2f} vs {theirs['load_s']:.2f} s" if load_ratio else "not measured")),
+        _target(f"{label}: peak RSS while loading <= {PEAK_LOAD_VS_FILE:g}x the file", peak, PEAK_LOAD_VS_FILE,
+                _check(peak, PEAK_LOAD_VS_FILE),
+                alone or (f"+{ours['peak_load_bytes'] / 1e6:.0f} MB over the process before loading{theirs_peak}"
+                          if peak else "not measured")),
     ]
 
 
 def long_targets(f: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Decode and TTFT on the embedded Q4_1 file at the long prompt."""
-    names = [f"embedded Q4_1 at {LONG_PROMPT}: decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp",
-             f"embedded Q4_1 at {LONG_PROMPT}: TTFT <= {TTFT_VS_LLAMA_CPP:g}x llama.cpp's"]
     why = "not measured" if f is None else _why_not(f)
-    if why:
-        return [_target(n, None, 1.0, None, why) for n in names]
-    decode, ttft = _ratio(f, LONG_PROMPT, "decode_tokens_per_s"), _ratio(f, LONG_PROMPT, "ttft_s")
-    ours, theirs = _row(f, "mlxchat", LONG_PROMPT) or {}, _row(f, "llama.cpp", LONG_PROMPT) or {}
+    decode = None if f is None else _ratio(f, LONG_PROMPT, "decode_tokens_per_s")
+    ttft = None if f is None else _ratio(f, LONG_PROMPT, "ttft_s")
+    a, b = (_row(f, "mlxchat", LONG_PROMPT), _row(f, "llama.cpp", LONG_PROMPT)) if f else (None, None)
     return [
-        _target(names[0], decode, DECODE_VS_LLAMA_CPP, None if decode is None else decode >= DECODE_VS_LLAMA_CPP,
-                f"{ours.get('decode_tokens_per_s') or 0:.1f} vs {theirs.get('decode_tokens_per_s') or 0:.1f} tok/s"),
-        _target(names[1], ttft, TTFT_VS_LLAMA_CPP, None if ttft is None else ttft <= TTFT_VS_LLAMA_CPP,
-                f"{ours.get('ttft_s') or 0:.2f} vs {theirs.get('ttft_s') or 0:.2f} s"),
+        _target(f"embedded Q4_1 at {LONG_PROMPT}: decode >= {DECODE_VS_LLAMA_CPP:g}x llama.cpp", decode,
+                DECODE_VS_LLAMA_CPP, _check(decode, DECODE_VS_LLAMA_CPP, at_least=True),
+                why or (f"{a['decode_tokens_per_s']:.1f} vs {b['decode_tokens_per_s']:.1f} tok/s" if decode
+                        else "not measured")),
+        _target(f"embedded Q4_1 at {LONG_PROMPT}: TTFT <= {TTFT_VS_LLAMA_CPP:g}x llama.cpp's", ttft,
+                TTFT_VS_LLAMA_CPP, _check(ttft, TTFT_VS_LLAMA_CPP),
+                why or (f"{a['ttft_s']:.2f} vs {b['ttft_s']:.2f} s" if ttft else "not measured")),
     ]
 
 
@@ -560,28 +553,39 @@ def _build_line(build: dict[str, Any] | None) -> str:
     return f"llama.cpp: llama-cpp-python {build['version']}, compiled with {' '.join(build['features'])}; {how}"
 
 
+def _mb(b: float | None, sign: str = "") -> str:
+    return "—" if b is None else f"{sign}{b / 1e6:.0f} MB"
+
+
 def _file_lines(f: dict[str, Any]) -> list[str]:
     head = f"  {f['label']} ({f['file_bytes'] / 1e6:.0f} MB)"
-    if why := _why_not(f):
+    if why := _why_not(f, peer=False):
         return [f"{head}: {why}"]
     out = [f"{head}: {f.get('weights_path', '')}"]
+    if f.get("llama_cpp_error"):
+        out.append(f"    mlxchat alone: {f['llama_cpp_error']}")
     for n in sorted({r["prompt_tokens"] for r in f["rows"]}):
-        a, b = _row(f, "mlxchat", n), _row(f, "llama.cpp", n)
-        line = (f"    {n:5d} prompt tokens: TTFT {a['ttft_s'] * 1e3:7.0f} vs {b['ttft_s'] * 1e3:7.0f} ms "
-                f"({a['ttft_s'] / b['ttft_s']:.2f}x)")
-        if n in DECODE_LENGTHS or n == LONG_PROMPT and a.get("generated_tokens", 0) > TTFT_ONLY_TOKENS:
-            line += (f"; decode {a['decode_tokens_per_s']:6.1f} vs {b['decode_tokens_per_s']:6.1f} tok/s "
-                     f"({a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x)")
-        out.append(line + "  (mlxchat vs llama.cpp)")
+        a, b = _row(f, "mlxchat", n), _row(f, "llama.cpp", n) or {}
+        line = f"    {n:5d} prompt tokens: TTFT {a['ttft_s'] * 1e3:7.0f} ms"
+        if b:
+            line += f" vs {b['ttft_s'] * 1e3:7.0f} ms ({a['ttft_s'] / b['ttft_s']:.2f}x)"
+        if a["generated_tokens"] > TTFT_ONLY_TOKENS:
+            line += f"; decode {a['decode_tokens_per_s']:6.1f} tok/s"
+            if b:
+                line += (f" vs {b['decode_tokens_per_s']:6.1f} "
+                         f"({a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x)")
+        out.append(line + ("  (mlxchat vs llama.cpp)" if b else ""))
     if load := f.get("load"):
-        a, b = load["mlxchat"], load["llama.cpp"]
+        a, b = load["mlxchat"], load.get("llama.cpp") or {}
         size = f["file_bytes"]
-        out.append(f"    load {a['load_s']:.2f} vs {b['load_s']:.2f} s; peak RSS while loading "
-                   f"+{(a['peak_load_bytes'] or 0) / 1e6:.0f} vs +{(b['peak_load_bytes'] or 0) / 1e6:.0f} MB "
-                   f"({(a['peak_load_bytes'] or 0) / size:.2f}x / {(b['peak_load_bytes'] or 0) / size:.2f}x the "
-                   f"file); after load: mlxchat MLX active {(a['mlx_active_bytes'] or 0) / 1e6:.0f} MB, RSS "
-                   f"+{(a['rss_growth_bytes'] or 0) / 1e6:.0f} vs +{(b['rss_growth_bytes'] or 0) / 1e6:.0f} MB "
-                   f"(median of {a['repeats']} fresh processes each)")
+        peak = a["peak_load_bytes"]
+        out.append(f"    load {a['load_s']:.2f} s" + (f" vs {b['load_s']:.2f} s" if b else "")
+                   + f"; peak RSS while loading {_mb(peak, '+')}" + (f" vs {_mb(b['peak_load_bytes'], '+')}" if b
+                                                                      else "")
+                   + (f" ({peak / size:.2f}x the file)" if peak else "")
+                   + f"; after load: MLX active {_mb(a['mlx_active_bytes'])}, RSS {_mb(a['rss_growth_bytes'], '+')}"
+                   + (f" vs {_mb(b['rss_growth_bytes'], '+')}" if b else "")
+                   + f" (median of {a['repeats']} fresh processes)")
     return out
 
 
