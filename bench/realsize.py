@@ -63,6 +63,10 @@ class Shape:
     context: int = 4096  # 2,048-token prompts plus the generated tokens must fit (TinyLlama itself says 2048)
     seed: int = 0
 
+    def label(self) -> str:
+        """What the targets call it: "1.1B" for TinyLlama's shape."""
+        return "1.1B" if self == TINYLLAMA else f"llama h{self.hidden} l{self.layers}"
+
     def key(self) -> str:
         return (f"llama-h{self.hidden}-l{self.layers}-a{self.heads}-kv{self.kv_heads}-f{self.ffn}-c{self.context}"
                 f"-s{self.seed}")
@@ -218,16 +222,21 @@ def make_files(folder: Path, shape: Shape = TINYLLAMA, quants: tuple[Quant, ...]
         record["params"] = write_llama_f16(part, shape)
         os.replace(part, f16)
         made["F16 (gguf-py)"] = time.perf_counter() - t
+    reused = []
     for q in quants:
-        dst = folder / f"{key}-{q.name.lower()}.gguf"
+        dst, label = folder / f"{key}-{q.name.lower()}.gguf", f"{shape.label()} {q.name}"
         if q in todo:
             made[q.name] = quantize(f16, dst, q)
-        files[q.name] = str(dst)
+        else:
+            reused.append(label)
+        files[label] = str(dst)
     f16.unlink(missing_ok=True)  # 2 bytes a parameter, and remade in ~25 s when a new quantization needs it
     if embedded:
         source = embedded_model_path()
         small = folder / f"{source.stem}-{source.stat().st_size}-q4_k_m.gguf"
-        if not small.exists():
+        if small.exists():
+            reused.append("embedded Q4_K_M")
+        else:
             made["embedded Q4_K_M"] = quantize(source, small, Q4_K_M, requantize=True)
         files["embedded Q4_K_M"] = str(small)
     if made:
@@ -235,7 +244,7 @@ def make_files(folder: Path, shape: Shape = TINYLLAMA, quants: tuple[Quant, ...]
                    "llama_cpp_python": llama_cpp_version(), "made_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         record_path.write_text(json.dumps(record, indent=1))
     return {"folder": str(folder), "shape": asdict(shape), "params": record.get("params"), "files": files,
-            "made": made, "reused": [k for k in files if k not in made], "record": record}
+            "made": made, "reused": reused, "record": record}
 
 
 # --- how llama.cpp was built --------------------------------------------------------------------------------------
@@ -368,8 +377,13 @@ def measure_loads(path: str, n_ctx: int, threads: int, repeats: int,
 
 # --- the rows -----------------------------------------------------------------------------------------------------
 
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] real size: {msg}", file=sys.stderr, flush=True)
+
+
+def _one_line(e: BaseException, path: str) -> str:
+    """The error's first line, the file named by its name (the cache folder's path is in the section's header)."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0].replace(path, Path(path).name)
 
 
 def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, load_repeats: int,
@@ -381,10 +395,11 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
     from mlxchat.core import Engine
 
     out: dict[str, Any] = {"label": label, "file": path, "file_bytes": Path(path).stat().st_size}
+    _log(f"{label}: {', '.join(str(n) for n, _ in plan)} prompt tokens, {repeats} repeats")
     try:
         engine = Engine.load(path)
     except Exception as e:  # noqa: BLE001 - a format the loader refuses is a measurement (n/a), not a crash
-        out["mlxchat_error"] = _one_line(e)
+        out["mlxchat_error"] = _one_line(e, path)
         return out
     n_ctx = max(n for n, _ in plan) + max(t for _, t in plan) + 64
     llama = None
@@ -402,6 +417,7 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
         if llama is not None:
             llama.close()
     if load_repeats:
+        _log(f"{label}: loads in fresh processes, {load_repeats} each")
         out["load"] = measure_loads(path, n_ctx, threads, load_repeats,
                                     ("mlxchat", "llama.cpp") if llama else ("mlxchat",))
     return out
@@ -419,6 +435,7 @@ def realsize_case(*, quick: bool, max_tokens: int, repeats: int, llama_threads: 
     from mlxchat.core.loader import embedded_model_path
 
     t = time.perf_counter()
+    _log("making or reusing the files")
     files = make_files(folder or cache_folder(), shape)
     if "reason" in files:
         return {"available": False, "reason": files["reason"]}
@@ -547,10 +564,11 @@ def _build_line(build: dict[str, Any] | None) -> str:
     if not build:
         return "llama.cpp: not installed"
     missing = build.get("missing_for_this_cpu")
-    how = ("built for this CPU (every feature it has: GGML_NATIVE=ON or the same flags)" if build.get("native")
-           else "not built for this CPU: it lacks " + ", ".join(missing) + " (GGML_NATIVE=OFF?)" if missing
-           else "this CPU's features unknown")
-    return f"llama.cpp: llama-cpp-python {build['version']}, compiled with {' '.join(build['features'])}; {how}"
+    how = ("this CPU's features unknown" if missing is None
+           else "every feature of this CPU (a GGML_NATIVE=ON build)" if not missing
+           else f"without this CPU's {', '.join(missing)}"
+           + ("" if all(m.startswith("AMX") for m in missing) else " (GGML_NATIVE=OFF?)"))
+    return f"llama.cpp: llama-cpp-python {build['version']}, compiled with {' '.join(build['features'])}: {how}"
 
 
 def _mb(b: float | None, sign: str = "") -> str:

@@ -65,17 +65,17 @@ def test_files_are_quantized_by_llama_cpp_once_per_cache(tmp_path):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
     first = R.make_files(tmp_path, TINY, quants=(R.Q4_0,), embedded=False)
-    assert set(first["files"]) == {"Q4_0"} and first["reused"] == []
+    assert set(first["files"]) == {"llama h64 l2 Q4_0"} and first["reused"] == []
     assert set(first["made"]) == {"F16 (gguf-py)", "Q4_0"}
-    q4 = gguf.read_header(first["files"]["Q4_0"])
+    q4 = gguf.read_header(first["files"]["llama h64 l2 Q4_0"])
     assert {t.type_name for t in q4.tensors if len(t.shape) == 2} == {"Q4_0"}  # pure
     assert not list(tmp_path.glob("*-f16.gguf*"))  # the F16 file is gone once quantized
     again = R.make_files(tmp_path, TINY, quants=(R.Q4_0,), embedded=False)
-    assert again["made"] == {} and again["reused"] == ["Q4_0"]
+    assert again["made"] == {} and again["reused"] == ["llama h64 l2 Q4_0"]
     assert again["record"]["made_s"]["Q4_0"] == first["made"]["Q4_0"]  # the first run's times are kept
-    assert "reused Q4_0" in "\n".join(R.summary_lines(_section([], again)))
+    assert "reused llama h64 l2 Q4_0" in "\n".join(R.summary_lines(_section([], again)))
     # The embedded model's Q4_K_M is a re-quantization, which llama.cpp refuses unless allowed: the same call here.
-    q4_0, out = Path(first["files"]["Q4_0"]), tmp_path / "requantized.gguf"
+    q4_0, out = Path(first["files"]["llama h64 l2 Q4_0"]), tmp_path / "requantized.gguf"
     R.quantize(q4_0, out, R.Q4_K_M, requantize=True)
     assert "Q4_0" not in {t.type_name for t in gguf.read_header(out).tensors if len(t.shape) == 2}
     with pytest.raises(RuntimeError, match="could not quantize"):
@@ -200,4 +200,6 @@ def test_how_llama_cpp_was_built():
     assert R.parse_system_info(info, {"avx2"})["native"] is True
     assert R.parse_system_info(info, None)["native"] is None  # not an x86 Linux: unknown
     section = _section([]) | {"llama_cpp": b | {"version": "0.3.36"}}
-    assert "not built for this CPU: it lacks AVX512_VNNI" in R.summary_lines(section)[1]
+    assert "without this CPU's AVX512_VNNI (GGML_NATIVE=OFF?)" in R.summary_lines(section)[1]
+    amx = R.parse_system_info(info, {"avx512f", "amx_int8"}) | {"version": "0.3.36"}
+    assert R.summary_lines(_section([]) | {"llama_cpp": amx})[1].endswith("without this CPU's AMX_INT8")
