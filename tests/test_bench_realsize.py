@@ -203,3 +203,17 @@ def test_how_llama_cpp_was_built():
     assert "without this CPU's AVX512_VNNI (GGML_NATIVE=OFF?)" in R.summary_lines(section)[1]
     amx = R.parse_system_info(info, {"avx512f", "amx_int8"}) | {"version": "0.3.36"}
     assert R.summary_lines(_section([]) | {"llama_cpp": amx})[1].endswith("without this CPU's AMX_INT8")
+
+
+def test_the_bench_runs_the_section_and_prints_its_targets():
+    import argparse
+
+    from mlxchat.bench.run import FULL_RUN, QUICK_RUN, config_from_args, summary_text
+
+    assert QUICK_RUN.realsize and FULL_RUN.realsize and QUICK_RUN.realsize_repeats < FULL_RUN.realsize_repeats
+    assert "realsize" in config_from_args(argparse.Namespace(quick=True, skip=["realsize"])).skip
+    section = _section([_file(_rows({32: (0.2, 40.0), 512: (3.0, 38.0)}, {32: (0.1, 61.0), 512: (2.0, 58.0)}))])
+    section["targets"] = R.targets(section)
+    text = summary_text({"targets": [], "realsize": section})
+    assert "Real size: a 1.10B-parameter" in text
+    assert "FAIL  1.1B Q4_0: decode >= 1x llama.cpp (every prompt length): 0.66x" in text.split("Targets:")[1]
