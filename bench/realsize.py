@@ -333,7 +333,9 @@ def load_here(system: str, path: str, n_ctx: int, threads: int) -> dict[str, Any
     t = time.perf_counter()
     model = load()
     seconds = time.perf_counter() - t
+    # RssFile: pages of mapped files (a mapped GGUF); RssAnon: the process's own memory (copies, repacked weights).
     out = {"system": system, "load_s": seconds, "rss_before": before, "rss_after": _status_bytes("VmRSS"),
+           "rss_anon_after": _status_bytes("RssAnon"), "rss_file_after": _status_bytes("RssFile"),
            "peak_rss": _status_bytes("VmHWM") if reset else None,
            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak_since_load": reset}
     if system == "mlxchat":
@@ -370,7 +372,8 @@ def measure_loads(path: str, n_ctx: int, threads: int, repeats: int,
                        "peak_load_bytes": peak, "peak_rss_bytes": med("peak_rss"), "ru_maxrss_bytes": med("ru_maxrss"),
                        "rss_growth_bytes": median(r["rss_after"] - r["rss_before"] for r in rs
                                                   if r.get("rss_after") and r.get("rss_before")),
-                       "mlx_active_bytes": med("mlx_active"), "weights_path": rs[-1].get("weights_path"),
+                       "mlx_active_bytes": med("mlx_active"), "rss_anon_after_bytes": med("rss_anon_after"),
+                       "rss_file_after_bytes": med("rss_file_after"), "weights_path": rs[-1].get("weights_path"),
                        "repeats": len(rs)}
     return out
 

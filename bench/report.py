@@ -63,8 +63,8 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
                     "rows": [{"system", "prompt_tokens", "decode_tokens_per_s", "ttft_s", "repeats",
                               "generated_tokens", "ttft_runs_s", "decode_runs_tokens_per_s"}],
                     "load": {SYSTEM: {"load_s", "load_runs_s", "peak_load_bytes", "peak_rss_bytes",
-                                      "ru_maxrss_bytes", "rss_growth_bytes", "mlx_active_bytes", "weights_path",
-                                      "repeats"}}}),
+                                      "ru_maxrss_bytes", "rss_growth_bytes", "rss_anon_after_bytes",
+                                      "rss_file_after_bytes", "mlx_active_bytes", "weights_path", "repeats"}}}),
       "targets": [{"name", "value", "threshold", "unit", "passed": true | false | null, "detail"}],
       "errors": {"<section>": "what failed"}
     }
