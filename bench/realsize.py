@@ -422,8 +422,11 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
             llama.close()
     if load_repeats:
         _log(f"{label}: loads in fresh processes, {load_repeats} each")
-        out["load"] = measure_loads(path, n_ctx, threads, load_repeats,
-                                    ("mlxchat", "llama.cpp") if llama else ("mlxchat",))
+        try:
+            out["load"] = measure_loads(path, n_ctx, threads, load_repeats,
+                                        ("mlxchat", "llama.cpp") if llama else ("mlxchat",))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the rows stand; the load targets read n/a
+            out["load_error"] = str(e)
     return out
 
 
@@ -505,6 +508,7 @@ def file_targets(f: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets on one file, ``n/a`` (passed None) with the reason where they cannot be measured."""
     label, size = f["label"], f["file_bytes"]
     vs, alone = _why_not(f), _why_not(f, peer=False)
+    loads = alone or f.get("load_error")
     decode = [(n, v) for n in DECODE_LENGTHS if (v := _ratio(f, n, "decode_tokens_per_s")) is not None]
     worst = min(v for _, v in decode) if decode else None
     ttft = _ratio(f, TTFT_LENGTH, "ttft_s")
@@ -527,14 +531,14 @@ def file_targets(f: dict[str, Any]) -> list[dict[str, Any]]:
                 CLIFF, _check(jump, CLIFF), alone or steps),
         _target(f"{label}: memory after load <= {MEMORY_VS_FILE:g}x the file", mem, MEMORY_VS_FILE,
                 _check(mem, MEMORY_VS_FILE),
-                alone or (f"MLX active {ours['mlx_active_bytes'] / 1e6:.0f} MB for a {size / 1e6:.0f} MB file, "
+                loads or (f"MLX active {ours['mlx_active_bytes'] / 1e6:.0f} MB for a {size / 1e6:.0f} MB file, "
                           "in a fresh process" if mem else "not measured")),
         _target(f"{label}: load time <= {LOAD_VS_LLAMA_CPP:g}x llama.cpp's", load_ratio, LOAD_VS_LLAMA_CPP,
                 _check(load_ratio, LOAD_VS_LLAMA_CPP),
-                vs or (f"{ours['load_s']:.2f} vs {theirs['load_s']:.2f} s" if load_ratio else "not measured")),
+                vs or f.get("load_error") or (f"{ours['load_s']:.2f} vs {theirs['load_s']:.2f} s" if load_ratio else "not measured")),
         _target(f"{label}: peak RSS while loading <= {PEAK_LOAD_VS_FILE:g}x the file", peak, PEAK_LOAD_VS_FILE,
                 _check(peak, PEAK_LOAD_VS_FILE),
-                alone or (f"+{ours['peak_load_bytes'] / 1e6:.0f} MB over the process before loading{theirs_peak}"
+                loads or (f"+{ours['peak_load_bytes'] / 1e6:.0f} MB over the process before loading{theirs_peak}"
                           if peak else "not measured")),
     ]
 
@@ -597,6 +601,8 @@ def _file_lines(f: dict[str, Any]) -> list[str]:
                 line += (f" vs {b['decode_tokens_per_s']:6.1f} "
                          f"({a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x)")
         out.append(line + ("  (mlxchat vs llama.cpp)" if b else ""))
+    if f.get("load_error"):
+        out.append(f"    loads: {f['load_error']}")
     if load := f.get("load"):
         a, b = load["mlxchat"], load.get("llama.cpp") or {}
         size = f["file_bytes"]

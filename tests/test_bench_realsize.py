@@ -217,3 +217,13 @@ def test_the_bench_runs_the_section_and_prints_its_targets():
     text = summary_text({"targets": [], "realsize": section})
     assert "Real size: a 1.10B-parameter" in text
     assert "FAIL  1.1B Q4_0: decode >= 1x llama.cpp (every prompt length): 0.66x" in text.split("Targets:")[1]
+
+
+def test_a_load_child_that_fails_leaves_the_rows_and_says_why():
+    f = _file(_rows({32: (0.2, 40.0), 50: (0.3, None)}, {32: (0.1, 60.0), 50: (0.2, None)}))
+    del f["load"]
+    f["load_error"] = "mlxchat could not load x.gguf in a child process: MemoryError"
+    decode, _, no_cliff, memory, load, peak = R.file_targets(f)
+    assert decode["value"] is not None and no_cliff["value"] is not None
+    assert all(t["passed"] is None and "MemoryError" in t["detail"] for t in (memory, load, peak))
+    assert "loads: mlxchat could not load" in "\n".join(R.summary_lines(_section([f])))
