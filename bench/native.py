@@ -200,11 +200,11 @@ class MlxOpLayersRunner(EngineRunner):
                 os.environ["MLXCHAT_NATIVE_LAYERS"] = before
 
 
-def interleaved_rows(runners: dict[str, Any], tokenizer: Any, plan: list[tuple[int, int]],
-                     repeats: int) -> list[dict[str, Any]]:
+def interleaved_rows(runners: dict[str, Any], tokenizer: Any, plan: list[tuple[int, int]], repeats: int,
+                     log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Greedy runs of every runner at each (prompt tokens, generated tokens) of ``plan``: each repeat runs every
     runner once, the order alternating, so drift in the machine's load hits them alike. One row per runner and prompt
-    length: the medians, and each repeat's figures."""
+    length: the medians, and each repeat's figures. ``log`` gets a line per repeat (long prompts take minutes)."""
     rows = []
     for n, max_tokens in plan:
         messages, ids = prompts.exact_prompt(tokenizer, n)
@@ -213,6 +213,9 @@ def interleaved_rows(runners: dict[str, Any], tokenizer: Any, plan: list[tuple[i
             order = list(runners.items()) if r % 2 == 0 else list(reversed(runners.items()))
             for name, runner in order:
                 samples[name].append(runner.run(messages, ids, GREEDY, max_tokens))
+            if log:
+                log(f"{n} prompt tokens, repeat {r + 1}/{repeats}: " + " · ".join(
+                    f"{name} TTFT {ss[-1]['ttft_s']:.2f} s" for name, ss in samples.items()))
         for name, ss in samples.items():
             rows.append({"system": name, "prompt_tokens": n,
                          "decode_tokens_per_s": median(s["decode_tokens_per_s"] for s in ss),

@@ -415,7 +415,8 @@ def file_case(path: str, label: str, plan: list[tuple[int, int]], repeats: int, 
         # Warm-up (not counted): the first calls fault the weights in and compile kernels. A short prompt: before the
         # 2,048-token row a warm-up of its own length would cost a whole extra prefill per system.
         interleaved_rows(runners, engine.model.tokenizer, [(32, 2)], 1)
-        out["rows"] = interleaved_rows(runners, engine.model.tokenizer, plan, repeats)
+        out["rows"] = interleaved_rows(runners, engine.model.tokenizer, plan, repeats,
+                                       log=lambda line: _log(f"{label}: {line}"))
     finally:
         engine.close()
         if llama is not None:
