@@ -22,8 +22,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                                                            "prefilled through the window (default: 2000)")
     bench.add_argument("--llama-threads", type=int, help="llama.cpp threads, when it is installed (default: 2)")
     bench.add_argument("--skip", action="append", help="leave out a section: matrix, chat, tui, rotating, "
-                                                       "roofline, formats, native, kv, server, split, kv_disk "
-                                                       "(repeatable)")
+                                                       "roofline, formats, native, kv, server, split, kv_disk, "
+                                                       "constrained, speculative, realsize (repeatable)")
     bench.set_defaults(command_runner=run)
 
 

@@ -201,6 +201,31 @@ class MlxOpLayersRunner(EngineRunner):
                 os.environ["MLXCHAT_NATIVE_LAYERS"] = before
 
 
+def interleaved_rows(runners: dict[str, Any], tokenizer: Any, plan: list[tuple[int, int]], repeats: int,
+                     log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Greedy runs of every runner at each (prompt tokens, generated tokens) of ``plan``: each repeat runs every
+    runner once, the order alternating, so drift in the machine's load hits them alike. One row per runner and prompt
+    length: the medians, and each repeat's figures. ``log`` gets a line per repeat (long prompts take minutes)."""
+    rows = []
+    for n, max_tokens in plan:
+        messages, ids = prompts.exact_prompt(tokenizer, n)
+        samples: dict[str, list[dict]] = {k: [] for k in runners}
+        for r in range(repeats):
+            order = list(runners.items()) if r % 2 == 0 else list(reversed(runners.items()))
+            for name, runner in order:
+                samples[name].append(runner.run(messages, ids, GREEDY, max_tokens))
+            if log:
+                log(f"{n} prompt tokens, repeat {r + 1}/{repeats}: " + " · ".join(
+                    f"{name} TTFT {ss[-1]['ttft_s']:.2f} s" for name, ss in samples.items()))
+        for name, ss in samples.items():
+            rows.append({"system": name, "prompt_tokens": n,
+                         "decode_tokens_per_s": median(s["decode_tokens_per_s"] for s in ss),
+                         "ttft_s": median(s["ttft_s"] for s in ss), "repeats": len(ss),
+                         "generated_tokens": max_tokens, "ttft_runs_s": [s["ttft_s"] for s in ss],
+                         "decode_runs_tokens_per_s": [s["decode_tokens_per_s"] for s in ss]})
+    return rows
+
+
 def decode_compare(native_engine: Any, fp32_engine: Any, lengths: tuple[int, ...], max_tokens: int,
                    repeats: int, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Interleaved repeats of: mlxchat native (fused layers), the same with MLX-op layers, mlxchat fp32, mlx-lm
@@ -208,19 +233,7 @@ def decode_compare(native_engine: Any, fp32_engine: Any, lengths: tuple[int, ...
     runners = {"mlxchat native": EngineRunner(native_engine),
                "mlxchat native, MLX-op layers": MlxOpLayersRunner(native_engine),
                "mlxchat fp32": EngineRunner(fp32_engine), "mlx-lm fp32": MlxLmRunner(fp32_engine)} | (extra or {})
-    rows = []
-    for n in lengths:
-        messages, ids = prompts.exact_prompt(native_engine.model.tokenizer, n)
-        samples: dict[str, list[dict]] = {k: [] for k in runners}
-        for r in range(repeats):
-            order = list(runners.items()) if r % 2 == 0 else list(reversed(runners.items()))
-            for name, runner in order:
-                samples[name].append(runner.run(messages, ids, GREEDY, max_tokens))
-        for name, ss in samples.items():
-            rows.append({"system": name, "prompt_tokens": n,
-                         "decode_tokens_per_s": median(s["decode_tokens_per_s"] for s in ss),
-                         "ttft_s": median(s["ttft_s"] for s in ss), "repeats": len(ss)})
-    return rows
+    return interleaved_rows(runners, native_engine.model.tokenizer, [(n, max_tokens) for n in lengths], repeats)
 
 
 def per_token_breakdown(engine: Any, tokens: int, runner: EngineRunner | None = None) -> dict[str, float]:

@@ -54,6 +54,17 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
                 "split": {"decode_tokens_per_s", "tpot_ms", "ttft_s", "peak_bytes", "split": [LAYERS PER RANK],
                           "ranks": {RANK: {"weight_bytes", "active_bytes", "peak_bytes"}}}} or null
                (bench/split.py: 2 processes over the ring on loopback),
+      "realsize": {"available", "reason" | ("quick", "lengths", "repeats", "max_tokens", "threads", "making_s",
+                   "making": {"folder", "shape", "params", "files": {LABEL: PATH}, "made": {STEP: SECONDS},
+                              "reused": [LABEL], "record": {"made_s", "made_at", "llama_cpp_python", ...}},
+                   "llama_cpp": {"version", "system_info", "features", "missing_for_this_cpu", "native"} | null,
+                   "files": [FILE], "long": FILE, "targets": [TARGET])} or null (bench/realsize.py; FILE =
+                   {"label", "file", "file_bytes", "weights_path", "mlxchat_error" | "llama_cpp_error" (optional),
+                    "rows": [{"system", "prompt_tokens", "decode_tokens_per_s", "ttft_s", "repeats",
+                              "generated_tokens", "ttft_runs_s", "decode_runs_tokens_per_s"}],
+                    "load": {SYSTEM: {"load_s", "load_runs_s", "peak_load_bytes", "peak_rss_bytes",
+                                      "ru_maxrss_bytes", "rss_growth_bytes", "rss_anon_after_bytes",
+                                      "rss_file_after_bytes", "mlx_active_bytes", "weights_path", "repeats"}}}),
       "targets": [{"name", "value", "threshold", "unit", "passed": true | false | null, "detail"}],
       "errors": {"<section>": "what failed"}
     }

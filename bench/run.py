@@ -26,6 +26,7 @@ from . import constrained as CD
 from . import kv as KV
 from . import kv_disk as KD
 from . import native as N
+from . import realsize as RS
 from . import server as S
 from . import speculative as SB
 from . import split as SP
@@ -33,7 +34,7 @@ from . import prompts, report, stats
 from .systems import FULL, GREEDY, EngineRunner, MlxLmRunner, SamplerSpec, llama_cpp_version, make_llama_cpp
 
 SECTIONS = ("matrix", "chat", "trace", "tui", "rotating", "roofline", "formats", "native", "kv", "server", "split",
-            "constrained", "kv_disk", "speculative")
+            "constrained", "kv_disk", "speculative", "realsize")
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,14 @@ class Config:
     kv_disk: bool = False  # the disk KV cache (bench/kv_disk.py): a 3,000-token chat prefilled 4 times, so opt-in here
     spec_tokens: int = 128  # the speculative section (bench/speculative.py): greedy tokens per reply, and repeats
     spec_repeats: int = 4
+    realsize: bool = False  # mlxchat vs llama.cpp on a 1.1B model (bench/realsize.py): minutes, so opt-in here
+    realsize_repeats: int = 3
 
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
                   full_chain_lengths=(32, 512, 2048), chat_turns=20, chat_reply_tokens=32,
                   rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=3, tui_tokens=128,
-                  format_repeats=5, native=True, kv_disk=True)
+                  format_repeats=5, native=True, kv_disk=True, realsize=True)
 # --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
 # chain runs at 32 tokens only (mlxchat's penalties count generated tokens, so the prompt length hardly matters),
 # and the rotating run is 2.6k tokens through a 512-token window. The TUI case keeps the full run's 3 x 128 tokens
@@ -80,7 +83,8 @@ QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=3, tui_tokens=128, format_repeats=3, native=True,
                    kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
-                   split_repeats=1, constrained_seeds=2, constrained_tokens=64, spec_tokens=64, spec_repeats=2)
+                   split_repeats=1, constrained_seeds=2, constrained_tokens=64, spec_tokens=64, spec_repeats=2,
+                   realsize=True, realsize_repeats=2)
 
 
 def log(msg: str) -> None:
@@ -218,6 +222,7 @@ def summary_text(results: dict[str, Any]) -> str:
     out.extend(S.summary_lines(results.get("server")))
     out.extend(SP.summary_lines(results.get("split")))
     out.extend(SB.summary_lines(results.get("speculative")))
+    out.extend(RS.summary_lines(results.get("realsize")))
     if results.get("errors"):
         out.append("Errors: " + "; ".join(f"{k}: {v}" for k, v in results["errors"].items()))
     out.append("Targets:")
@@ -225,8 +230,8 @@ def summary_text(results: dict[str, Any]) -> str:
                                     + ((results.get("server") or {}).get("targets") or [])
                                     + ((results.get("constrained") or {}).get("targets") or [])
                                     + ((results.get("kv_disk") or {}).get("targets") or [])
-
-                                    + ((results.get("speculative") or {}).get("targets") or [])))
+                                    + ((results.get("speculative") or {}).get("targets") or [])
+                                    + ((results.get("realsize") or {}).get("targets") or [])))
     return "\n".join(out)
 
 
@@ -352,6 +357,13 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         speculative = _guard(errors, "speculative", SB.speculative_case, engine, cfg.spec_tokens, cfg.spec_repeats)
         if speculative is not None:
             speculative["targets"] = SB.targets(speculative)
+    realsize = None
+    if cfg.realsize and "realsize" not in cfg.skip:
+        log("real size: a 1.1B llama (Q4_K_M, Q4_0) and the embedded model's Q4_K_M vs llama.cpp on the same files")
+        realsize = _guard(errors, "realsize", RS.realsize_case, quick=cfg.quick, max_tokens=cfg.max_tokens,
+                          repeats=cfg.realsize_repeats, llama_threads=cfg.llama_threads)
+        if realsize is not None:
+            realsize["targets"] = RS.targets(realsize)
     backend = {**engine.backend.as_dict(), "line": engine.describe()}
     eng = EngineRunner(engine)
     chains = {"greedy": eng.describe(GREEDY, cfg.max_tokens), "full": eng.describe(FULL, cfg.max_tokens)}
@@ -391,7 +403,7 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         "rotating": rotating,
         "tui": tui, "roofline": roof, "formats": formats, "native": native, "kv": kv, "server": server,
         "split": split, "backend": backend, "constrained": constrained, "kv_disk": kv_disk,
-        "speculative": speculative,
+        "speculative": speculative, "realsize": realsize,
         "errors": errors,
     }
     results["targets"] = stats.evaluate_targets(results)

@@ -17,9 +17,13 @@ numpy logits processor), so no system stops early on a different token and decod
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -261,6 +265,33 @@ class LlamaCppRunner:
             self.llm = None
 
 
+# Loads the file and evaluates a prompt and one more token: the prefill's and the decode's matmul paths.
+_SMOKE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, n_threads=1, verbose=False)
+ids = llm.tokenize(b"Hello there, how are you?")
+llm.eval(ids)
+llm.eval(ids[:1])
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def llama_cpp_crash(path: str) -> str | None:
+    """None when llama.cpp loads ``path`` and evaluates tokens in a child process; else why not. A build whose
+    kernels fault on this machine kills its process (a GGML_NATIVE build on a VM that lists AMX but faults on its
+    tile instructions died of SIGSEGV in ggml_backend_amx_mul_mat), so it is tried where that costs only a child."""
+    try:
+        child = subprocess.run([sys.executable, "-c", _SMOKE, path], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "llama.cpp did not evaluate a prompt within 600 s in a child process"
+    if child.returncode == 0:
+        return None
+    how = f"died of {signal.Signals(-child.returncode).name}" if child.returncode < 0 else \
+        f"failed ({(child.stderr.strip().splitlines() or ['no output'])[-1]})"
+    return f"llama.cpp {how} evaluating a prompt in a child process: its build does not run on this machine"
+
+
 def make_llama_cpp(model_source: str, eos_ids: list[int], n_ctx: int,
                    threads: int = DEFAULT_LLAMA_THREADS) -> tuple[LlamaCppRunner | None, str]:
     """A llama.cpp runner, or None and why not."""
@@ -268,6 +299,8 @@ def make_llama_cpp(model_source: str, eos_ids: list[int], n_ctx: int,
         return None, "llama-cpp-python is not installed (optional: see bench/README.md)"
     if not (model_source.lower().endswith(".gguf") and os.path.isfile(model_source)):
         return None, f"the model is not a GGUF file ({model_source})"
+    if crash := llama_cpp_crash(model_source):
+        return None, crash
     try:
         return LlamaCppRunner(model_source, eos_ids, n_ctx, threads), ""
     except Exception as e:  # noqa: BLE001 - the comparison is optional; say why it is missing
