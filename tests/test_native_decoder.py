@@ -1,6 +1,6 @@
 """Whole llama decoder layers as one native op (core/native_decoder.py): the fused path against the same model with
-MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on a tiny
-quantized llama and on the embedded model."""
+MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on tiny
+quantized llamas, a qwen2 and a qwen3, and on the embedded model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama, qwen2
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxchat.core import Engine, native, native_linear
@@ -58,6 +58,10 @@ def _tiny_quantized(arch, formats: dict[str, dict[str, int]] | None = None, **ro
                           vocab_size=64, **rope)
     mx.random.seed(1)
     model = arch.Model(args)
+    # qwen3's q/k norms: weights of their own (not RMSNorm's ones), so that one applied as the other would show.
+    for name, norm in model.named_modules():
+        if name.endswith(("q_norm", "k_norm")):
+            norm.weight = 1.0 + 0.5 * mx.random.normal(norm.weight.shape)
     formats = formats or {}
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: hasattr(m, "to_quantized") and (
         formats.get(path.rsplit(".", 1)[-1], True)))
@@ -66,11 +70,13 @@ def _tiny_quantized(arch, formats: dict[str, dict[str, int]] | None = None, **ro
     return model
 
 
-# qwen2: q/k/v biases. The formats: a GGUF may give v_proj more bits than q and k, or a projection other groups; the
-# layer's q/k/v and gate/up jobs then mix formats, each with x prepared its own way.
+# qwen2: q/k/v biases; qwen3: per-head q/k RMSNorms and a head size (64) other than hidden/heads. The formats: a GGUF
+# may give v_proj more bits than q and k, or a projection other groups; the layer's q/k/v and gate/up jobs then mix
+# formats, each with x prepared its own way.
 @pytest.mark.parametrize("arch, rope, formats", [
     (llama, {}, None), (llama, {"rope_traditional": True, "rope_theta": 500.0}, None),
     (qwen2, {"rope_theta": 1e6}, None),
+    (qwen3, {"rope_theta": 1e6, "head_dim": 64, "max_position_embeddings": 512, "tie_word_embeddings": False}, None),
     (llama, {}, {"v_proj": {"group_size": 32, "bits": 8}, "up_proj": {"group_size": 64, "bits": 4}})])
 def test_tiny_models_fused_equal_todays_path(arch, rope: dict, formats: dict | None, monkeypatch, tmp_path):
     model = _tiny_quantized(arch, formats, **rope)
