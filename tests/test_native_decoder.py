@@ -122,6 +122,36 @@ def test_tiny_models_fused_equal_todays_path(arch, rope: dict, formats: dict | N
     assert fused == 2 and nodes < 100
 
 
+def test_tiny_qwen3_batch_rows_fused_equal_todays_path(monkeypatch):
+    # The server's batched step on qwen3's blocks: one row of each of three left-padded sequences in a BatchKVCache.
+    model = _tiny_quantized(qwen3, rope_theta=1e6, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
+    assert use_fused_layers(model) == 2
+    rng = np.random.default_rng(1)
+    prompts = [[int(i) for i in rng.integers(0, 64, n)] for n in (30, 7, 19)]
+    padding = [30 - len(p) for p in prompts]
+
+    def batch(fused: bool) -> tuple[list[list[int]], list[np.ndarray]]:
+        monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1" if fused else "0")
+        cache = [BatchKVCache(padding) for _ in model.layers]
+        logits = model(mx.array([[0] * pad + p for pad, p in zip(padding, prompts)]), cache=cache)[:, -1]
+        tokens, rows = [], []
+        for _ in range(16):
+            token = logits.argmax(-1)
+            tokens.append(token.tolist())
+            rows.append(np.array(logits))
+            logits = model(token[:, None], cache=cache)[:, -1]
+        return tokens, rows
+
+    calls = []
+    op = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *a, **k: calls.append(a[0].shape) or op(*a, **k))
+    (want, want_rows), (got, got_rows) = batch(fused=False), batch(fused=True)
+    assert calls == [(3, 1, 128)] * 2 * 16  # every decode step's layers fused (the prompt pass: MLX ops)
+    assert got == want
+    for a, b in zip(got_rows, want_rows):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
 def test_fp32_layers_are_not_fused():
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
