@@ -3,10 +3,11 @@
 On MLX's CPU backend every graph node costs ~20-40 us of dispatch, and a llama layer in MLX ops is ~110 nodes (RMSNorm
 and RoPE are composed of small ops on the CPU, the KV cache update is four more): measured on the embedded model, a
 decode step was 26 ms of which 11 ms in the native kernels, the rest mostly dispatch. `use_fused_layers(model)`
-re-classes each mlx-lm llama or qwen2 `TransformerBlock` (mistral loads as llama; exactly those classes: qwen3's
-and Gemma's blocks, with q/k norms, four norms or soft-capping, keep their own call) in place to a subclass whose call
-is one `native.decoder_layer` node (RMSNorm, the q/k/v projections, RoPE, the append to the layer's KV cache,
-attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the block computes:
+re-classes each mlx-lm llama, qwen2 or qwen3 `TransformerBlock` (mistral loads as llama; exactly those classes:
+Gemma's blocks, with four norms or soft-capping, keep their own call) in place to a subclass whose call is one
+`native.decoder_layer` node (RMSNorm, the q/k/v projections, qwen3's per-head q/k RMSNorms, RoPE, the append to the
+layer's KV cache, attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the
+block computes:
 float32 activations, all seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's),
 `nn.RoPE`, and either at most `FUSED_ROWS` rows of one sequence in mlx-lm's plain `KVCache` (no mask or "causal"), or
 one row each of at most `FUSED_ROWS` sequences in the server's `BatchKVCache` (the mask is the cache's own: its left
@@ -22,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen2
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
@@ -59,12 +60,15 @@ def _plan(block: nn.Module) -> _Plan | None:
     norms = (block.input_layernorm, block.post_attention_layernorm)
     head_dim = attn.q_proj["weight"].shape[0] // attn.n_heads  # qwen2's Attention keeps no head_dim
     qkv_bias = ["bias" in p for p in projections[:3]]
+    # qwen3's per-head q/k RMSNorms (over head_dim, before RoPE); llama's and qwen2's Attention have none.
+    qk_norms = [attn[name] for name in ("q_norm", "k_norm") if name in attn]
     if (type(rope) is not nn.RoPE or rope.dims > head_dim or qkv_bias not in ([False] * 3, [True] * 3)
             or not all(p["bias"].dtype == mx.float32 for p in projections[:3] if "bias" in p)
             or not all(type(p) is NativeQuantizedLinear for p in projections)
             or any("bias" in p for p in projections[3:])
-            or not all(type(n) is nn.RMSNorm and n.weight.dtype == mx.float32 for n in norms)
-            or norms[0].eps != norms[1].eps):
+            or not all(type(n) is nn.RMSNorm and n.weight.dtype == mx.float32 for n in norms + tuple(qk_norms))
+            or any(n.eps != norms[0].eps for n in norms[1:] + tuple(qk_norms))
+            or len(qk_norms) not in (0, 2) or any(n.weight.shape != (head_dim,) for n in qk_norms)):
         return None
     # RoPE's frequencies, computed by the ops mx.fast.rope composes on the CPU.
     inv_freqs = native.rope_inv_freqs(rope.dims, rope.base)
@@ -73,9 +77,10 @@ def _plan(block: nn.Module) -> _Plan | None:
     for p in projections:
         weights += [p["weight"], p["scales"], p["biases"]]
     weights += [p["bias"] for p in projections[:3] if "bias" in p]
+    weights += [n.weight for n in qk_norms]
     shape = native.layer_shape(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim,
                                norm_eps=norms[0].eps, rope_dims=rope.dims, rope_traditional=rope.traditional,
-                               rope_scale=rope.scale, attention_scale=attn.scale)
+                               rope_scale=rope.scale, attention_scale=attn.scale, qk_norm=bool(qk_norms))
     layer = native.layer_weights(weights, [p.group_size for p in projections], [p.bits for p in projections],
                                  [int(p.packed) for p in projections], any(p.int8 for p in projections), shape)
     return _Plan(shape, layer)
@@ -118,8 +123,8 @@ def _no_padding() -> mx.array:
 
 
 class FusedTransformerBlock:
-    """The call of mlx-lm's llama/qwen2 `TransformerBlock` (the two are the same), as one native op where `_plan`
-    and the call's arguments allow."""
+    """The call of mlx-lm's llama/qwen2/qwen3 `TransformerBlock` (the three are the same), as one native op where
+    `_plan` and the call's arguments allow."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan = self.__dict__.get("_mlxchat_plan")
@@ -157,14 +162,15 @@ def enabled() -> bool:
 
 # Exactly these classes (not subclasses, whose calls may differ): their calls are the one above.
 _FUSED = {cls: type(f"Fused{name}TransformerBlock", (FusedTransformerBlock, cls), {})
-          for name, cls in (("Llama", llama.TransformerBlock), ("Qwen2", qwen2.TransformerBlock))}
+          for name, cls in (("Llama", llama.TransformerBlock), ("Qwen2", qwen2.TransformerBlock),
+                            ("Qwen3", qwen3.TransformerBlock))}
 
 
 _BASES = {fused: cls for cls, fused in _FUSED.items()}
 
 
 def use_fused_layers(model: nn.Module) -> int:
-    """Re-class the model's llama/qwen2 decoder layers that the fused op computes exactly; returns how many. Run
+    """Re-class the model's llama/qwen2/qwen3 decoder layers that the fused op computes exactly; returns how many. Run
     again after the layers change (mlx-lm's `shard()` swaps their projections and heads): a layer the op no longer
     computes goes back to its own class."""
     if not native.has_layer_op():
@@ -184,7 +190,7 @@ def use_fused_layers(model: nn.Module) -> int:
 
 def fused_layers(model: nn.Module) -> tuple[int, int]:
     """(fused, all) decoder layers of `model`, for "fused layers: 0/28" in --stats: every architecture's layers
-    count (those of qwen3 and the gemma families run on MLX ops); 0 fused while fused layers are switched off."""
+    count (those of the gemma families run on MLX ops); 0 fused while fused layers are switched off."""
     layers = [layer for layer in getattr(model, "layers", []) if layer is not None]
     fused = sum(isinstance(layer, FusedTransformerBlock) for layer in layers) if enabled() else 0
     return fused, len(layers)
@@ -192,7 +198,7 @@ def fused_layers(model: nn.Module) -> tuple[int, int]:
 
 def describe(model: nn.Module) -> str:
     """Which decode path runs, for --stats and the bench: "decode: 30/30 layers fused", and "decode: 0/28 layers
-    fused" for the native path's architectures the op does not cover ("" off the native path)."""
+    fused" for the native path's architectures the op does not cover (gemma) ("" off the native path)."""
     if not any(isinstance(m, NativeQuantizedLinear) for _, m in model.named_modules()):
         return ""
     fused, layers = fused_layers(model)

@@ -110,13 +110,14 @@ def test_every_architecture_loads_and_generates(arch: str, tmp_path: Path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_default_policy_matches_fp32_and_fuses_only_llama_blocks(arch: str, tmp_path: Path):
+def test_default_policy_matches_fp32_and_fuses_only_llama_family_blocks(arch: str, tmp_path: Path):
     """Q8_0 layers on the default policy: on the native kernel (where built) the same logits as the F32 file of the
-    Q8_0 values, and the fused decoder layer only on blocks it computes (qwen3's and Gemma's take their own call)."""
+    Q8_0 values (token by token: through the fused layers where they run), and the fused decoder layer only on blocks
+    it computes (llama's and qwen3's, q/k norms and all; Gemma's take their own call)."""
     default = loader.load(write_model(tmp_path / f"{arch}-q8.gguf", arch, q8=True))
     fused, layers = native_decoder.fused_layers(default.model)
     assert layers == len(default.model.layers)
-    if arch == "llama" and native_decoder.enabled() and default.quantized:
+    if arch in ("llama", "qwen3") and native_decoder.enabled() and default.quantized:
         assert fused == layers
     else:
         assert fused == 0

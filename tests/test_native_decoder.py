@@ -1,6 +1,6 @@
 """Whole llama decoder layers as one native op (core/native_decoder.py): the fused path against the same model with
-MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on a tiny
-quantized llama and on the embedded model."""
+MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on tiny
+quantized llamas, a qwen2 and a qwen3, and on the embedded model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama, qwen2
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxchat.core import Engine, native, native_linear
@@ -58,6 +58,10 @@ def _tiny_quantized(arch, formats: dict[str, dict[str, int]] | None = None, **ro
                           vocab_size=64, **rope)
     mx.random.seed(1)
     model = arch.Model(args)
+    # qwen3's q/k norms: weights of their own (not RMSNorm's ones), so that one applied as the other would show.
+    for name, norm in model.named_modules():
+        if name.endswith(("q_norm", "k_norm")):
+            norm.weight = 1.0 + 0.5 * mx.random.normal(norm.weight.shape)
     formats = formats or {}
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: hasattr(m, "to_quantized") and (
         formats.get(path.rsplit(".", 1)[-1], True)))
@@ -66,11 +70,13 @@ def _tiny_quantized(arch, formats: dict[str, dict[str, int]] | None = None, **ro
     return model
 
 
-# qwen2: q/k/v biases. The formats: a GGUF may give v_proj more bits than q and k, or a projection other groups; the
-# layer's q/k/v and gate/up jobs then mix formats, each with x prepared its own way.
+# qwen2: q/k/v biases; qwen3: per-head q/k RMSNorms and a head size (64) other than hidden/heads. The formats: a GGUF
+# may give v_proj more bits than q and k, or a projection other groups; the layer's q/k/v and gate/up jobs then mix
+# formats, each with x prepared its own way.
 @pytest.mark.parametrize("arch, rope, formats", [
     (llama, {}, None), (llama, {"rope_traditional": True, "rope_theta": 500.0}, None),
     (qwen2, {"rope_theta": 1e6}, None),
+    (qwen3, {"rope_theta": 1e6, "head_dim": 64, "max_position_embeddings": 512, "tie_word_embeddings": False}, None),
     (llama, {}, {"v_proj": {"group_size": 32, "bits": 8}, "up_proj": {"group_size": 64, "bits": 4}})])
 def test_tiny_models_fused_equal_todays_path(arch, rope: dict, formats: dict | None, monkeypatch, tmp_path):
     model = _tiny_quantized(arch, formats, **rope)
@@ -114,6 +120,36 @@ def test_tiny_models_fused_equal_todays_path(arch, rope: dict, formats: dict | N
     model(mx.array([prompt[:8]]), cache=cache)
     nodes, fused = _step_ops(model, mx.array([[3]]), cache, str(tmp_path / "step.dot"))
     assert fused == 2 and nodes < 100
+
+
+def test_tiny_qwen3_batch_rows_fused_equal_todays_path(monkeypatch):
+    # The server's batched step on qwen3's blocks: one row of each of three left-padded sequences in a BatchKVCache.
+    model = _tiny_quantized(qwen3, rope_theta=1e6, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
+    assert use_fused_layers(model) == 2
+    rng = np.random.default_rng(1)
+    prompts = [[int(i) for i in rng.integers(0, 64, n)] for n in (30, 7, 19)]
+    padding = [30 - len(p) for p in prompts]
+
+    def batch(fused: bool) -> tuple[list[list[int]], list[np.ndarray]]:
+        monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1" if fused else "0")
+        cache = [BatchKVCache(padding) for _ in model.layers]
+        logits = model(mx.array([[0] * pad + p for pad, p in zip(padding, prompts)]), cache=cache)[:, -1]
+        tokens, rows = [], []
+        for _ in range(16):
+            token = logits.argmax(-1)
+            tokens.append(token.tolist())
+            rows.append(np.array(logits))
+            logits = model(token[:, None], cache=cache)[:, -1]
+        return tokens, rows
+
+    calls = []
+    op = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *a, **k: calls.append(a[0].shape) or op(*a, **k))
+    (want, want_rows), (got, got_rows) = batch(fused=False), batch(fused=True)
+    assert calls == [(3, 1, 128)] * 2 * 16  # every decode step's layers fused (the prompt pass: MLX ops)
+    assert got == want
+    for a, b in zip(got_rows, want_rows):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
 def test_fp32_layers_are_not_fused():

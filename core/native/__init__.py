@@ -205,11 +205,12 @@ def nucleus(logits: mx.array, p: float, *, typical: bool = False) -> mx.array:
 
 
 def layer_shape(*, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float, rope_dims: int,
-                rope_traditional: bool, rope_scale: float, attention_scale: float) -> object:
-    """The sizes and constants of a llama decoder layer, for `decoder_layer`."""
+                rope_traditional: bool, rope_scale: float, attention_scale: float, qk_norm: bool = False) -> object:
+    """The sizes and constants of a llama decoder layer, for `decoder_layer`; ``qk_norm``: qwen3's per-head RMSNorm
+    of q and k before RoPE (eps ``norm_eps``), whose weights `layer_weights` then takes last."""
     return _module().LayerShape(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, norm_eps=norm_eps,
                                 rope_dims=rope_dims, rope_traditional=rope_traditional, rope_scale=rope_scale,
-                                attention_scale=attention_scale)
+                                attention_scale=attention_scale, qk_norm=qk_norm)
 
 
 def rope_inv_freqs(dims: int, base: float) -> mx.array:
@@ -222,7 +223,8 @@ def layer_weights(weights: list[mx.array], group_sizes: list[int], bits: list[in
     """A llama decoder layer's parameters for `decoder_layer`, checked and made dense once: the two RMSNorm weights,
     ``rope_inv_freqs``, then (w, scales, biases) of q, k, v, o, gate, up and down (MLX's affine format, or
     `pack_weights`'s where ``packed`` says so, one flag a projection), then optionally the float32 biases of q, k
-    and v; ``int8``: the packed ones take x rounded to int8 (else fixed24); ``shape`` from `layer_shape`."""
+    and v, then the float32 q_norm and k_norm weights ``[head_dim]`` when ``shape`` has ``qk_norm``; ``int8``: the
+    packed ones take x rounded to int8 (else fixed24); ``shape`` from `layer_shape`."""
     return _module().layer_weights(weights, group_sizes, bits, packed, int8, shape)
 
 

@@ -50,12 +50,12 @@ NB_MODULE(_ext, m) {
   nb::class_<mlxchat::LayerShape>(m, "LayerShape")
       .def("__init__",
            [](mlxchat::LayerShape* t, int n_heads, int n_kv_heads, int head_dim, float norm_eps, int rope_dims,
-              bool rope_traditional, float rope_scale, float attention_scale) {
+              bool rope_traditional, float rope_scale, float attention_scale, bool qk_norm) {
              new (t) mlxchat::LayerShape{n_heads, n_kv_heads, head_dim, norm_eps, rope_dims, rope_traditional,
-                                         rope_scale, attention_scale};
+                                         rope_scale, attention_scale, qk_norm};
            },
            nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "norm_eps"_a, "rope_dims"_a,
-           "rope_traditional"_a, "rope_scale"_a, "attention_scale"_a)
+           "rope_traditional"_a, "rope_scale"_a, "attention_scale"_a, "qk_norm"_a = false)
       .def_ro("n_kv_heads", &mlxchat::LayerShape::n_kv_heads)
       .def_ro("head_dim", &mlxchat::LayerShape::head_dim);
   m.def("rope_inv_freqs", &mlxchat::rope_inv_freqs, "dims"_a, "base"_a);

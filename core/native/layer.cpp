@@ -111,7 +111,7 @@ class NativeDecoderLayer : public mx::Primitive {
 
  private:
   // Inputs: h, keys, values, the two norm weights, inv_freqs, then the 7 projections' (w, scales, biases), the
-  // optional q/k/v biases, and last the rows' left padding (int32 [B]).
+  // optional q/k/v biases, the q/k norm weights when shape.qk_norm, and last the rows' left padding (int32 [B]).
   static void run(const std::vector<mx::array>& in, std::vector<mx::array>& out, const LayerData& layer,
                   int offset, bool causal) {
     const LayerShape& s = layer.shape;
@@ -138,7 +138,9 @@ class NativeDecoderLayer : public mx::Primitive {
     std::vector<float> xn(size_t(M) * D), q(size_t(M) * H * hd), k(size_t(M) * KVH * hd), v(k.size());
     rms_norm_rows(x, in[3].data<float>(), xn.data(), M, D, s.norm_eps);
     matmul({{0, q.data()}, {1, k.data()}, {2, v.data()}}, xn.data(), M);
-    if (in.size() > kFirstProjection + 3 * kProjections + 1) {  // q, k and v biases (qwen2), added as MLX adds them
+    const size_t qk_norms = s.qk_norm ? 2 : 0;
+    // q, k and v biases (qwen2), added as MLX adds them
+    if (in.size() > kFirstProjection + 3 * kProjections + 1 + qk_norms) {
       float* rows[3] = {q.data(), k.data(), v.data()};
       for (int p = 0; p < 3; ++p) {
         const mx::array& bias = in[kFirstProjection + 3 * kProjections + p];
@@ -148,6 +150,11 @@ class NativeDecoderLayer : public mx::Primitive {
           for (int j = 0; j < N; ++j) rows[p][size_t(i) * N + j] += b[j];
         }
       }
+    }
+    if (s.qk_norm) {  // qwen3: each head's q and k normed (as mx.fast.rms_norm over head_dim), before RoPE
+      const size_t first = in.size() - 3;
+      rms_norm_rows(q.data(), in[first].data<float>(), q.data(), M * H, hd, s.norm_eps);
+      rms_norm_rows(k.data(), in[first + 1].data<float>(), k.data(), M * KVH, hd, s.norm_eps);
     }
     float* keys = out[1].data<float>();
     float* values = out[2].data<float>();
@@ -230,11 +237,11 @@ mx::array rope_inv_freqs(int dims, float base) {
 LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vector<int>& group_sizes,
                            const std::vector<int>& bits, const std::vector<int>& packed, bool int8,
                            const LayerShape& shape) {
-  const size_t plain = 3 + 3 * kProjections;
-  if ((weights.size() != plain && weights.size() != plain + 3) || group_sizes.size() != kProjections ||
-      bits.size() != kProjections || packed.size() != kProjections) {
-    throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs, 7 (w, scales, biases) triples and "
-                                "optionally the q, k and v biases");
+  const size_t plain = 3 + 3 * kProjections, qk_norms = shape.qk_norm ? 2 : 0;
+  if ((weights.size() != plain + qk_norms && weights.size() != plain + 3 + qk_norms) ||
+      group_sizes.size() != kProjections || bits.size() != kProjections || packed.size() != kProjections) {
+    throw std::invalid_argument("decoder_layer needs 2 norm weights, inv_freqs, 7 (w, scales, biases) triples, "
+                                "optionally the q, k and v biases, and the q and k norm weights when qk_norm");
   }
   if (shape.rope_dims > shape.head_dim || shape.rope_dims % 2) {
     throw std::invalid_argument("decoder_layer: rope_dims must be even and at most head_dim");
@@ -252,13 +259,21 @@ LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vec
   }
   const int qkv_rows[3] = {shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim,
                            shape.n_kv_heads * shape.head_dim};
-  for (size_t p = 0; plain + p < weights.size(); ++p) {
+  const size_t biases = weights.size() - qk_norms;
+  for (size_t p = 0; plain + p < biases; ++p) {
     const auto& bias = weights[plain + p];
     check_float32(bias, "q/k/v biases");
     if (bias.ndim() != 1 || bias.shape(0) != qkv_rows[p]) {
       throw std::invalid_argument("decoder_layer: the q, k and v biases must match their projections' outputs");
     }
     layer->arrays.push_back(dense(bias, s));
+  }
+  for (size_t i = biases; i < weights.size(); ++i) {
+    check_float32(weights[i], "q/k norm weights");
+    if (weights[i].ndim() != 1 || weights[i].shape(0) != shape.head_dim) {
+      throw std::invalid_argument("decoder_layer: the q and k norm weights must be [head_dim]");
+    }
+    layer->arrays.push_back(dense(weights[i], s));
   }
   return LayerWeights{std::move(layer)};
 }

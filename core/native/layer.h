@@ -19,6 +19,7 @@ struct LayerShape {
   bool rope_traditional;
   float rope_scale;  // positions are multiplied by it (mx.fast.rope's scale)
   float attention_scale;
+  bool qk_norm = false;  // per-head RMSNorm of q and k before RoPE (qwen3), eps norm_eps
 };
 
 // mx.fast.rope's frequencies [dims / 2] for `base`, by the very ops its CPU fallback composes (so they are equal).
@@ -27,7 +28,8 @@ mx::array rope_inv_freqs(int dims, float base);
 // A layer's parameters, checked and made dense once, for every call of decoder_layer: a decode step passes only its
 // rows (converting and checking 24 arrays on every call was ~7 us of Python a layer, ~0.2 ms a step).
 // weights: input_layernorm, post_attention_layernorm, inv_freqs [rope_dims / 2] (as mx.fast.rope computes them), then
-// (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2);
+// (w, scales, biases) of q, k, v, o, gate, up, down, then optionally the float32 biases of q, k and v (qwen2), then
+// when shape.qk_norm the float32 q_norm and k_norm weights [head_dim] (qwen3);
 // group_sizes / bits / packed: the 7 projections' (packed: pack_weights's layout, x taken as integers); int8: the
 // packed ones take x rounded to int8 (weights="native-int8"), else as fixed24.
 struct LayerData {
@@ -52,8 +54,8 @@ LayerWeights layer_weights(const std::vector<mx::array>& weights, const std::vec
 // left_padding (int32 [B]): each row's first real position, as mlx-lm's BatchKVCache left-pads rows (0 for one
 // sequence): row r's tokens sit at RoPE positions offset - left_padding[r] + i and attend to its positions from
 // left_padding[r] on.
-// Computes what mlx-lm's llama and qwen2 TransformerBlocks compute, in fp32, with the native matmul, attention and
-// SwiGLU kernels; `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
+// Computes what mlx-lm's llama, qwen2 and qwen3 TransformerBlocks compute, in fp32, with the native matmul, attention
+// and SwiGLU kernels; `causal` as MLX's "causal" mask (query i sees keys 0 .. offset + i).
 std::vector<mx::array> decoder_layer(const mx::array& h, const mx::array& keys, const mx::array& values,
                                      const LayerWeights& layer, int offset, bool causal,
                                      const mx::array& left_padding);
