@@ -23,9 +23,7 @@ the file's pages are not counted twice while a model loads.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from . import heap
 from .errors import ModelLoadError
 from .gguf import GGML_TYPES, READABLE, GGUFHeader, TensorInfo
 
@@ -69,7 +68,6 @@ def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized =
     """The named tensors (GGUF names, e.g. ``blk.3.attn_q.weight``). A quantized tensor whose format `keep` refuses
     comes back dense in float32 (llama.cpp's dequantization, exactly); a kept one's scales and biases go through
     `params`."""
-    _return_large_frees()
     infos = {t.name: t for t in header.tensors}
     out = Tensors()
     # NumPy lets go of the GIL in its array work: a tensor converts on each core while the next one is read.
@@ -84,21 +82,11 @@ def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized =
                 raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
             if len(pending) >= workers:
                 pending.pop(0).result()  # a bounded queue: at most one tensor a core in memory at once
+                heap.give_back_freed_memory()
             pending.append(pool.submit(_convert, header, info, raw, keep, params, out))
         for job in pending:
             job.result()
     return out
-
-
-def _return_large_frees() -> None:
-    """glibc raises its mmap threshold each time a large block is freed, and blocks of that size then come from the
-    heap, which keeps them when they are freed: converting tensors of hundreds of MB through temporaries left a 1.1B
-    model's load at 2x the file's size in RSS for that alone. A fixed threshold (1 MiB) gives large blocks back."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-        except (OSError, AttributeError):  # another C library: it keeps its own policy
-            pass
 
 
 def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQuantized, params: Params,
@@ -255,7 +243,6 @@ def _q6_k(b: np.ndarray) -> Unpacked:
     return q, scales, scales * np.float32(-32)
 
 
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 _CHUNK_VALUES = 1 << 20
 _BLOCK_VALUES = {name: block for name, block, _ in GGML_TYPES.values()}
 _QUANTS: dict[str, tuple[Callable[[np.ndarray], Unpacked], int, QuantFormat]] = {

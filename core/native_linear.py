@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import native
+from . import heap, native
 
 # Rows of x above which BLAS's GEMM on the dequantized weight (`native.dequantized_matmul`, a cache-sized piece of
 # rows at a time) beats the kernel (prompt prefill). On MLX's layout (the fp32 kernel): equal at 16 rows on the
@@ -132,6 +132,7 @@ def use_native(model: nn.Module, int8: bool = False) -> int:
         new = cls(module, pack, int8)
         mx.eval(new.parameters())
         model.update_modules(tree_unflatten([(path, new)]))
+        heap.give_back_freed_memory()
     return len(paths)
 
 
