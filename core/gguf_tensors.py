@@ -101,14 +101,15 @@ def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQu
     if quant is None:
         raise ModelLoadError(header.path, f"tensor {info.name!r} has type {info.type_name}, which mlxchat cannot "
                                           f"read (supported: {', '.join(READABLE)})")
-    unpack, block_bytes, fmt = quant
+    unpack, fmt = quant
+    block_values, block_bytes = _BLOCKS[info.type_name]
     blocks = raw.reshape(-1, block_bytes)
-    values = blocks.shape[0] * _BLOCK_VALUES[info.type_name]
+    values = blocks.shape[0] * block_values
     rows, cols = info.shape[:-1], info.shape[-1]
     dense = not keep(fmt)
     # Unpacked a chunk at a time into the outputs: a big tensor's temporaries (codes a byte each, shifted copies)
     # would otherwise be several times its size while the model loads.
-    step = max(1, _CHUNK_VALUES // _BLOCK_VALUES[info.type_name])
+    step = max(1, _CHUNK_VALUES // block_values)
     if dense:
         weight = np.empty(values, np.float32)
     else:
@@ -116,7 +117,7 @@ def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQu
     scales = biases = None
     for start in range(0, blocks.shape[0], step):
         q, s, b = unpack(blocks[start:start + step])
-        first, count = start * _BLOCK_VALUES[info.type_name], q.size
+        first, count = start * block_values, q.size
         if dense:
             weight[first:first + count] = _dense(q, s, b, fmt.group_size).reshape(-1)
             continue
@@ -244,15 +245,15 @@ def _q6_k(b: np.ndarray) -> Unpacked:
 
 
 _CHUNK_VALUES = 1 << 20
-_BLOCK_VALUES = {name: block for name, block, _ in GGML_TYPES.values()}
-_QUANTS: dict[str, tuple[Callable[[np.ndarray], Unpacked], int, QuantFormat]] = {
-    "Q4_0": (_q4_0, 18, QuantFormat(4, 32, "Q4_0")),
-    "Q4_1": (_q4_1, 20, QuantFormat(4, 32, "Q4_1")),
-    "Q5_0": (_q5_0, 22, QuantFormat(5, 32, "Q5_0")),
-    "Q5_1": (_q5_1, 24, QuantFormat(5, 32, "Q5_1")),
-    "Q8_0": (_q8_0, 34, QuantFormat(8, 32, "Q8_0")),
-    "Q4_K": (_q4_k, 144, QuantFormat(4, 32, "Q4_K")),
-    "Q5_K": (_q5_k, 176, QuantFormat(5, 32, "Q5_K")),
-    "Q6_K": (_q6_k, 210, QuantFormat(6, 16, "Q6_K")),
+_BLOCKS = {name: (values, nbytes) for name, values, nbytes in GGML_TYPES.values()}  # a block's values and bytes
+_QUANTS: dict[str, tuple[Callable[[np.ndarray], Unpacked], QuantFormat]] = {
+    "Q4_0": (_q4_0, QuantFormat(4, 32, "Q4_0")),
+    "Q4_1": (_q4_1, QuantFormat(4, 32, "Q4_1")),
+    "Q5_0": (_q5_0, QuantFormat(5, 32, "Q5_0")),
+    "Q5_1": (_q5_1, QuantFormat(5, 32, "Q5_1")),
+    "Q8_0": (_q8_0, QuantFormat(8, 32, "Q8_0")),
+    "Q4_K": (_q4_k, QuantFormat(4, 32, "Q4_K")),
+    "Q5_K": (_q5_k, QuantFormat(5, 32, "Q5_K")),
+    "Q6_K": (_q6_k, QuantFormat(6, 16, "Q6_K")),
 }
 assert set(READABLE) == {"F32", "F16", "BF16", *_QUANTS}, "gguf.READABLE must list what this module converts"
