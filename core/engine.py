@@ -101,8 +101,7 @@ class Engine:
     def model_kind(self) -> str:
         """The model's architecture and its file's quantization kind, e.g. "llama Q4_K_M" (the mix is in
         `describe`); "" when nothing is known of them."""
-        kind = self.model.quantization.split(":")[0]
-        return " ".join(x for x in (self.model.architecture, kind) if x)
+        return " ".join(x for x in (self.model.architecture, self.model.quantization_kind) if x)
 
     def decode_path(self) -> str:
         """The weights and the decode path that run, e.g. "native q4/q8 (avx2, 2 threads) · decode: 30/30 layers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -78,9 +79,7 @@ class GGUFHeader:
 
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each ggml type the file holds, most first."""
-        counts: dict[str, int] = {}
-        for t in self.tensors:
-            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        counts = Counter(t.type_name for t in self.tensors)
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def quantization(self) -> str:

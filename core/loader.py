@@ -65,6 +65,11 @@ class LoadedModel:
     quantization: str = ""  # the file's as users know it: "Q4_K_M: Q4_K 25, Q6_K 5, F32 9", "MLX 4-bit (group 64)"
 
     @property
+    def quantization_kind(self) -> str:
+        """The quantization as one name: the file's kind ("Q4_K_M"), the part of `quantization` before its mix."""
+        return self.quantization.split(":")[0]
+
+    @property
     def num_layers(self) -> int:
         return len(self.model.layers)
 

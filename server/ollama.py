@@ -311,8 +311,8 @@ def routes(service: Service) -> list[Route]:
     def details() -> dict[str, Any]:
         model = service.engine.model
         family = model.architecture or getattr(model.model, "model_type", "") or ""
-        # Ollama's level is the file's kind ("Q4_K_M"): the part of the quantization line before its mix.
-        level = model.quantization.split(":")[0] or ("quantized" if model.quantized else "unquantized")
+        # Ollama's level is the file's kind ("Q4_K_M").
+        level = model.quantization_kind or ("quantized" if model.quantized else "unquantized")
         return {"parent_model": "", "format": "gguf" if model.source.endswith(".gguf") else "mlx",
                 "family": family, "families": [family] if family else None, "parameter_size": "",
                 "quantization_level": level}
