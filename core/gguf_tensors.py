@@ -19,6 +19,11 @@ dequantization of the file (tests/test_gguf_types.py checks each against gguf-py
 Q6_K's scales belong to 16 values, a group size MLX's own ops refuse: only mlxchat's native kernel runs it quantized
 (`keep` decides; elsewhere the loader asks for it dense). Reading goes through plain file reads, not a memory map, so
 the file's pages are not counted twice while a model loads.
+
+This module's NumPy conversion is the reference and the path of every backend. On the native path the loader hands
+each kept tensor to core/native's `read_ggml` instead, which does the same mapping in C++ in one pass on the
+kernel's threads, straight into the packed layout and the K-quants' compact parameters (a 1.1B Q4_K_M file: NumPy's
+conversion then the repacking took ~10 s here, the native reader well under one).
 """
 
 from __future__ import annotations
@@ -52,45 +57,80 @@ class Tensors:
 
     arrays: dict[str, mx.array] = field(default_factory=dict)
     formats: dict[str, QuantFormat] = field(default_factory=dict)
+    packed: set[str] = field(default_factory=set)  # NAMEs read in the native kernel's packed layout
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a tensor's blocks are: the file, the byte they start at, and the tensor's rows and columns."""
+
+    path: str
+    offset: int
+    rows: int
+    cols: int
 
 
 # (codes [blocks, values], scales [blocks, groups], biases [blocks, groups]) of an array of whole blocks.
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
 KeepQuantized = Callable[[QuantFormat], bool]
-# What becomes of a kept tensor's scales and biases once they are MLX arrays (the native path compacts the K-quants'
-# float32 ones tensor by tensor, so the whole model's are never held in float32 at once).
-Params = Callable[[QuantFormat, mx.array, mx.array], tuple[mx.array, mx.array]]
+# The native path's reader of a kept tensor: (weight, scales, biases, packed) straight from the file, in the native
+# kernel's own form (core/native's `read_ggml`), or None to have it converted here.
+NativeRead = Callable[[QuantFormat, Place], tuple[mx.array, mx.array, mx.array, bool] | None]
 _FLOATS = {"F32": np.float32, "F16": np.float16}
 
 
 def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized = lambda f: True,
-                 params: Params = lambda f, s, b: (s, b)) -> Tensors:
+                 native: NativeRead | None = None) -> Tensors:
     """The named tensors (GGUF names, e.g. ``blk.3.attn_q.weight``). A quantized tensor whose format `keep` refuses
-    comes back dense in float32 (llama.cpp's dequantization, exactly); a kept one's scales and biases go through
-    `params`."""
+    comes back dense in float32 (llama.cpp's dequantization, exactly); a kept one is read by `native` where it is
+    given and takes it, else converted here to MLX's layout."""
     infos = {t.name: t for t in header.tensors}
     out = Tensors()
+    size = os.path.getsize(header.path)
     # NumPy lets go of the GIL in its array work: a tensor converts on each core while the next one is read.
     workers = os.cpu_count() or 1
     with open(header.path, "rb") as f, ThreadPoolExecutor(workers) as pool:
         pending = []
         for name in names:
             info = infos[name]
+            if header.data_start + info.offset + info.nbytes > size:
+                raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
+            if native is not None and _read_native(header, info, keep, native, out):
+                continue
             f.seek(header.data_start + info.offset)
             raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)
-            if raw.size != info.nbytes:
-                raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
             if len(pending) >= workers:
                 pending.pop(0).result()  # a bounded queue: at most one tensor a core in memory at once
                 heap.give_back_freed_memory()
-            pending.append(pool.submit(_convert, header, info, raw, keep, params, out))
+            pending.append(pool.submit(_convert, header, info, raw, keep, out))
         for job in pending:
             job.result()
     return out
 
 
-def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQuantized, params: Params,
-             out: Tensors) -> None:
+def _read_native(header: GGUFHeader, info: TensorInfo, keep: KeepQuantized, native: NativeRead,
+                 out: Tensors) -> bool:
+    """Whether `native` read the tensor (a kept quantized one) into `out`."""
+    quant = _QUANTS.get(info.type_name)
+    if quant is None or not keep(quant[1]):
+        return False
+    fmt = quant[1]
+    rows, cols = info.shape[:-1], info.shape[-1]
+    read = native(fmt, Place(str(header.path), header.data_start + info.offset, int(np.prod(rows)), cols))
+    if read is None:
+        return False
+    weight, scales, biases, packed = read
+    base = info.name.removesuffix(".weight")
+    out.arrays[f"{base}.weight"] = weight.reshape(*rows, weight.shape[-1])
+    out.arrays[f"{base}.scales"] = scales.reshape(*rows, scales.shape[-1])
+    out.arrays[f"{base}.biases"] = biases.reshape(*rows, biases.shape[-1])
+    out.formats[base] = fmt
+    if packed:
+        out.packed.add(base)
+    return True
+
+
+def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQuantized, out: Tensors) -> None:
     if info.type_name in _FLOATS:
         out.arrays[info.name] = mx.array(raw.view(_FLOATS[info.type_name]).reshape(info.shape))
         return
@@ -132,8 +172,8 @@ def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQu
     base = info.name.removesuffix(".weight")
     out.arrays[f"{base}.weight"] = mx.array(weight.view(np.uint32).reshape(*rows, cols * fmt.bits // 32))
     groups = (*rows, cols // fmt.group_size)
-    out.arrays[f"{base}.scales"], out.arrays[f"{base}.biases"] = params(
-        fmt, mx.array(scales.reshape(groups)), mx.array(biases.reshape(groups)))
+    out.arrays[f"{base}.scales"], out.arrays[f"{base}.biases"] = (mx.array(scales.reshape(groups)),
+                                                                  mx.array(biases.reshape(groups)))
     out.formats[base] = fmt
 
 

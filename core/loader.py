@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -216,15 +217,21 @@ def _keeps_quantized(policy: ResolvedPolicy) -> gguf_tensors.KeepQuantized:
     return keep
 
 
-def _native_params(policy: ResolvedPolicy) -> gguf_tensors.Params:
-    """On the native path, the K-quants' float32 parameters (1.5-4 bits a weight) in the native kernel's two-level
-    form (~the file's 0.5), tensor by tensor as they are read, where it gives every value back bit for bit."""
-    def params(fmt: gguf_tensors.QuantFormat, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
-        if policy in NATIVE_POLICIES and scales.dtype == mx.float32 and native_linear.supports_format(
-                fmt.bits, fmt.group_size):
-            return native.compact_params(scales, biases, group_size=fmt.group_size) or (scales, biases)
-        return scales, biases
-    return params
+def _native_reader(policy: ResolvedPolicy) -> gguf_tensors.NativeRead | None:
+    """On the native path, kept tensors come straight from the file in the native kernel's form (`native.read_ggml`):
+    packed where `use_native` would pack them, the K-quants' parameters compact (~the file's size), in one pass."""
+    if policy not in NATIVE_POLICIES:
+        return None
+    pack = policy == "native-int8" or native.packs_exact()
+
+    def read(fmt: gguf_tensors.QuantFormat, place: gguf_tensors.Place
+             ) -> tuple[mx.array, mx.array, mx.array, bool] | None:
+        if not native_linear.supports_format(fmt.bits, fmt.group_size):
+            return None
+        packed = pack and place.rows % native_linear.PACKED_ROWS == 0
+        arrays = native.read_ggml(place.path, place.offset, fmt.ggml_type, place.rows, place.cols, packed=packed)
+        return None if arrays is None else (*arrays, packed)
+    return read
 
 
 def _quantize_like(model: nn.Module, formats: dict[str, gguf_tensors.QuantFormat],
@@ -263,12 +270,13 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     names = [t.name for t in header.tensors
              if (n := gguf_archs.mlx_name(arch, t.name)) and (stage is None or stage.keeps(n, tied))]
     try:
-        tensors = gguf_tensors.read_tensors(header, names, _keeps_quantized(policy), _native_params(policy))
+        tensors = gguf_tensors.read_tensors(header, names, _keeps_quantized(policy), _native_reader(policy))
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
     weights = {gguf_archs.mlx_name(arch, name): value for name, value in tensors.arrays.items()}
     formats = {gguf_archs.mlx_name(arch, f"{name}.weight").removesuffix(".weight"): fmt
                for name, fmt in tensors.formats.items()}
+    packed = {gguf_archs.mlx_name(arch, f"{name}.weight").removesuffix(".weight") for name in tensors.packed}
     try:
         args = gguf_archs.model_args(header, tied)
         model = _model_class(path, arch, stage)(args)
@@ -290,7 +298,7 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: {_one_line(e)}") from None
     # The file name says model, size and quantization ("SmolLM2-135M-Instruct.Q4_1"); general.name often does not.
-    loaded = _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy)
+    loaded = _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy, packed)
     loaded.architecture, loaded.quantization = header.architecture, header.quantization()
     return loaded
 
@@ -340,7 +348,9 @@ def _load_stage(path: Path, stage: "Stage") -> tuple[nn.Module, dict]:
 
 
 def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, context: int,
-            policy: ResolvedPolicy) -> LoadedModel:
+            policy: ResolvedPolicy, packed: Collection[str] = ()) -> LoadedModel:
+    """The loaded model on its weight path; `packed`: the layers whose weights were read in the native kernel's
+    packed layout."""
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     is_quantized = bool(quantized)
     if mx.default_device() == mx.cpu and policy not in NATIVE_POLICIES:
@@ -355,7 +365,7 @@ def _finish(model: nn.Module, tokenizer: ChatTokenizer, name: str, source: str, 
     if is_quantized and policy in NATIVE_POLICIES:
         bits = sorted({m.bits for m in quantized if native_linear.supports(m)})
         quantized.clear()  # the layers about to be replaced: their arrays must go as use_native repacks them
-        native_linear.use_native(model, int8=policy == "native-int8")
+        native_linear.use_native(model, int8=policy == "native-int8", packed=packed)
         # The KV store's fingerprint keys on this line less its thread count: int8's keys and values differ from the
         # exact path's, and the packed (fixed24) kernel's from the fp32 one's in the last bits.
         if policy == "native-int8":

@@ -12,6 +12,8 @@ llama.cpp rounds it: the results move by that rounding (the bench's native secti
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -45,8 +47,11 @@ def supports(module: nn.Module) -> bool:
             and supports_format(module.bits, module.group_size) and module.get("biases") is not None)
 
 
+PACKED_ROWS = 16  # the packed layout's tiles: a matrix packs where its rows are a multiple of this
+
+
 def _packable(module: nn.Module) -> bool:
-    return module["weight"].shape[0] % 16 == 0
+    return module["weight"].shape[0] % PACKED_ROWS == 0
 
 
 def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
@@ -60,14 +65,14 @@ def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
                                    packed=layer.packed, int8=layer.int8)
 
 
-def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool) -> None:
-    """`module`'s weight, scales and biases from `layer`'s, packed where asked and the rows allow (a multiple of 16);
-    `packed` and `int8` say how the native matmul takes them."""
+def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool, packed: bool) -> None:
+    """`module`'s weight, scales and biases from `layer`'s, packed where asked and the rows allow (a multiple of 16),
+    or as they are where they are `packed` already; `module.packed` and `int8` say how the native matmul takes them."""
     module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
-    module.packed = pack and _packable(layer)
+    module.packed = packed or (pack and _packable(layer))
     module.int8 = int8 and module.packed
     weights = (layer["weight"], layer["scales"], layer["biases"])
-    if module.packed:
+    if module.packed and not packed:
         weights = native.pack_weights(*weights, group_size=layer.group_size, bits=layer.bits)
     module.weight, module.scales, module.biases = weights
 
@@ -78,9 +83,9 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
     """QuantizedLinear's parameters and call, computed by the native kernel. `packed`: the weights are in the
     packed matmul's layout (`native.pack_weights`); `int8`: it rounds x to int8."""
 
-    def __init__(self, layer: nn.QuantizedLinear, pack: bool = False, int8: bool = False):
+    def __init__(self, layer: nn.QuantizedLinear, pack: bool = False, int8: bool = False, packed: bool = False):
         nn.Module.__init__(self)
-        _set_weights(self, layer, pack, int8)
+        _set_weights(self, layer, pack, int8, packed)
         if "bias" in layer:
             self.bias = layer["bias"]
         self.freeze()
@@ -94,10 +99,10 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     """QuantizedEmbedding: `as_linear` (a tied output head) is native. The lookup (a few rows) is MLX's own on MLX's
     layout; on packed weights it is `native.packed_lookup`, which gives the same values."""
 
-    def __init__(self, layer: nn.QuantizedEmbedding, pack: bool = False, int8: bool = False):
+    def __init__(self, layer: nn.QuantizedEmbedding, pack: bool = False, int8: bool = False, packed: bool = False):
         nn.Module.__init__(self)
         self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
-        _set_weights(self, layer, pack, int8)
+        _set_weights(self, layer, pack, int8, packed)
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -118,10 +123,11 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         return _matmul(x, self)
 
 
-def use_native(model: nn.Module, int8: bool = False) -> int:
+def use_native(model: nn.Module, int8: bool = False, packed: Collection[str] = ()) -> int:
     """Replace the model's supported quantized layers in place; returns how many were replaced. Packed where
     `native.packs_exact()` or `int8` (x rounded to int8), for layers whose rows are a multiple of 16 (the rest keep
-    MLX's layout and the fp32 kernel)."""
+    MLX's layout and the fp32 kernel). `packed`: the paths of layers whose arrays are in the packed layout already
+    (`native.read_ggml` read them so), which are taken as they are."""
     pack = int8 or native.packs_exact()
     paths = [path for path, module in model.named_modules() if supports(module)]
     for path in paths:
@@ -129,7 +135,7 @@ def use_native(model: nn.Module, int8: bool = False) -> int:
         # come, so a model is never held twice (a 1.1B model's load peaked at twice its weights).
         module = _submodule(model, path)
         cls = NativeQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else NativeQuantizedLinear
-        new = cls(module, pack, int8)
+        new = cls(module, pack, int8, path in packed)
         mx.eval(new.parameters())
         model.update_modules(tree_unflatten([(path, new)]))
         heap.give_back_freed_memory()

@@ -151,3 +151,80 @@ def test_llama_cpps_q4_k_m_of_each_architecture_runs_exactly(tmp_path: Path, arc
         assert model.quantization.startswith("Q4_K_M: ")
         got = _logits(model, PROMPT)
         assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max(), (weights, model.weights_path)
+
+
+# --- the native reader (core/native's read_ggml): the same values, straight into the kernel's layouts -------------
+
+def _signed_blocks(type_name: str, rows: int, cols: int, seed: int) -> bytes:
+    """Random valid blocks whose f16 fields take both signs and zero: the compact parameters' signs of zero must
+    still be the NumPy conversion's."""
+    raw = np.frombuffer(random_blocks(type_name, rows * cols, np.random.default_rng(seed)), np.uint8).copy()
+    _, block, block_bytes = next(v for v in gguf.GGML_TYPES.values() if v[0] == type_name)
+    blocks = raw.reshape(-1, block_bytes)
+    at = 208 if type_name == "Q6_K" else 0
+    flip = np.random.default_rng(seed + 1).random(len(blocks)) < 0.5
+    blocks[flip, at + 1] ^= 0x80  # the f16's sign bit
+    blocks[::7, at:at + 2] = 0  # d = 0 (a block of zeros, as a quantizer writes it)
+    return blocks.tobytes()
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_native_reader_gives_the_numpy_conversions_values_in_each_layout(tmp_path: Path, type_name: str) -> None:
+    native = loader.native
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    rows, cols = 48, 768
+    header = _one_tensor_file(tmp_path / "t.gguf", type_name, (rows, cols),
+                              _signed_blocks(type_name, rows, cols, seed=3))
+    numpy_read = gguf_tensors.read_tensors(header, ["t.weight"])
+    fmt = numpy_read.formats["t"]
+    w, scales, biases = (numpy_read.arrays[f"t.{k}"] for k in ("weight", "scales", "biases"))
+    offset = header.data_start + header.tensors[0].offset
+
+    def as_f32(s: mx.array, b: mx.array, packed: bool) -> tuple[np.ndarray, np.ndarray]:
+        if native.is_compact(s):
+            s, b = native.expand_params(s, b, group_size=fmt.group_size, packed=packed)
+        elif packed:  # f16 parameters in tiles: back to MLX's layout through the reference unpacking
+            _, s, b = native.unpack_weights(got_w, s, b, group_size=fmt.group_size, bits=fmt.bits)
+        return np.array(s.astype(mx.float32)).view(np.uint32), np.array(b.astype(mx.float32)).view(np.uint32)
+
+    for packed in (False, True):
+        got = native.read_ggml(str(header.path), offset, type_name, rows, cols, packed=packed)
+        assert got is not None
+        got_w, got_s, got_b = got
+        assert got_w.dtype == mx.uint32 and got_w.shape == w.shape
+        assert native.is_compact(got_s) == type_name.endswith("_K")
+        want_w = native.pack_weights(w, scales, biases, group_size=fmt.group_size, bits=fmt.bits)[0] if packed else w
+        assert np.array_equal(np.array(got_w), np.array(want_w)), packed
+        # Every parameter bit for bit, signs of zero included (float32 bits compared).
+        got_params = as_f32(got_s, got_b, packed)
+        want_params = (np.array(scales.astype(mx.float32)).view(np.uint32),
+                       np.array(biases.astype(mx.float32)).view(np.uint32))
+        assert np.array_equal(got_params[0], want_params[0]) and np.array_equal(got_params[1], want_params[1])
+        dense = native.dequantize(got_w, got_s, got_b, group_size=fmt.group_size, bits=fmt.bits, packed=packed)
+        assert np.array_equal(np.array(dense), _reference(bytes(np.fromfile(header.path, np.uint8)[offset:]
+                                                               [:header.tensors[0].nbytes]), type_name, rows))
+
+
+def test_the_native_reader_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    native = loader.native
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    header = _one_tensor_file(tmp_path / "t.gguf", "Q4_K", (24, 256), random_blocks("Q4_K", 24 * 256,
+                                                                                     np.random.default_rng(0)))
+    offset = header.data_start + header.tensors[0].offset
+    assert native.read_ggml(str(header.path), offset, "Q4_K", 24, 256, packed=False) is not None  # MLX's layout: any rows
+    with pytest.raises(ValueError, match="tiles of 16 rows"):
+        native.read_ggml(str(header.path), offset, "Q4_K", 24, 256, packed=True)
+    with pytest.raises(ValueError, match="cannot read tensor type IQ4_XS"):
+        native.read_ggml(str(header.path), offset, "IQ4_XS", 24, 256, packed=False)
+    with pytest.raises(RuntimeError, match="truncated"):
+        native.read_ggml(str(header.path), offset, "Q4_K", 48, 256, packed=False)
+    # A Q6_K block whose d is so large that -32 d is no f16: not the compact form; the loader converts it with NumPy.
+    big = np.frombuffer(random_blocks("Q6_K", 16 * 256, np.random.default_rng(0)), np.uint8).copy().reshape(16, 210)
+    big[:, 208:210] = np.full(16, 4096, np.float16).view(np.uint8).reshape(16, 2)
+    header = _one_tensor_file(tmp_path / "big.gguf", "Q6_K", (16, 256), big.tobytes())
+    assert native.read_ggml(str(header.path), header.data_start + header.tensors[0].offset, "Q6_K", 16, 256,
+                            packed=True) is None
+    model_like = gguf_tensors.read_tensors(header, ["t.weight"], native=loader._native_reader("native"))
+    assert model_like.arrays["t.scales"].dtype == mx.float32 and not model_like.packed

@@ -128,6 +128,19 @@ def compact_params(scales: mx.array, biases: mx.array, *, group_size: int) -> tu
     return None if out is None else (out[0], out[1])
 
 
+def read_ggml(path: str, offset: int, ggml_type: str, rows: int, cols: int, *,
+              packed: bool) -> tuple[mx.array, mx.array, mx.array] | None:
+    """A GGUF tensor of ggml type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (``rows`` of ``cols`` values, its
+    blocks at byte ``offset`` of the file) read straight into ``(w, scales, biases)`` for this module's ops, in one
+    pass on the kernel's threads, a few rows of the file at a time: the values are llama.cpp's dequantization of the
+    file exactly (core/gguf_tensors.py's table). ``scales``/``biases`` are float16 (``[rows, cols / 32]``), or for
+    the K-quants `compact_params`'s form. ``packed``: in `pack_weights`'s layout (``rows`` a multiple of 16), else
+    MLX's. None where a K-quant's parameters do not fit the compact form (then convert it another way). Raises
+    RuntimeError when the file cannot be read or ends inside the tensor."""
+    out = _module().read_ggml(path, offset, ggml_type, rows, cols, packed=packed)
+    return None if out is None else (out[0], out[1], out[2])
+
+
 def expand_params(scales: mx.array, biases: mx.array, *, group_size: int,
                   packed: bool = False) -> tuple[mx.array, mx.array]:
     """`compact_params`'s arrays (in MLX's layout, or `pack_weights`'s with ``packed``) back as the float32 scales

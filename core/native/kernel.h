@@ -129,6 +129,15 @@ inline uint32_t packed_code(const uint8_t* w, int K, int bits, int n, int k) {
 inline size_t packed_param(int G, int n, int g) {
   return (size_t(n / kPackedTile) * G + g) * kPackedTile + n % kPackedTile;
 }
+// Where byte i (0 and 1: D's; 2 + p: group p's multiplier) of row n's compact super-block s is, of K values in
+// groups of `group_size`: in MLX's layout, or with `packed` in pack_weights's.
+inline size_t compact_place(int K, int group_size, int n, int s, int i, bool packed) {
+  const int S = K / 256, B = compact_bytes(group_size);
+  if (!packed) return (size_t(n) * S + s) * B + i;
+  const size_t tile = (size_t(n / kPackedTile) * S + s) * kPackedTile * B;
+  const int j = n % kPackedTile;
+  return i < 2 ? tile + 2 * j + i : tile + 2 * kPackedTile + size_t(i - 2) * kPackedTile + j;
+}
 // Its inverse: the packed layout back to MLX's.
 void unpack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
                     int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);

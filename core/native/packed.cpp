@@ -38,14 +38,10 @@ void repack(const uint8_t* w, const void* scales, const void* biases, size_t par
     const int S = K / 256, B = compact_bytes(group_size);
     for (int n = 0; n < N; ++n) {
       for (int s = 0; s < S; ++s) {
-        const size_t plain = (size_t(n) * S + s) * B, tile = (size_t(n / kPackedTile) * S + s) * kPackedTile * B;
-        const int j = n % kPackedTile;
-        // (plain byte, packed byte) of D's two bytes and of each group's multiplier
-        auto place = [&](int i) {
-          return i < 2 ? tile + 2 * j + i : tile + 2 * kPackedTile + size_t(i - 2) * kPackedTile + j;
-        };
         for (int i = 0; i < B; ++i) {
-          const size_t from = pack ? plain + i : place(i), to = pack ? place(i) : plain + i;
+          const size_t plain = compact_place(K, group_size, n, s, i, false);
+          const size_t packed = compact_place(K, group_size, n, s, i, true);
+          const size_t from = pack ? plain : packed, to = pack ? packed : plain;
           static_cast<uint8_t*>(scales_out)[to] = static_cast<const uint8_t*>(scales)[from];
           static_cast<uint8_t*>(biases_out)[to] = static_cast<const uint8_t*>(biases)[from];
         }

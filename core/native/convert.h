@@ -1,0 +1,27 @@
+// llama.cpp's quantized blocks, read from a GGUF file straight into the arrays the kernels take (one pass, on the
+// pool's threads, a few rows at a time: the file's bytes are never held whole and never copied through NumPy).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace mlxchat {
+
+namespace mx = mlx::core;
+
+// The tensor of `type` ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K" or "Q6_K") with N rows of K values,
+// whose blocks start at byte `offset` of the file at `path`, as [w, scales, biases] in MLX's affine form, each
+// value exactly llama.cpp's dequantization (gguf_tensors.py's table): w uint32 [N, K * bits / 32]; scales and
+// biases float16 [N, K / 32], or for the K-quants kernel.h's compact form uint8 [N, K / 256 * (2 + 256 / group)].
+// `packed`: in pack_weights's tiles of 16 rows (N a multiple of 16), else MLX's layout. Nothing where a K-quant's
+// parameters do not fit the compact form (an fp16 d whose -32 d overflows fp16): the caller converts that tensor
+// another way. Throws std::invalid_argument for an unknown type or shape, std::runtime_error for a read that fails
+// or ends early.
+std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t offset, const std::string& type,
+                                                int N, int K, bool packed);
+
+}  // namespace mlxchat
