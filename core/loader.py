@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, gguf_archs, gguf_tensors, native, native_blocks, native_decoder, native_linear
+from . import gguf, gguf_archs, gguf_tensors, heap, native, native_blocks, native_decoder, native_linear
 from .errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
@@ -266,6 +266,14 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     _check_gguf(header)
     arch = header.architecture
     tied = not any(t.name == "output.weight" for t in header.tensors)
+    # The tokenizer first: a file whose tokenizer is unusable fails before its tensors are read, and the building's
+    # temporaries (Python dicts of the vocabulary and merges, ~tens of MB) are gone before the weights take memory,
+    # so they do not add to the load's peak.
+    try:
+        tokenizer = from_gguf_metadata(header.metadata)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: {_one_line(e)}") from None
+    heap.give_back_freed_memory()
     # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held twice.
     names = [t.name for t in header.tensors
              if (n := gguf_archs.mlx_name(arch, t.name)) and (stage is None or stage.keeps(n, tied))]
@@ -293,10 +301,6 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     except (ValueError, TypeError, ArithmeticError, AssertionError, KeyError, IndexError) as e:
         raise ModelLoadError(path, f"its tensors do not fit a {arch} model: "
                                    f"{_one_line(e)}") from None
-    try:
-        tokenizer = from_gguf_metadata(header.metadata)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: {_one_line(e)}") from None
     # The file name says model, size and quantization ("SmolLM2-135M-Instruct.Q4_1"); general.name often does not.
     loaded = _finish(model, tokenizer, path.stem, str(path), args.max_position_embeddings, policy, packed)
     loaded.architecture, loaded.quantization = header.architecture, header.quantization()

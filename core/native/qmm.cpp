@@ -547,10 +547,21 @@ std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, con
     return mx::array(mx::allocator::malloc(like.nbytes()), like.shape(), like.dtype());
   };
   std::vector<mx::array> out{fresh(wd), fresh(sd), fresh(bd)};
-  const int K = w.shape(1) * 32 / bits;
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   const size_t param_bytes = sd.dtype() == mx::uint8 ? 0 : mx::size_of(sd.dtype());  // 0: compact (kernel.h)
-  repack(wd.data<uint8_t>(), sd.data<void>(), bd.data<void>(), param_bytes, w.shape(0), K, group_size,
-         bits, out[0].data<uint8_t>(), out[1].data<void>(), out[2].data<void>());
+  // Tiles of 16 rows are independent and each layout keeps a range of them contiguous (a row's bytes times the
+  // rows before it), so ranges of tiles repack in parallel: an MLX folder's load is mostly this.
+  const size_t row_bytes = size_t(K) * bits / 8, row_params = sd.nbytes() / size_t(N);
+  const int tiles = N / kPackedTile, per_piece = std::max(1, int((1 << 20) / (row_bytes * kPackedTile)));
+  const auto* w_in = wd.data<uint8_t>();
+  const auto* s_in = sd.data<uint8_t>();
+  const auto* b_in = bd.data<uint8_t>();
+  parallel_pieces((tiles + per_piece - 1) / per_piece, [&](int piece) {
+    const int n0 = piece * per_piece * kPackedTile, n1 = std::min(N, n0 + per_piece * kPackedTile);
+    repack(w_in + n0 * row_bytes, s_in + n0 * row_params, b_in + n0 * row_params, param_bytes, n1 - n0, K,
+           group_size, bits, out[0].data<uint8_t>() + n0 * row_bytes, out[1].data<uint8_t>() + n0 * row_params,
+           out[2].data<uint8_t>() + n0 * row_params);
+  });
   return out;
 }
 
