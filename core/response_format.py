@@ -135,7 +135,8 @@ def _validate(grammar: str) -> str:
     return LLMatcher.validate_grammar(grammar)
 
 
-# The JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas (`closed` walks them).
+# The JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas (`closed` walks
+# them).
 _SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
            "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
