@@ -197,9 +197,10 @@ def check_reply(result, choice: object, parallel: bool | None) -> None:  # noqa:
 @pytest.mark.parametrize("choice,parallel", [({"type": "function", "function": {"name": "get_weather"}}, None),
                                              ("required", None), ("required", False), ("auto", None)])
 def test_the_python_api_makes_calls_that_end(engine: Engine, choice: object, parallel: bool | None) -> None:
+    # tests/test_tool_clients.py runs the whole matrix (seeds 1-3, streamed or not) through the server.
     for specs, profile in [([WEATHER_SPEC], SamplingProfile(temperature=0)),
                            ([WEATHER_SPEC, TIME_SPEC], SamplingProfile(temperature=0)),
-                           *(([WEATHER_SPEC, TIME_SPEC], SamplingProfile(temperature=0.7, seed=s)) for s in (1, 2, 3))]:
+                           ([WEATHER_SPEC, TIME_SPEC], SamplingProfile(temperature=0.7, seed=1))]:
         stream = engine.stream("What is the weather in Paris?", profile=profile, max_tokens=200, tools=specs,
                                tool_choice=choice, parallel_tool_calls=parallel)
         events = list(stream)
