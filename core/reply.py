@@ -96,12 +96,12 @@ class Reply:
                  rotating: bool = False, kv_window: int | None = None) -> None:
         tok = model.tokenizer
         self._request = request
-        tools = request.tools if request.tools is not None and request.tools.calls else None
-        if tools is not None:
-            self._constraint = constraint_for(tools.response_format(), tok, model.vocab_size, RepeatedCall())
-        else:
-            self._constraint = constraint_for(request.profile.response_format, tok, model.vocab_size)
-        self._calls = CallStream() if tools is not None else None
+        use, fmt = request.tools, request.profile.response_format
+        calling = use is not None and use.calls
+        if use is not None and (calling or fmt is None):  # tool_choice "none": text without call markup
+            fmt = use.response_format()
+        self._constraint = constraint_for(fmt, tok, model.vocab_size, RepeatedCall() if calling else None)
+        self._calls = CallStream() if calling else None
         self._sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
                                prompt_ids=list(prompt), constraint=self._constraint)
         self._tracer = Tracer(self._sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None

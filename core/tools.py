@@ -18,7 +18,8 @@ core/constraint.py):
   (closed: `core.response_format.closed`), so the calls always parse and validate.
 * ``auto``: the reply is either text or calls as above, decided at its first character: text does not start with
   ``<`` and never holds ``<tool_call>`` or ``</tool_call>``, so no call markup reaches the answer.
-* ``none``: no constraint, and the tools are not shown to the model.
+* ``none``: the tools are not shown to the model, and the reply is text that never holds call markup (a model that
+  sees calls in the conversation's history may imitate them); a ``response_format`` given with it wins.
 
 **No call twice** (`RepeatedCall`): a call identical to one the reply already made (the same name and the same
 arguments, compared as JSON values) is the repetition loop of a small model in tool form. The constraint ends the
@@ -51,6 +52,8 @@ from .response_format import ResponseFormat, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _OPEN, _CLOSE = OPEN.encode(), CLOSE.encode()
+# A Lark lexeme for text that holds no call markup anywhere (llguidance's lexeme negation).
+_NO_MARKUP = r"~/[\s\S]*<\/?tool_call>[\s\S]*/"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # JSON inside a call: compact, as core/response_format.py writes every schema.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -181,10 +184,11 @@ class ToolUse:
         """The tools the model is shown: all of them, none with "none" (it cannot call them)."""
         return list(self.tools) if self.calls else []
 
-    def response_format(self) -> ResponseFormat | None:
-        """The constraint's format for this choice (see the module docstring), or None for "none"."""
+    def response_format(self) -> ResponseFormat:
+        """The constraint's format for this choice (see the module docstring)."""
         if not self.calls:
-            return None
+            return ResponseFormat(type="grammar", grammar=f"start: TEXT?\nTEXT: /[\\s\\S]+/ & {_NO_MARKUP}\n",
+                                  name="text, no tool calls")
         allowed = [t for t in self.tools if self.choice.name in (None, t.name)]
         call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                            "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)}}
@@ -196,7 +200,7 @@ class ToolUse:
                  f'call: "{OPEN}" json_call "{CLOSE}"', f"json_call: %json {json.dumps(call)}"]
         if self.choice.mode == "auto":
             # Text, decided at its first character (not "<"), and never the markup of a call anywhere after it.
-            lines.append(r"TEXT: /[^<][\s\S]*/ & ~/[\s\S]*<\/?tool_call>[\s\S]*/")
+            lines.append(f"TEXT: /[^<][\\s\\S]*/ & {_NO_MARKUP}")
         label = "tool calls: " + ", ".join(t.name for t in allowed)
         return ResponseFormat(type="grammar", grammar="\n".join(lines) + "\n",
                               name=label if len(label) <= 64 else label[:63] + "…")

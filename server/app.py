@@ -28,7 +28,6 @@ from starlette.routing import Route
 from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
-
 from mlxchat.core.tools import ToolCall, render_messages
 
 from . import anthropic, ollama, protocol

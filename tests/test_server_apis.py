@@ -305,8 +305,8 @@ def test_anthropic_tool_blocks_become_template_messages_and_choices_constrain() 
     assert "start: calls\n" in one and "calls: call\n" in one
     named = parsed(tool_choice={"type": "tool", "name": "get_weather"}).tools.response_format().grammar
     assert "calls: call\n" in named  # a named tool is one call, as OpenAI's forced function
-    assert parsed(tool_choice={"type": "none"}).tools.shown == [] and parsed(tool_choice={"type": "none"}).tools \
-        .response_format() is None
+    none = parsed(tool_choice={"type": "none"}).tools
+    assert none.shown == [] and none.response_format().name == "text, no tool calls"
     for body, message in (
             ({"messages": [*ASK, {"role": "assistant", "content": [use]}]}, "messages.1: the reply continues"),
             ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}, *ASK]},

@@ -112,8 +112,7 @@ def test_a_forced_function_is_one_call_and_parallel_calls_may_end_after_each() -
     assert "calls: call\n" in grammar(ToolUse.make([WEATHER_SPEC, TIME_SPEC], named))  # parallel or not: one call
     assert "calls: call\n" in grammar(ToolUse.make([WEATHER_SPEC], "required", parallel_tool_calls=False))
     assert 'calls: call ("\\n" call)*' in grammar(ToolUse.make([WEATHER_SPEC], "required"))
-    assert ToolUse.make([WEATHER_SPEC], "none").response_format() is None
-    assert ToolUse.make([WEATHER_SPEC], "none").shown == []
+    assert ToolUse.make([WEATHER_SPEC], "none").shown == []  # and text without markup: see the next test
     assert ResponseFormat.model_validate(ToolUse.make([WEATHER_SPEC], named).response_format().model_dump()).label() \
         == "Grammar(tool calls: get_weather)"
 
@@ -136,6 +135,10 @@ def test_the_grammars_hold_calls_to_their_schema_and_text_to_no_markup(engine: E
                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"'):  # not an enum
         with pytest.raises(ValueError, match="does not fit the response format"):
             constraint(auto).replay(tok.encode(bad))
+    none = ToolUse.make([WEATHER_SPEC], "none")
+    constraint(none).replay(tok.encode("It is sunny, x < y."))
+    with pytest.raises(ValueError, match="does not fit the response format"):  # "none" still never writes a call
+        constraint(none).replay(tok.encode("Sure. <tool_call>"))
     with pytest.raises(ValueError, match="does not fit the response format"):  # a forced function: one call
         constraint(ToolUse.make([WEATHER_SPEC], {"type": "function", "function": {"name": "get_weather"}})) \
             .replay(tok.encode(CALL + "\n<tool"))
@@ -225,3 +228,12 @@ def test_a_reply_cut_inside_a_call_keeps_the_calls_that_closed(engine: Engine) -
                         tool_choice="required")
     with pytest.raises(ToolError, match=r"tools\[0\].function.parameters"):
         engine.generate("Hi", tools=[{"type": "function", "function": {"name": "f", "parameters": []}}])
+
+
+def test_tool_choice_none_answers_in_text_even_after_calls_in_the_history(engine: Engine) -> None:
+    # The history shows the model a call written as markup (the generic rendering); "none" must not imitate it.
+    history = [*HISTORY[1:], {"role": "user", "content": "And in Rome?"}]
+    r = engine.generate(history, profile=SamplingProfile(temperature=0), max_tokens=40, tools=[WEATHER_SPEC],
+                        tool_choice="none")
+    assert not r.tool_calls and r.text.strip() and not any(m in r.text for m in MARKUP)
+    assert r.sampler.startswith("Grammar(text, no tool calls)")
