@@ -235,7 +235,7 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
         fields["max_tokens"] = req.max_tokens
     # Anthropic's API has no seed: every request samples afresh unless the extension field gives one.
     fields["seed"] = req.seed if req.seed is not None else secrets.randbits(63)
-    use = ToolUse(tuple(tools), choice, parallel) if tools or req.tool_choice is not None else None
+    use = ToolUse(tuple(tools), choice, parallel) if tools else None
     if (fmt := (req.output_config or {}).get("format")) is not None:
         if use is not None and use.calls:
             raise ApiError(400, 'output_config.format and tools both constrain the reply: use one (or tool_choice '

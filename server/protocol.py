@@ -260,8 +260,6 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
 def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
     """The request's tools, choice and parallel_tool_calls (None without tools); a choice that calls constrains the
     reply, so it cannot come with a response_format."""
-    if req.tools is None and req.tool_choice is None:
-        return None
     try:
         use = ToolUse.make(req.tools, req.tool_choice, req.parallel_tool_calls)
     except ToolError as e:
@@ -269,7 +267,7 @@ def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
     if use.calls and "response_format" in fields and fields["response_format"].get("type") != "text":
         raise ApiError(400, f"response_format and tool_choice {use.choice.mode!r} both constrain the reply: use one "
                             "(or tool_choice \"none\")", "response_format")
-    return use
+    return use if use.tools else None  # tool_choice "none" alone: no tools to keep out of the text
 
 
 def check_speculative(mode: str | None) -> None:
