@@ -39,6 +39,7 @@ from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
 from .reply import Reply, Request
+from .tools import ToolUse
 from .worker import Job
 
 Emit = Callable[[Event | BaseException], None]
@@ -64,12 +65,13 @@ class BatchRequest:
     max_tokens: int | None = None
     stop: Sequence[str] = ()  # in addition to the profile's
     trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
+    tools: ToolUse | None = None  # the tools the reply may call (core/tools.py)
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Request = field(init=False)
 
     def __post_init__(self) -> None:
-        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace)
+        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace, tools=self.tools)
 
     def cancel(self) -> None:
         """Stop at the next token (or prefill chunk); the request then ends with finish_reason "cancelled"."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import llguidance.hf
 import mlx.core as mx
@@ -54,13 +54,18 @@ class Constraint:
     """One request's constraint stage: call it on the processed logits (over the whole vocabulary) to mask them;
     tell it each drawn token (`accept`, lazily) or forced token (`replay`)."""
 
-    def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int]) -> None:
+    def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int],
+                 ends: Callable[[bytes], bool] | None = None) -> None:
+        """`ends`, given each taken token's bytes, may end the reply where the grammar would go on (True: only an
+        end-of-turn id is allowed from then on): the rule a grammar cannot say, e.g. core/tools.py's "no call
+        twice"."""
         started = time.perf_counter()
         self._matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)  # errors are raised, not logged
         self.compile_s = time.perf_counter() - started
         if self._matcher.is_error():  # the profile validated it; a tokenizer-specific failure lands here
             raise ValueError(f"{fmt.field_name()}: {self._matcher.get_error()}")
         self._label = fmt.label()
+        self._tokenizer, self._ends = tokenizer, ends
         self._vocab = tokenizer.vocab_size
         self._bits = allocate_token_bitmask(1, self._vocab)
         self._eos = frozenset(eos_ids)
@@ -69,7 +74,7 @@ class Constraint:
         ended = np.full(self._vocab, -np.inf, np.float32)
         ended[sorted(self._eos)] = 0.0
         self._ended_logits = mx.array(ended)
-        self._ended = False  # an end-of-turn id was drawn: nothing follows
+        self._ended = False  # an end-of-turn id was drawn, or `ends` ended the reply: nothing follows
         self._pending: mx.array | None = None  # the last drawn token, not yet read back
         self.mask_s = 0.0
         self.masks = 0
@@ -110,6 +115,8 @@ class Constraint:
         elif not self._matcher.consume_token(token):
             raise ValueError(f"token {token} does not fit the response format {self._label}: "
                              f"{self._matcher.get_error()}")
+        elif self._ends is not None and self._ends(self._tokenizer.decode_bytes([token])):
+            self._ended = True
 
     def _next_mask(self) -> np.ndarray | None:
         """The allowed tokens of the next step, or None when only an end-of-turn id may follow."""
@@ -124,11 +131,13 @@ class Constraint:
         return allowed
 
 
-def constraint_for(fmt: ResponseFormat | None, tokenizer: ChatTokenizer, vocab_size: int) -> Constraint | None:
-    """The constraint stage of a profile's response format on this model, or None without one."""
+def constraint_for(fmt: ResponseFormat | None, tokenizer: ChatTokenizer, vocab_size: int,
+                   ends: Callable[[bytes], bool] | None = None) -> Constraint | None:
+    """The constraint stage of a response format on this model (see `Constraint` for `ends`), or None without
+    one."""
     if fmt is None:
         return None
-    return Constraint(fmt, llg_tokenizer(tokenizer, vocab_size), tokenizer.eos_ids)
+    return Constraint(fmt, llg_tokenizer(tokenizer, vocab_size), tokenizer.eos_ids, ends)
 
 
 __all__ = ["Constraint", "constraint_for", "llg_tokenizer"]

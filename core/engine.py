@@ -29,6 +29,7 @@ from .messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .profile import SamplingProfile
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
 from .speculative import DraftModel, Speculation, check, decode, load_draft, plan
+from .tools import Tool, ToolUse, render_messages
 from .worker import InferenceThread, Job, Stream
 
 # Re-exported: scripts, the server's schedulers and tests import these from here.
@@ -117,15 +118,24 @@ class Engine:
 
     def stream(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0,
-               speculative: str | Speculation = "off") -> Stream:
+               speculative: str | Speculation = "off", tools: Sequence[Tool | dict[str, Any]] | None = None,
+               tool_choice: str | dict[str, Any] | None = None,
+               parallel_tool_calls: bool | None = None) -> Stream:
         """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
         (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`.
-        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py)."""
+        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py).
+        `tools` (OpenAI's function specs, or `Tool`s), `tool_choice` ("auto", the default with tools, "required",
+        "none", or ``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls` work as the
+        server's (core/tools.py): calls arrive as `TokenEvent.tool_calls` and the result's `tool_calls`, never in
+        its text; a bad spec raises `ToolError` naming the field."""
         messages = prompt_messages(prompt, system)
-        request = self.request(profile, max_tokens, stop, trace, speculative)
+        use = ToolUse.make(list(tools), tool_choice, parallel_tool_calls) if tools is not None else None
+        request = self.request(profile, max_tokens, stop, trace, speculative, tools=use)
+        tok = self.model.tokenizer
+        rendered, shown = render_messages(messages, use.shown if use else [], tok.knows_tools)
 
         def run(job: Job) -> None:
-            self.run_request(job, ConversationCache(self.model.model), self.model.tokenizer.encode_chat(messages),
+            self.run_request(job, ConversationCache(self.model.model), tok.encode_chat(rendered, tools=shown),
                              request)
 
         return self.submit(run)
@@ -133,9 +143,12 @@ class Engine:
     def generate(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                  stop: Sequence[str] | None = None, system: str | None = None,
                  progress: Callable[[int, int], None] | None = None, trace: int = 0,
-                 speculative: str | Speculation = "off") -> GenerationResult:
+                 speculative: str | Speculation = "off", tools: Sequence[Tool | dict[str, Any]] | None = None,
+                 tool_choice: str | dict[str, Any] | None = None,
+                 parallel_tool_calls: bool | None = None) -> GenerationResult:
         return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system,
-                           trace=trace, speculative=speculative).wait(progress)
+                           trace=trace, speculative=speculative, tools=tools, tool_choice=tool_choice,
+                           parallel_tool_calls=parallel_tool_calls).wait(progress)
 
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                     system: str | None = None) -> list[Beam]:
@@ -220,9 +233,9 @@ class Engine:
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                 stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
-                *, rotating: bool = False, quantized: bool = False) -> Request:
+                *, rotating: bool = False, quantized: bool = False, tools: ToolUse | None = None) -> Request:
         """Validate a request (`Request.make`: the max_tokens default, stop strings, limits; its speculation)."""
-        req = Request.make(profile, max_tokens, stop, trace, speculative)
+        req = Request.make(profile, max_tokens, stop, trace, speculative, tools)
         check(req.speculative, rotating=rotating, quantized=quantized, draft=self.draft is not None)
         return req
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .tools import ToolCall
 from .trace import TokenTrace
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -86,6 +87,7 @@ class TokenEvent:
     metrics: Metrics
     logprobs: tuple[TokenLogprob, ...] = ()
     traces: tuple[TokenTrace, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls that closed with this event's tokens
 
     @property
     def trace(self) -> TokenTrace | None:
@@ -105,6 +107,7 @@ class GenerationResult:
     profile: dict = field(default_factory=dict)
     traces: tuple[TokenTrace, ...] = ()  # with trace=K: one per token id, aligned with token_ids
     stop_sequence: str | None = None  # the stop string that ended the reply, when one did
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls the reply made (its text then holds none of them)
 
 
 @dataclass(frozen=True)

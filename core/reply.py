@@ -12,7 +12,10 @@ batched server (core/batch.py) both turn ids into a reply here, so they cannot d
 * the end, whatever the reason: held-back text that turned out not to be a stop string is emitted, so a cancel keeps
   what was shown and the rest of what was generated (as a `max_tokens` cut does); a reply cut inside a multi-byte
   character leaves that incomplete character out of its text (its token id and logprob stay);
-* the clock (`Metrics`), logprobs, traces, and the `GenerationResult`.
+* the clock (`Metrics`), logprobs, traces, and the `GenerationResult`;
+* tool calls (core/tools.py), with a request's `ToolUse`: its grammar is the constraint, and a `CallStream` takes
+  the calls out of the text (deltas and the result's text are what is not a call; each call goes out once, on the
+  event whose token closed it, and in `GenerationResult.tool_calls`).
 
 Per token, `Reply.accept` does what the engine's decode loop did before it: no extra allocation, one more compare.
 """
@@ -33,6 +36,7 @@ from .profile import SamplingProfile
 from .sampling import Sampler
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
+from .tools import CallStream, RepeatedCall, ToolCall, ToolUse
 from .trace import TokenTrace
 from .tracing import Tracer, check_trace
 
@@ -44,24 +48,30 @@ DEFAULT_MAX_TOKENS = 1024
 
 @dataclass(frozen=True)
 class Request:
-    """One validated generation request: the profile, the reply's length cap, every stop string, and how many
-    candidates to trace per token (0 = no trace; see core/tracing.py), and how to speculate (core/speculative.py)."""
+    """One validated generation request: the profile, the reply's length cap, every stop string, how many
+    candidates to trace per token (0 = no trace; see core/tracing.py), how to speculate (core/speculative.py), and
+    the tools it may call (core/tools.py; None: no tools)."""
 
     profile: SamplingProfile
     max_tokens: int
     stop: list[str]
     trace: int = 0
     speculative: Speculation = Speculation()
+    tools: ToolUse | None = None
 
     @classmethod
     def make(cls, profile: SamplingProfile | None = None, max_tokens: int | None = None,
              stop: Sequence[str] | None = None, trace: int = 0,
-             speculative: str | Speculation | None = None) -> "Request":
+             speculative: str | Speculation | None = None, tools: ToolUse | None = None) -> "Request":
         """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
         DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings; `trace` is the
-        number of candidates to trace per token (0-100, 0 = off)."""
+        number of candidates to trace per token (0-100, 0 = off); `tools` that may be called constrain the reply,
+        so they cannot come with the profile's own response_format."""
         check_trace(trace)
         profile = profile or SamplingProfile()
+        if tools is not None and tools.calls and profile.response_format is not None:
+            raise ValueError(f"response_format and tool_choice {tools.choice.mode!r} both constrain the reply: use "
+                             "one (or tool_choice \"none\")")
         if profile.beam_size > 1:
             raise ValueError(f"beam search (beam_size {profile.beam_size}) does not stream: call "
                              "engine.beam_search(), or use beam_size 1 to sample")
@@ -70,7 +80,7 @@ class Request:
         cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
         if profile.min_tokens > cap:
             raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
-        return cls(profile, cap, [*profile.stop, *(stop or [])], trace, Speculation.make(speculative))
+        return cls(profile, cap, [*profile.stop, *(stop or [])], trace, Speculation.make(speculative), tools)
 
 
 class Reply:
@@ -86,7 +96,12 @@ class Reply:
                  rotating: bool = False, kv_window: int | None = None) -> None:
         tok = model.tokenizer
         self._request = request
-        self._constraint = constraint_for(request.profile.response_format, tok, model.vocab_size)
+        use, fmt = request.tools, request.profile.response_format
+        calling = use is not None and use.calls
+        if use is not None and (calling or fmt is None):  # tool_choice "none": text without call markup
+            fmt = use.response_format()
+        self._constraint = constraint_for(fmt, tok, model.vocab_size, RepeatedCall() if calling else None)
+        self._calls = CallStream() if calling else None
         self._sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
                                prompt_ids=list(prompt), constraint=self._constraint)
         self._tracer = Tracer(self._sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None
@@ -135,9 +150,8 @@ class Reply:
             shown = shown if len(shown) == len(kept) else ()
             self._ids.extend(kept)
             self._traces.extend(shown)
-            delta = self._stops.feed("".join(self._detok.add(t) for t in kept))
-            self._text.append(delta)
-            self._emit(TokenEvent(delta, kept, self.metrics(), (), shown))
+            delta, calls = self._split(self._stops.feed("".join(self._detok.add(t) for t in kept)))
+            self._emit(TokenEvent(delta, kept, self.metrics(), (), shown, calls))
         return "stop" if ends or self._stops.stopped else None
 
     def accept(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
@@ -159,9 +173,8 @@ class Reply:
         if self._tracer is not None:
             traces = (self._tracer.take(token),)
             self._traces.append(traces[0])
-        delta = self._stops.feed(self._detok.add(token))
-        self._text.append(delta)
-        self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces))
+        delta, calls = self._split(self._stops.feed(self._detok.add(token)))
+        self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces, calls))
         if self._stops.stopped:
             return "stop"
         if len(self._ids) >= self._cap:
@@ -184,20 +197,30 @@ class Reply:
         `before_done(result)` runs first: a chat session records the reply there, so whoever reads the
         conversation on Done finds it."""
         if not self._stops.stopped:
-            tail = self._stops.feed(self._detok.flush()) + self._stops.flush()
-            if tail:
-                self._text.append(tail)
-                self._emit(TokenEvent(tail, (), self.metrics()))
+            tail, calls = self._split(self._stops.feed(self._detok.flush()) + self._stops.flush())
+            if tail or calls:
+                self._emit(TokenEvent(tail, (), self.metrics(), tool_calls=calls))
         # Traces stay aligned with token_ids or are left out (a branch forced a token its trace did not hold).
         traces = tuple(self._traces) if len(self._traces) == len(self._ids) else ()
         result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self._ids), tuple(self._logprobs),
                                   self._sampler.describe(), self._sampler.seed,
                                   self._request.profile.model_dump(mode="json"), traces,
-                                  stop_sequence=self._stops.matched)
+                                  stop_sequence=self._stops.matched,
+                                  tool_calls=tuple(self._calls.calls) if self._calls is not None else ())
         if before_done is not None:
             before_done(result)
         self._emit(Done(result))
         return result
+
+    def _split(self, delta: str) -> tuple[str, tuple[ToolCall, ...]]:
+        """A text delta as the reply's text and the calls it closed (all text without tools), recorded."""
+        if self._calls is None:
+            self._text.append(delta)
+            return delta, ()
+        pieces = self._calls.feed(delta)
+        text = "".join(p for p in pieces if isinstance(p, str))
+        self._text.append(text)
+        return text, tuple(p for p in pieces if isinstance(p, ToolCall))
 
     def metrics(self) -> Metrics:
         """A snapshot of the clock and the sizes now."""

@@ -16,14 +16,20 @@ an unsupported keyword or a grammar that does not compile fails as one line nami
 
 JSON is generated compactly (``{"a": 1, "b": [2, 3]}``: one space after ``:`` and ``,``, no other whitespace):
 flexible whitespace lets a small model spend its whole budget on newlines inside a valid but unfinished object.
-Without ``strict``, JSON Schema keywords llguidance does not implement are ignored (as OpenAI's non-strict mode
-does not promise them); with ``strict: true`` they are an error.
+
+**A schema holds the reply to what it says** (`closed`): an object schema with ``properties`` and no
+``additionalProperties`` is read as ``"additionalProperties": false`` (as llama.cpp's schema converter reads it), so
+the object's keys are its properties, each at most once, in the schema's order; a bare ``{"type": "object"}`` stays
+any object. Left open, a small model fills an object with keys the schema never named and repeats them until its
+token budget runs out. A keyword the constraint cannot enforce (``not``, ``uniqueItems``, ...) is an error naming
+it, ``strict`` or not: a reply that only looks constrained is worse than a refusal.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any, Literal
 
 import jsonschema
@@ -74,7 +80,7 @@ class ResponseFormat(BaseModel):
         error = _validate(self.llg_grammar())
         if error:
             raise PydanticCustomError("bad_format", "{field}: {error}",
-                                      {"field": self.field_name(), "error": _one_line(error)})
+                                      {"field": self.field_name(), "error": explain(error)})
         return self
 
     def field_name(self) -> str:
@@ -88,9 +94,8 @@ class ResponseFormat(BaseModel):
             return grammar_from("regex", self.regex)
         if self.type == "grammar":
             return grammar_from("grammar", self.grammar)
-        schema = self.json_schema.schema_ if self.json_schema is not None else {"type": "object"}
-        strict = bool(self.json_schema and self.json_schema.strict)
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={**_JSON_OPTIONS, "lenient": not strict})
+        schema = closed(self.json_schema.schema_) if self.json_schema is not None else {"type": "object"}
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={**_JSON_OPTIONS, "lenient": False})
 
     def label(self) -> str:
         """How the sampler chain prints this stage: ``JsonSchema(person)``, ``JsonObject``, ``Regex(...)``,
@@ -130,8 +135,46 @@ def _validate(grammar: str) -> str:
     return LLMatcher.validate_grammar(grammar)
 
 
+# The JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas (`closed` walks
+# them).
+_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+           "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with every object schema that lists ``properties`` but says nothing of ``additionalProperties``
+    closed (``"additionalProperties": false``); see the module docstring. A branch of ``allOf`` stays open: closing
+    each branch would forbid the properties the other branches add."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s, key == "allOf") for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if ("properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out
+            and not in_all_of):
+        out["additionalProperties"] = False
+    return out
+
+
+def explain(error: str) -> str:
+    """llguidance's verdict in one line; its "Unimplemented keys" says which keywords and what to do."""
+    if (m := re.search(r"Unimplemented keys: \[([^\]]*)\]", error)) is not None:
+        keys = ", ".join(k.strip().strip('"') for k in m.group(1).split(","))
+        return f"the constraint cannot enforce the JSON Schema keyword(s) {keys}: remove them from the schema"
+    return _one_line(error)
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())[:300]
 
 
-__all__ = ["FormatType", "JsonSchemaSpec", "ResponseFormat", "parse_response_format"]
+__all__ = ["FormatType", "JsonSchemaSpec", "ResponseFormat", "closed", "explain", "parse_response_format"]

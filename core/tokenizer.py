@@ -51,7 +51,7 @@ class ChatTokenizer:
         if not self.chat_template:
             # Base models have no template: plain concatenation is what llama.cpp's completion mode does.
             return "\n\n".join(m["content"] or "" for m in messages)
-        # `tools` (OpenAI's function specs) only for a template that uses them (server/tools.py renders the rest).
+        # `tools` (OpenAI's function specs) only for a template that uses them (core/tools.py renders the rest).
         extra = {"tools": tools} if tools else {}
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **extra)
@@ -64,7 +64,7 @@ class ChatTokenizer:
         often not the tokenizer's own split of its text ("F" "TR" where encoding gives "FT" "R"), and the KV cache
         holds the generated ids: re-encoded, the prompt would part from the cache there and the rest of the
         conversation would be prefilled again (issue 25). `tools`: OpenAI's function specs, for a template that
-        renders them (server/tools.py)."""
+        renders them (core/tools.py)."""
         for m in messages:
             _check_unicode(m["content"] or "")  # an assistant message that only calls tools has no content
         text = self.render(messages, tools=tools)

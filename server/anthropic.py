@@ -3,16 +3,17 @@ and /v1/messages/count_tokens.
 
 A request is `system` (a string or text blocks), `messages` (user and assistant turns whose content is a string or
 text blocks; a last assistant turn is a prefill the reply continues), `max_tokens` (required), `temperature`,
-`top_p`, `top_k` (the SDK sends these three in `extra_body`) and `stop_sequences` over the server's profile, and
-`stream`. A stream is Anthropic's event
+`top_p`, `top_k` (the SDK sends these three in `extra_body`), `seed` (mlxchat's extension, in `extra_body` too) and
+`stop_sequences` over the server's profile, and `stream`. A stream is Anthropic's event
 sequence: message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta (the
 stop reason and usage), message_stop. `usage` counts as Anthropic does: `input_tokens` are the prompt tokens
 computed for this request, `cache_read_input_tokens` those reused from the prefix cache. `metadata`,
 `service_tier`, `cache_control` and the other tags of Anthropic's platform are accepted and ignored.
 
-Tools (server/tools.py does the work): custom `tools` (name, description, input_schema) and `tool_choice` ("auto",
-"any", "tool" with its name, "none"; `disable_parallel_tool_use`) constrain the reply as OpenAI's do; calls come back
-as `tool_use` blocks (`stop_reason: "tool_use"`), streamed as a whole block each (one `input_json_delta`). History's
+Tools (core/tools.py does the work): custom `tools` (name, description, input_schema) and `tool_choice` ("auto",
+"any", "tool" with its name, "none"; `disable_parallel_tool_use`) constrain the reply as OpenAI's do ("tool" is one
+call, as OpenAI's named function); calls come back as `tool_use` blocks (`stop_reason: "tool_use"`), streamed as a
+whole block each (one `input_json_delta`). History's
 `tool_use` blocks and `tool_result` blocks (string or text content; `is_error` prefixes "Error: ") go through the
 chat template as tool calls and tool messages. Structured output, `output_config.format` (a JSON schema), constrains
 the reply the same way. Anthropic's server tools (web search, bash, ...), extended thinking, images and documents
@@ -41,10 +42,11 @@ from starlette.routing import Route
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done, Metrics
 
-from . import tools as tool_calls
+from mlxchat.core import tools as tool_calls
+from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
+
 from .protocol import ApiError, profile_error
 from .service import Choice, GenerationFailed, Service
-from .tools import Tool, ToolCall, ToolChoice, ToolError
 
 # Anthropic's error type for each status this server answers.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -80,6 +82,7 @@ class _Types(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    seed: int | None = None  # mlxchat's extension (in the SDK's extra_body): Anthropic's API has none
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -94,7 +97,7 @@ class MessagesRequest:
     profile: SamplingProfile
     max_tokens: int | None
     stream: bool
-    tools: list[Tool]  # shown to the model, and its replies parsed for calls (none with tool_choice "none")
+    tools: ToolUse | None  # the tools, the choice and whether calls may come in parallel (None: no tools)
 
 
 def _text(content: Any, where: str) -> str:
@@ -230,11 +233,11 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
         fields["stop"] = req.stop_sequences
     if req.max_tokens is not None:
         fields["max_tokens"] = req.max_tokens
-    fields["seed"] = secrets.randbits(63)  # Anthropic's API has no seed: every request samples afresh
-    if (grammar := tool_calls.response_format(tools, choice, parallel)) is not None:
-        fields["response_format"] = grammar
+    # Anthropic's API has no seed: every request samples afresh unless the extension field gives one.
+    fields["seed"] = req.seed if req.seed is not None else secrets.randbits(63)
+    use = ToolUse(tuple(tools), choice, parallel) if tools else None
     if (fmt := (req.output_config or {}).get("format")) is not None:
-        if grammar is not None:
+        if use is not None and use.calls:
             raise ApiError(400, 'output_config.format and tools both constrain the reply: use one (or tool_choice '
                                 '{"type": "none"})')
         fields["response_format"] = _output_format(fmt)
@@ -246,8 +249,7 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
             raise ApiError(400, err.message.replace("response_format.json_schema", "output_config.format")) from None
         raise ApiError(400, err.message.replace("stop", "stop_sequences", 1) if err.param == "stop"
                        else err.message) from None
-    return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream),
-                           tools if choice.mode != "none" else [])
+    return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream), use)
 
 
 def _output_format(fmt: Any) -> dict[str, Any]:
@@ -322,7 +324,7 @@ def routes(service: Service) -> list[Route]:
     """The Messages routes over `service`, each answering errors in Anthropic's shape."""
 
     def encode(req: MessagesRequest) -> list[int]:
-        ids = service.encode_chat(req.messages, tools=req.tools)
+        ids = service.encode_chat(req.messages, tools=req.tools.shown if req.tools else [])
         if req.prefill:
             ids += service.engine.model.tokenizer.encode(req.prefill)
             service.check_fits(ids, "messages")
@@ -336,7 +338,7 @@ def routes(service: Service) -> list[Route]:
     async def messages(request: HttpRequest) -> Response:
         started = time.perf_counter()
         req = parse(await service.read_json(request), served=service.name, base=service.base)
-        choices = service.start(encode(req), [req.profile], req.max_tokens)
+        choices = service.start(encode(req), [req.profile], req.max_tokens, tools=req.tools)
         rid = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
             return EventSourceResponse(events(request, req, rid, choices[0], started), sep="\n", ping=15)
@@ -345,18 +347,17 @@ def routes(service: Service) -> list[Route]:
             return Response(status_code=499)
         request.state.results = results
         r = results[0]
-        pieces = tool_calls.split_reply(r.text) if req.tools else [r.text]
-        content = [{"type": "text", "text": p} if isinstance(p, str) else tool_use(p) for p in pieces or [""]]
-        called = any(block["type"] == "tool_use" for block in content)
-        return JSONResponse(message(rid, content, stop_reason(r, req.max_tokens, called), r.stop_sequence,
-                                    r.metrics))
+        # A reply with tools is text or calls (core/tools.py): one text block, or a tool_use block per call.
+        content = [tool_use(c) for c in r.tool_calls] or [{"type": "text", "text": r.text}]
+        return JSONResponse(message(rid, content, stop_reason(r, req.max_tokens, bool(r.tool_calls)),
+                                    r.stop_sequence, r.metrics))
 
     async def events(request: HttpRequest, req: MessagesRequest, rid: str, choice: Choice,
                      started: float) -> AsyncIterator[dict]:
         results: list[GenerationResult] = []
         status, opened = 200, False
         blocks = Blocks()
-        calls = tool_calls.CallStream() if req.tools else None  # with tools, calls leave the text as tool_use blocks
+        calls = req.tools is not None and req.tools.calls  # the reply may be tool_use blocks instead of text
         try:
             async for got in choice.stream():
                 metrics = got.result.metrics if isinstance(got, Done) else getattr(got, "metrics", None)
@@ -366,15 +367,14 @@ def routes(service: Service) -> list[Route]:
                     for e in [] if calls else blocks.text(""):  # no tools: the reply is one text block
                         yield e
                     yield _event("ping", {})
-                if isinstance(got, TokenEvent) and got.text:
-                    for piece in calls.feed(got.text) if calls else [got.text]:
-                        for e in blocks.text(piece) if isinstance(piece, str) else blocks.call(piece):
-                            yield e
+                if isinstance(got, TokenEvent):
+                    for e in [*(blocks.text(got.text) if got.text else []),
+                              *(e for call in got.tool_calls for e in blocks.call(call))]:
+                        yield e
                 if isinstance(got, Done):
                     r = got.result
                     results.append(r)
-                    rest = calls.finish() if calls else []  # a call cut by max_tokens goes out as text
-                    for e in [*(e for text in rest for e in blocks.text(text)), *blocks.close()]:
+                    for e in blocks.close():
                         yield e
                     yield _event("message_delta", {"delta": {"stop_reason": stop_reason(r, req.max_tokens,
                                                                                         blocks.called),

@@ -28,9 +28,9 @@ from starlette.routing import Route
 from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
+from mlxchat.core.tools import ToolCall, render_messages
 
 from . import anthropic, ollama, protocol
-from . import tools as tool_calls
 from .protocol import ApiError
 from .service import Choice, ErrorShape, Service
 
@@ -61,7 +61,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         tok = engine.model.tokenizer
         try:
             if req.chat:
-                messages, tools = tool_calls.render_messages(req.messages, req.tools or [], tok.knows_tools)
+                messages, tools = render_messages(req.messages, req.tools.shown if req.tools else [], tok.knows_tools)
                 ids = tok.encode_chat(messages, tools=tools)
             else:
                 ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
@@ -78,7 +78,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     def start(req: protocol.Request, ids: list[int]) -> list[Choice]:
         profiles = [req.profile.model_copy(update={"seed": (req.seed + i) % 2**64}) for i in range(req.n)]
-        return service.start(ids, profiles, req.max_tokens, req.trace)
+        return service.start(ids, profiles, req.max_tokens, req.trace, req.tools)
 
     def endpoint(fn: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool = True):  # noqa: ANN202
         return service.endpoint(fn, ApiError.body, auth=auth)
@@ -103,15 +103,14 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return JSONResponse(body)
 
     def answer(req: protocol.Request, index: int, r: GenerationResult) -> dict[str, Any]:
-        # As its stream does (and Anthropic's and Ollama's routes): the calls that closed, an unfinished one as text.
-        text, calls = tool_calls.text_and_calls(r.text) if req.tools else (r.text, [])
-        content = (text.strip() or None) if calls else text
+        # A reply with tools is text or calls (core/tools.py): with calls, the content is null, as OpenAI's.
+        calls = r.tool_calls
         out: dict[str, Any] = {"index": index, "finish_reason": protocol.finish_reason(r, bool(calls)),
                                "logprobs": None}
         if req.trace:
             out["traces"] = [t.as_dict() for t in r.traces]  # one per generated token, in order
         if req.chat:
-            out["message"] = {"role": "assistant", "content": content}
+            out["message"] = {"role": "assistant", "content": (r.text or None) if calls else r.text}
             if calls:
                 out["message"]["tool_calls"] = [c.as_openai() for c in calls]
             if req.profile.logprobs:
@@ -126,8 +125,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                      started: float) -> AsyncIterator[bytes]:
         results: list[GenerationResult | None] = [None] * len(choices)
         offsets = [0] * len(choices)
-        # With tools, each choice's text goes through a CallStream: content passes, calls go out whole.
-        calls = [tool_calls.CallStream() for _ in choices] if req.tools else None
+        calls = [0] * len(choices)  # each choice's calls sent so far (a streamed call's index)
         status = 200
         wake = choices[0].wake
         try:
@@ -146,19 +144,18 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                             return
                         if isinstance(event, Done):
                             results[i] = event.result
-                            rest = calls[i].finish() if calls else ()
-                            bodies += [chunk(req, rid, i, {"content": text}) for text in rest]
-                            called = bool(calls and calls[i].calls)
                             final = chunk(req, rid, i, {} if req.chat else "",
-                                          protocol.finish_reason(event.result, called))
+                                          protocol.finish_reason(event.result, bool(event.result.tool_calls)))
                             final["seed"] = c.request.profile.seed
                             final["timings"] = protocol.timings(event.result.metrics)
                             bodies.append(final)
-                        elif calls and isinstance(event, TokenEvent):
-                            bodies += [tool_delta(req, rid, i, piece, calls[i]) for piece in calls[i].feed(event.text)]
                         # A split model's scheduler passes on prefill progress too: nothing to stream for it.
-                        elif isinstance(event, TokenEvent) and (event.text or event.logprobs or event.traces):
-                            bodies.append(delta(req, rid, i, event, offsets))
+                        elif isinstance(event, TokenEvent):
+                            if event.text or event.logprobs or event.traces:
+                                bodies.append(delta(req, rid, i, event, offsets))
+                            for call in event.tool_calls:  # each call whole, once its closing tag arrived
+                                bodies.append(tool_delta(req, rid, i, call, calls[i]))
+                                calls[i] += 1
                 if bodies:
                     yield _sse(bodies)
                 elif None in results:
@@ -197,12 +194,9 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         offsets[index] += len(event.text)
         return body
 
-    def tool_delta(req: protocol.Request, rid: str, index: int, piece: str | tool_calls.ToolCall,
-                   stream: tool_calls.CallStream) -> dict[str, Any]:
-        """A streamed piece of a reply with tools: content, or one whole call (OpenAI's `delta.tool_calls`)."""
-        if isinstance(piece, str):
-            return chunk(req, rid, index, {"content": piece})
-        return chunk(req, rid, index, {"tool_calls": [{"index": stream.calls.index(piece), **piece.as_openai()}]})
+    def tool_delta(req: protocol.Request, rid: str, index: int, call: ToolCall, number: int) -> dict[str, Any]:
+        """One whole call of choice `index`, its `number`-th (OpenAI's `delta.tool_calls`)."""
+        return chunk(req, rid, index, {"tool_calls": [{"index": number, **call.as_openai()}]})
 
     async def chat_completions(request: HttpRequest) -> Response:
         return await completions(request, chat=True)

@@ -15,7 +15,7 @@ mirostat and tfs_z are refused unless neutral. `keep_alive` is accepted: the mod
 core/constraint.py), so the reply is valid JSON when it ends with "stop".
 
 `/api/chat`'s `tools` are OpenAI's function tools, chosen as OpenAI's tool_choice "auto" (Ollama has no choice):
-server/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
+core/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
 (`[{"function": {"name", "arguments": {...}}}]`; streamed, each call a line of its own). History's assistant
 `tool_calls` and `role: "tool"` results (`tool_name` says whose) go through the chat template.
 """
@@ -39,12 +39,12 @@ from starlette.routing import Route
 
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done
+from mlxchat.core import tools as tool_calls
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
+from mlxchat.core.tools import ToolCall, ToolError, ToolUse
 
-from . import tools as tool_calls
 from .protocol import ApiError, profile_error
 from .service import Choice, GenerationFailed, Service
-from .tools import Tool, ToolCall, ToolChoice, ToolError
 
 # Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
 IGNORED_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
@@ -244,19 +244,15 @@ def _calls(raw: Any, i: int) -> list[dict[str, Any]]:
     return calls
 
 
-def _tools(raw: list[dict[str, Any]] | None, settings: OptionSettings) -> tuple[list[Tool], OptionSettings]:
-    """The request's tools and the settings with their constraint (a call, once the model starts one)."""
+def _tools(raw: list[dict[str, Any]] | None, settings: OptionSettings) -> ToolUse | None:
+    """The request's tools, chosen "auto" (None without tools); they constrain a call, so not with `format`."""
     try:
-        tools = tool_calls.parse_tools(raw)
+        use = ToolUse.make(raw, "auto") if raw else None
     except ToolError as e:
         raise ApiError(400, str(e)) from None
-    if not tools:
-        return tools, settings
-    if settings.profile.response_format is not None:
+    if use is not None and settings.profile.response_format is not None:
         raise ApiError(400, "format and tools both constrain the reply: use one")
-    grammar = tool_calls.response_format(tools, ToolChoice("auto"))
-    profile = SamplingProfile.model_validate({**settings.profile.model_dump(), "response_format": grammar})
-    return tools, OptionSettings(profile, settings.num_predict, settings.num_ctx)
+    return use
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
@@ -354,29 +350,27 @@ def routes(service: Service) -> list[Route]:
                 "eval_count": m.completion_tokens, "eval_duration": _nanoseconds(m.decode_s)}
 
     async def reply(request: HttpRequest, model: str, ids: list[int], settings: OptionSettings, stream: bool,
-                    piece: Callable[..., dict[str, Any]], tools: bool = False) -> Response:
+                    piece: Callable[..., dict[str, Any]], tools: ToolUse | None = None) -> Response:
         """Run one choice; `piece(text)` is the part of a line that carries text (message or response), and with
         `tools` `piece(text, calls)` also the calls the reply made."""
         started = time.perf_counter()
         max_tokens = settings.max_tokens(len(ids), service.engine.context_length)
-        [choice] = service.start(ids, [settings.profile], max_tokens)
+        [choice] = service.start(ids, [settings.profile], max_tokens, tools=tools)
         if stream:
-            return StreamingResponse(lines(request, model, choice, piece, started, tools),
+            return StreamingResponse(lines(request, model, choice, piece, started),
                                      media_type="application/x-ndjson")
         results = await service.collect(request, [choice])
         if results is None:  # the client went away
             return Response(status_code=499)
         request.state.results = results
         r = results[0]
-        text, calls = tool_calls.text_and_calls(r.text) if tools else (r.text, [])
-        said = piece(text, calls) if tools else piece(text)
+        said = piece(r.text, r.tool_calls) if r.tool_calls else piece(r.text)
         return JSONResponse({"model": model, "created_at": _now(), **said, **finish(r, started)})
 
     async def lines(request: HttpRequest, model: str, choice: Choice, piece: Callable[..., dict[str, Any]],
-                    started: float, tools: bool) -> AsyncIterator[str]:
+                    started: float) -> AsyncIterator[str]:
         results: list[GenerationResult] = []
         status = 200
-        calls = tool_calls.CallStream() if tools else None  # with tools, each call goes out as a line of its own
 
         def line(text: str | ToolCall) -> str:
             part = piece("", [text]) if isinstance(text, ToolCall) else piece(text)
@@ -386,11 +380,11 @@ def routes(service: Service) -> list[Route]:
             async for event in choice.stream():
                 if isinstance(event, Done):
                     results.append(event.result)
-                    rest = "".join(line(text) for text in (calls.finish() if calls else []))
-                    yield rest + json.dumps({"model": model, "created_at": _now(), **piece(""),
-                                             **finish(event.result, started)}) + "\n"
-                elif isinstance(event, TokenEvent) and event.text:
-                    if out := "".join(line(text) for text in (calls.feed(event.text) if calls else [event.text])):
+                    yield json.dumps({"model": model, "created_at": _now(), **piece(""),
+                                      **finish(event.result, started)}) + "\n"
+                elif isinstance(event, TokenEvent):  # text, and each call as a line of its own
+                    if out := "".join(line(part) for part in [*([event.text] if event.text else []),
+                                                              *event.tool_calls]):
                         yield out
         except GenerationFailed as e:  # an in-stream error is the stream's last line
             status = 500
@@ -407,7 +401,8 @@ def routes(service: Service) -> list[Route]:
         req: _Chat = await body_of(request, _Chat)
         model = check_model(req.model)
         _refuse(req)
-        tools, settings = _tools(req.tools, with_format(parse_options(req.options, service.base), req.format))
+        settings = with_format(parse_options(req.options, service.base), req.format)
+        tools = _tools(req.tools, settings)
 
         def piece(text: str, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
             said = {"tool_calls": [_tool_call(c) for c in calls]} if calls else {}
@@ -415,8 +410,8 @@ def routes(service: Service) -> list[Route]:
 
         if not req.messages:
             return loaded(model, piece(""))
-        ids = service.encode_chat(_messages(req.messages), tools=tools)
-        return await reply(request, model, ids, settings, req.stream is not False, piece, bool(tools))
+        ids = service.encode_chat(_messages(req.messages), tools=tools.shown if tools else [])
+        return await reply(request, model, ids, settings, req.stream is not False, piece, tools)
 
     async def generate(request: HttpRequest) -> Response:
         req: _Generate = await body_of(request, _Generate)

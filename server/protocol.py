@@ -21,8 +21,8 @@ from mlxchat.core import GenerationResult, SamplingProfile
 from mlxchat.core.events import Metrics, TokenLogprob
 from mlxchat.core.tracing import check_trace
 
-from . import tools as tool_calls
-from .tools import Tool, ToolChoice, ToolError
+from mlxchat.core import tools as tool_calls
+from mlxchat.core.tools import ToolError, ToolUse
 
 # Fields of OpenAI's API that are not implemented; each is refused by name unless it carries its neutral value.
 UNSUPPORTED = {
@@ -96,7 +96,7 @@ class _ChatTypes(_Types):
     messages: list[dict[str, Any]]
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # server/tools.py
+    tools: list[Any] | None = None  # core/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -120,7 +120,7 @@ class Request:
     include_usage: bool
     seed: int  # the base seed: choice i samples with seed + i
     trace: int = 0  # candidates per token in each choice's "trace" extension field (0 = none)
-    tools: list[Tool] | None = None  # shown to the model, and its replies parsed for calls (None: tool_choice "none")
+    tools: ToolUse | None = None  # the tools, the choice and parallel_tool_calls (None: no tools given)
 
 
 def _type_error(e: ValidationError) -> ApiError:
@@ -220,7 +220,7 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
     fields["seed"] = seed
     if req.response_format is not None:
         fields["response_format"] = req.response_format
-    tools, choice = _tools(req, fields) if chat else ([], ToolChoice("none"))
+    tools = _tools(req, fields) if chat else None
     try:
         profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
     except ValidationError as e:
@@ -254,24 +254,20 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
             raise ApiError(400, "prompt must not be empty", "prompt")
         prompt = p
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
-                   bool((req.stream_options or {}).get("include_usage")), seed, trace,
-                   tools if choice.mode != "none" else None)
+                   bool((req.stream_options or {}).get("include_usage")), seed, trace, tools)
 
 
-def _tools(req: _ChatTypes, fields: dict[str, Any]) -> tuple[list[Tool], ToolChoice]:
-    """The request's tools and choice; a choice that calls constrains the reply (the profile's response_format)."""
+def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
+    """The request's tools, choice and parallel_tool_calls (None without tools); a choice that calls constrains the
+    reply, so it cannot come with a response_format."""
     try:
-        tools = tool_calls.parse_tools(req.tools)
-        choice = tool_calls.parse_tool_choice(req.tool_choice, tools)
+        use = ToolUse.make(req.tools, req.tool_choice, req.parallel_tool_calls)
     except ToolError as e:
         raise ApiError(400, str(e), e.field.split("[")[0].split(".")[0]) from None
-    grammar = tool_calls.response_format(tools, choice, req.parallel_tool_calls is not False)
-    if grammar is not None:
-        if "response_format" in fields and fields["response_format"].get("type") != "text":
-            raise ApiError(400, f"response_format and tool_choice {choice.mode!r} both constrain the reply: use one "
-                                "(or tool_choice \"none\")", "response_format")
-        fields["response_format"] = grammar
-    return tools, choice
+    if use.calls and "response_format" in fields and fields["response_format"].get("type") != "text":
+        raise ApiError(400, f"response_format and tool_choice {use.choice.mode!r} both constrain the reply: use one "
+                            "(or tool_choice \"none\")", "response_format")
+    return use if use.tools else None  # tool_choice "none" alone: no tools to keep out of the text
 
 
 def check_speculative(mode: str | None) -> None:

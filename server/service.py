@@ -26,9 +26,10 @@ from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
 from mlxchat.core.errors import ContextLengthError
 from mlxchat.core.events import Done
 
-from . import tools as tool_calls
+from mlxchat.core import tools as tool_calls
+from mlxchat.core.tools import Tool, ToolUse
+
 from .protocol import ApiError
-from .tools import Tool
 
 if TYPE_CHECKING:
     from .app import ServerConfig
@@ -46,12 +47,13 @@ class Choice:
     `call_soon_threadsafe` (a self-pipe write) per token. The choices of one request share `wake`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
-                 max_tokens: int | None, trace: int, wake: asyncio.Event | None = None) -> None:
+                 max_tokens: int | None, trace: int, wake: asyncio.Event | None = None,
+                 tools: ToolUse | None = None) -> None:
         self._ready: deque = deque()
         self._pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._loop = loop
         self.wake = wake or asyncio.Event()
-        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace)
+        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace, tools=tools)
 
     def _deliver(self, event: object) -> None:
         """Called on the inference thread: queue the event; wake the loop unless a wake-up is on its way."""
@@ -144,7 +146,7 @@ class Service:
     def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", tools: Sequence[Tool] = ()
                     ) -> list[int]:
         """The conversation through the model's chat template, ready for a reply; it must fit the context. `tools`
-        are shown to the model, and tool messages rendered, as server/tools.py says."""
+        are shown to the model, and tool messages rendered, as core/tools.py says."""
         tok = self.engine.model.tokenizer
         rendered, shown = tool_calls.render_messages(messages, list(tools), tok.knows_tools)
         try:
@@ -164,14 +166,14 @@ class Service:
         return ids
 
     def start(self, ids: list[int], profiles: Sequence[SamplingProfile], max_tokens: int | None,
-              trace: int = 0) -> list[Choice]:
-        """Submit one choice per profile; all or none run."""
+              trace: int = 0, tools: ToolUse | None = None) -> list[Choice]:
+        """Submit one choice per profile (each may call `tools`); all or none run."""
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
         wake = asyncio.Event()  # one for the request: its stream waits on all its choices at once
         try:
             for profile in profiles:
-                choice = Choice(loop, ids, profile, max_tokens, trace, wake)
+                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools)
                 self.scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:

@@ -192,7 +192,7 @@ def test_anthropic_requests_map_onto_the_profile() -> None:
         assert e.value.message.startswith(message) and e.value.status == 400
 
 
-# --- tools (server/tools.py behind each API's shapes) --------------------------------------------------------------
+# --- tools (core/tools.py behind each API's shapes) --------------------------------------------------------------
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
         "properties": {"city": {"enum": ["Paris", "Rome"]}}}
@@ -294,17 +294,19 @@ def test_anthropic_tool_blocks_become_template_messages_and_choices_constrain() 
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: rain"}, {"role": "user", "content": "So?"}]
-    assert [t.name for t in req.tools] == ["get_weather"] and req.profile.response_format.type == "grammar"
-    grammar = req.profile.response_format.grammar
+    assert [t.name for t in req.tools.tools] == ["get_weather"] and req.profile.response_format is None
+    grammar = req.tools.response_format().grammar
     assert "calls | TEXT" in grammar and 'call ("\\n" call)*' in grammar  # auto: text or calls, several allowed
 
     def parsed(**body: object) -> messages_api.MessagesRequest:
         return messages_api.parse({"model": "m", "max_tokens": 9, "messages": ASK, "tools": [WEATHER_TOOL], **body},
                                   served="m", base=SamplingProfile())
-    one = parsed(tool_choice={"type": "any", "disable_parallel_tool_use": True}).profile.response_format.grammar
+    one = parsed(tool_choice={"type": "any", "disable_parallel_tool_use": True}).tools.response_format().grammar
     assert "start: calls\n" in one and "calls: call\n" in one
-    assert parsed(tool_choice={"type": "none"}).tools == [] and parsed(tool_choice={"type": "none"}).profile \
-        .response_format is None
+    named = parsed(tool_choice={"type": "tool", "name": "get_weather"}).tools.response_format().grammar
+    assert "calls: call\n" in named  # a named tool is one call, as OpenAI's forced function
+    none = parsed(tool_choice={"type": "none"}).tools
+    assert none.shown == [] and none.response_format().name == "text, no tool calls"
     for body, message in (
             ({"messages": [*ASK, {"role": "assistant", "content": [use]}]}, "messages.1: the reply continues"),
             ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}, *ASK]},

@@ -1,20 +1,34 @@
-"""Tool calls, independent of any one API: tool specs, the grammar their calls must follow, the calls parsed back out
-of a reply (whole or streamed), and tool messages rendered for the model's chat template.
+"""Tool calls, independent of any one API (the server's three, and `engine.generate(..., tools=...)`): tool specs,
+the grammar their calls must follow, the calls parsed back out of a reply (whole or streamed), and tool messages
+rendered for the model's chat template.
 
 OpenAI's shapes come in through `Tool.from_openai`, `parse_tool_choice` and `message_from_openai`; another API
 (Anthropic's ``tools``/``tool_use``, Ollama's ``tools``) maps its own shapes onto the same `Tool`, `ToolChoice` and
-message dicts and reuses everything else.
+message dicts and reuses everything else. `ToolUse` is one request's tools, choice and ``parallel_tool_calls``.
 
 **What the model writes**: each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, calls separated
 by a newline (the Hermes/Qwen convention, which chat templates with a ``tools`` variable commonly teach). How a
-choice constrains it (`response_format`, a Lark grammar for the sampler's constraint stage, core/constraint.py):
+choice constrains it (`ToolUse.response_format`, a Lark grammar for the sampler's constraint stage,
+core/constraint.py):
 
-* ``required`` / a named function: the reply is one call (or several, with ``parallel_tool_calls``) and nothing
-  else; each call's ``name`` is one of the tools' (or the named one) and its ``arguments`` are valid under that
-  tool's ``parameters`` schema, so the calls always parse and validate.
-* ``auto``: the reply is either text that does not start with ``<``, or calls as above: free text until the model
-  starts a call, constrained from its first character on.
-* ``none``: no constraint, and the tools are not shown to the model.
+* a named function: exactly one call to it, and the reply ends (whatever ``parallel_tool_calls`` says, as OpenAI's
+  forced function gives one call).
+* ``required``: one call, or with ``parallel_tool_calls`` (the default) several, the reply free to end after each;
+  each call's ``name`` is one of the tools' and its ``arguments`` are valid under that tool's ``parameters`` schema
+  (closed: `core.response_format.closed`), so the calls always parse and validate.
+* ``auto``: the reply is either text or calls as above, decided at its first character: text does not start with
+  ``<`` and never holds ``<tool_call>`` or ``</tool_call>``, so no call markup reaches the answer.
+* ``none``: the tools are not shown to the model, and the reply is text that never holds call markup (a model that
+  sees calls in the conversation's history may imitate them); a ``response_format`` given with it wins.
+
+**No call twice** (`RepeatedCall`): a call identical to one the reply already made (the same name and the same
+arguments, compared as JSON values) is the repetition loop of a small model in tool form. The constraint ends the
+reply as soon as such a call closes (only an end-of-turn token is allowed after it), and the repeat is not returned
+(`CallStream`): a model that would call ``get_weather(Paris)`` five times makes one call and stops.
+
+**What comes back** (`CallStream`, which core/reply.py runs over every reply with tools): the calls that closed, in
+order, and text only from a reply that is text. A call cut by ``max_tokens`` is dropped (the reply's finish reason
+says "length"); call markup never reaches the text.
 
 **Rendering** (`render_messages`): a chat template that has a ``tools`` variable gets the specs through it and the
 messages in Hugging Face's shape (an assistant message's ``tool_calls`` with arguments as objects, ``role: "tool"``
@@ -34,9 +48,12 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from mlxchat.core.response_format import ResponseFormat
+from .response_format import ResponseFormat, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_OPEN, _CLOSE = OPEN.encode(), CLOSE.encode()
+# A Lark lexeme for text that holds no call markup anywhere (llguidance's lexeme negation).
+_NO_MARKUP = r"~/[\s\S]*<\/?tool_call>[\s\S]*/"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # JSON inside a call: compact, as core/response_format.py writes every schema.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -80,7 +97,11 @@ class Tool:
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise ToolError(f"{where}{params_key}", "must be a JSON Schema object")
+            raise ToolError(f"{where}{params_key}", "must be a JSON Schema object, e.g. "
+                                                    '{"type": "object", "properties": {...}}')
+        if params.get("type", "object") != "object":
+            raise ToolError(f"{where}{params_key}", f'must be a schema of "type": "object" (a call\'s arguments are '
+                                                    f"an object), got type {params['type']!r}")
         try:
             ResponseFormat(type="json_schema", json_schema={"name": name, "schema": params, "strict": strict})
         except ValidationError as e:
@@ -136,22 +157,53 @@ def parse_tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
     return choice
 
 
-def response_format(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> dict[str, Any] | None:
-    """The sampler's response format for this choice (see the module docstring), or None for "none"."""
-    if choice.mode == "none":
-        return None
-    allowed = [t for t in tools if choice.name in (None, t.name)]
-    call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                       "properties": {"name": {"const": t.name}, "arguments": t.parameters}} for t in allowed],
-            "x-guidance": {**_JSON_OPTIONS, "lenient": True}}
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    lines = [f"start: {'calls | TEXT' if choice.mode == 'auto' else 'calls'}", f"calls: {calls}",
-             f'call: "{OPEN}" json_call "{CLOSE}"', f"json_call: %json {json.dumps(call)}"]
-    if choice.mode == "auto":
-        lines.append(r"TEXT: /[^<][\s\S]*/")
-    label = "tool calls: " + ", ".join(t.name for t in allowed)
-    return {"type": "grammar", "grammar": "\n".join(lines) + "\n",
-            "name": label if len(label) <= 64 else label[:63] + "…"}
+@dataclass(frozen=True)
+class ToolUse:
+    """One request's tools: the specs, the choice, and whether one reply may make several calls."""
+
+    tools: tuple[Tool, ...]
+    choice: ToolChoice
+    parallel: bool = True
+
+    @classmethod
+    def make(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> "ToolUse":
+        """From OpenAI's fields (`tools` may also hold `Tool`s): a bad one raises `ToolError` naming it."""
+        if isinstance(tools, list) and tools and all(isinstance(t, Tool) for t in tools):
+            parsed = list(tools)
+        else:
+            parsed = parse_tools(tools)
+        return cls(tuple(parsed), parse_tool_choice(tool_choice, parsed), parallel_tool_calls is not False)
+
+    @property
+    def calls(self) -> bool:
+        """Whether the reply may make calls (not with tool_choice "none")."""
+        return self.choice.mode != "none"
+
+    @property
+    def shown(self) -> list[Tool]:
+        """The tools the model is shown: all of them, none with "none" (it cannot call them)."""
+        return list(self.tools) if self.calls else []
+
+    def response_format(self) -> ResponseFormat:
+        """The constraint's format for this choice (see the module docstring)."""
+        if not self.calls:
+            return ResponseFormat(type="grammar", grammar=f"start: TEXT?\nTEXT: /[\\s\\S]+/ & {_NO_MARKUP}\n",
+                                  name="text, no tool calls")
+        allowed = [t for t in self.tools if self.choice.name in (None, t.name)]
+        call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                           "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)}}
+                          for t in allowed],
+                "x-guidance": {**_JSON_OPTIONS, "lenient": False}}
+        several = self.parallel and self.choice.name is None
+        calls = 'call ("\\n" call)*' if several else "call"
+        lines = [f"start: {'calls | TEXT' if self.choice.mode == 'auto' else 'calls'}", f"calls: {calls}",
+                 f'call: "{OPEN}" json_call "{CLOSE}"', f"json_call: %json {json.dumps(call)}"]
+        if self.choice.mode == "auto":
+            # Text, decided at its first character (not "<"), and never the markup of a call anywhere after it.
+            lines.append(f"TEXT: /[^<][\\s\\S]*/ & {_NO_MARKUP}")
+        label = "tool calls: " + ", ".join(t.name for t in allowed)
+        return ResponseFormat(type="grammar", grammar="\n".join(lines) + "\n",
+                              name=label if len(label) <= 64 else label[:63] + "…")
 
 
 # --- calls out of a reply ----------------------------------------------------------------------------------------
@@ -170,24 +222,52 @@ class ToolCall:
         return json.loads(self.arguments)
 
 
-def _call(body: str) -> ToolCall | None:
+def _call(body: str) -> tuple[ToolCall, str] | None:
+    """A call's JSON body as a `ToolCall` and its identity (name and arguments as a canonical JSON value), or None
+    when it is not a call."""
     try:
         data = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
-    return ToolCall("call_" + uuid.uuid4().hex[:24], data["name"], json.dumps(data.get("arguments", {})))
+    arguments = data.get("arguments", {})
+    call = ToolCall("call_" + uuid.uuid4().hex[:24], data["name"], json.dumps(arguments, ensure_ascii=False))
+    return call, json.dumps([data["name"], arguments], sort_keys=True)
+
+
+class RepeatedCall:
+    """The constraint's side of "no call twice" (see the module docstring): `feed` it the bytes of each token the
+    reply takes; it answers True once a call identical to an earlier one has closed, and the reply must end."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._seen: set[str] = set()
+
+    def __call__(self, data: bytes) -> bool:
+        self._buffer += data
+        repeated = False
+        while (end := self._buffer.find(_CLOSE)) >= 0:
+            start = self._buffer.find(_OPEN)
+            body = self._buffer[start + len(_OPEN):end] if 0 <= start < end else b""
+            self._buffer = self._buffer[end + len(_CLOSE):]
+            parsed = _call(body.decode("utf-8", errors="replace"))
+            if parsed is not None:
+                repeated |= parsed[1] in self._seen
+                self._seen.add(parsed[1])
+        return repeated
 
 
 class CallStream:
-    """A reply's calls as it streams: `feed` each text delta, get back content deltas (str) to send on and each
-    `ToolCall` once its closing tag has arrived; `finish` at the end gives what is left. Content is held back only
-    while it may still be the start of a call."""
+    """A reply's calls as it streams: `feed` each text delta, get back text deltas (str) to send on and each
+    `ToolCall` once its closing tag has arrived. A reply is text or calls, decided by its first characters (held back
+    only while they may still open a call); in a reply of calls nothing is text: a call that repeats an earlier one
+    is dropped, and so is whatever is left at the end (a call cut by max_tokens)."""
 
     def __init__(self) -> None:
         self._buffer = ""
         self._calling: bool | None = None  # None until the reply's first characters decide it
+        self._seen: set[str] = set()
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[str | ToolCall]:
@@ -204,32 +284,13 @@ class CallStream:
         while (end := self._buffer.find(CLOSE)) >= 0:
             body = self._buffer[:end].strip().removeprefix(OPEN)
             self._buffer = self._buffer[end + len(CLOSE):]
-            call = _call(body)
-            if call is None:  # not a call after all: the text goes out as it was
-                found.append(OPEN + body + CLOSE)
+            parsed = _call(body)
+            if parsed is None or parsed[1] in self._seen:
                 continue
-            self.calls.append(call)
-            found.append(call)
+            self._seen.add(parsed[1])
+            self.calls.append(parsed[0])
+            found.append(parsed[0])
         return found
-
-    def finish(self) -> list[str]:
-        """What is left (an unfinished call cut by max_tokens, or text that only looked like one's start)."""
-        rest, self._buffer = self._buffer, ""
-        return [rest] if rest.strip() else []
-
-
-def split_reply(text: str) -> list[str | ToolCall]:
-    """A whole reply split as a stream of it is (`CallStream`): each call that closed, and text; so a reply cut by
-    max_tokens keeps the calls it finished, and the unfinished one stays text, streamed or not."""
-    stream = CallStream()
-    return [*stream.feed(text), *stream.finish()]
-
-
-def text_and_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole reply's text with its calls taken out, and the calls that closed (`split_reply`'s pieces, for the APIs
-    that send them apart from the text)."""
-    pieces = split_reply(text)
-    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)]
 
 
 # --- messages into the chat template -----------------------------------------------------------------------------
@@ -309,6 +370,6 @@ def _generic(m: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-__all__ = ["CallStream", "Tool", "ToolCall", "ToolChoice", "ToolError", "call_entry", "message_from_openai",
-           "parse_tool_choice", "parse_tools", "render_messages", "response_format", "result_message",
-           "split_reply", "tool_prompt"]
+__all__ = ["CLOSE", "OPEN", "CallStream", "RepeatedCall", "Tool", "ToolCall", "ToolChoice", "ToolError", "ToolUse",
+           "call_entry", "message_from_openai", "parse_tool_choice", "parse_tools", "render_messages",
+           "result_message", "tool_prompt"]
