@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -170,7 +171,15 @@ def test_cancel_during_prefill(engine: Engine, greedy: SamplingProfile):
             stream.cancel()
     r = stream.result
     assert r.finish_reason == "cancelled" and r.metrics.completion_tokens == 0
+    assert r.metrics.ttft_s >= r.metrics.prefill_s > 0  # no token at all: the time to the end, never 0
     assert "Paris" in engine.generate(QUESTION, profile=greedy, max_tokens=24).text
+
+
+def test_an_empty_reply_reports_the_time_to_its_end_token(engine: Engine):
+    eos = min(engine.model.tokenizer.eos_ids)
+    r = engine.generate(QUESTION, profile=SamplingProfile(temperature=0, logit_bias={eos: 100}))
+    assert (r.text, r.finish_reason, r.metrics.completion_tokens) == ("", "stop", 0)
+    assert r.metrics.ttft_s >= r.metrics.prefill_s > 0 and r.metrics.tpot_s == 0
 
 
 def test_leaving_the_iteration_early_cancels(engine: Engine, greedy: SamplingProfile):
