@@ -291,3 +291,21 @@ def test_a_model_that_cannot_stop_between_layers_finishes_its_chunk(engine: Engi
         return done, cache.layers[-1].offset
 
     assert engine.run(run) == ([128], 128)
+
+
+def test_loading_a_model_marks_it_used(tiny, tmp_path):
+    """`mlxchat models` and F3's "last used" is the files' access time, which reads alone leave stale."""
+    import os
+    import shutil
+    import time
+
+    from mlxchat.app.models import _local
+
+    model = Path(shutil.copy(tiny, tmp_path / "tiny.gguf"))
+    os.utime(model, (1e9, 1e9))
+    model.read_bytes()  # the first read after a write sets the access time; under relatime (the usual mount option)
+    first = os.stat(model).st_atime  # later reads leave it for a day, so a load alone would not move it
+    time.sleep(1.1)
+    Engine.load(model).close()
+    assert _local(str(model), model).last_used >= first + 1
+    assert os.stat(model).st_mtime == 1e9  # its modification time is kept (Ollama's modified_at)
