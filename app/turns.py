@@ -26,6 +26,15 @@ def keeps(result: "GenerationResult") -> bool:
     return bool(result.text) or result.finish_reason != "cancelled"
 
 
+def step_to(count: int, current: int | None, step: int) -> int | None:
+    """The message the transcript's ↑/↓ move to among `count`: from `current` by `step`, or, from none (the
+    transcript itself has the focus), the last one going up and the first going down; None past either end."""
+    if not count:
+        return None
+    target = (count - 1 if step < 0 else 0) if current is None else current + step
+    return target if 0 <= target < count else None
+
+
 class State(Enum):
     IDLE = "idle"  # nothing in flight: send, regenerate, edit, switch chats
     LOADING = "loading"  # a message waits for the model to finish loading

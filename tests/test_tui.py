@@ -424,6 +424,20 @@ async def test_tab_goes_sidebar_to_input_and_enter_opens_the_first_chat(tmp_path
         screen.transcript.messages[1].focus()
         await pilot.press("tab")
         assert not isinstance(app.focused, MessageView)
+        # Issue 37 item 4: the keyboard reaches the messages too. Tab to the transcript; ↑ focuses the last message,
+        # ↑/↓ go from one to the next (their keys then work: c copies), and stop at either end.
+        views = screen.transcript.messages
+        screen.transcript.focus()
+        await pilot.press("up")
+        assert app.focused is views[-1]
+        await pilot.press("up", "up")
+        assert app.focused is views[-3]
+        await pilot.press("down")
+        assert app.focused is views[-2]
+        await pilot.press("c")
+        assert "Copied the message" in str([n.message for n in app._notifications])
+        await pilot.press(*["down"] * 5)
+        assert app.focused is views[-1]
 
 
 @pytest.mark.anyio

@@ -84,8 +84,8 @@ class ChatScreen(Screen):
 
     @property
     def focus_chain(self) -> list[Widget]:
-        """Tab and shift+Tab go between the sidebar, the input and the panels, not through every message: a message
-        takes the focus by a click (to copy it), and Tab goes on from there."""
+        """Tab and shift+Tab go between the sidebar, the transcript, the input and the panels, not through every
+        message: in the transcript ↑/↓ focus its messages (or a click does), and Tab goes on from there."""
         return [w for w in super().focus_chain if not isinstance(w, MessageView) or w.has_focus]
 
     @property

@@ -20,6 +20,7 @@ from textual.widgets.markdown import MarkdownFence
 
 from .. import clipboard, inspector
 from ..formatting import wrap_fields
+from ..turns import step_to
 from ..textual_compat import MarkdownParagraph, OneLayout
 from .inspector import TokenStrip
 
@@ -100,8 +101,8 @@ class FieldsLine(Widget):
 
 
 class MessageView(OneLayout, Vertical, can_focus=True):
-    """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
-    ``< 1/2 >`` and [ / ] switch between them."""
+    """One message. Focus it (a click, or Tab to the transcript and ↑/↓) to copy it (c) or its code blocks (k); a
+    reply with branches shows ``< 1/2 >`` and [ / ] switch between them."""
 
     BINDINGS = [
         Binding("c", "copy_message", "Copy message", id="copy_message"),
@@ -284,7 +285,13 @@ class Notice(Vertical):
 
 
 class Transcript(VerticalScroll):
-    """The scrolling list of messages; anchored to the bottom while a reply streams."""
+    """The scrolling list of messages; anchored to the bottom while a reply streams. Tab reaches it; ↑/↓ then move
+    the focus from message to message (each one's keys: c, k, [ and ]), page up/down scroll."""
+
+    BINDINGS = [
+        Binding("up", "step_message(-1)", "Previous message (focus it)", id="message_previous", show=False),
+        Binding("down", "step_message(1)", "Next message (focus it)", id="message_next", show=False),
+    ]
 
     @property
     def messages(self) -> list[MessageView]:
@@ -295,6 +302,13 @@ class Transcript(VerticalScroll):
             if role is None or view.role == role:
                 return view
         return None
+
+    def action_step_message(self, step: int) -> None:
+        messages = self.messages
+        focused = self.screen.focused
+        current = messages.index(focused) if isinstance(focused, MessageView) and focused in messages else None
+        if (target := step_to(len(messages), current, step)) is not None:
+            messages[target].focus()  # Textual scrolls a focused widget into view
 
     async def add(self, view: MessageView | Notice) -> MessageView | Notice:
         await self.mount(view)
