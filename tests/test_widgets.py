@@ -246,13 +246,29 @@ async def test_a_preset_name_is_refused_in_the_form_and_a_free_one_proposed(tmp_
         prompt.query_one(Input).value = "precise"
         await pilot.press("enter")
         await pilot.pause()
-        assert app.screen is picker and store.list() == []
-        (refusal,) = [n.message for n in app._notifications if n.severity == "error"]
+        # Issue 37 item 12: the dialog stays open with the name and says what is wrong under it (it used to close and
+        # lose the name, with a toast).
+        assert app.screen is prompt and store.list() == [] and prompt.query_one(Input).value == "precise"
+        refusal = str(prompt.query_one("#prompt-error").content)
         assert refusal == "'precise' is a preset's name; save it under another, e.g. 'precise-2'"
-        await pilot.press("ctrl+s")
-        await pilot.press("enter")  # the proposed name
+        prompt.query_one(Input).value = "my/profile"
+        await pilot.press("enter")
         await pilot.pause()
+        assert app.screen is prompt and "got 'my/profile'" in str(prompt.query_one("#prompt-error").content)
+        prompt.query_one(Input).value = "precise-2"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is picker
     assert store.list() == ["precise-2"] and store.load("precise-2").temperature == 0.3
+
+
+@pytest.mark.anyio
+async def test_tab_from_the_profile_list_goes_to_the_first_field(tmp_path: Path, profile_app):
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
+    async with app.run_test(size=(90, 50)) as pilot:
+        app.screen.query_one("#profile-list").focus()
+        await pilot.press("tab")  # not an invisible stop (the scrolling form) first
+        assert app.focused is app.screen.query_one("#field-temperature", Input)
 
 
 @pytest.mark.anyio
