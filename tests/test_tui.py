@@ -192,6 +192,14 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         await wait_for(pilot, lambda: not screen.busy, what="the regenerated reply")
         assert [v.role for v in screen.transcript.messages] == ["user", "assistant"]
         assert "< 2/2 >" in screen.transcript.last("assistant").label  # the old reply stays a branch
+        # [ on the reply shows the old one, and the state line its numbers (it kept the new one's).
+        screen.transcript.last("assistant").focus()
+        await pilot.press("left_square_bracket")
+        shown = screen.transcript.last("assistant")
+        assert "< 1/2 >" in shown.label and screen.stats.metrics == shown.turn.message.metrics
+        await pilot.press("right_square_bracket")
+        shown = screen.transcript.last("assistant")
+        assert "< 2/2 >" in shown.label and screen.stats.metrics == shown.turn.message.metrics
         stored = app.store.messages(conv)
         assert [m.role for m in stored] == ["user", "assistant"]
         assert stored[1].content == screen.controller.last_result.text
@@ -228,6 +236,21 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         assert screen.transcript.messages == [] and app.store.messages(conv) == []
         assert [m.role for m in screen.controller.session.messages] == ["system"]
         assert screen.controller.record.id == conv
+
+
+@pytest.mark.anyio
+async def test_a_new_chats_first_reply_says_its_system_prompt_was_cached(engine, tmp_path, new_app, ready, reply):
+    """The KV cache on disk gives a new chat only what every chat starts with (saved by another chat): its first
+    reply's stats line says "system prompt cached", not "14 tokens from disk"."""
+    app = new_app(max_tokens=4, engine=engine.with_kv_cache(tmp_path / "kv"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        await reply(pilot, "Hi")
+        screen.controller.engine.flush_kv_cache()  # the first chat's cache is on disk
+        await screen.action_new_chat()
+        result = await reply(pilot, "Name a colour.")
+        stats = screen.transcript.last("assistant").stats
+        assert result.metrics.disk_tokens > 0 and "system prompt cached" in stats and "from disk" not in stats
 
 
 @pytest.mark.anyio
