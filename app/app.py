@@ -240,7 +240,7 @@ MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("any screen", Screen), ("chat
                              ("replay (F9)", ReplayScreen), ("dialogs", TextPrompt), ("dialogs", Confirm),
                              ("help (F1)", HelpScreen)]
 # Keys that a widget of Textual's handles itself (no Binding of ours to list): F1 says them too.
-WIDGET_KEYS = [("enter", "Continue the reply from the highlighted candidate (a branch)", "inspector", ""),
+WIDGET_KEYS = [("enter", "Continue from this candidate (a branch)", "inspector", ""),
                ("enter", "Open the highlighted chat", "sidebar", "")]
 
 

@@ -41,4 +41,4 @@ def test_the_remap_example_adds_a_key_that_nothing_uses(tmp_path: Path) -> None:
     binding_id, keys = remap_example(rows).split(" = ")
     used = {k for row in rows for k in row[0].split(",")}
     added = keys.strip('"').split(",")[-1]
-    assert binding_id == "quit" and added not in used  # F9, the old example's key, is Replay
+    assert binding_id == "regenerate" and added not in used  # F9, the old example's key, is Replay

@@ -25,13 +25,13 @@ def _key(key: str) -> str:
     return char if char is not None and char.isprintable() and not char.isspace() else key
 
 
-def remap_example(rows: list[tuple[str, str, str, str]]) -> str:
-    """A `[keys]` line for the first remappable row that adds a key no binding uses (F9 is Replay: it was the
-    example's once)."""
+def remap_example(rows: list[tuple[str, str, str, str]], binding_id: str = "regenerate") -> str:
+    """A `[keys]` line that adds to `binding_id` (else the first remappable row) a key no binding uses (F9 is
+    Replay: it was the example's once)."""
     used = {k.strip() for keys, *_ in rows for k in keys.split(",")}
     spare = next(k for k in SPARE_KEYS if k not in used)
-    keys, _, _, binding_id = next(r for r in rows if r[3])
-    return f'{binding_id} = "{keys},{spare}"'
+    keys, _, _, chosen = next((r for r in rows if r[3] == binding_id), None) or next(r for r in rows if r[3])
+    return f'{chosen} = "{keys},{spare}"'
 
 
 class HelpScreen(ModalScreen[None]):
