@@ -627,6 +627,10 @@ async def test_corrupt_database_is_reported_and_left_alone(tmp_path, new_app):
 # --- snapshots -------------------------------------------------------------------------------------------------
 
 SNAP_DIR = Path("/tmp/mlxchat-snapshot-dirs")  # fixed paths: the help screen shows the config file's path
+# Prose longer than a reading width and a code line longer than 80 columns: the layout at every width shows on them.
+SNAP_REPLY = ("The capital of France is **Paris**. It has been the capital for centuries, and it is known for its "
+              "museums, its cafés and the Seine, which runs through the middle of the city.\n\n```python\n"
+              "print('Paris is the capital of France, and this line is longer than eighty columns')\n```")
 
 
 @pytest.fixture
@@ -640,7 +644,7 @@ def snap_app(engine, monkeypatch):
                                   profile={"name": "chat", "temperature": 0.8, "top_p": 0.9})
     store.add_message(a.id, ChatMessage("user", "What is the capital of France?"))
     store.add_message(a.id, ChatMessage(
-                      "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
+                      "assistant", SNAP_REPLY,
                       finish_reason="stop", model=engine.name, profile={"name": "chat"},
                       metrics={"prompt_tokens": 27, "cached_tokens": 0, "completion_tokens": 9, "ttft_s": 0.31,
                                "tpot_s": 0.082, "prefill_s": 0.3, "decode_s": 0.66,
@@ -679,6 +683,56 @@ def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# Issue 37 item 10: 80x24 (the sidebar collapsed, a compact footer), 120 and 200 columns (a reading width).
+@needs_native
+@pytest.mark.parametrize("size", [(80, 24), (120, 32), (200, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_snapshot_main_screen_at_each_width(snap_compare, snap_app, wait_for, size):
+    app, conversation_id = snap_app
+
+    async def run_before(pilot) -> None:
+        await _settle(pilot, wait_for)
+        await app.chat_screen.open_conversation(conversation_id)
+        await pilot.pause()
+        app.chat_screen.input.focus()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("columns", [80, 120, 200])
+async def test_the_chat_fits_80_to_200_columns(snap_app, wait_for, columns):
+    """Nothing is cut: the footer's keys, the state line's words, a code line; the sidebar folds away below 100
+    columns (ctrl+b brings it back) and a message keeps a reading width."""
+    from textual.widgets import Footer, Label
+    from textual.widgets.markdown import MarkdownFence
+
+    app, conversation_id = snap_app
+    async with app.run_test(size=(columns, 24 if columns == 80 else 32)) as pilot:
+        await _settle(pilot, wait_for)
+        screen = app.chat_screen
+        await screen.open_conversation(conversation_id)
+        await pilot.pause()
+        sidebar = screen.query_one("#sidebar")
+        assert sidebar.display == (columns >= 100)
+        footer = screen.query_one(Footer)
+        assert sum(key.outer_size.width for key in footer.children) <= columns  # every key whole
+        shown = str(screen.stats.query_one("#stats-readouts").content).split(" · ")
+        engine = screen.controller.engine
+        whole = [engine.name, engine.model_kind(), f"context {engine.context_length}",
+                 *engine.decode_path().split(" · ")]
+        assert shown[:2] == whole[:2] and all(f in whole or f + " (" in " ".join(whole) for f in shown)  # no cut
+        assert len(shown) >= (4 if columns >= 120 else 2)
+        [reply] = [v for v in screen.transcript.messages if v.role == "assistant"]
+        assert reply.outer_size.width <= 106  # a reading width (and the border)
+        code = reply.query_one(MarkdownFence).query_one(Label)
+        lines = [strip.text.rstrip() for strip in code.render_lines(code.size.region)]
+        assert "columns')" in " ".join(lines)  # the end of the long code line is on screen, wrapped
+        if columns < 100:
+            await pilot.press("ctrl+b")
+            assert sidebar.display
 
 
 @needs_native
