@@ -31,9 +31,9 @@ from . import textual_compat
 from .commands import ProfileCommands
 from .config import ConfigError, Settings
 from .conversation import Refused
-from .screens import ChatScreen, HelpScreen
+from .screens import ChatScreen, Confirm, HelpScreen, ModelPicker, ProfilePicker, ReplayScreen, TextPrompt
 from .store import Store, StoreError
-from .widgets import ChatInput, ConversationList, MessageView, TokenInspector, TokenStrip
+from .widgets import ChatInput, ConversationList, MessageView, TokenInspector, TokenStrip, Transcript
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
@@ -176,16 +176,20 @@ class MlxChatApp(App[None]):
     BINDING_SCOPES: list[tuple[str, type]] = []  # filled below, after the classes exist
 
     def binding_rows(self, *, remapped: bool = True) -> list[tuple[str, str, str, str]]:
-        """(keys, description, where, id) for every binding with an id, with the keymap applied."""
+        """(keys, description, where, id) for every binding of the app's screens and widgets, with the keymap
+        applied; Textual's own (Tab, the palette: no id, so not remappable) and the keys a widget handles itself."""
         keymap = textual_compat.keymap(self) if remapped else {}
         rows = []
         seen = set()
         for where, cls in self.BINDING_SCOPES:
             for b in cls.BINDINGS:
-                if isinstance(b, Binding) and b.id and b.id not in seen:
-                    seen.add(b.id)
-                    rows.append((keymap.get(b.id, b.key), b.description or b.action, where, b.id))
-        return rows
+                if not isinstance(b, Binding) or (b.id or b.key) in seen or (cls is Screen and b.action.endswith(
+                        "copy_text")):  # Textual's select-and-copy: the app copies by c, k, F5 and F8
+                    continue
+                seen.add(b.id or b.key)
+                rows.append((keymap.get(b.id, b.key) if b.id else b.key, b.description or b.action, where, b.id or ""))
+        return rows + [(self.COMMAND_PALETTE_BINDING, "Command palette (every action by name)", "app", ""),
+                       *WIDGET_KEYS]
 
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
@@ -229,9 +233,15 @@ class MlxChatApp(App[None]):
         yield SystemCommand("Keys", "Show the key bindings", self.action_help)
 
 
-MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("chat", ChatScreen), ("input", ChatInput),
-                             ("message", MessageView), ("sidebar", ConversationList), ("heat view", TokenStrip),
-                             ("inspector", TokenInspector)]
+MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("any screen", Screen), ("chat", ChatScreen), ("input", ChatInput),
+                             ("transcript", Transcript), ("message", MessageView), ("sidebar", ConversationList),
+                             ("heat view", TokenStrip), ("inspector", TokenInspector),
+                             ("profiles (F2)", ProfilePicker), ("models (F3)", ModelPicker),
+                             ("replay (F9)", ReplayScreen), ("dialogs", TextPrompt), ("dialogs", Confirm),
+                             ("help (F1)", HelpScreen)]
+# Keys that a widget of Textual's handles itself (no Binding of ours to list): F1 says them too.
+WIDGET_KEYS = [("enter", "Continue from this candidate (a branch)", "inspector", ""),
+               ("enter", "Open the highlighted chat", "sidebar", "")]
 
 
 def make_app(model: str | None = None, data_dir: str | Path | None = None, config_dir: str | Path | None = None,

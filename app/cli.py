@@ -164,14 +164,27 @@ def _read_prompt(arg: str) -> str:
 
 
 def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, imported late with MLX
+    """--profile, else config.toml's default profile (the chat preset unless it names another), with the sampler
+    flags over it. Never the raw distribution (temperature 1, no filter): unflagged, that rambled."""
     from mlxchat.core import SamplingProfile
+    from mlxchat.core.locations import Locations
     from mlxchat.core.profile import ProfileStore
 
+    from .config import ConfigError, Settings
+
+    name = args.profile
+    if name is None:
+        config = Locations.resolve().config_file
+        try:
+            name = Settings.load(config).profile
+        except ConfigError as e:
+            name = Settings().profile
+            print(f"mlxchat: note: {e}", file=sys.stderr)
     # A saved profile that is corrupt is an error here (the file is named and left as it is): a script that asked
     # for a profile by name must not silently get other settings.
-    base = SamplingProfile() if args.profile is None else ProfileStore().resolve(args.profile)
+    base = ProfileStore().resolve(name)
     fmt = response_format(args)  # the constrained-decoding flags (app/format_flags.py)
-    return SamplingProfile.model_validate({**base.model_dump(), **_sampler_flags(args),
+    return SamplingProfile.model_validate({**base.model_dump(), "name": name, **_sampler_flags(args),
                                            **({"response_format": fmt} if fmt else {})})
 
 
@@ -179,9 +192,11 @@ def format_stats(m) -> str:  # noqa: ANN001 - core.Metrics
     spec = (f" · speculative {m.speculative}: {m.accepted_tokens}/{m.draft_tokens} guesses accepted "
             f"({m.acceptance:.0%}), {m.tokens_per_step:.2f} tok/step" if m.speculative != "off" else "")
     disk = f", {m.disk_tokens} from disk" if m.disk_tokens else ""
+    # Over fewer than two tokens there is no time between tokens to report: say so rather than "0.0 tok/s".
+    decode = (f"decode {m.decode_tokens_per_s:.1f} tok/s (TPOT {m.tpot_s * 1000:.0f} ms)" if m.completion_tokens > 1
+              else "no decode rate (under 2 tokens)")
     return (f"prompt {m.prompt_tokens} tok ({m.cached_tokens} cached{disk}) · TTFT {m.ttft_s:.2f} s · "
-            f"prefill {m.prefill_tokens_per_s:.0f} tok/s · decode {m.decode_tokens_per_s:.1f} tok/s "
-            f"(TPOT {m.tpot_s * 1000:.0f} ms) · {m.completion_tokens} tok out · "
+            f"prefill {m.prefill_tokens_per_s:.0f} tok/s · {decode} · {m.completion_tokens} tok out · "
             f"peak {m.peak_memory_bytes / 2**20:.0f} MiB{spec}")
 
 
@@ -337,11 +352,13 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     result = stream.result
     if args.json:
         json.dump({"text": result.text, "finish_reason": result.finish_reason, "model": engine.name,
-                   "sampler": result.sampler, "seed": result.seed, "metrics": result.metrics.as_dict()},
+                   "profile": profile.name, "sampler": result.sampler, "seed": result.seed,
+                   "metrics": result.metrics.as_dict()},
                   sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     if args.stats:
-        print(f"{format_stats(result.metrics)} · {engine.describe()}", file=sys.stderr)
+        print(f"{format_stats(result.metrics)} · profile {profile.name}: {result.sampler} · {engine.describe()}",
+              file=sys.stderr)
     return 130 if interrupts.count else 0
 
 
@@ -470,10 +487,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, previous)
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; without a subcommand it is the chat's: `mlxchat --model X` opens the chat on X, as
+    `mlxchat` alone opens it on the embedded model (`--help` is still the whole command's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "chat")
+    return build_parser().parse_args(argv)
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command is None:  # plain `mlxchat`: the chat, with its flags' defaults
-        args = build_parser().parse_args(["chat"])
+    args = parse_args(argv)
     try:
         if args.command == "generate":
             return _with_interrupts(args)

@@ -17,7 +17,7 @@ Example ``~/.config/mlxchat/config.toml``::
     kv_cache_mb = 4096               # the most that folder may hold (least recently used files go first); 0: off
 
     [keys]                           # binding id = keys (comma-separated); see the help screen (F1) for the ids
-    regenerate = "ctrl+r,f9"
+    regenerate = "ctrl+r,f12"
     newline = "ctrl+j,shift+enter"
 
 A missing file means the defaults. An invalid one is reported in the app (one line naming the field) and the

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .formatting import profile_summary, stats_line
+from .turns import first_reply
 
 if TYPE_CHECKING:
     from mlxchat.core.profile import SamplingProfile
@@ -48,7 +49,8 @@ def markdown(title: str, turns: Sequence["Turn"], *, system_prompt: str = "", mo
         if turn.role == "assistant":
             m = turn.message
             stats = f"error: {turn.error}" if turn.error else stats_line(m.metrics, m.finish_reason,
-                                                                         m.profile.get("name"))
+                                                                         m.profile.get("name"),
+                                                                         first_reply=turn is first_reply(turns))
             lines += [f"*{stats}*", ""]
     return "\n".join(lines)
 

@@ -76,11 +76,11 @@ def live_readouts(m: Any, width: int | None = None) -> str:
 
 def prefill_progress(done: int, total: int, cached: int = 0) -> tuple[int, str]:
     """Prefill progress as (percent, readout), both counting only the prompt tokens being prefilled (the cached
-    ones are not work): e.g. (0, "prefill 0/4389 new tokens · 1024 cached · prompt 5413")."""
+    ones are not work): e.g. (0, "0/4389 new tokens · 1024 cached · prompt 5413")."""
     todo = max(total - cached, 0)
     new = min(max(done - cached, 0), todo)
     pct = round(100 * new / todo) if todo else 100
-    text = f"prefill {new}/{todo} new tokens"
+    text = f"{new}/{todo} new tokens"  # after the state's "▷ prefill 20%": the word once
     if cached:
         text += f" · {cached} cached · prompt {total}"
     return pct, text
@@ -100,8 +100,9 @@ def speculation(m: Any) -> str | None:
 
 
 def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = None,
-               profile_name: str | None = None) -> str:
-    """The line under a finished assistant message."""
+               profile_name: str | None = None, *, first_reply: bool = False) -> str:
+    """The line under a finished assistant message. A chat's `first_reply` finds on disk only what every chat
+    starts with, its system prompt (saved by other chats): that is what it says, not "14 tokens from disk"."""
     m = metrics or {}
     parts = [
         fmt_rate(decode_rate(m)),
@@ -121,7 +122,7 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
             prefill += f" at {rate:.0f} tok/s"
     parts.append(prefill)
     if disk := _get(m, "disk_tokens"):  # where the context came from: the KV cache saved on disk
-        parts.append(f"{disk:,} tokens from disk")
+        parts.append("system prompt cached" if first_reply else f"{disk:,} tokens from disk")
     parts += [context(m), f"peak {fmt_bytes(_get(m, 'peak_memory_bytes'))}"]
     if masks := _get(m, "constraint_masks"):  # a response_format held the reply to its grammar
         parts.append(f"constrained ({_get(m, 'constraint_mask_s', 0.0) / masks * 1000:.2f} ms/mask)")

@@ -5,8 +5,6 @@ and this module refuses, on import, a Textual outside that range with a message 
 (a ``--no-deps`` install or a forced upgrade gets past pip's pin). Inside the range each helper checks what it
 touches and degrades to Textual's plain behaviour when it is gone:
 
-- ``MarkdownParagraph``: the class of a Markdown paragraph, to subclass; ``textual.widgets.markdown`` does not
-  re-export it, so it is read from ``Markdown.BLOCKS``. Required: the transcript cannot stream without it.
 - ``OneLayout``: a mixin for widgets that never scroll, overriding the private ``Widget._size_updated`` so that a
   new size costs one layout instead of two. Without it: two layouts per resize, nothing else changes.
 - ``keymap(app)``: the keymap in force (binding id -> keys), which ``App.set_keymap`` keeps in the private
@@ -23,7 +21,6 @@ from typing import Any
 import textual
 from textual.app import App
 from textual.widget import Widget
-from textual.widgets import Markdown
 
 SUPPORTED = ((8, 2, 6), (9, 0, 0))  # [lowest, first unsupported): pyproject.toml's "textual>=8.2.6,<9"
 
@@ -48,17 +45,6 @@ def check_version(version: str) -> None:
 
 
 check_version(textual.__version__)
-
-
-def _paragraph_class() -> type[Widget]:
-    paragraph = Markdown.BLOCKS.get("paragraph_open")
-    if not (isinstance(paragraph, type) and issubclass(paragraph, Widget)):
-        raise TextualVersionError(f"textual {textual.__version__}: Markdown.BLOCKS has no paragraph class "
-                                  "(app/textual_compat.py); install the Textual that pyproject.toml names")
-    return paragraph
-
-
-MarkdownParagraph: Any = _paragraph_class()  # Any: a class to subclass, found at run time
 
 
 def size_updated_takes_layout(widget_class: type) -> bool:

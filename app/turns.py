@@ -4,7 +4,7 @@ No Textual, no store."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Literal
@@ -24,6 +24,25 @@ def keeps(result: "GenerationResult") -> bool:
     """Whether a finished reply stays in the chat: not when it was stopped before its first token (what the
     ChatSession keeps, too)."""
     return bool(result.text) or result.finish_reason != "cancelled"
+
+
+def step_to(count: int, current: int | None, step: int) -> int | None:
+    """The message the transcript's ↑/↓ move to among `count`: from `current` by `step`, or, from none (the
+    transcript itself has the focus), the last one going up and the first going down; None past either end."""
+    if not count:
+        return None
+    target = (count - 1 if step < 0 else 0) if current is None else current + step
+    return target if 0 <= target < count else None
+
+
+def first_reply(turns: "Iterable[Turn]") -> "Turn | None":
+    """The chat's first assistant turn (its stats line says "system prompt cached" for what came from disk)."""
+    return next((t for t in turns if t.role == "assistant"), None)
+
+
+def last_reply(turns: "Iterable[Turn]") -> "Turn | None":
+    """The last finished reply shown: the state line shows its numbers once another branch is shown."""
+    return next((t for t in reversed(list(turns)) if t.role == "assistant" and t.in_history), None)
 
 
 class State(Enum):

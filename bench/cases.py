@@ -94,6 +94,43 @@ def rotating_case(engine: Any, context_tokens: int, decode_tokens: int, window: 
 # --- TUI path vs headless ----------------------------------------------------------------------------------------
 
 TUI_TEXT_TOKENS = 96
+# The rich reply of the TUI's second row: what a chat answer with structure looks like (headings, a list, a table,
+# two code blocks), written by the model itself under a grammar that allows only this text, so both paths decode the
+# same tokens at a real decode pace and the TUI renders real Markdown as it streams.
+MARKDOWN_REPLY = """## Reading a CSV file in Python
+
+There are two common ways:
+
+1. The `csv` module, in the standard library.
+2. **pandas**, for analysis.
+
+| Way | Needs | Good for |
+|---|---|---|
+| csv | nothing | small files |
+| pandas | pip install | tables, statistics |
+
+### With the csv module
+
+```python
+import csv
+
+with open("data.csv", newline="") as f:
+    for row in csv.DictReader(f):
+        print(row["name"], row["age"])
+```
+
+### With pandas
+
+```python
+import pandas as pd
+
+df = pd.read_csv("data.csv")
+print(df.describe())
+```
+
+Both read the header row as column names."""
+MARKDOWN_PROMPT = "How do I read a CSV file in Python? Show two ways with code."
+MARKDOWN_MAX_TOKENS = 1024  # a cap above the reply's length: the grammar ends it
 
 
 def _tui_text(engine: Any) -> str:
@@ -101,15 +138,26 @@ def _tui_text(engine: Any) -> str:
     return msgs[-1]["content"]
 
 
-def _headless(engine: Any, system: str | None, text: str, max_tokens: int) -> dict[str, Any]:
-    chat = engine.chat(system=system, profile=_greedy(max_tokens))
+def _markdown_profile() -> Any:
+    """Greedy, held to MARKDOWN_REPLY by a Lark grammar of that one string (JSON's escapes are Lark's)."""
+    import json
+
+    from mlxchat.core import SamplingProfile
+
+    return SamplingProfile(name="bench-markdown", temperature=0,
+                           response_format={"type": "grammar", "grammar": f"start: {json.dumps(MARKDOWN_REPLY)}"})
+
+
+def _headless(engine: Any, system: str | None, text: str, max_tokens: int, profile: Any) -> dict[str, Any]:
+    chat = engine.chat(system=system, profile=profile)
     return from_metrics(chat.send(text, max_tokens=max_tokens).wait().metrics)
 
 
-async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
+async def _tui_runs(engine: Any, max_tokens: int, repeats: int, markdown: bool = False) -> dict[str, Any]:
     from mlxchat.app.app import make_app
 
-    text = _tui_text(engine)
+    text = MARKDOWN_PROMPT if markdown else _tui_text(engine)
+    profile = _markdown_profile() if markdown else _greedy(max_tokens)
     headless, tui = [], []
     with tempfile.TemporaryDirectory(prefix="mlxchat-bench-") as d:
         app = make_app(engine=engine, data_dir=os.path.join(d, "data"), config_dir=os.path.join(d, "config"),
@@ -124,12 +172,12 @@ async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any
                 await pilot.pause(0.05)
             for _ in range(repeats):
                 # Headless: the same ChatSession call, with the app's loop blocked (so it costs nothing meanwhile).
-                headless.append(_headless(engine, system, text, max_tokens))
+                headless.append(_headless(engine, system, text, max_tokens, profile))
                 # The real TUI: a new chat, the same profile, the text submitted as the user would send it.
                 await screen.action_new_chat()
-                screen.set_profile(_greedy(max_tokens))
+                screen.set_profile(profile)
                 posted_before = screen.worker.batches_posted if screen.worker else 0
-                started = time.perf_counter()
+                started, ui_started = time.perf_counter(), time.thread_time()  # the app runs on this thread
                 if not await screen.submit(text):
                     raise RuntimeError("the chat screen refused the message")
                 deadline = time.monotonic() + 600
@@ -140,12 +188,15 @@ async def _tui_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any
                     # forces a screen update each time, which no user's TUI does; polled every 20 ms that was more
                     # UI-thread CPU per token than the TUI's own drawing, charged to the TUI path.
                     await asyncio.sleep(0.05)
-                wall = time.perf_counter() - started
+                wall, ui_cpu = time.perf_counter() - started, time.thread_time() - ui_started
                 result = screen.controller.last_result
                 if result is None:
                     raise RuntimeError("the TUI reply finished without a result")
                 batches = (screen.worker.batches_posted if screen.worker else 0) - posted_before
-                tui.append({**from_metrics(result.metrics), "wall_s": wall, "ui_batches": batches})
+                # The UI thread's CPU per token: what drawing the reply costs, a figure the machine's load moves
+                # far less than decode speed.
+                tui.append({**from_metrics(result.metrics), "wall_s": wall, "ui_batches": batches,
+                            "ui_cpu_ms_per_token": ui_cpu * 1000 / max(1, result.metrics.completion_tokens)})
     return {"path": "textual App.run_test (app.app.make_app, the real ChatScreen, headless terminal)",
             "headless_samples": headless, "tui_samples": tui}
 
@@ -168,7 +219,7 @@ def _worker_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
     text = _tui_text(engine)
     headless, tui = [], []
     for _ in range(repeats):
-        headless.append(_headless(engine, prompts.SYSTEM, text, max_tokens))
+        headless.append(_headless(engine, prompts.SYSTEM, text, max_tokens, _greedy(max_tokens)))
         sink = Sink()
         worker = EngineWorker(sink)  # type: ignore[arg-type]
         chat = engine.chat(system=prompts.SYSTEM, profile=_greedy(max_tokens))
@@ -183,12 +234,15 @@ def _worker_runs(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
             "headless_samples": headless, "tui_samples": tui}
 
 
-def tui_case(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
-    """Decode tok/s through the real TUI against the same ChatSession call made headless, interleaved."""
+def tui_case(engine: Any, max_tokens: int, repeats: int, *, markdown: bool = False) -> dict[str, Any]:
+    """Decode tok/s through the real TUI against the same ChatSession call made headless, interleaved: plain prose
+    of `max_tokens`, or with `markdown` the rich reply MARKDOWN_REPLY (its own length)."""
     try:
         import mlxchat.app.app  # noqa: F401
-        out = asyncio.run(_tui_runs(engine, max_tokens, repeats))
+        out = asyncio.run(_tui_runs(engine, MARKDOWN_MAX_TOKENS if markdown else max_tokens, repeats, markdown))
     except ImportError as e:
+        if markdown:
+            raise  # the Markdown row measures the app's rendering: without the app there is nothing to measure
         out = _worker_runs(engine, max_tokens, repeats)
         out["fallback_reason"] = f"{type(e).__name__}: {e}"
     from .stats import summarize
@@ -198,6 +252,7 @@ def tui_case(engine: Any, max_tokens: int, repeats: int) -> dict[str, Any]:
     hd, td = h["decode_tokens_per_s"], t["decode_tokens_per_s"]
     out["slowdown_pct"] = (1 - td / hd) * 100 if hd and td else None
     out["max_tokens"] = max_tokens
+    out["reply"] = "markdown" if markdown else "prose"
     return out
 
 

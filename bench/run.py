@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 import time
+from statistics import median
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -187,11 +188,14 @@ def summary_text(results: dict[str, Any]) -> str:
             out.append(f"  peak {_mib(flat['from_bytes'])} at {flat['from_tokens']} -> {_mib(flat['to_bytes'])} at "
                        f"{flat['to_tokens']} ({flat['growth_pct']:+.1f}%); weights {_mib(rot['weight_bytes'])}")
     tui = results.get("tui")
-    if tui:
-        h, t = tui["headless"], tui["tui"]
-        out.append(f"TUI vs headless ({tui['path']}): headless {h['decode_tokens_per_s']:.1f} tok/s, TUI "
-                   f"{t['decode_tokens_per_s']:.1f} tok/s ({tui['slowdown_pct']:+.1f}% slower); TTFT "
-                   f"{h['ttft_s'] * 1000:.0f} vs {t['ttft_s'] * 1000:.0f} ms")
+    for row in (tui, (tui or {}).get("markdown")):
+        if row:
+            h, t = row["headless"], row["tui"]
+            ui = [s["ui_cpu_ms_per_token"] for s in row["tui_samples"] if "ui_cpu_ms_per_token" in s]
+            out.append(f"TUI vs headless, {row.get('reply', 'prose')} reply ({row['path']}): headless "
+                       f"{h['decode_tokens_per_s']:.1f} tok/s, TUI {t['decode_tokens_per_s']:.1f} tok/s "
+                       f"({row['slowdown_pct']:+.1f}% slower); TTFT {h['ttft_s'] * 1000:.0f} vs "
+                       f"{t['ttft_s'] * 1000:.0f} ms" + (f"; UI thread {median(ui):.2f} ms CPU/token" if ui else ""))
     roof = results.get("roofline")
     if roof:
         bw = roof["bandwidth"]
@@ -294,8 +298,11 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
         log(f"chat: {cfg.chat_turns} turns")
         chat = _guard(errors, "chat", C.chat_case, engine, cfg.chat_turns, cfg.chat_reply_tokens)
     if "tui" not in cfg.skip:
-        log("TUI vs headless")
+        log("TUI vs headless: prose, then a Markdown-heavy reply")
         tui = _guard(errors, "tui", C.tui_case, engine, cfg.tui_tokens, cfg.tui_repeats)
+        if tui is not None:
+            tui["markdown"] = _guard(errors, "tui_markdown", C.tui_case, engine, cfg.tui_tokens, cfg.tui_repeats,
+                                     markdown=True)
     if "rotating" not in cfg.skip:
         log(f"rotating cache: {cfg.rotating_context} tokens of context, window {cfg.rotating_window}")
         rotating = _guard(errors, "rotating", C.rotating_case, engine, cfg.rotating_context, cfg.rotating_decode,

@@ -190,13 +190,17 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         worst["overhead_pct"] if worst else None, CHAIN_OVERHEAD_PCT,
         None if not over else worst["overhead_pct"] <= CHAIN_OVERHEAD_PCT,
         ", ".join(f"{o['prompt_tokens']}: {o['overhead_pct']:+.1f}%" for o in over) or "not measured", "%"))
+    # Both TUI rows, plain prose and a Markdown-heavy reply, are held to the target: the worse one is the value.
     tui = results.get("tui") or {}
-    slow = tui.get("slowdown_pct")
+    rows = [(name, r) for name, r in (("prose", tui), ("markdown", tui.get("markdown") or {}))
+            if r.get("slowdown_pct") is not None]
+    slow = max((r["slowdown_pct"] for _, r in rows), default=None)
     out.append(_target(
-        f"TUI path <= {TUI_SLOWDOWN_PCT:g}% decode tok/s under headless",
-        slow, TUI_SLOWDOWN_PCT, None if slow is None else slow <= TUI_SLOWDOWN_PCT,
-        (f"headless {tui['headless']['decode_tokens_per_s']:.1f} tok/s, TUI {tui['tui']['decode_tokens_per_s']:.1f}"
-         f" tok/s ({tui.get('path', '?')})") if slow is not None else tui.get("error", "not measured"), "%"))
+        f"TUI path <= {TUI_SLOWDOWN_PCT:g}% decode tok/s under headless (prose and Markdown replies)",
+        slow, TUI_SLOWDOWN_PCT, None if slow is None or len(rows) < 2 else slow <= TUI_SLOWDOWN_PCT,
+        "; ".join(f"{name}: headless {r['headless']['decode_tokens_per_s']:.1f} tok/s, TUI "
+                  f"{r['tui']['decode_tokens_per_s']:.1f} tok/s" for name, r in rows) + f" ({tui.get('path', '?')})"
+        if rows else tui.get("error", "not measured"), "%"))
     chat = results.get("chat") or {}
     growth = chat.get("last_over_first_ttft")
     turns = chat.get("turns_run")

@@ -232,7 +232,12 @@ class ChatSession:
         """Answer the path (up to `branch`'s position, then `lead` if given: an edit kept as a branch)."""
         engine = self.engine
 
-        def record(result: GenerationResult) -> None:
+        def record(cache: ConversationCache, result: GenerationResult) -> None:
+            # The KV cache is queued for disk before the Done goes out: a script that exits as soon as it has read
+            # the reply still finds it saved (the store's writer finishes queued saves at exit; a save queued after
+            # the Done raced the interpreter's exit and was lost).
+            if (store := self._kv_store()) is not None:
+                store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
             if not result.text and result.finish_reason == "cancelled":
                 return
             message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
@@ -255,7 +260,8 @@ class ChatSession:
                 prompt = self._fitted_prompt(rendered, [m.token_ids for m in answered], request)
                 # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done
                 # finds it.
-                engine.run_request(job, cache, prompt, request, branch[2] if branch else None, record)
+                engine.run_request(job, cache, prompt, request, branch[2] if branch else None,
+                                   lambda result: record(cache, result))
             except BaseException as e:
                 # The turn did not happen: take back the message it answered (or a message that cannot be
                 # answered, e.g. one longer than the context, fails every later turn too). A ContextLengthError
@@ -267,8 +273,6 @@ class ChatSession:
                     if sent is not None and self._tree.path and self._tree.path[-1] is sent:
                         self._tree.path.pop()
                 raise
-            if (store := self._kv_store()) is not None:
-                store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
 
         return engine.submit(run)
 

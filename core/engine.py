@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,19 @@ __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine"
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_STEP = 512
+
+
+def mark_used(source: str | Path) -> None:
+    """Set the access time of a model's file (a folder's files) to now, keeping their modification time: `mlxchat
+    models` and F3 show it as "last used", and reads alone do not keep it (relatime updates it at most once a day,
+    noatime never)."""
+    path = Path(source)
+    now = time.time()
+    for file in [path] if path.is_file() else [p for p in path.glob("*") if p.is_file()]:
+        try:
+            os.utime(file, (now, file.stat().st_mtime))  # follows a Hugging Face snapshot's links to its blobs
+        except OSError:  # a read-only install: it is still loaded, only not marked
+            pass
 
 
 class Engine:
@@ -80,6 +95,7 @@ class Engine:
             raise
         engine = cls(loaded, worker, prefill_step, kv_cache_dir=kv_cache_dir, kv_cache_mb=kv_cache_mb)
         engine.draft = draft
+        mark_used(loaded.source)
         if warning := memory_warning(engine.backend, loaded.weight_bytes):
             log.warning("%s", warning)
         return engine
@@ -103,6 +119,18 @@ class Engine:
         """The model's architecture and its file's quantization kind, e.g. "llama Q4_K_M" (the mix is in
         `describe`); "" when nothing is known of them."""
         return " ".join(x for x in (self.model.architecture, self.model.quantization_kind) if x)
+
+    def parameter_count(self) -> int:
+        """The model's weights as numbers, counted as the unquantized model would hold them (a quantized matrix's
+        packed codes count as its rows x columns; its scales and biases not at all), a tied head once."""
+        total = 0
+        for _, module in self.model.model.named_modules():
+            bits = getattr(module, "bits", None)  # MLX's quantized layers and the native kernel's (same shapes)
+            for key, value in module.items():
+                if not isinstance(value, mx.array) or (bits and key in ("scales", "biases")):
+                    continue
+                total += value.size * 32 // bits if bits and key == "weight" else value.size
+        return total
 
     def decode_path(self) -> str:
         """The weights and the decode path that run, e.g. "native q4/q8 (avx2, 2 threads) · decode: 30/30 layers

@@ -74,6 +74,11 @@ class PrefillProgress:
     done: int
     total: int
 
+    @property
+    def text(self) -> str:
+        """No text: every event has a `text`, so `for e in stream: print(e.text, end="")` prints the reply."""
+        return ""
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -113,6 +118,11 @@ class GenerationResult:
 @dataclass(frozen=True)
 class Done:
     result: GenerationResult
+
+    @property
+    def text(self) -> str:
+        """No delta (the whole reply is `result.text`): the TokenEvents' deltas already concatenate to it."""
+        return ""
 
 
 Event = PrefillProgress | TokenEvent | Done

@@ -312,7 +312,7 @@ def _read_toml(path: Traversable) -> dict[str, Any]:
         raise ProfileError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _validated(data: dict[str, Any], path: Traversable) -> SamplingProfile:
+def _validated(data: dict[str, Any], path: Traversable, warn: bool = True) -> SamplingProfile:
     try:
         profile = SamplingProfile.model_validate(data)
     except ValidationError as e:
@@ -321,7 +321,7 @@ def _validated(data: dict[str, Any], path: Traversable) -> SamplingProfile:
         reason = first["msg"] if first["msg"].startswith(where) else f"{where}: {first['msg']}"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise ProfileError(f"{path}: invalid profile: {reason}{more}") from None
-    for w in profile.warnings():
+    for w in profile.warnings() if warn else ():
         log.warning("%s: %s", path.name, w)
     return profile
 
@@ -381,13 +381,15 @@ class ProfileStore:
         taken = {*SamplingProfile.presets(), *self.list()}
         return next(f"{name}-{i}" for i in itertools.count(2) if f"{name}-{i}" not in taken)
 
-    def load(self, name: str) -> SamplingProfile:
+    def load(self, name: str, *, warn: bool = True) -> SamplingProfile:
+        """The saved profile `name`; its `warnings()` are logged unless `warn` is false (a server that loads every
+        saved profile in case a request names one warns only about the one it runs by default)."""
         path = self._path(name)
         if not path.exists():
             raise ProfileError(f"{path}: no such profile; saved profiles: {', '.join(self.list()) or 'none'}")
         data = _read_toml(path)
         data.setdefault("name", name)
-        return _validated(data, path)
+        return _validated(data, path, warn)
 
     def list(self) -> list[str]:
         return sorted(p.stem for p in self.folder.glob("*.toml")) if self.folder.is_dir() else []

@@ -157,11 +157,12 @@ class Reply:
     def accept(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
         """Record one generated token and emit its delta; return why the reply ends here, or None to go on.
         `logprobs` is the step's (vocab,) array, read only when the request asked for logprobs."""
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now  # an end token drawn first still ends the prefill: TTFT is the time to it, never 0
         if token in self._eos:
             return "stop"
-        self._last = time.perf_counter()
-        if self._first is None:
-            self._first = self._last
+        self._last = now
         self._generated += 1
         self._ids.append(token)
         token_lp: tuple[TokenLogprob, ...] = ()
@@ -196,6 +197,8 @@ class Reply:
         """End the reply: emit what was held back (see the module docstring), then the Done with the result.
         `before_done(result)` runs first: a chat session records the reply there, so whoever reads the
         conversation on Done finds it."""
+        if self._first is None:
+            self._first = time.perf_counter()  # no token at all (cancelled in prefill): TTFT is the time to the end
         if not self._stops.stopped:
             tail, calls = self._split(self._stops.feed(self._detok.flush()) + self._stops.flush())
             if tail or calls:

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=16,
                         help="requests that may wait for a slot; more get 429 (default: 16)")
     parser.add_argument("--profile", help="default sampling profile: a preset or a saved profile (default: the "
-                                          "engine's defaults); requests may name another with \"profile\"")
+                                          "chat preset, and Ollama's own defaults on /api/*); "
+                                          "requests may name another with \"profile\"")
     parser.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                         help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
     parser.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default: 4 MiB)")
@@ -57,7 +58,7 @@ def _profiles() -> dict:
     found = {name: SamplingProfile.preset(name) for name in SamplingProfile.presets()}
     for name in store.list():
         try:
-            found[name] = store.load(name)
+            found[name] = store.load(name, warn=False)  # `run` warns about the one it serves by default
         except Exception as e:  # noqa: BLE001 - one broken saved profile must not keep the server down
             logging.getLogger("mlxchat.server").warning("skipping saved profile %s: %s", name, e)
     return found
@@ -95,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     profiles = _profiles()
     if args.profile is not None and args.profile not in profiles:
         raise ValueError(f"unknown profile {args.profile!r}; known: {', '.join(sorted(profiles))}")
+    if args.profile is not None:
+        for warning in profiles[args.profile].warnings():
+            log.warning("profile %s: %s", args.profile, warning)
     # Bind before loading the model, so a taken port fails in a second, not after the load.
     try:
         sock = socket.create_server((args.host, args.port))
@@ -110,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxchat.core.batch import BatchScheduler
 
     from .app import ServerConfig, create_app
+    from .service import DEFAULT_PROFILE
 
     # A SIGINT meanwhile leaves at once (mlxchat.app.cli.main's handler).
     engine = Engine.load(args.model, **kv_cache_options(args)) if args.hosts is None else start_split(args.model, args)
@@ -128,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(create_app(engine, scheduler, config), log_level="warning",
                                                access_log=False, lifespan="off"))
         host, port = sock.getsockname()[:2]
-        print(f"mlxchat: serving {engine.name} on http://{host}:{port}/v1", flush=True)
+        print(f"mlxchat: serving {engine.name} on http://{host}:{port}/v1 (profile {args.profile or DEFAULT_PROFILE}"
+              f"{'' if args.profile else ', Ollama defaults on /api/*'})", flush=True)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn shuts down gracefully on Ctrl-C, then raises the signal again for its caller: here.

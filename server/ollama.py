@@ -5,7 +5,9 @@ Replies stream as NDJSON (one JSON object a line, the last with `done: true`, `d
 nanoseconds) unless the request says `"stream": false`. Errors are Ollama's shape, `{"error": "..."}`, with the
 HTTP status; an error after the stream started is its last line.
 
-`options` map onto the server's profile (a field not given keeps the profile's value, not Ollama's default):
+`options` map onto the server's profile given with `--profile` (a field not given keeps the profile's value), and
+without one onto Ollama's own defaults (`OLLAMA_DEFAULTS`: temperature 0.8, top_k 40, top_p 0.9), which Ollama's
+clients expect:
 temperature, top_p, top_k, min_p, typical_p, repeat_penalty (`repetition_penalty`), repeat_last_n (the penalty
 window: 0 turns the penalties off, -1 means all tokens), presence/frequency_penalty, seed (negative: a random one),
 num_predict (-1 or -2: until the context is full), num_ctx (prompt and reply together stay within it), stop. The
@@ -53,6 +55,8 @@ IGNORED_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vr
 # Samplers this server does not have, accepted only with the value that turns them off.
 NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0}
 RENAMED_OPTIONS = {"repeat_penalty": "repetition_penalty"}
+# What Ollama samples with when a request sets nothing: used on /api/* unless `mlxchat serve --profile` names one.
+OLLAMA_DEFAULTS = SamplingProfile(name="ollama", temperature=0.8, top_k=40, top_p=0.9)
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
@@ -281,6 +285,14 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+def parameter_size(n: int) -> str:
+    """A parameter count as Ollama's clients show it, to three significant digits: "135M", "1.1B", "7.62B"."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def routes(service: Service) -> list[Route]:
     """The /api routes over `service`, each answering errors in Ollama's shape."""
     names = {service.name, f"{service.name}:latest"}  # Ollama's clients add the default tag
@@ -304,13 +316,16 @@ def routes(service: Service) -> list[Route]:
             msg = "unknown field: remove it" if first["type"] == "extra_forbidden" else first["msg"]
             raise ApiError(400, f"{where}: {msg}") from None
 
+    def base() -> SamplingProfile:
+        return service.base if service.config.profile is not None else OLLAMA_DEFAULTS
+
     def details() -> dict[str, Any]:
         model = service.engine.model
         family = model.architecture or getattr(model.model, "model_type", "") or ""
         # Ollama's level is the file's kind ("Q4_K_M").
         level = model.quantization_kind or ("quantized" if model.quantized else "unquantized")
         return {"parent_model": "", "format": "gguf" if model.source.endswith(".gguf") else "mlx",
-                "family": family, "families": [family] if family else None, "parameter_size": "",
+                "family": family, "families": [family] if family else None, "parameter_size": parameter_size(service.engine.parameter_count()),
                 "quantization_level": level}
 
     def modified_at() -> str:
@@ -336,7 +351,7 @@ def routes(service: Service) -> list[Route]:
         check_model(body.get("model") or body.get("name"))  # older clients send "name"
         family = details()["family"] or "general"
         return JSONResponse({
-            "modelfile": f"# served by mlxchat\nFROM {service.name}\n", "parameters": _parameters(service.base),
+            "modelfile": f"# served by mlxchat\nFROM {service.name}\n", "parameters": _parameters(base()),
             "template": service.engine.model.tokenizer.chat_template or "", "details": details(),
             "model_info": {"general.architecture": family, "general.basename": service.name,
                            f"{family}.context_length": service.engine.context_length},
@@ -401,7 +416,7 @@ def routes(service: Service) -> list[Route]:
         req: _Chat = await body_of(request, _Chat)
         model = check_model(req.model)
         _refuse(req)
-        settings = with_format(parse_options(req.options, service.base), req.format)
+        settings = with_format(parse_options(req.options, base()), req.format)
         tools = _tools(req.tools, settings)
 
         def piece(text: str, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
@@ -417,7 +432,7 @@ def routes(service: Service) -> list[Route]:
         req: _Generate = await body_of(request, _Generate)
         model = check_model(req.model)
         _refuse(req, template=req.template, suffix=req.suffix, context=req.context, images=req.images)
-        settings = with_format(parse_options(req.options, service.base), req.format)
+        settings = with_format(parse_options(req.options, base()), req.format)
 
         def piece(text: str) -> dict[str, Any]:
             return {"response": text}
@@ -443,4 +458,5 @@ def routes(service: Service) -> list[Route]:
     ]
 
 
-__all__ = ["OptionSettings", "error_body", "parse_options", "response_format", "routes"]
+__all__ = ["OLLAMA_DEFAULTS", "OptionSettings", "error_body", "parameter_size", "parse_options", "response_format",
+           "routes"]

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mlxchat.server")
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+DEFAULT_PROFILE = "chat"  # what requests sample with when neither `mlxchat serve --profile` nor the request says
 ErrorShape = Callable[[ApiError], dict[str, Any]]
 
 
@@ -109,7 +110,8 @@ class Service:
 
     def __init__(self, engine: Engine, scheduler: BatchScheduler, config: "ServerConfig") -> None:
         self.engine, self.scheduler, self.config = engine, scheduler, config
-        self.base = config.profile or SamplingProfile()
+        # Without --profile, the chat preset: the raw distribution (temperature 1, no filter) rambles.
+        self.base = config.profile or SamplingProfile.preset(DEFAULT_PROFILE)
         self.profiles = dict(config.profiles or {})
 
     @property

@@ -227,7 +227,7 @@ MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_
                   "int8_engine"}
 MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
                  "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability",
-                 "test_distributed_load", "test_distributed_procs", "test_interrupts"}
+                 "test_distributed_load", "test_distributed_procs", "test_interrupts", "test_readme"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -48,7 +48,11 @@ def synthetic_results() -> dict:
                      "context_tokens": 20000, "completion_tokens": 2000, "result": sample(0.05, 9.0, 18000, 2000),
                      "samples": rot_samples, "flatness": stats.flatness(rot_samples), "weight_bytes": 540_000_000},
         "tui": {"path": "synthetic", "headless": {"decode_tokens_per_s": 20.0, "ttft_s": 0.2},
-                "tui": {"decode_tokens_per_s": 19.5, "ttft_s": 0.2}, "slowdown_pct": 2.5},
+                "tui": {"decode_tokens_per_s": 19.5, "ttft_s": 0.2}, "slowdown_pct": 2.5, "tui_samples": [],
+                "markdown": {"path": "synthetic", "reply": "markdown", "slowdown_pct": 4.0,
+                             "headless": {"decode_tokens_per_s": 20.0, "ttft_s": 0.2},
+                             "tui": {"decode_tokens_per_s": 19.2, "ttft_s": 0.2},
+                             "tui_samples": [{"ui_cpu_ms_per_token": 0.8}]}},
         "roofline": {"bandwidth_bytes_per_s": 2e10, "weight_bytes_per_token": 5.4e8, "ceiling_tokens_per_s": 37.0,
                      "gguf_bytes_per_token": 9e7, "gguf_ceiling_tokens_per_s": 222.0,
                      "systems": {"mlxchat": {"decode_tokens_per_s": 20.0, "ceiling_tokens_per_s": 37.0,
@@ -127,7 +131,12 @@ def test_targets_pass_fail_and_not_measured():
     assert decode["value"] == pytest.approx(0.08 / 0.06)
     assert ttft["passed"] is False and ttft["value"] == pytest.approx(1.0 / 0.9)  # slower at 512
     assert chain["passed"] is True and chain["value"] == pytest.approx(4.0)
-    assert tui["passed"] is True
+    assert tui["passed"] is True and tui["value"] == pytest.approx(4.0)  # the worse of prose and Markdown
+    # The Markdown row alone over the target fails the TUI target; without it the target is not measured.
+    slow_md = {**results, "tui": {**results["tui"], "markdown": {**results["tui"]["markdown"], "slowdown_pct": 9.0}}}
+    assert stats.evaluate_targets(slow_md)[3]["passed"] is False
+    prose_only = {**results, "tui": {k: v for k, v in results["tui"].items() if k != "markdown"}}
+    assert stats.evaluate_targets(prose_only)[3]["passed"] is None
     assert chat["passed"] is True and "turn-5" in chat["name"]
     assert rot["passed"] is True and rot["value"] == pytest.approx((670 / 650 - 1) * 100)
     assert [t["name"].split(" ")[0] for t in targets] == ["decode", "TTFT", "full", "TUI", "turn-5", "rotating",
@@ -199,7 +208,8 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_summary_text_mentions_every_section():
     text = summary_text(synthetic_results())
-    for needle in ("Full sampler chain", "Chat, 5 turns", "Rotating cache", "TUI vs headless", "Roofline: memory",
+    for needle in ("Full sampler chain", "Chat, 5 turns", "Rotating cache", "TUI vs headless, markdown reply",
+                   "Roofline: memory",
                    "mlxchat: 20.0 tok/s = 54% of 37", "q4:", "Targets:"):
         assert needle in text
 

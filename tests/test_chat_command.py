@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxchat.app.cli import build_parser, chat_options, main
+from mlxchat.app.cli import build_parser, chat_options, main, parse_args
 from mlxchat.app.store import Store
 from mlxchat.core.messages import ChatMessage
 
@@ -61,6 +61,18 @@ def test_bad_chat_flags_are_one_line_before_the_app_opens(argv: list[str], expec
     assert main(["chat", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mlxchat: error: ") and expected in err and err.count("\n") == 1
+
+
+def test_the_chats_flags_without_the_chat_subcommand_open_the_chat() -> None:
+    args = parse_args(["--model", "other.gguf", "--temperature", "0"])  # was an argparse error
+    assert (args.command, args.model, args.temperature) == ("chat", "other.gguf", 0)
+    assert parse_args([]).command == "chat" and parse_args(["models"]).command == "models"
+    assert parse_args(["generate", "hi"]).command == "generate"
+
+
+def test_a_bad_flag_without_the_subcommand_is_the_chats_one_line(capsys) -> None:
+    assert main(["--temperature", "3"]) == 2
+    assert "temperature must be between 0 and 2" in capsys.readouterr().err
 
 
 def _saved_chat(tmp_path: Path) -> int:

@@ -178,6 +178,24 @@ def test_a_saved_profile_and_a_preset_are_used(cli, with_session_engine, tmp_pat
     assert tomllib.loads(store._path("terse").read_text())["max_tokens"] == 3
 
 
+def test_generate_samples_with_the_configs_default_profile_and_says_which(cli, with_session_engine,
+                                                                           tmp_path: Path) -> None:
+    # Unflagged: config.toml's default profile (the chat preset), never the raw distribution ("sample" alone).
+    rc, out, _ = cli("generate", "hi", "--max-tokens", "2", "--json")
+    assert rc == 0 and json.loads(out)["profile"] == "chat" and json.loads(out)["sampler"] == "TopP(0.9) → " \
+        "Temperature(0.8) → sample"
+    rc, _, err = cli("generate", "hi", "--max-tokens", "2", "--temperature", "0", "--stats")
+    assert rc == 0 and "profile chat: greedy" in err
+    config = tmp_path / "config" / "mlxchat"
+    config.mkdir(parents=True)
+    (config / "config.toml").write_text('profile = "precise"\n')
+    rc, out, _ = cli("generate", "hi", "--max-tokens", "2", "--json")
+    assert rc == 0 and (json.loads(out)["profile"], json.loads(out)["sampler"]) == ("precise", "greedy")
+    (config / "config.toml").write_text('profile = 3\n')  # a broken config: a note, and the chat preset
+    rc, out, err = cli("generate", "hi", "--max-tokens", "2", "--json")
+    assert rc == 0 and json.loads(out)["profile"] == "chat" and err.startswith("mlxchat: note: ")
+
+
 # --- as real processes -------------------------------------------------------------------------------------------
 
 def test_real_processes_give_one_line_or_an_answer(bad_files, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
@@ -205,3 +223,12 @@ def test_real_processes_give_one_line_or_an_answer(bad_files, tiny: Path, tmp_pa
         else:
             assert proc.returncode == 2, (name, proc.returncode, err.decode())
             assert expected in one_error_line(err.decode()), name
+
+
+def test_stats_of_an_empty_reply_say_there_was_no_decode_rather_than_zero() -> None:
+    from mlxchat.app.cli import format_stats
+    from mlxchat.core.events import Metrics
+
+    empty = format_stats(Metrics(prompt_tokens=40, ttft_s=6.47, prefill_s=6.47))
+    assert "TTFT 6.47 s" in empty and "no decode rate" in empty and "0.0 tok/s" not in empty
+    assert "decode 20.0 tok/s (TPOT 50 ms)" in format_stats(Metrics(completion_tokens=8, tpot_s=0.05))

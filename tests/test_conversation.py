@@ -398,3 +398,10 @@ def test_batches_grow_at_once_when_drawing_is_over_budget_and_shrink_gradually()
     assert next_batch_s(BATCH_S, 0.0, 0.04) == BATCH_S
     # Never longer than the longest batch, however slow the drawing.
     assert next_batch_s(0.1, 1.0, 0.04) == MAX_BATCH_S
+
+
+def test_the_transcripts_arrows_step_through_its_messages_and_stop_at_either_end() -> None:
+    from mlxchat.app.turns import step_to
+
+    assert [step_to(4, None, -1), step_to(4, None, 1), step_to(4, 3, -1), step_to(4, 0, 1)] == [3, 0, 2, 1]
+    assert step_to(4, 0, -1) is None and step_to(4, 3, 1) is None and step_to(0, None, -1) is None

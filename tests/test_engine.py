@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -170,7 +171,15 @@ def test_cancel_during_prefill(engine: Engine, greedy: SamplingProfile):
             stream.cancel()
     r = stream.result
     assert r.finish_reason == "cancelled" and r.metrics.completion_tokens == 0
+    assert r.metrics.ttft_s >= r.metrics.prefill_s > 0  # no token at all: the time to the end, never 0
     assert "Paris" in engine.generate(QUESTION, profile=greedy, max_tokens=24).text
+
+
+def test_an_empty_reply_reports_the_time_to_its_end_token(engine: Engine):
+    eos = min(engine.model.tokenizer.eos_ids)
+    r = engine.generate(QUESTION, profile=SamplingProfile(temperature=0, logit_bias={eos: 100}))
+    assert (r.text, r.finish_reason, r.metrics.completion_tokens) == ("", "stop", 0)
+    assert r.metrics.ttft_s >= r.metrics.prefill_s > 0 and r.metrics.tpot_s == 0
 
 
 def test_leaving_the_iteration_early_cancels(engine: Engine, greedy: SamplingProfile):
@@ -282,3 +291,21 @@ def test_a_model_that_cannot_stop_between_layers_finishes_its_chunk(engine: Engi
         return done, cache.layers[-1].offset
 
     assert engine.run(run) == ([128], 128)
+
+
+def test_loading_a_model_marks_it_used(tiny, tmp_path):
+    """`mlxchat models` and F3's "last used" is the files' access time, which reads alone leave stale."""
+    import os
+    import shutil
+    import time
+
+    from mlxchat.app.models import _local
+
+    model = Path(shutil.copy(tiny, tmp_path / "tiny.gguf"))
+    os.utime(model, (1e9, 1e9))
+    model.read_bytes()  # the first read after a write sets the access time; under relatime (the usual mount option)
+    first = os.stat(model).st_atime  # later reads leave it for a day, so a load alone would not move it
+    time.sleep(1.1)
+    Engine.load(model).close()
+    assert _local(str(model), model).last_used >= first + 1
+    assert os.stat(model).st_mtime == 1e9  # its modification time is kept (Ollama's modified_at)

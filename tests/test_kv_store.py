@@ -259,3 +259,20 @@ def test_mlxchat_serve_restarted_serves_a_resent_conversation_from_disk(tmp_path
     turn2 = turn1 + [first["choices"][0]["message"], {"role": "user", "content": "Shorter."}]
     cached = serve_once(turn2)["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= first["usage"]["prompt_tokens"]
+
+
+@pytest.mark.model
+def test_a_script_that_exits_right_after_a_reply_leaves_it_on_disk(tmp_path: Path):
+    """The reply's save is queued before its Done: a script whose last statement reads the reply still saves it
+    (queued after the Done, interpreter exit stopped the inference thread first and the folder stayed empty)."""
+    import subprocess
+    import sys
+
+    script = ("from mlxchat.core import Engine, SamplingProfile\n"
+              f"engine = Engine.load(kv_cache_dir={str(tmp_path)!r})\n"
+              "chat = engine.chat(profile=SamplingProfile(temperature=0))\n"
+              "print(chat.send('Tell me about the history of Rome. ' * 20, max_tokens=4).wait().text)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    [saved] = _files(tmp_path)
+    assert saved.stat().st_size > 2**20  # the whole prompt's keys and values, not an empty file

@@ -407,7 +407,7 @@ def test_trace_extension_field_streams_and_round_trips(server: str) -> None:
     plain = _chat(server, body).json()
     traces = [TokenTrace.from_dict(t) for t in plain["choices"][0]["traces"]]
     assert len(traces) == plain["usage"]["completion_tokens"]
-    assert traces[0].stages == ("processed", "TopK(10)", "Temperature(0.8)")
+    assert traces[0].stages == ("processed", "TopK(10)", "TopP(0.9)", "Temperature(0.8)")  # over the chat preset
     raw, chunks = _sse(server, "/v1/chat/completions", body)
     streamed = [TokenTrace.from_dict(c["choices"][0]["trace"]) for c in chunks
                 if c["choices"] and "trace" in c["choices"][0]]

@@ -14,7 +14,7 @@ import pytest
 from mlxchat.core import SamplingProfile
 from mlxchat.core.loader import EMBEDDED_FILE
 from mlxchat.server import anthropic as messages_api
-from mlxchat.server.ollama import parse_options, response_format
+from mlxchat.server.ollama import parameter_size, parse_options, response_format
 from mlxchat.server.protocol import ApiError
 
 KEY = "apis-key-7"
@@ -33,8 +33,11 @@ def test_ollama_client_lists_shows_chats_and_generates(url: str) -> None:
     name = card.model
     assert name == MODEL and card.size > 0 and card.details.family == "llama"
     assert card.details.quantization_level == "Q4_1"  # the file's kind, as Ollama shows it
+    assert card.details.parameter_size == "135M"
     info = client.show(name)
     assert info.capabilities == ["completion", "tools"] and info.modelinfo["llama.context_length"] >= 2048
+    # Without --profile a request that sets nothing samples with Ollama's own defaults, not the raw distribution.
+    assert info.parameters.split() == ["temperature", "0.8", "top_k", "40", "top_p", "0.9"]
 
     # Streamed chat and a plain generate of the same user message run the same prompt: the same greedy text.
     options = {"temperature": 0, "num_predict": 6}
@@ -102,6 +105,35 @@ def test_ollama_options_map_onto_the_profile() -> None:
         with pytest.raises(ApiError) as e:
             parse_options(options, base)
         assert e.value.message.startswith(message) and e.value.status == 400
+
+
+def test_requests_that_set_nothing_sample_with_the_chat_preset() -> None:
+    from mlxchat.server.app import ServerConfig
+    from mlxchat.server.service import Service
+
+    assert Service(None, None, ServerConfig()).base == SamplingProfile.preset("chat")  # type: ignore[arg-type]
+    mine = SamplingProfile(name="mine", temperature=0.3)
+    assert Service(None, None, ServerConfig(profile=mine)).base is mine  # type: ignore[arg-type]
+
+
+def test_serve_warns_only_about_the_profile_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from mlxchat.core.profile import ProfileStore
+    from mlxchat.server.cli import _profiles
+
+    monkeypatch.setenv("MLXCHAT_CONFIG_DIR", str(tmp_path))
+    ProfileStore().save(SamplingProfile(name="stacked", top_k=40, top_p=0.9, temperature=0.7))
+    with caplog.at_level("WARNING"):
+        profiles = _profiles()
+    assert "stacked" in profiles and caplog.records == []  # loaded in case a request names it, not warned about
+    with caplog.at_level("WARNING"):
+        ProfileStore().load("stacked")  # where it is used, it still warns
+    assert "top_k + top_p are stacked" in caplog.text
+
+
+def test_parameter_sizes_read_as_ollama_shows_them() -> None:
+    assert [parameter_size(n) for n in (134_515_008, 1_100_048_384, 7_615_616_512, 494_032_768, 52_000, 12)] == \
+        ["135M", "1.1B", "7.62B", "494M", "52K", "12"]
 
 
 def test_ollama_format_maps_to_openai_response_format() -> None:

@@ -11,8 +11,6 @@ import pytest
 import textual
 from textual.app import App
 from textual.widget import Widget
-from textual.widgets import Markdown
-from textual.widgets.markdown import MarkdownBlock
 
 from mlxchat.app import textual_compat as compat
 
@@ -42,11 +40,6 @@ def test_the_installed_textual_is_in_range_and_the_range_is_pyprojects_pin() -> 
     low, high = compat.SUPPORTED
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert f"textual>={'.'.join(map(str, low))},<{high[0]}" in project["dependencies"]
-
-
-def test_markdown_paragraph_is_the_class_markdown_builds_paragraphs_with() -> None:
-    assert compat.MarkdownParagraph is Markdown.BLOCKS["paragraph_open"]
-    assert issubclass(compat.MarkdownParagraph, MarkdownBlock)
 
 
 def test_one_layout_applies_only_while_size_updated_takes_the_layout_flag() -> None:

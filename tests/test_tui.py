@@ -20,7 +20,7 @@ from mlxchat.app.app import make_app
 from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, MessageView, Notice
-from mlxchat.core import SamplingProfile, native
+from mlxchat.core import SamplingProfile
 from mlxchat.core.messages import ChatMessage
 from mlxchat.core.profile import ProfileStore
 from tests.markers import needs_native
@@ -192,6 +192,14 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         await wait_for(pilot, lambda: not screen.busy, what="the regenerated reply")
         assert [v.role for v in screen.transcript.messages] == ["user", "assistant"]
         assert "< 2/2 >" in screen.transcript.last("assistant").label  # the old reply stays a branch
+        # [ on the reply shows the old one, and the state line its numbers (it kept the new one's).
+        screen.transcript.last("assistant").focus()
+        await pilot.press("left_square_bracket")
+        shown = screen.transcript.last("assistant")
+        assert "< 1/2 >" in shown.label and screen.stats.metrics == shown.turn.message.metrics
+        await pilot.press("right_square_bracket")
+        shown = screen.transcript.last("assistant")
+        assert "< 2/2 >" in shown.label and screen.stats.metrics == shown.turn.message.metrics
         stored = app.store.messages(conv)
         assert [m.role for m in stored] == ["user", "assistant"]
         assert stored[1].content == screen.controller.last_result.text
@@ -228,6 +236,21 @@ async def test_regenerate_and_edit_last(engine, new_app, wait_for, reply):
         assert screen.transcript.messages == [] and app.store.messages(conv) == []
         assert [m.role for m in screen.controller.session.messages] == ["system"]
         assert screen.controller.record.id == conv
+
+
+@pytest.mark.anyio
+async def test_a_new_chats_first_reply_says_its_system_prompt_was_cached(engine, tmp_path, new_app, ready, reply):
+    """The KV cache on disk gives a new chat only what every chat starts with (saved by another chat): its first
+    reply's stats line says "system prompt cached", not "14 tokens from disk"."""
+    app = new_app(max_tokens=4, engine=engine.with_kv_cache(tmp_path / "kv"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        await reply(pilot, "Hi")
+        screen.controller.engine.flush_kv_cache()  # the first chat's cache is on disk
+        await screen.action_new_chat()
+        result = await reply(pilot, "Name a colour.")
+        stats = screen.transcript.last("assistant").stats
+        assert result.metrics.disk_tokens > 0 and "system prompt cached" in stats and "from disk" not in stats
 
 
 @pytest.mark.anyio
@@ -275,7 +298,9 @@ async def test_conversation_survives_a_restart_and_exports(tmp_path, engine, new
         text = default.read_text()
         assert text.startswith("# " + FIRST)
         assert "## You\n\nAnd of Italy?" in text and second.text.strip() in text and "to first token" in text
-        assert any(str(default) in n.message for n in app._notifications)
+        # The toast keeps the file's name whole on a line of its own (it wrapped the path mid-name).
+        (toast,) = [n.message for n in app._notifications if n.title == "Export"]
+        assert toast.splitlines()[0] == "Exported to" and toast.splitlines()[1].endswith("/exports/" + default.name)
         # ...or to a chosen path.
         chosen = tmp_path / "elsewhere" / "chat.md"
         await pilot.press("ctrl+s")
@@ -371,9 +396,10 @@ async def test_a_new_or_another_chat_starts_with_a_clean_stats_line(new_app, wai
         await pilot.press("ctrl+n")
         assert screen.stats.metrics is None and "TTFT" not in screen.stats.readouts
         assert screen.stats.state == "idle" and "context 8192" in screen.stats.readouts
-        # The state line names the decode path that runs (issue 24), as --stats does.
-        assert screen.controller.engine.decode_path() in screen.stats.readouts
-        assert "layers fused" in screen.stats.readouts or not native.has_layer_op()
+        # The state line names the decode path that runs (issue 24), as --stats does, in what the width allows:
+        # its details, then its last fields, go first (issue 37 item 10).
+        path = screen.controller.engine.decode_path().split(" · ")
+        assert path[0].split(" (")[0] in screen.stats.readouts
         await reply(pilot, "Hello")
         assert "TTFT" in screen.stats.readouts
         await screen.open_conversation(first)
@@ -424,6 +450,20 @@ async def test_tab_goes_sidebar_to_input_and_enter_opens_the_first_chat(tmp_path
         screen.transcript.messages[1].focus()
         await pilot.press("tab")
         assert not isinstance(app.focused, MessageView)
+        # Issue 37 item 4: the keyboard reaches the messages too. Tab to the transcript; ↑ focuses the last message,
+        # ↑/↓ go from one to the next (their keys then work: c copies), and stop at either end.
+        views = screen.transcript.messages
+        screen.transcript.focus()
+        await pilot.press("up")
+        assert app.focused is views[-1]
+        await pilot.press("up", "up")
+        assert app.focused is views[-3]
+        await pilot.press("down")
+        assert app.focused is views[-2]
+        await pilot.press("c")
+        assert "Copied the message" in str([n.message for n in app._notifications])
+        await pilot.press(*["down"] * 5)
+        assert app.focused is views[-1]
 
 
 @pytest.mark.anyio
@@ -590,6 +630,10 @@ async def test_corrupt_database_is_reported_and_left_alone(tmp_path, new_app):
 # --- snapshots -------------------------------------------------------------------------------------------------
 
 SNAP_DIR = Path("/tmp/mlxchat-snapshot-dirs")  # fixed paths: the help screen shows the config file's path
+# Prose longer than a reading width and a code line longer than 80 columns: the layout at every width shows on them.
+SNAP_REPLY = ("The capital of France is **Paris**. It has been the capital for centuries, and it is known for its "
+              "museums, its cafés and the Seine, which runs through the middle of the city.\n\n```python\n"
+              "print('Paris is the capital of France, and this line is longer than eighty columns')\n```")
 
 
 @pytest.fixture
@@ -603,7 +647,7 @@ def snap_app(engine, monkeypatch):
                                   profile={"name": "chat", "temperature": 0.8, "top_p": 0.9})
     store.add_message(a.id, ChatMessage("user", "What is the capital of France?"))
     store.add_message(a.id, ChatMessage(
-                      "assistant", "The capital of France is **Paris**.\n\n```python\nprint('Paris')\n```",
+                      "assistant", SNAP_REPLY,
                       finish_reason="stop", model=engine.name, profile={"name": "chat"},
                       metrics={"prompt_tokens": 27, "cached_tokens": 0, "completion_tokens": 9, "ttft_s": 0.31,
                                "tpot_s": 0.082, "prefill_s": 0.3, "decode_s": 0.66,
@@ -642,6 +686,56 @@ def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# Issue 37 item 10: 80x24 (the sidebar collapsed, a compact footer), 120 and 200 columns (a reading width).
+@needs_native
+@pytest.mark.parametrize("size", [(80, 24), (120, 32), (200, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_snapshot_main_screen_at_each_width(snap_compare, snap_app, wait_for, size):
+    app, conversation_id = snap_app
+
+    async def run_before(pilot) -> None:
+        await _settle(pilot, wait_for)
+        await app.chat_screen.open_conversation(conversation_id)
+        await pilot.pause()
+        app.chat_screen.input.focus()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("columns", [80, 120, 200])
+async def test_the_chat_fits_80_to_200_columns(snap_app, wait_for, columns):
+    """Nothing is cut: the footer's keys, the state line's words, a code line; the sidebar folds away below 100
+    columns (ctrl+b brings it back) and a message keeps a reading width."""
+    from textual.widgets import Footer, Label
+    from textual.widgets.markdown import MarkdownFence
+
+    app, conversation_id = snap_app
+    async with app.run_test(size=(columns, 24 if columns == 80 else 32)) as pilot:
+        await _settle(pilot, wait_for)
+        screen = app.chat_screen
+        await screen.open_conversation(conversation_id)
+        await pilot.pause()
+        sidebar = screen.query_one("#sidebar")
+        assert sidebar.display == (columns >= 100)
+        footer = screen.query_one(Footer)
+        assert sum(key.outer_size.width for key in footer.children) <= columns  # every key whole
+        shown = str(screen.stats.query_one("#stats-readouts").content).split(" · ")
+        engine = screen.controller.engine
+        whole = [engine.name, engine.model_kind(), f"context {engine.context_length}",
+                 *engine.decode_path().split(" · ")]
+        assert shown[:2] == whole[:2] and all(f in whole or f + " (" in " ".join(whole) for f in shown)  # no cut
+        assert len(shown) >= (4 if columns >= 120 else 2)
+        [reply] = [v for v in screen.transcript.messages if v.role == "assistant"]
+        assert reply.outer_size.width <= 106  # a reading width (and the border)
+        code = reply.query_one(MarkdownFence).query_one(Label)
+        lines = [strip.text.rstrip() for strip in code.render_lines(code.size.region)]
+        assert "columns')" in " ".join(lines)  # the end of the long code line is on screen, wrapped
+        if columns < 100:
+            await pilot.press("ctrl+b")
+            assert sidebar.display
 
 
 @needs_native

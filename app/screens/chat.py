@@ -24,6 +24,7 @@ from ..conversation import ChatController, Refused, Reply
 from ..engine_worker import EngineWorker
 from ..formatting import profile_summary
 from ..inspection import Inspection
+from ..layout import COMPACT_FOOTER_COLUMNS, PALETTE_IN_FOOTER_COLUMNS, sidebar_shown
 from ..widgets import (ChatInput, ConversationList, MessageView, Notice, Sidebar, StatsBar, TokenInspector, TokenStrip,
                        Transcript)
 from .chat_dialogs import BUSY, ChatDialogs
@@ -68,6 +69,7 @@ class ChatScreen(Screen):
         self._feed: ReplyFeed | None = None  # the transcript and the engine worker's reports
         self.dialogs = ChatDialogs(self)
         self._panel: InspectionPanel | None = None  # the sampler inspector's side of this screen
+        self._sidebar_toggled: bool | None = None  # ctrl+b's choice, once made; before it the width decides
 
     # --- layout --------------------------------------------------------------------------------------------------
 
@@ -84,8 +86,8 @@ class ChatScreen(Screen):
 
     @property
     def focus_chain(self) -> list[Widget]:
-        """Tab and shift+Tab go between the sidebar, the input and the panels, not through every message: a message
-        takes the focus by a click (to copy it), and Tab goes on from there."""
+        """Tab and shift+Tab go between the sidebar, the transcript, the input and the panels, not through every
+        message: in the transcript ↑/↓ focus its messages (or a click does), and Tab goes on from there."""
         return [w for w in super().focus_chain if not isinstance(w, MessageView) or w.has_focus]
 
     @property
@@ -124,7 +126,7 @@ class ChatScreen(Screen):
                                                          timeout=10 if severity == "error" else 5))
         self._panel = InspectionPanel(self, Inspection(self._controller))
         self._feed = ReplyFeed(self, EngineWorker(self, engine_options=app.settings.engine_options()))
-        self.query_one("#sidebar").display = app.settings.sidebar
+        self.query_one("#sidebar").display = sidebar_shown(self.size.width, app.settings.sidebar, None)
         self.title = "mlxchat"
         self._show_chat_header()
         self.refresh_sidebar()
@@ -166,9 +168,10 @@ class ChatScreen(Screen):
         """The state line with nothing in flight: what is loaded, and none of the last chat's numbers."""
         engine = self.controller.engine
         if engine is not None:
-            kind = engine.model_kind()
-            self.stats.show_state("idle", "● ready", f"{engine.name} · {kind + ' · ' if kind else ''}"
-                                                      f"context {engine.context_length} · {engine.decode_path()}")
+            # Most important first: what does not fit the state line goes from the end (app/layout.py).
+            self.stats.show_state("idle", "● ready", [engine.name, engine.model_kind(),
+                                                      f"context {engine.context_length}",
+                                                      *engine.decode_path().split(" · ")])
         elif self.controller.loading:
             self.stats.show_state("loading", "◌ loading", "loading the model…")
         else:
@@ -428,7 +431,16 @@ class ChatScreen(Screen):
 
     def action_toggle_sidebar(self) -> None:
         sidebar = self.query_one("#sidebar")
-        sidebar.display = not sidebar.display
+        self._sidebar_toggled = not sidebar.display
+        sidebar.display = self._sidebar_toggled
+
+    def on_resize(self) -> None:
+        """Fit the width: the conversation list where there is room for it, the footer compact where it is narrow."""
+        width = self.size.width
+        self.query_one("#sidebar").display = sidebar_shown(width, self.app.settings.sidebar, self._sidebar_toggled)
+        footer = self.query_one(Footer)
+        footer.compact = width < COMPACT_FOOTER_COLUMNS
+        footer.show_command_palette = width >= PALETTE_IN_FOOTER_COLUMNS  # ctrl+p works anyway; F1 lists it
 
     def action_export(self) -> None:
         self.dialogs.export()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..conversation import Refused
+from ..layout import fit_path
 from ..models import ModelPick
 from .dialogs import Confirm, TextPrompt
 from .model_picker import ModelPicker
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from .chat import ChatScreen
 
 BUSY = "A reply is still coming: Esc stops it"
+TOAST_COLUMNS = 60  # Textual's toast: 60 columns wide, at most half the screen
 
 
 class ChatDialogs:
@@ -137,7 +139,10 @@ class ChatDialogs:
             except OSError as e:
                 screen.notify(f"Cannot write {path}: {e.strerror}", severity="error")
                 return
-            screen.notify(f"Exported to {written}", title="Export", timeout=8)
+            # The path on its own line, fitted to the toast (60 columns, at most half the screen, less its padding
+            # and border), so it never wraps mid-name.
+            width = min(TOAST_COLUMNS, screen.size.width // 2) - 3
+            screen.notify(f"Exported to\n{fit_path(Path(written), width)}", title="Export", timeout=8)
 
         screen.app.push_screen(TextPrompt("Export the chat to Markdown", str(screen.controller.default_export_path()),
                                           accept="Export"), done)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -11,13 +13,16 @@ from textual.widgets import Button, Input, Static
 
 
 class TextPrompt(ModalScreen[str | None]):
-    """Ask for one line of text (a title, a path, a name). Enter accepts, Esc cancels."""
+    """Ask for one line of text (a title, a path, a name). Enter accepts, Esc cancels. With `check(text)`, the text
+    is accepted only when it returns None; otherwise its message shows under the field, which keeps the text."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="dialog_cancel")]
 
-    def __init__(self, title: str, value: str = "", *, placeholder: str = "", accept: str = "OK") -> None:
+    def __init__(self, title: str, value: str = "", *, placeholder: str = "", accept: str = "OK",
+                 check: Callable[[str], str | None] | None = None) -> None:
         super().__init__(classes="dialog-screen")
         self.title_text, self.value, self.placeholder, self.accept = title, value, placeholder, accept
+        self.check = check
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -34,11 +39,13 @@ class TextPrompt(ModalScreen[str | None]):
     @on(Input.Submitted)
     @on(Button.Pressed, "#prompt-ok")
     def _accept(self) -> None:
-        value = self.query_one("#prompt-input", Input).value
-        if value.strip():
-            self.dismiss(value.strip())
-        else:
+        value = self.query_one("#prompt-input", Input).value.strip()
+        if not value:
             self.show_error("type something first, or press Esc")
+        elif self.check is not None and (problem := self.check(value)) is not None:
+            self.show_error(problem)
+        else:
+            self.dismiss(value)
 
     @on(Button.Pressed, "#prompt-cancel")
     def action_cancel(self) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..conversation import Refused
+from ..formatting import DONE
 from ..inspection import Inspection
+from ..turns import last_reply
 from ..widgets import MessageView, TokenStrip
 from .replay import ReplayScreen
 
@@ -162,6 +164,13 @@ class InspectionPanel:
         for shown_view in self.screen.transcript.messages:
             if shown_view.turn is shown:
                 shown_view.focus()
+        # The state line showed the reply that was on screen: it now shows the one the branch leads to.
+        last = last_reply(self.screen.controller.turns)
+        if last is not None and last.message.metrics:
+            self.screen.stats.show_metrics(last.message.metrics, state="done",
+                                           label=DONE.get(last.message.finish_reason or "", "✓ done"))
+        else:
+            self.screen.show_ready()
 
     def replay(self) -> None:
         """F9: answer the reply's messages again with one parameter changed (same seed), side by side."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -121,7 +122,9 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
             yield Static("Sampling profile", classes="dialog-title")
             with Horizontal(id="profile-body"):
                 yield OptionList(id="profile-list")
-                with VerticalScroll(id="profile-form"):
+                # Not a focus stop of its own (an invisible one, between the list and the first field): Tab goes
+                # from the list to the fields.
+                with VerticalScroll(id="profile-form", can_focus=False):
                     yield Static("", id="profile-description", markup=False)
                     with Vertical(id="profile-fields"):
                         for name, hint in FIELDS:
@@ -264,27 +267,32 @@ class ProfilePicker(ModalScreen[SamplingProfile | None]):
         # Never a preset's name: a saved "precise" would be listed beside the preset and never used.
         suggested = self.store.free_name((profile.name or "mine").removesuffix(" edited").replace(" ", "-"))
 
-        def save(name: str | None) -> None:
-            if not name:
-                return
+        saved: list[tuple[SamplingProfile, Path]] = []
+
+        def save(name: str) -> str | None:
+            """Save under `name`; what is wrong with it, or None. The dialog stays open on an error, the name kept
+            to correct."""
             try:
                 description = (f"based on the {profile.name} preset" if profile.name in SamplingProfile.presets()
                                else profile.description)
                 named = SamplingProfile.model_validate({**profile.model_dump(), "name": name,
                                                         "description": description})
-                path = self.store.save(named)
+                saved.append((named, self.store.save(named)))
             except (ValidationError, ProfileError) as e:
-                msg = error_text(e.errors()[0]) if isinstance(e, ValidationError) else str(e)
-                self.notify(msg, severity="error")
-                return
+                return error_text(e.errors()[0]) if isinstance(e, ValidationError) else str(e)
             except OSError as e:  # a read-only or missing config folder: say so, stay open
-                self.notify(f"Cannot save the profile in {self.store.folder}: {e.strerror or e}", severity="error")
+                return f"Cannot save the profile in {self.store.folder}: {e.strerror or e}"
+            return None
+
+        def done(name: str | None) -> None:
+            if name is None or not saved:
                 return
+            named, path = saved[-1]
             self.notify(f"Saved profile {name} to {path}")
             self.refresh_entries(select=f"user:{name}")
             self.load_form(named)
 
-        self.app.push_screen(TextPrompt("Save the profile as", suggested, accept="Save"), save)
+        self.app.push_screen(TextPrompt("Save the profile as", suggested, accept="Save", check=save), done)
 
     def action_delete_profile(self) -> None:
         options = self.query_one("#profile-list", OptionList)

@@ -14,6 +14,7 @@ from ..engine_worker import EngineWorker, next_batch_s
 from ..formatting import DONE, stats_line
 from ..inspection import Inspection
 from ..models import to_remember
+from ..turns import first_reply
 from ..widgets import MessageView, Notice
 
 if TYPE_CHECKING:
@@ -44,8 +45,9 @@ class ReplyFeed:
     # --- the transcript follows the controller's turns -----------------------------------------------------------
 
     @staticmethod
-    def view(turn: Turn) -> MessageView:
-        """A turn as a message view: its text, label (model, branch place) and stats line."""
+    def view(turn: Turn, first: bool = False) -> MessageView:
+        """A turn as a message view: its text, label (model, branch place) and stats line (`first`: the chat's first
+        reply)."""
         if turn.role == "assistant":
             message = turn.message
             if turn.streaming:
@@ -53,7 +55,8 @@ class ReplyFeed:
             elif turn.error:
                 stats = f"error: {turn.error}"
             else:
-                stats = stats_line(message.metrics, message.finish_reason, message.profile.get("name"))
+                stats = stats_line(message.metrics, message.finish_reason, message.profile.get("name"),
+                                   first_reply=first)
             label = f"Assistant · {message.model}" if message.model else "Assistant"
             view = MessageView("assistant", turn.content, label=_placed(label, turn), stats=stats, turn=turn)
             if turn.error:
@@ -76,7 +79,8 @@ class ReplyFeed:
             same += 1
         if same < len(views):
             await transcript.drop_from(views[same])
-        new = [self.view(t) for t in turns[same:]]
+        first = first_reply(turns)
+        new = [self.view(t, t is first) for t in turns[same:]]
         if new:
             await transcript.mount_all(new)
             for view in new:
@@ -201,7 +205,9 @@ class ReplyFeed:
         if view is not None:
             if keeps(result):
                 await view.finish(result.text, stats_line(result.metrics, result.finish_reason,
-                                                          result.profile.get("name")), result.finish_reason)
+                                                          result.profile.get("name"),
+                                                          first_reply=reply.turn is first_reply(controller.turns)),
+                                  result.finish_reason)
             else:
                 await view.remove()
                 screen.notify("Stopped before the first token; ctrl+r asks again")

@@ -14,13 +14,14 @@ from textual.content import Content
 from textual.geometry import Size
 from textual.message import Message
 from textual.widgets import Button, Markdown, Static
-from textual.visual import VisualType, visualize
+from textual.visual import visualize
 from textual.widget import Widget
 from textual.widgets.markdown import MarkdownFence
 
 from .. import clipboard, inspector
 from ..formatting import wrap_fields
-from ..textual_compat import MarkdownParagraph, OneLayout
+from ..turns import step_to
+from ..textual_compat import OneLayout
 from .inspector import TokenStrip
 
 if TYPE_CHECKING:
@@ -28,51 +29,91 @@ if TYPE_CHECKING:
 
     from ..conversation import Turn
 
-_PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would otherwise build one per append
+_PARSER = MarkdownIt("gfm-like")  # stateless between parses; Markdown would otherwise build one per parse
 
 
 def _parser() -> MarkdownIt:
     return _PARSER
 
 
-class ReplyParagraph(OneLayout, MarkdownParagraph):
-    """A Markdown paragraph that asks for a layout only when its new text changes its height.
+class OpenBlock(OneLayout, Static):
+    """The block of a streaming reply that is still being written, as its plain text: one lightweight widget that
+    each batch extends, parsed as Markdown only once it closes. A layout reflows the whole screen, and a code block
+    or a table grows a line every batch or two: so the widget keeps SLACK lines of room below its text and repaints
+    in place while the text fits (a layout only every few lines)."""
 
-    While a reply streams, each batch extends the last paragraph; Textual's ``Static.update`` always asks for a
-    layout, and a layout reflows the whole screen (every widget on it). Most batches add words
-    to the paragraph's last line, so the paragraph measures its new text at its current width and repaints in place
-    when the height is the same (``update(layout=False)``, which Textual offers for exactly this case)."""
+    SLACK = 8
 
-    _measured: tuple[int, int] | None = None  # (width, height) of the text last set, as measured here
-
-    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
-        # Each batch's text arrives here through MarkdownBlock.set_content.
-        height_changes = self._height_changes(content)  # measured always: the next batch compares with it
-        super().update(content, layout=layout and height_changes)
-
-    def _height_changes(self, content: VisualType) -> bool:
+    def extend(self, text: str) -> None:
         width, height = self.size
-        if not (self.is_mounted and width and height):
-            self._measured = None
-            return True  # not laid out yet: nothing to compare with
-        try:
-            # Both heights measured the way Textual measures this widget's content (its visual, its styles, the
-            # width of its content area), so they can be compared.
-            old = self._measured
-            if old is None or old[0] != width:
-                old = (width, self.visual.get_height(self.styles, width))
-            new = visualize(self, content).get_height(self.styles, width)
-        except Exception:  # noqa: BLE001 - it cannot be measured: take the safe path
-            self._measured = None
-            return True
-        self._measured = (width, new)
-        return new != old[1] or old[1] != height
+        if self.is_mounted and width and height:
+            needed = visualize(self, text).get_height(self.styles, width)
+            if needed <= height:
+                self.update(text, layout=False)
+                return
+            self.styles.min_height = needed + self.SLACK
+        self.update(text)
+
+    def reset(self) -> None:
+        """Give back the room kept (a block closed: the screen is laid out again anyway)."""
+        self.styles.min_height = None
+
+
+def closed_length(text: str) -> int:
+    """How much of a streaming reply's Markdown ``text`` is blocks that what follows can no longer change: all
+    before its last top-level block (what Textual's ``Markdown.append`` assumes too, re-parsing from there). 0 while
+    the text is one block."""
+    starts = [t.map[0] for t in _PARSER.parse(text) if t.level == 0 and t.map is not None and t.nesting >= 0]
+    if not starts or starts[-1] == starts[0]:
+        return 0
+    offset = 0
+    for _ in range(starts[-1]):
+        offset = text.index("\n", offset) + 1
+    return offset
+
+
+# Blocks whose Textual widgets cost ~50 ms of the UI thread to mount (a table's cells, a code block's highlighting):
+# while the reply streams they stay as their text, and are drawn once with the whole reply at its end.
+COSTLY_BLOCKS = ("fence", "table_open", "code_block")
+
+
+def closed_block(text: str) -> Widget:
+    """The widget for closed blocks of a streaming reply: Markdown, or their text where that costs too much now."""
+    if any(t.type in COSTLY_BLOCKS for t in _PARSER.parse(text)):
+        return Static(text.rstrip("\n"), classes="closed-block closed-text", markup=False)
+    return ReplyMarkdown(text, classes="closed-block", open_links=False, parser_factory=_parser)
+
+
+class StreamedReply(OneLayout, Vertical):
+    """A reply as it streams: closed blocks parsed once, as Markdown, when they close (code blocks and tables as
+    their text, see COSTLY_BLOCKS), and the open one as plain text (``OpenBlock``). Appending to one Markdown widget
+    parsed and rendered its open block again on every batch (a code block highlighted again, a table laid out
+    again, its widgets mounted again): ~20 ms of the UI thread a batch on a reply with code blocks, where prose costs
+    ~3, and the UI thread takes that CPU from decode (the bench's TUI Markdown row). The finished reply is parsed
+    once, in full, by its ``ReplyMarkdown``."""
+
+    DEFAULT_CSS = "StreamedReply { height: auto; }"
+    MIN_LINES = 12  # closed blocks wait for this many lines, then mount together: each mount costs a layout
+
+    def __init__(self) -> None:
+        super().__init__(classes="streamed")
+        self._open = ""  # the text not yet in a closed block
+
+    def compose(self) -> ComposeResult:
+        yield OpenBlock("", classes="open-block", markup=False)
+
+    async def append(self, text: str) -> None:
+        self._open += text
+        tail = self.query_one(OpenBlock)
+        if (cut := closed_length(self._open)) and self._open.count("\n", 0, cut) >= self.MIN_LINES:
+            closed, self._open = self._open[:cut], self._open[cut:]
+            tail.reset()
+            await self.mount(closed_block(closed), before=tail)
+        tail.extend(self._open.rstrip("\n"))
 
 
 class ReplyMarkdown(OneLayout, Markdown):
-    """The reply's Markdown: Textual's, with paragraphs that repaint without a layout when they keep their height."""
-
-    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": ReplyParagraph}
+    """A reply's Markdown (a finished reply, or a streaming one's closed blocks): Textual's, laid out once a size."""
 
 
 class FieldsLine(Widget):
@@ -100,8 +141,8 @@ class FieldsLine(Widget):
 
 
 class MessageView(OneLayout, Vertical, can_focus=True):
-    """One message. Focus it (click or tab) to copy it (c) or its code blocks (k); a reply with branches shows
-    ``< 1/2 >`` and [ / ] switch between them."""
+    """One message. Focus it (a click, or Tab to the transcript and ↑/↓) to copy it (c) or its code blocks (k); a
+    reply with branches shows ``< 1/2 >`` and [ / ] switch between them."""
 
     BINDINGS = [
         Binding("c", "copy_message", "Copy message", id="copy_message"),
@@ -130,6 +171,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
         self._streaming = False
+        self._stream: StreamedReply | None = None  # what shows the reply while it streams
         self._code_index = 0
 
     def compose(self) -> ComposeResult:
@@ -173,7 +215,13 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         if not text:
             return
         self._parts.append(text)
-        await self.query_one(".body", Markdown).append(text)
+        if self._stream is None:  # the first batch: the reply streams on in a StreamedReply, from what came so far
+            self._stream = StreamedReply()
+            await self.query_one(".body", Markdown).update("")
+            await self.mount(self._stream, after=self.query_one(".body"))
+            await self._stream.append(self.text)
+        else:
+            await self._stream.append(text)
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
         """End the stream and parse the final text once, in full."""
@@ -181,6 +229,9 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.remove_class("streaming")
         self.text = text
         self.finish_reason = finish_reason
+        if self._stream is not None:
+            await self._stream.remove()
+            self._stream = None
         await self.query_one(".body", Markdown).update(text)
         self.set_stats(stats)
 
@@ -284,7 +335,13 @@ class Notice(Vertical):
 
 
 class Transcript(VerticalScroll):
-    """The scrolling list of messages; anchored to the bottom while a reply streams."""
+    """The scrolling list of messages; anchored to the bottom while a reply streams. Tab reaches it; ↑/↓ then move
+    the focus from message to message (each one's keys: c, k, [ and ]), page up/down scroll."""
+
+    BINDINGS = [
+        Binding("up", "step_message(-1)", "Previous message (focus it)", id="message_previous", show=False),
+        Binding("down", "step_message(1)", "Next message (focus it)", id="message_next", show=False),
+    ]
 
     @property
     def messages(self) -> list[MessageView]:
@@ -295,6 +352,13 @@ class Transcript(VerticalScroll):
             if role is None or view.role == role:
                 return view
         return None
+
+    def action_step_message(self, step: int) -> None:
+        messages = self.messages
+        focused = self.screen.focused
+        current = messages.index(focused) if isinstance(focused, MessageView) and focused in messages else None
+        if (target := step_to(len(messages), current, step)) is not None:
+            messages[target].focus()  # Textual scrolls a focused widget into view
 
     async def add(self, view: MessageView | Notice) -> MessageView | Notice:
         await self.mount(view)
