@@ -31,6 +31,7 @@ NB_MODULE(_ext, m) {
         "packed"_a = false, "compact_params's arrays back as float32 [N, G] in MLX's layout.");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("packs_exact", &mlxchat::packs_exact);
+  m.def("packs_on_amx", &mlxchat::packs_on_amx);
   m.def("dequantized_matmul", &mlxchat::dequantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "packed"_a = false,
         "x @ dequantize(w).T by BLAS's GEMM on cache-sized pieces of the dequantized weight (long prompts).");

@@ -81,6 +81,10 @@ void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
 // layout), for long prompts where one BLAS GEMM beats the packed kernel. Needs AVX-512F.
 void dequant_packed_vnni(const DequantArgs& a, int t0, int t1);
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
+// The same results bit for bit on AMX's tiles (TDPBSUD: 16 rows of x by 16 output rows a block), for many rows of x:
+// where amx_ready() (the CPU has AMX-INT8, the extension was built with it, and Linux granted the tile state).
+bool amx_ready();
+void qmm_packed_rows_amx(const PackedMatmulArgs& a, int t0, int t1);
 // The same weight transposed: wt[k][16 (t - t0) + j] = row 16 t + j's value at k, ld floats apart, for the GEMM
 // x @ wt of a long prompt (a contiguous 64-byte store per k). Needs AVX-512F.
 void dequant_packed_t_vnni(const DequantArgs& a, int t0, int t1, float* wt, size_t ld);
