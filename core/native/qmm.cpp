@@ -206,10 +206,20 @@ Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& 
   return view;
 }
 
-// kernel(args, u0, u1) over units [u0, u1); with compact parameters on units_view's view (their fp32 expansion).
+// Whether a kernel reads compact parameters as they lie (the packed ones on AVX-512: VNNI's and AMX's).
+bool reads_compact(PackedKernel kernel) {
+  return kernel == &qmm_packed_rows_vnni || kernel == &qmm_packed_rows_amx;
+}
+template <typename Kernel>
+bool reads_compact(const Kernel&) {
+  return false;
+}
+
+// kernel(args, u0, u1) over units [u0, u1); with compact parameters that the kernel does not read itself, on
+// units_view's view (their fp32 expansion).
 template <typename Args, typename Kernel>
 void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
-  if (a.scale_type != ScaleType::compact) {
+  if (a.scale_type != ScaleType::compact || reads_compact(kernel)) {
     kernel(a, u0, u1);
     return;
   }
