@@ -28,7 +28,10 @@ from . import heap, native
 # ~256 rows on both model sizes (1.1B: 77 vs 96-126 ms at 50 rows, 187-200 vs 200 at 128, 406-417 vs 388-398 at
 # 256, 914 vs 824-863 at 512; 135M-shaped: 34.5 vs 33.7 at 128, 72 vs 66 at 256, 173 vs 150 at 512). It was 48
 # when the GEMM took the whole fp32 weight at once: on the 1.1B model that was a 3.3x step from 40 to 50 rows.
-# int8 x stays on its kernel at any length: it is what that option asks for.
+# int8 x stays on its kernel at any length: it is what that option asks for. Where the packed kernel runs prompts on
+# AMX's tiles (`native.packs_on_amx`) it stays there at any length too: one 5632 x 2048 matrix, 512 rows, one thread,
+# CPU time: Q4_K 54-59 ms against 89 dequantized for the GEMM, Q6_K (groups of 16) 89 against 82; at 64 and 256
+# rows Q4_K 7.8 against 14, ~28 against 46.
 DEQUANTIZE_ROWS = 16
 PACKED_DEQUANTIZE_ROWS = 256
 
@@ -58,7 +61,8 @@ def _matmul(x: mx.array, layer: nn.Module) -> mx.array:
     """x @ the layer's weight.T: on the kernel for a few rows, by BLAS for a long prompt."""
     w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
     rows = x.size // x.shape[-1]
-    if rows > (PACKED_DEQUANTIZE_ROWS if layer.packed else DEQUANTIZE_ROWS) and not layer.int8:
+    if (rows > (PACKED_DEQUANTIZE_ROWS if layer.packed else DEQUANTIZE_ROWS) and not layer.int8
+            and not (layer.packed and native.packs_on_amx())):
         return native.dequantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,
                                          packed=layer.packed)
     return native.quantized_matmul(x, w, scales, biases, group_size=layer.group_size, bits=layer.bits,

@@ -147,6 +147,31 @@ def test_each_packed_row_equals_that_row_alone_bit_for_bit(int8: bool):
         np.testing.assert_array_equal(together[i:i + 1], alone)
 
 
+@needs_fixed24
+@pytest.mark.parametrize("bits, group_size, params",
+                         [(4, 32, mx.float16), (8, 64, mx.bfloat16), (5, 128, mx.float32),
+                          (4, 32, "compact"), (5, 32, "compact"), (6, 16, "compact")])
+@pytest.mark.parametrize("int8", [False, True])
+def test_prompt_rows_equal_single_rows_bit_for_bit(bits: int, group_size: int, params, int8: bool):
+    # 33 rows: where the packed kernel runs prompts on AMX's tiles (native.packs_on_amx), two chunks of 16 rows there
+    # and one left over, each equal to that row alone (on the VNNI kernel) bit for bit: a prompt, a verify pass and a
+    # single step agree whichever kernel ran them.
+    from tests.test_native_formats import kquant_format
+
+    if params == "compact":
+        (w, s, b), _ = kquant_format(48, 512, bits, group_size, seed=bits)
+        s, b = native.compact_params(s, b, group_size=group_size)
+        packed = native.pack_weights(w, s, b, group_size=group_size, bits=bits)
+    else:
+        _, packed = _packed(48, 512, group_size, bits, params)
+    key = mx.random.key(bits)
+    x = mx.random.normal((33, 512), key=key) * mx.exp(2 * mx.random.normal((33, 512), key=mx.random.split(key)[0]))
+    fmt = {"group_size": group_size, "bits": bits, "packed": True, "int8": int8}
+    together = np.array(native.quantized_matmul(x, *packed, **fmt))
+    for i in (0, 15, 16, 31, 32):
+        np.testing.assert_array_equal(together[i:i + 1], np.array(native.quantized_matmul(x[i:i + 1], *packed, **fmt)))
+
+
 @needs_native
 def test_the_avx2_int8_kernel_too_where_vnni_runs():
     """CPUs without AVX512-VNNI run the AVX2 kernel (chosen once per process): checked in a process of its own."""

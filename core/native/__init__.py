@@ -160,6 +160,13 @@ def packs_exact() -> bool:
     return _module().packs_exact()
 
 
+def packs_on_amx() -> bool:
+    """Whether the packed matmul runs prompts (16 rows of x and more) on AMX's tiles, with the VNNI kernel's results
+    bit for bit (AMX-INT8, where `packs_exact`; MLXCHAT_NATIVE_AMX=0 turns it off): then no prompt length is worth
+    dequantizing for BLAS's GEMM."""
+    return _module().packs_on_amx()
+
+
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int,
                packed: bool = False) -> mx.array:
     """The fp32 weight ``[N, K]``: scale * q, then + bias, in fp32 (two roundings, as ``mx.dequantize`` computes it:

@@ -34,6 +34,7 @@ NB_MODULE(_ext, m) {
         "A ggml-quantized tensor read from a GGUF file as [w, scales, biases] (packed: pack_weights's tiles).");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("packs_exact", &mlxchat::packs_exact);
+  m.def("packs_on_amx", &mlxchat::packs_on_amx);
   m.def("dequantized_matmul", &mlxchat::dequantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "packed"_a = false,
         "x @ dequantize(w).T by BLAS's GEMM on cache-sized pieces of the dequantized weight (long prompts).");

@@ -12,8 +12,9 @@ namespace mlxchat {
 // sizes 16 and 32 only): an fp16 D, then P int8 multipliers q, each group's parameter float(D) * q, which is exact
 // in fp32 (11 significant bits times 8): the same float32 values as the parameters it was made from
 // (compact_from_f32). Layout, uint8: MLX's rows [N][K / 256][2 + P] (D little-endian, then the q's); packed
-// (pack_weights) [N / 16][K / 256][16 D's, then for each of the P groups the 16 rows' q]. The kernels never read it:
-// each piece of rows has its parameters expanded to fp32 first (expand_compact_avx2), in cache.
+// (pack_weights) [N / 16][K / 256][16 D's, then for each of the P groups the 16 rows' q]. The packed kernels on
+// AVX-512 (VNNI, AMX) read it as it lies; for the others each piece of rows has its parameters expanded to fp32 first
+// (expand_compact_avx2), in cache.
 enum class ScaleType { f32, f16, bf16, compact };
 // A compact super-block's bytes (one row) and groups.
 inline int compact_groups(int group_size) { return 256 / group_size; }
@@ -81,6 +82,10 @@ void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1);
 // layout), for long prompts where one BLAS GEMM beats the packed kernel. Needs AVX-512F.
 void dequant_packed_vnni(const DequantArgs& a, int t0, int t1);
 void qmm_packed_rows_avx2(const PackedMatmulArgs& a, int t0, int t1);
+// The same results bit for bit on AMX's tiles (TDPBSUD: 16 rows of x by 16 output rows a block), for many rows of x:
+// where amx_ready() (the CPU has AMX-INT8, the extension was built with it, and Linux granted the tile state).
+bool amx_ready();
+void qmm_packed_rows_amx(const PackedMatmulArgs& a, int t0, int t1);
 // The same weight transposed: wt[k][16 (t - t0) + j] = row 16 t + j's value at k, ld floats apart, for the GEMM
 // x @ wt of a long prompt (a contiguous 64-byte store per k). Needs AVX-512F.
 void dequant_packed_t_vnni(const DequantArgs& a, int t0, int t1, float* wt, size_t ld);

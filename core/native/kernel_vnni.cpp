@@ -11,7 +11,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
+#include <vector>
+
+#ifdef MLXCHAT_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "kernel.h"
 #include "kernel_rows.h"
@@ -23,6 +30,35 @@ inline __m512i x4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
+}
+
+// A tile's 16 parameters (scales or biases) of group gg. Compact ones (kernel.h) are read as they lie, float(D) * q
+// for the super-block's D and the group's multipliers: exact, so the float32 values they were made from, with a
+// third of their bytes (a decode step at one row of x moves its weights at the core's bandwidth, and expanding
+// them to float32 before each piece cost Q4_K 0.34 ms for a 5632 x 2048 matrix against 0.26 read this way).
+template <ScaleType ST>
+inline __m512 tile_params(const void* base, int G, int group_size, int t, int gg) {
+  if constexpr (ST == ScaleType::compact) {
+    const int P = compact_groups(group_size);
+    const uint8_t* sb = static_cast<const uint8_t*>(base) + (size_t(t) * (G / P) + gg / P) * kPackedTile * (2 + P);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 2 * kPackedTile + kPackedTile * (gg % P)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+  } else {
+    return params16<ST>(base, packed_param(G, t * kPackedTile, gg));
+  }
+}
+
+// with_format, and compact parameters (which only the packed kernels read as they lie).
+template <typename F>
+void with_packed_format(const PackedMatmulArgs& a, F&& fn) {
+  if (a.scale_type == ScaleType::compact) {
+    with_format(a.bits, ScaleType::f32, a.group_size == 16, [&](auto bits, auto, auto g16) {
+      fn(bits, std::integral_constant<ScaleType, ScaleType::compact>{}, g16);
+    });
+  } else {
+    with_format(a.bits, a.scale_type, a.group_size == 16, fn);
+  }
 }
 
 // 5 and 6 bits: the packed layout's plane of high bits (kernel.h) placed at bits 4 (and 5) of each byte of k-step u,
@@ -130,8 +166,8 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
       }
       for (int h = 0; h < H; ++h) {
         const int gg = H * g + h;  // the group
-        const size_t p = packed_param(G, t * kPackedTile, gg);
-        const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
+        const __m512 sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
+        const __m512 bv = tile_params<ST>(a.biases, G, a.group_size, t, gg);
         for (int i = 0; i < MT; ++i) {
           out[i] = _mm512_fmadd_ps(group[i][h], sv, out[i]);
           out[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[i][gg]), out[i]);
@@ -253,7 +289,7 @@ void dequant_packed_vnni(const DequantArgs& a, int t0, int t1) {
 }
 
 void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1) {
-  with_format(a.bits, a.scale_type, a.group_size == 16, [&](auto bits, auto st, auto g16) {
+  with_packed_format(a, [&](auto bits, auto st, auto g16) {
     if (a.xform == XForm::int8) {
       packed_rows<bits(), st(), 1, g16()>(a, t0, t1);
     } else {
@@ -261,5 +297,200 @@ void qmm_packed_rows_vnni(const PackedMatmulArgs& a, int t0, int t1) {
     }
   });
 }
+
+#ifdef MLXCHAT_AMX
+// ---- AMX: the packed matmul for many rows of x (prompts) ----------------------------------------------------------
+// A k-step of the packed layout (4 k of 16 output rows, one dword a row) is exactly a row of an AMX B tile, so a
+// block's 8 k-steps (its codes made whole by step_codes) are the B tile of 32 k, and the rows of x's digits (32 bytes
+// a block, a row of x every K * DIGITS bytes) are an A tile as they lie. One TDPBSUD (signed x bytes times unsigned
+// codes) then makes the integer sums of 16 rows of x by 16 output rows over a block, which the VNNI kernel makes
+// with 16 rows * 8 VPDPBUSD a digit. The sums are the same integers, and the float steps after them (to_float, the
+// block scale, the group scale and bias term) are packed_tile's, in its order: every row's result is bit for bit the
+// VNNI kernel's, so prompts, verify passes and single steps agree whichever kernel ran them.
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0..2 and 3..5: two sets of the digits' sums C [r rows of x][16 output rows] int32, used in turn so that one
+// product's sums are stored while the next one runs; 6: a digit of x A [r][KX bytes]; 7: the codes B [KX / 4
+// k-steps][16 rows * 4 bytes]. KX: the k of one product (32, or 16 for groups of 16: a block's halves are two groups
+// and need their own sums).
+void configure_tiles(int r, int kx) {
+  TileConfig c;
+  for (int t = 0; t < 6; ++t) {
+    c.rows[t] = uint8_t(r);
+    c.colsb[t] = 64;
+  }
+  c.rows[6] = uint8_t(r);
+  c.colsb[6] = uint16_t(kx);
+  c.rows[7] = uint8_t(kx / 4);
+  c.colsb[7] = 64;
+  _tile_loadconfig(&c);
+}
+
+// The DIGITS products of one block (or half block) into sum set SET (tiles 3 SET .. 3 SET + 2), stored to `sums`
+// [DIGITS][16][16]. (The tile intrinsics take their registers as literals.)
+#define MLXCHAT_TILE_PRODUCTS(C0, C1, C2)                 \
+  _tile_loadd(7, codes, 64);                              \
+  _tile_zero(C0);                                         \
+  _tile_loadd(6, x, x_stride);                            \
+  _tile_dpbsud(C0, 6, 7);                                 \
+  if constexpr (DIGITS == 3) {                            \
+    _tile_zero(C1);                                       \
+    _tile_loadd(6, x + 32, x_stride);                     \
+    _tile_dpbsud(C1, 6, 7);                               \
+    _tile_zero(C2);                                       \
+    _tile_loadd(6, x + 64, x_stride);                     \
+    _tile_dpbsud(C2, 6, 7);                               \
+  }                                                       \
+  _tile_stored(C0, sums[0], 64);                          \
+  if constexpr (DIGITS == 3) {                            \
+    _tile_stored(C1, sums[1], 64);                        \
+    _tile_stored(C2, sums[2], 64);                        \
+  }
+template <int SET, int DIGITS>
+inline void tile_products(const int8_t* x, size_t x_stride, const uint8_t* codes, int32_t (*sums)[16][16]) {
+  if constexpr (SET == 0) {
+    MLXCHAT_TILE_PRODUCTS(0, 1, 2)
+  } else {
+    MLXCHAT_TILE_PRODUCTS(3, 4, 5)
+  }
+}
+#undef MLXCHAT_TILE_PRODUCTS
+
+// Rows m0 .. m0 + r - 1 of x (R = r, or 0 for a count known at run time) against tiles [t0, t1), whose codes are
+// `codes` (amx_rows). Each product's sums become floats while the next product runs on the tiles.
+template <int BITS, ScaleType ST, int DIGITS, bool G16, int R>
+void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const uint8_t* codes) {
+  const int rows = R ? R : r;
+  const int K = a.K, G = K / a.group_size, blocks = K / 32, blocks_per_group = G16 ? 1 : a.group_size / 32;
+  constexpr int H = G16 ? 2 : 1, KX = 32 / H;
+  const size_t x_stride = size_t(K) * DIGITS;
+  const int units = blocks * H;  // products a tile: unit u is block u / H, half u % H
+  alignas(64) int32_t sums[2][3][16][16];
+  const int8_t* x = a.xq + size_t(m0) * x_stride;
+  const float* xd = a.xd + size_t(m0) * blocks;
+  const float* xs = a.xsum + size_t(m0) * G;
+  for (int t = t0; t < t1; ++t) {
+    const uint8_t* tile_codes = codes + size_t(t - t0) * blocks * 512;
+    auto issue = [&](int u) {
+      const int blk = u / H, h = u % H;
+      const int8_t* xb = x + size_t(blk) * 32 * DIGITS + KX * h;
+      const uint8_t* cb = tile_codes + size_t(blk) * 512 + 16 * KX * h;
+      if (u % 2 == 0) {
+        tile_products<0, DIGITS>(xb, x_stride, cb, sums[0]);
+      } else {
+        tile_products<1, DIGITS>(xb, x_stride, cb, sums[1]);
+      }
+    };
+    __m512 out[16], group[16];
+    for (int i = 0; i < rows; ++i) out[i] = _mm512_setzero_ps();
+    issue(0);
+    for (int u = 0; u < units; ++u) {
+      if (u + 1 < units) issue(u + 1);
+      const int blk = u / H, h = u % H, b = blk % blocks_per_group;
+      int32_t (*s)[16][16] = sums[u % 2];
+      // packed_tile's float steps, in its order: to_float, the block scale, and once the group is whole its scale
+      // and bias terms (groups of 16: each half block is a group, added to out in turn as packed_tile does).
+      const bool whole = b == blocks_per_group - 1;
+      const int gg = G16 ? 2 * blk + h : blk / blocks_per_group;
+      __m512 sv = _mm512_setzero_ps(), bv = sv;
+      if (whole) {
+        sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
+        bv = tile_params<ST>(a.biases, G, a.group_size, t, gg);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < rows; ++i) {
+        __m512 f;
+        if constexpr (DIGITS == 1) {
+          f = _mm512_cvtepi32_ps(_mm512_load_si512(s[0][i]));
+        } else {
+          const __m512i low = _mm512_add_epi32(_mm512_load_si512(s[0][i]),
+                                               _mm512_slli_epi32(_mm512_load_si512(s[1][i]), 8));
+          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s[2][i])), _mm512_set1_ps(65536.0f),
+                              _mm512_cvtepi32_ps(low));
+        }
+        const __m512 d = _mm512_set1_ps(xd[size_t(i) * blocks + blk]);
+        group[i] = b == 0 ? _mm512_mul_ps(f, d) : _mm512_fmadd_ps(f, d, group[i]);
+        if (whole) {
+          out[i] = _mm512_fmadd_ps(group[i], sv, out[i]);
+          out[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[size_t(i) * G + gg]), out[i]);
+        }
+      }
+    }
+    for (int i = 0; i < rows; ++i) _mm512_storeu_ps(a.y + size_t(m0 + i) * a.N + size_t(t) * kPackedTile, out[i]);
+  }
+}
+
+template <int BITS, ScaleType ST, int DIGITS, bool G16>
+void amx_rows(const PackedMatmulArgs& a, int t0, int t1) {
+  const int blocks = a.K / 32;
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8, KX = G16 ? 16 : 32;
+  const size_t tile_bytes = size_t(blocks) * block_bytes;
+  // The codes of tiles [t0, t1), whole (one byte each, a block's 8 k-steps in order: 512 bytes): made once, then
+  // read from cache by every row of x.
+  thread_local std::vector<uint8_t> codes;
+  codes.resize(size_t(t1 - t0) * blocks * 512);
+  for (int t = t0; t < t1; ++t) {
+    for (int blk = 0; blk < blocks; ++blk) {
+      const uint8_t* wb = a.w + size_t(t) * tile_bytes + size_t(blk) * block_bytes;
+      uint8_t* out = codes.data() + (size_t(t - t0) * blocks + blk) * 512;
+      for (int s = 0; s < 4; ++s) {
+        __m512i wl, wh;
+        step_codes<BITS>(wb, s, wl, wh);
+        _mm512_storeu_si512(out + 64 * s, wl);
+        _mm512_storeu_si512(out + 256 + 64 * s, wh);
+      }
+    }
+  }
+  int configured = 0;
+  for (int m0 = 0; m0 < a.M; m0 += 16) {
+    const int r = a.M - m0 < 16 ? a.M - m0 : 16;
+    if (r != configured) {
+      configure_tiles(r, KX);
+      configured = r;
+    }
+    // Whole chunks of 16 rows with the row count known, so that the rows' accumulators stay in registers.
+    if (r == 16) {
+      amx_chunk<BITS, ST, DIGITS, G16, 16>(a, t0, t1, m0, 16, codes.data());
+    } else {
+      amx_chunk<BITS, ST, DIGITS, G16, 0>(a, t0, t1, m0, r, codes.data());
+    }
+  }
+  _tile_release();  // no tile state kept between calls: a thread switch then has none to save
+}
+
+}  // namespace
+
+bool amx_ready() {
+  // Linux hands out AMX's tile data (8 KB of state a thread) only to processes that ask for it, once.
+  static const bool ready = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ready;
+}
+
+void qmm_packed_rows_amx(const PackedMatmulArgs& a, int t0, int t1) {
+  with_packed_format(a, [&](auto bits, auto st, auto g16) {
+    if (a.xform == XForm::int8) {
+      amx_rows<bits(), st(), 1, g16()>(a, t0, t1);
+    } else {
+      amx_rows<bits(), st(), 3, g16()>(a, t0, t1);
+    }
+  });
+}
+#else
+bool amx_ready() { return false; }
+void qmm_packed_rows_amx(const PackedMatmulArgs&, int, int) {}
+#endif
 
 }  // namespace mlxchat

@@ -124,6 +124,27 @@ PackedKernel packed_kernel() {
   return kernel;
 }
 
+// Rows of x from which the packed matmul runs on AMX's tiles. Below, the tile products' fixed cost (16 rows of x
+// each, however many are real, and the tile's codes made whole first) loses: one 5632 x 2048 matrix, one thread, CPU
+// time, Q4_K / Q6_K: 4 rows 1.6 / 2.4 ms on AMX against 0.84 / 1.0 on VNNI, 8 rows 2.1 / 2.9 against 1.6 / 1.8,
+// 16 rows 2.4 / 3.6 against 3.4 / 4.2, 64 rows 7.8 / 11.7 against 13.2 / 15.1.
+constexpr int kAmxRows = 16;
+
+// Whether the packed matmul takes AMX for many rows: where the VNNI kernel runs (AMX gives its results bit for bit),
+// AMX-INT8 does, and MLXCHAT_NATIVE_AMX is not 0 (to compare the two).
+bool amx_runs() {
+  static const bool runs = [] {
+    const char* env = std::getenv("MLXCHAT_NATIVE_AMX");
+    return packed_kernel() == &qmm_packed_rows_vnni && amx_ready() && !(env && std::string(env) == "0");
+  }();
+  return runs;
+}
+
+// The packed kernel for M rows of x.
+PackedKernel packed_kernel(int M) {
+  return amx_runs() && M >= kAmxRows ? &qmm_packed_rows_amx : packed_kernel();
+}
+
 // x as fixed24 (three bytes a value) runs on the VNNI kernel only: on AVX2's VPMADDUBSW + VPMADDWD three digits
 // cost about what the fp32 kernel does, so CPUs without VNNI keep MLX's layout and the fp32 kernel.
 bool fixed24_runs() {
@@ -185,10 +206,20 @@ Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& 
   return view;
 }
 
-// kernel(args, u0, u1) over units [u0, u1); with compact parameters on units_view's view (their fp32 expansion).
+// Whether a kernel reads compact parameters as they lie (the packed ones on AVX-512: VNNI's and AMX's).
+bool reads_compact(PackedKernel kernel) {
+  return kernel == &qmm_packed_rows_vnni || kernel == &qmm_packed_rows_amx;
+}
+template <typename Kernel>
+bool reads_compact(const Kernel&) {
+  return false;
+}
+
+// kernel(args, u0, u1) over units [u0, u1); with compact parameters that the kernel does not read itself, on
+// units_view's view (their fp32 expansion).
 template <typename Args, typename Kernel>
 void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
-  if (a.scale_type != ScaleType::compact) {
+  if (a.scale_type != ScaleType::compact || reads_compact(kernel)) {
     kernel(a, u0, u1);
     return;
   }
@@ -326,7 +357,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       if (packed) {
         const PackedRows xr(plain_x(x).data(), M, K, group_size, xform_of(int8));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
-        const PackedKernel kernel = packed_kernel();  // the VNNI one for fixed24 (check_weights)
+        const PackedKernel kernel = packed_kernel(M);  // VNNI's (or AMX's) for fixed24 (check_weights)
         parallel_chunks(N, K, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
         return;
       }
@@ -514,6 +545,10 @@ bool packs_exact() {
   return cpu_supported() && fixed24_runs();
 }
 
+bool packs_on_amx() {
+  return cpu_supported() && amx_runs();
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits, bool packed, bool int8) {
   check_weights(w, scales, biases, group_size, bits, packed, int8);
@@ -653,7 +688,7 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
     jobs.push_back(job);
   }
   const RowsKernel kernel = rows_kernel();
-  const PackedKernel packed = packed_kernel();
+  const PackedKernel packed = packed_kernel(M);
   parallel_pieces(int(pieces.size()), [&](int p) {
     const auto [i, c] = pieces[p];
     const Job& job = jobs[i];

@@ -22,6 +22,9 @@ std::string int8_kernel_name();
 // Whether the packed matmul takes exact x here (fixed24: AVX512-VNNI, and MLXCHAT_NATIVE_ISA is not avx2). Where it
 // does, the native path packs its weights; elsewhere it keeps MLX's layout and the fp32 kernel.
 bool packs_exact();
+// Whether the packed matmul runs many rows of x (a prompt) on AMX's tiles (AMX-INT8, where packs_exact()), with the
+// VNNI kernel's results bit for bit: then it beats dequantizing for BLAS's GEMM at every prompt length.
+bool packs_on_amx();
 
 // x @ dequantize(w, scales, biases).T for MLX's affine format (w as mx.quantize returns it), computed in fp32.
 // x may have any shape [..., K], dtype and strides; the result has x's shape with K replaced by N, in x's float dtype.
