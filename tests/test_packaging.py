@@ -34,7 +34,7 @@ def test_the_wheel_holds_one_mlxchat_package_with_its_data(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"mlxchat"}
-    for preset in ("chat", "completion", "creative", "factual", "precise"):
+    for preset in ("chat", "completion", "creative", "factual", "longform", "precise"):
         assert f"mlxchat/templates/presets/{preset}.toml" in names
         assert f"mlxchat/templates/rubrics/{preset}.toml" in names  # the lab judge's rubric per prompt set
     assert "mlxchat/app/app.tcss" in names

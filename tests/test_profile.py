@@ -88,6 +88,8 @@ EXPECTED_PRESETS = {
     "precise": dict(temperature=0.0, max_tokens=1024),
     "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4, max_tokens=512),
     "chat": dict(temperature=0.8, top_p=0.9, max_tokens=1024),
+    "longform": dict(temperature=1.0, min_p=0.05, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2,
+                     dry_penalty_last_n=-1, max_tokens=2048),
     "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6, max_tokens=1024),
     "completion": dict(temperature=0.2, min_p=0.05, max_tokens=128),
 }
