@@ -535,6 +535,7 @@ class StepRecord(NamedTuple):
     alive: mx.array  # (1 + S, M) kept after the processors, then after each transform
     entropy: mx.array  # (2,) nats, before the transforms and of the distribution sampled from
     rank: mx.array  # () how many tokens the processors made more likely than the chosen one
+    dry_history: mx.array  # (n,) the ids DRY looked at this step (empty without DRY), for the matched sequences
 
 
 def _normaliser(logits: mx.array) -> mx.array:
@@ -717,6 +718,8 @@ class Sampler:
         like `step`."""
         outputs: list[mx.array] = []  # before and after each processor
         stages: list[Candidates] = []
+        dry_stage = next((p for p in self.processors if isinstance(p, DRY)), None)
+        dry_ids = dry_stage.ids if dry_stage is not None else mx.zeros((0,), mx.int32)  # before this step's token
         token, logprobs, logits = self._chain(logits, outputs, stages)
         processed = Candidates(logits, None)
         final = stages[-1] if stages else processed
@@ -729,7 +732,8 @@ class Sampler:
         final_logprobs = final.logits - _normaliser(final.logits) if stages else logprobs
         record = StepRecord(ids, seen[0], shifts, logprobs[ids], rows([p for p, _ in at]),
                             rows([logits[ids] > NEG_INF, *(a for _, a in at)]),
-                            mx.stack([_entropy(logprobs), _entropy(final_logprobs)]), mx.sum(logits > logits[token]))
+                            mx.stack([_entropy(logprobs), _entropy(final_logprobs)]), mx.sum(logits > logits[token]),
+                            dry_ids)
         return token, logprobs, record
 
     @staticmethod

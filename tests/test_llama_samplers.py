@@ -387,3 +387,27 @@ def test_against_llama_cpp(llama: tuple[LlamaChain, Any]) -> None:
         stages.update(s for s in ("dry", "top_n_sigma") if case.profile.active(s))
         stages.update(["dynatemp"] if case.profile.dynatemp_range > 0 else [])
     assert stages == {"dry", "top_n_sigma", "dynatemp"}
+
+
+def test_the_trace_names_the_sequence_dry_matched() -> None:
+    """The inspector's DRY column: a traced step records DRY's shift per candidate and the repeated sequence the
+    candidate would extend; the new transforms are stages of their own, with the reason for each cut."""
+    from mlxchat.app import inspector
+    from mlxchat.core.tracing import Tracer
+
+    words = ["the", " cat", " sat", " on", " mat", "."]
+    profile = SamplingProfile(temperature=0.8, seed=1, dry_multiplier=1.0, top_n_sigma=1.0)
+    sampler = Sampler(profile, vocab_size=6, eos_ids=frozenset())
+    sampler.replay([0, 1, 2, 3, 0, 1])  # "the cat sat on the cat": " sat" would extend "the cat"
+    tracer = Tracer(sampler, 6, lambda i: words[i])
+    token, _ = tracer.step(mx.array([1.0, 0.5, 2.0, 0.1, 0.2, -3.0]))
+    trace = tracer.take(int(token.item()))
+    sat = next(c for c in trace.candidates if c.token_id == 2)
+    assert sat.shifts["DRY(1, 1.75, 2, -1)"] == pytest.approx(-1.0)
+    assert sat.notes == {"DRY(1, 1.75, 2, -1)": "repeats 'the cat sat' (2 tokens + this one)"}
+    assert trace.stages == ("processed", "TopNSigma(1)", "Temperature(0.8)")
+    row = next(r for r in inspector.rows(trace) if r.token_id == 2)
+    assert row.dry == pytest.approx(-1.0) and "repeats 'the cat sat'" in row.why
+    assert "DRY" in inspector.columns(trace)
+    cut = next(r for r in inspector.rows(trace) if r.removed_by == "TopNSigma(1)")
+    assert cut.why.endswith("more than nσ below the best logit")
