@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from . import metrics as M
 from . import prompts as P
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
@@ -290,10 +291,13 @@ def _evaluations(store: Any, run: Any) -> list[str]:
     lines = []
     votes = store.votes(run.id)
     for a, b in sorted({(v["cell_a"], v["cell_b"]) for v in votes}):
-        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
+        won = [winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)]
+        t = tally(won)
         n = t["a"] + t["b"] + t["tie"]
         lines.append(f"blind A/B {label[a]} vs {label[b]}: {t['a']} wins, {t['b']} losses, {t['tie']} ties, "
                      f"{t['skip']} skipped; win rate {_rate(t['win_rate_a'])} (Wilson 95%, n={n})" + _small_n_note(n))
+        lines.append("  " + _fairness(M.paired_comparison([{"a": 1.0, "b": 0.0, "tie": 0.5}[w] for w in won
+                                                           if w != "skip"])))
     judged = store.judgements(run.id)
     for key in sorted({(j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]) for j in judged}):
         t = tally([j["verdict"] if j["verdict"] != "unparsed" else "skip" for j in judged
@@ -418,7 +422,8 @@ def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Pa
              f"{a} vs {b}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; {a} won "
              f"{result['wins_a']}, {b} won {result['wins_b']}, ties {result['ties']}, unparsed {result['unparsed']}; "
              f"the two orders agreed on {result['consistent']}",
-             f"win rate of {a}: {rate}" + (_small_n_note(w["n"]) if w else "")]
+             f"win rate of {a}: {rate}" + (_small_n_note(w["n"]) if w else ""),
+             _fairness(result)]
     to_stdout = json_path is None or str(json_path) != "-"
     print("\n".join(lines), file=sys.stdout if to_stdout else sys.stderr)
     if json_path is not None:
@@ -428,6 +433,20 @@ def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Pa
         else:
             json_path.write_text(text, encoding="utf-8")
             print(f"wrote {json_path}", file=sys.stderr)
+
+
+def _fairness(c: dict[str, Any]) -> str:
+    """The line every comparison carries (issue 39): n, the bootstrap interval, the paired test, and for a judge its
+    order-flip rate and the length-controlled win rate next to the raw one."""
+    boot, p = c.get("win_rate_bootstrap"), c.get("sign_test_p")
+    parts = [f"n={c['n']}", f"bootstrap 95% {_rate(boot)}" if boot else "bootstrap n/a",
+             f"sign test p={p:.3g}" if p is not None else "sign test n/a (all ties)"]
+    if "order_flip_rate" in c:
+        flip = c["order_flip_rate"]
+        parts.append(f"order-flip rate {flip:.0%} of {c['both_parsed']}" if flip is not None else "order-flip n/a")
+    if c.get("lc_win_rate") is not None:
+        parts.append(f"length-controlled win rate {c['lc_win_rate']:.2f} (raw {boot['mean']:.2f})")
+    return "; ".join(parts)
 
 
 def _small_n_note(n: int) -> str:

@@ -64,6 +64,9 @@ def test_pair_verdicts_win_rate_and_kappa_by_hand():
     assert (s["pairs"], s["swapped"], s["wins_a"], s["wins_b"], s["ties"], s["unparsed"]) == (5, 5, 1, 1, 2, 1)
     assert s["win_rate_a"]["mean"] == pytest.approx(0.5) and 0 <= s["win_rate_a"]["low"] < s["win_rate_a"]["high"] <= 1
     assert s["consistent"] == 1 and s["rubric_version"].startswith("chat v1 (")
+    # the fair-comparison fields: of the 3 pairs both orders parsed, 2 flipped with the order
+    assert s["order_flip_rate"] == pytest.approx(2 / 3) and s["both_parsed"] == 3
+    assert s["n"] == 4 and s["sign_test_p"] == 1.0 and s["lc_win_rate"] is None  # these pairs carry no lengths
     # p_o = 3/4; rater 1 a, a, b, tie and rater 2 a, a, b, a: p_e = (2/4)(3/4) + (1/4)(1/4) + (1/4)(0) = 7/16
     # -> kappa = (12/16 - 7/16) / (9/16) = 5/9
     k = J.cohen_kappa([("a", "a"), ("a", "a"), ("b", "b"), ("tie", "a")])
