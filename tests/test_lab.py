@@ -233,3 +233,38 @@ def test_paired_comparison_reports_n_interval_test_and_length_control():
     assert c["n"] == 4 and c["win_rate_bootstrap"]["mean"] == pytest.approx(0.625)
     assert c["sign_test_p"] == 1.0  # 2 wins, 1 loss (the tie left out): 2 * (1 + 3) / 8, capped at 1
     assert c["lc_win_rate"] is not None
+
+
+def test_tune_gives_each_sampler_the_same_budget_and_judges_the_best_on_held_out_prompts():
+    from mlxchat.core import SamplingProfile
+    from mlxchat.lab import tune as T
+    from mlxchat.lab.store import Run
+
+    assert T.budget_values("min_p", 4) == [0.02, 0.1133, 0.2067, 0.3]
+    assert T.budget_values("top_k", 3) == [5, 52, 100]
+    settings = T.tune_settings(["min_p", "dry", "mirostat"], 2, SamplingProfile(temperature=0.9))
+    assert [s.label for s in settings] == ["min_p:min_p=0.02", "min_p:min_p=0.3", "dry:dry_multiplier=0.2",
+                                           "dry:dry_multiplier=1.6", "mirostat:mirostat_tau=2", "mirostat:mirostat_tau=8"]
+    assert settings[4].profile.mirostat == 2 and all(s.profile.temperature == 0.9 for s in settings)
+    with pytest.raises(ValueError, match="at least two different --sampler"):
+        T.tune_settings(["min_p"], 2, SamplingProfile())
+    with pytest.raises(ValueError, match="unknown; samplers: temperature"):
+        T.budget_values("beam", 2)
+
+    # Four prompts: p0 and p2 choose, p1 and p3 judge. min_p=0.3 passes both choosing prompts (0.02 one), top_p=0.5
+    # one of them (0.99 none); on the held-out prompts both chosen settings pass everything.
+    passed = {0: {"p0"}, 1: {"p0", "p1", "p2", "p3"}, 2: set(), 3: {"p0", "p1", "p3"}}
+    labels = ["min_p:min_p=0.02", "min_p:min_p=0.3", "top_p:top_p=0.99", "top_p:top_p=0.5"]
+    outputs = [Output(cell=c, prompt_id=p, seed=0, text="x", finish_reason="stop", length=1, words=1,
+                      mean_logprob=None, ttft_s=0.1, tpot_s=0.1, passed=p in passed[c], distinct_1=1.0,
+                      distinct_2=1.0, rep_4=0.0) for c in range(4) for p in ("p0", "p1", "p2", "p3")]
+    run = Run(1, "now", "m", "set", "h", "v", [{"label": lb, "setting": {}} for lb in labels],
+              {f"p{i}": "" for i in range(4)}, 1, 16, "done", outputs)
+    assert T.split_prompts(run) == (["p0", "p2"], ["p1", "p3"])
+    bests = T.choose(run, "pass_rate")
+    assert [(b.sampler, b.label, b.selection) for b in bests] == [("min_p", "min_p:min_p=0.3", 1.0),
+                                                                   ("top_p", "top_p:top_p=0.5", 0.5)]
+    (row,) = T.compare_best(run, bests, "pass_rate")
+    assert (row["a"], row["b"], row["n"]) == ("min_p:min_p=0.3", "top_p:top_p=0.5", 2)
+    assert row["win_rate_bootstrap"]["mean"] == 0.5 and row["sign_test_p"] is None  # both pass p1 and p3: ties
+    assert row["held_out_a"]["mean"] == 1.0 and row["held_out_a"]["high"] <= 1.0
