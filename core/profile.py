@@ -136,7 +136,7 @@ STEPS: dict[str, ChainStep] = {s.name: s for s in (
     # (Mirostat's chain takes a plain temperature, as llama.cpp's does.)
     ChainStep("temperature", "transform",
               lambda p: (p.temperature, 0.0 if p.mirostat else p.dynatemp_range, p.dynatemp_exponent),
-              lambda p: p.temperature != 1 or p.dynatemp_range > 0, _temperature_label),
+              lambda p: p.temperature != 1 or (p.dynatemp_range > 0 and not p.mirostat), _temperature_label),
     # The terminal samplers: adaptive-p reshapes what is left towards a target probability (last by default);
     # Mirostat replaces the chain (temperature, then Mirostat), as in llama.cpp, so it is in no order.
     ChainStep("adaptive_p", "transform", lambda p: (p.adaptive_p_target, p.adaptive_p_decay),
