@@ -83,7 +83,9 @@ def _add(tails: dict[int, list[tuple[int, ...]]], token: int, tail: tuple[int, .
         known.append(tail)
 
 
-# Finding breakers reads every token's text (~0.5 s for a 49k vocabulary), so each tokenizer keeps its tables.
+# Finding breakers reads every token's text (~0.5 s to decode a 49k vocabulary), so each tokenizer keeps its tokens'
+# texts and its tables.
+_PIECES: "weakref.WeakKeyDictionary[Any, list[str]]" = weakref.WeakKeyDictionary()
 _CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], Breakers]]" = weakref.WeakKeyDictionary()
 
 
@@ -92,9 +94,10 @@ def breakers_for(tokenizer: Any, strings: Sequence[str]) -> Breakers:
     known = _CACHE.setdefault(tokenizer, {})
     key = tuple(strings)
     if key not in known:
-        size = tokenizer.vocab_size
-        pieces = tokenizer.hf.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
-        known[key] = build_breakers(key, pieces, tokenizer.encode)
+        if tokenizer not in _PIECES:
+            ids = [[i] for i in range(tokenizer.vocab_size)]
+            _PIECES[tokenizer] = tokenizer.hf.batch_decode(ids, skip_special_tokens=False)
+        known[key] = build_breakers(key, _PIECES[tokenizer], tokenizer.encode)
     return known[key]
 
 

@@ -144,7 +144,8 @@ class Case:
     history: list[int]
 
 
-BREAKER_STRINGS = ["\n", ":", "\"", "*", ".", " the", "ing"]
+# A few breaker sets (each is found on the vocabulary once): llama.cpp's default, one, and multi-token strings.
+BREAKER_SETS = (["\n", ":", "\"", "*"], ["\n"], [".", " the", "ing"], ["*", "ing", ":"])
 
 
 def random_case(rng: np.random.Generator, vocab: int, breaker_ids: list[int], typical: bool = True) -> Case:
@@ -187,7 +188,7 @@ def random_case(rng: np.random.Generator, vocab: int, breaker_ids: list[int], ty
         kw |= {"dry_multiplier": float(rng.uniform(0.1, 2)), "dry_base": float(rng.uniform(1.1, 3)),
                "dry_allowed_length": int(rng.integers(1, 5)),
                "dry_penalty_last_n": int(rng.choice([-1, int(rng.integers(1, 60))])),
-               "dry_sequence_breakers": list(rng.choice(BREAKER_STRINGS, size=int(rng.integers(1, 4)), replace=False))}
+               "dry_sequence_breakers": BREAKER_SETS[int(rng.integers(len(BREAKER_SETS)))]}
     return Case(SamplingProfile(**kw), logits, ids, history)
 
 
