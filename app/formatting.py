@@ -155,7 +155,8 @@ def profile_summary(p: Any) -> str:
     default = SamplingProfile()
     shown = []
     for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "xtc_probability", "min_tokens", "seed", "max_tokens", "stop"):
+                 "repetition_penalty", "xtc_probability", "top_n_sigma", "dynatemp_range", "dry_multiplier",
+                 "mirostat", "adaptive_p_target", "min_tokens", "seed", "max_tokens", "stop"):
         value = getattr(p, name)
         if name == "temperature" or value != getattr(default, name):
             shown.append(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")

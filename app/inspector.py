@@ -142,14 +142,15 @@ class Density:
 
     short: bool
     bar_width: int
+    why: bool = False  # the "why" column (why a stage cut the candidate; DRY's repeated sequence)
 
     def label(self, stage: str) -> str:
         return short_stage(stage) if self.short else stage
 
 
 # From the widest to the narrowest; `fit` takes the first whose table fits the width it is given.
-DENSITIES: tuple[Density, ...] = (Density(False, BAR_WIDTH), Density(True, BAR_WIDTH), Density(True, 2),
-                                  Density(True, 0))
+DENSITIES: tuple[Density, ...] = (Density(False, BAR_WIDTH, True), Density(False, BAR_WIDTH),
+                                  Density(True, BAR_WIDTH), Density(True, 2), Density(True, 0))
 FULL = DENSITIES[0]
 
 
@@ -161,42 +162,56 @@ class InspectorRow:
     token_id: int
     token: str  # whitespace made visible
     logit: float  # raw, before any processor
-    shift: float  # the total change the processors made to its logit
+    shift: float  # the total change the token penalties and the bias made to its logit
     stages: tuple[float | None, ...]  # "processed", then each transform's probability (None once removed)
     removed_by: str | None
     chosen: bool
+    why: str = ""  # why a stage cut it, or what a processor saw (DRY: the repeated sequence)
+    dry: float = 0.0  # DRY's change to its logit (a column of its own: a repeated phrase, not a repeated token)
 
     @property
     def final(self) -> float | None:
         """Its probability in the distribution that was sampled from."""
         return self.stages[-1]
 
-    def cells(self, *, shifts: bool = True, density: Density = FULL) -> tuple[str, ...]:
-        """The table row: marker, rank, token, raw logit, the processors' shift (when the chain has processors), one
-        cell per stage, the stage that cut it."""
+    def cells(self, *, shifts: bool = True, dry: bool = False, density: Density = FULL) -> tuple[str, ...]:
+        """The table row: marker, rank, token, raw logit, the penalties' shift (when the chain has penalties), DRY's
+        (when it has DRY), one cell per stage, the stage that cut it and why."""
         shift = (f"{self.shift:+.2f}" if self.shift else "",) if shifts else ()
+        repeat = (f"{self.dry:+.2f}" if self.dry else "",) if dry else ()
         cut_by = density.label(self.removed_by) if self.removed_by else ""
-        return ("▶" if self.chosen else " ", str(self.rank), self.token, f"{self.logit:.2f}", *shift,
-                *(cell(p, density.bar_width) for p in self.stages), cut_by)
+        return ("▶" if self.chosen else " ", str(self.rank), self.token, f"{self.logit:.2f}", *shift, *repeat,
+                *(cell(p, density.bar_width) for p in self.stages), cut_by, *((self.why,) if density.why else ()))
+
+
+def _is_dry(processor: str) -> bool:
+    return processor.startswith("DRY(")
 
 
 def has_shifts(trace: TokenTrace) -> bool:
-    """Whether any processor (penalty, bias) moved a candidate's logit: else the table leaves that column out."""
-    return any(c.shifts for c in trace.candidates)
+    """Whether the chain has a token penalty or a bias (a processor other than DRY): else the table leaves the
+    "penalty" column out."""
+    return any(not _is_dry(k) for c in trace.candidates for k in c.shifts)
+
+
+def has_dry(trace: TokenTrace) -> bool:
+    """Whether the chain has DRY: then it has a column of its own."""
+    return any(_is_dry(k) for c in trace.candidates for k in c.shifts)
 
 
 def columns(trace: TokenTrace, density: Density = FULL) -> tuple[str, ...]:
     """The table's headers; the stage columns are named as ``Sampler.describe()`` prints them (the last one is the
     distribution sampled from), or short at a narrow ``density``."""
     return ("", "#", "token", "logit", *(("penalty",) if has_shifts(trace) else ()),
-            *(density.label(s) for s in trace.stages), "cut by")
+            *(("DRY",) if has_dry(trace) else ()), *(density.label(s) for s in trace.stages), "cut by",
+            *(("why",) if density.why else ()))
 
 
 def table_width(trace: TokenTrace, density: Density, padding: int = 1) -> int:
     """The cells the table takes at ``density``: each column as wide as its widest header or cell, plus
     ``padding`` cells on each side (a DataTable's ``cell_padding``)."""
-    shifts = has_shifts(trace)
-    table = [columns(trace, density), *(r.cells(shifts=shifts, density=density) for r in rows(trace))]
+    shifts, dry = has_shifts(trace), has_dry(trace)
+    table = [columns(trace, density), *(r.cells(shifts=shifts, dry=dry, density=density) for r in rows(trace))]
     return sum(max(cell_len(row[i]) for row in table) + 2 * padding for i in range(len(table[0])))
 
 
@@ -212,9 +227,27 @@ def rows(trace: TokenTrace) -> list[InspectorRow]:
             for i, c in enumerate(trace.candidates)]
 
 
+# Why each kind of stage cuts a token, by the name it prints with (what the numbers in its column do not say).
+_CUT_REASONS = {
+    "TopK": "not among the k likeliest", "TopP": "outside the nucleus", "TypicalP": "too far from typical",
+    "MinP": "below min-p × the best", "XTC": "a top choice excluded", "TopNSigma": "more than nσ below the best logit",
+    "Mirostat": "outside Mirostat's k for μ", "MirostatV2": "surprise above μ", "processed": "banned by a processor",
+}
+
+
+def why(c: Candidate) -> str:
+    """A candidate's "why": the notes stages left (DRY's repeated sequence), then the reason its stage cut it."""
+    parts = list(c.notes.values())
+    if c.removed_by is not None:
+        m = _STAGE.fullmatch(c.removed_by)
+        parts.append(_CUT_REASONS.get(m.group(1) if m else c.removed_by, ""))
+    return "; ".join(p for p in parts if p)
+
+
 def _row(rank: int, c: Candidate, stages: Sequence[str]) -> InspectorRow:
-    return InspectorRow(rank, c.token_id, visible(c.text), c.logit, sum(c.shifts.values()),
-                        tuple(c.probs.get(s) for s in stages), c.removed_by, c.chosen)
+    return InspectorRow(rank, c.token_id, visible(c.text), c.logit,
+                        sum(v for k, v in c.shifts.items() if not _is_dry(k)), tuple(c.probs.get(s) for s in stages),
+                        c.removed_by, c.chosen, why(c), sum(v for k, v in c.shifts.items() if _is_dry(k)))
 
 
 def summary(trace: TokenTrace, *, index: int, seed: int | None, profile: str | None, sampler: str | None) -> str:

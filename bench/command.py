@@ -15,7 +15,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     bench.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: bench/results)")
     bench.add_argument("--repeats", type=int, help="repeats per case; each figure is their median (default: 3)")
     bench.add_argument("--max-tokens", type=int, help="generated tokens per run (default: 128; --quick 32)")
-    bench.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,512)")
+    bench.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,1024)")
     bench.add_argument("--rotating-context", type=int, help="tokens of context in the rotating-cache run "
                                                             "(default: 20000; --quick 2600)")
     bench.add_argument("--rotating-decode", type=int, help="how many of them are generated; the rest is a prompt "

@@ -77,10 +77,10 @@ FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, r
                   rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=3, tui_tokens=128,
                   format_repeats=5, native=True, kv_disk=True, realsize=True)
 # --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
-# chain runs at 32 tokens only (mlxchat's penalties count generated tokens, so the prompt length hardly matters),
-# and the rotating run is 2.6k tokens through a 512-token window. The TUI case keeps the full run's 3 x 128 tokens
+# chain runs at 1,024 tokens only (its penalties and DRY look at the prompt too, so that DRY reads a 1k-token
+# history), and the rotating run is 2.6k tokens through a 512-token window. The TUI case keeps the full run's 3 x 128 tokens
 # (~7 s): one 32-token pair, ~0.2 s of decode each, read anywhere from 22% faster to 40% slower on this machine.
-QUICK_RUN = Config(quick=True, prompt_lengths=(32, 512), max_tokens=32, repeats=3, full_chain_lengths=(32,),
+QUICK_RUN = Config(quick=True, prompt_lengths=(32, 1024), max_tokens=32, repeats=3, full_chain_lengths=(1024,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=3, tui_tokens=128, format_repeats=3, native=True,
                    kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
@@ -492,7 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench flags beyond --quick/--model/--out (app/cli.py's ``bench`` subparser adds the same)."""
     p.add_argument("--repeats", type=int, help="repeats per case (default: 3)")
     p.add_argument("--max-tokens", type=int, help="generated tokens per run (default: 128; --quick 32)")
-    p.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,512)")
+    p.add_argument("--lengths", help="prompt lengths, comma-separated (default: 32,512,2048; --quick 32,1024)")
     p.add_argument("--rotating-context", type=int, help="tokens of context in the rotating run (default: 20000)")
     p.add_argument("--rotating-decode", type=int,
                    help="of which generated, the rest is a prompt prefilled through the window (default: 2000)")

@@ -44,6 +44,10 @@ class SamplerSpec:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
+    # DRY (mlxchat only: neither peer's runner takes it) and whether the penalties and DRY see the prompt too.
+    dry_multiplier: float = 0.0
+    dry_penalty_last_n: int = -1
+    penalize_prompt: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -54,8 +58,11 @@ class SamplerSpec:
 
 
 GREEDY = SamplerSpec("greedy")
+# The full chain: the penalties, DRY over the last 1,024 tokens of prompt and reply (issue 39's target: <= 5 % TPOT
+# over greedy with DRY in the row), top-k, top-p, min-p and temperature.
 FULL = SamplerSpec("full", temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                   frequency_penalty=0.5, presence_penalty=0.3, seed=1234)
+                   frequency_penalty=0.5, presence_penalty=0.3, seed=1234, dry_multiplier=0.8,
+                   dry_penalty_last_n=1024, penalize_prompt=True)
 
 
 def sample_record(*, ttft_s: float, tpot_s: float, prompt_tokens: int, completion_tokens: int,
@@ -98,7 +105,9 @@ class EngineRunner:
 
         return SamplingProfile(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
                                repetition_penalty=spec.repetition_penalty, frequency_penalty=spec.frequency_penalty,
-                               presence_penalty=spec.presence_penalty, seed=spec.seed, min_tokens=max_tokens)
+                               presence_penalty=spec.presence_penalty, seed=spec.seed, min_tokens=max_tokens,
+                               dry_multiplier=spec.dry_multiplier, dry_penalty_last_n=spec.dry_penalty_last_n,
+                               penalize_prompt=spec.penalize_prompt)
 
     def run(self, messages: list[dict[str, str]], ids: list[int], spec: SamplerSpec, max_tokens: int) -> dict:
         result = self.engine.generate(messages, profile=self.profile(spec, max_tokens), max_tokens=max_tokens)

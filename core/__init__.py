@@ -11,8 +11,10 @@ from .engine import ChatSession, Engine, Stream  # noqa: E402
 from .errors import ContextLengthError, GenerationError, MlxChatError, ModelLoadError  # noqa: E402
 from .events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent  # noqa: E402
 from .profile import SamplingProfile  # noqa: E402
+from .sampling import final_distribution  # noqa: E402
 
 __all__ = [
     "ChatSession", "ContextLengthError", "Done", "Engine", "GenerationError", "GenerationResult", "Metrics",
     "MlxChatError", "ModelLoadError", "PrefillProgress", "SamplingProfile", "Stream", "TokenEvent",
+    "final_distribution",
 ]

@@ -33,10 +33,15 @@ NEG_INF = float("-inf")
 
 
 class Candidates(NamedTuple):
-    """The tokens still in play: their logits (-inf = masked) and token ids (None = the vocabulary, in order)."""
+    """The tokens still in play: their logits (-inf = masked) and token ids (None = the vocabulary, in order).
+
+    ``present``: how many tokens llama.cpp's candidate array would still hold, where that is not the live count:
+    its top-nσ masks tokens to -inf without removing them, and its dynamic temperature divides by the log of the
+    array's size (None: the live tokens, which is what every other cut leaves)."""
 
     logits: mx.array
     ids: mx.array | None
+    present: mx.array | None = None
 
     def take(self, idx: mx.array) -> Candidates:
         return Candidates(self.logits[idx], idx if self.ids is None else self.ids[idx])

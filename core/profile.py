@@ -93,6 +93,14 @@ class ChainStep:
 
 
 _n = format_number
+
+
+def _temperature_label(t: float, spread: float, exponent: float) -> str:
+    if spread > 0:
+        return f"DynaTemp({_n(max(0.0, t - spread))}..{_n(t + spread)}, {_n(exponent)})"
+    return f"Temperature({_n(t)})"
+
+
 STEPS: dict[str, ChainStep] = {s.name: s for s in (
     ChainStep("repetition_penalty", "processor", lambda p: (p.repetition_penalty,),
               lambda p: p.repetition_penalty != 1, lambda r: f"RepetitionPenalty({_n(r)})"),
@@ -100,12 +108,22 @@ STEPS: dict[str, ChainStep] = {s.name: s for s in (
               lambda p: p.frequency_penalty != 0, lambda f: f"FrequencyPenalty({_n(f)})"),
     ChainStep("presence_penalty", "processor", lambda p: (p.presence_penalty,),
               lambda p: p.presence_penalty != 0, lambda v: f"PresencePenalty({_n(v)})"),
+    # DRY ("don't repeat yourself", llama.cpp's port of koboldcpp's): penalises a token that would extend a sequence
+    # already in the history, after the token penalties as in llama.cpp's order. A processor, so greedy sees it too.
+    ChainStep("dry", "processor",
+              lambda p: (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n),
+              lambda p: p.dry_multiplier > 0 and p.dry_penalty_last_n != 0,
+              lambda m, b, n, last: f"DRY({_n(m)}, {_n(b)}, {n}, {last})"),
     ChainStep("logit_bias", "processor", lambda p: (p.logit_bias,),
               lambda p: bool(p.logit_bias), lambda b: f"LogitBias({len(b)} tokens)"),
     ChainStep("min_tokens", "processor", lambda p: (p.min_tokens,),
               lambda p: p.min_tokens > 0, lambda n: f"MinTokens({n})"),
-    # Transforms, in the default order: filters cut the untempered distribution and temperature comes last (as
-    # llama.cpp does, and as mlx-lm does for temperature), so a filter's cut does not move with the temperature.
+    # Transforms, in the default order: llama.cpp's common sampler order (penalties, DRY, top_n_sigma, top_k,
+    # typical_p, top_p, min_p, xtc, temperature, then the terminal adaptive-p). Filters cut the untempered
+    # distribution and temperature comes last (as llama.cpp does, and as mlx-lm does for temperature), so a filter's
+    # cut does not move with the temperature.
+    ChainStep("top_n_sigma", "transform", lambda p: (p.top_n_sigma,), lambda p: p.top_n_sigma > 0,
+              lambda n: f"TopNSigma({_n(n)})"),
     ChainStep("top_k", "transform", lambda p: (p.top_k,), lambda p: p.top_k > 0, lambda k: f"TopK({k})"),
     ChainStep("typical_p", "transform", lambda p: (p.typical_p,),
               lambda p: p.typical_p < 1, lambda v: f"TypicalP({_n(v)})"),
@@ -114,16 +132,29 @@ STEPS: dict[str, ChainStep] = {s.name: s for s in (
     ChainStep("xtc", "transform", lambda p: (p.xtc_threshold, p.xtc_probability),
               lambda p: p.xtc_probability > 0 and p.xtc_threshold <= 0.5,
               lambda t, q: f"XTC({_n(t)}, {_n(q)})"),
-    ChainStep("temperature", "transform", lambda p: (p.temperature,),
-              lambda p: p.temperature != 1, lambda t: f"Temperature({_n(t)})"),
+    # llama.cpp's temp-ext: dynatemp_range > 0 scales the temperature by the candidates' normalised entropy.
+    # (Mirostat's chain takes a plain temperature, as llama.cpp's does.)
+    ChainStep("temperature", "transform",
+              lambda p: (p.temperature, 0.0 if p.mirostat else p.dynatemp_range, p.dynatemp_exponent),
+              lambda p: p.temperature != 1 or (p.dynatemp_range > 0 and not p.mirostat), _temperature_label),
+    # The terminal samplers: adaptive-p reshapes what is left towards a target probability (last by default);
+    # Mirostat replaces the chain (temperature, then Mirostat), as in llama.cpp, so it is in no order.
+    ChainStep("adaptive_p", "transform", lambda p: (p.adaptive_p_target, p.adaptive_p_decay),
+              lambda p: p.adaptive_p_target >= 0, lambda t, d: f"AdaptiveP({_n(t)}, {_n(d)})"),
+    ChainStep("mirostat", "transform", lambda p: (p.mirostat, p.mirostat_tau, p.mirostat_eta),
+              lambda p: p.mirostat > 0,
+              lambda v, tau, eta: f"Mirostat{'V2' if v == 2 else ''}({_n(tau)}, {_n(eta)})"),
 )}
 PROCESSORS: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "processor")
-DEFAULT_ORDER: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "transform")
+DEFAULT_ORDER: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "transform" and n != "mirostat")
 TRANSFORMS = frozenset(DEFAULT_ORDER)
-TRUNCATIONS = ("top_k", "top_p", "min_p", "typical_p")
+MIROSTAT_ORDER = ("temperature", "mirostat")
+TRUNCATIONS = ("top_n_sigma", "top_k", "top_p", "min_p", "typical_p")
 
 
 UnitOpen = Annotated[float, _range(0, 1, lo_open=True)]
+# llama.cpp's defaults: DRY breaks repeated sequences at newlines, colons, quotes and asterisks.
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 Unit = Annotated[float, _range(0, 1)]
 Penalty = Annotated[float, _range(-2, 2)]
 NAME_RE = re.compile(r"^\w[\w .-]{0,63}$")
@@ -152,9 +183,34 @@ class SamplingProfile(BaseModel):
     xtc_threshold: Unit = 0.1
     xtc_probability: Unit = 0.0
 
+    # top-nσ: keep the tokens whose logit is within n standard deviations (of the live logits) of the largest;
+    # a cut in logit space, so the temperature does not move it. ≤ 0 disables (llama.cpp's default is -1).
+    top_n_sigma: Annotated[float, _range(-1, None, what=" (0 or below disables)")] = -1.0
+    # Dynamic temperature (llama.cpp's temp-ext): temperature ± dynatemp_range, scaled by the normalised entropy
+    # raised to dynatemp_exponent. 0 disables.
+    dynatemp_range: Annotated[float, _range(0, 2, what=" (0 disables)")] = 0.0
+    dynatemp_exponent: Annotated[float, _range(0, 10)] = 1.0
+    # Mirostat (1 or 2; 0 disables): replaces the transforms with temperature, then a cut that steers the surprise
+    # of the chosen tokens towards mirostat_tau (bits), learning at rate mirostat_eta.
+    mirostat: Annotated[int, _range(0, 2, what=" (0 disables, 1 or 2 picks the version)")] = 0
+    mirostat_tau: Annotated[float, _range(0, None, lo_open=True)] = 5.0
+    mirostat_eta: Annotated[float, _range(0, 1, lo_open=True)] = 0.1
+    # Adaptive-p (llama.cpp's llama_sampler_init_adaptive_p): favour tokens near a target probability, adapted by
+    # an exponential moving average of the chosen tokens' probabilities. A negative target disables.
+    adaptive_p_target: Annotated[float, _range(-1, 1, what=" (negative disables)")] = -1.0
+    adaptive_p_decay: Annotated[float, _range(0, 0.99)] = 0.9
+
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, _range(0, None, lo_open=True, what=" (1 disables)")] = 1.0
+    # DRY: a token that would extend a sequence of n ≥ dry_allowed_length tokens already in the last
+    # dry_penalty_last_n (-1: all; 0 disables) loses dry_multiplier × dry_base^(n - dry_allowed_length) from its
+    # logit; a sequence breaker (tokenised on the model's vocabulary) ends every sequence.
+    dry_multiplier: Annotated[float, _range(0, None, what=" (0 disables)")] = 0.0
+    dry_base: Annotated[float, _range(1, None, lo_open=True)] = 1.75
+    dry_allowed_length: Annotated[int, _range(1, None)] = 2
+    dry_penalty_last_n: Annotated[int, _range(-1, None, what=" (-1 means the whole context, 0 disables)")] = -1
+    dry_sequence_breakers: list[str] = Field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
     logit_bias: dict[int, float] = Field(default_factory=dict)
     min_tokens: Annotated[int, _range(0, None)] = 0
     penalty_window: Annotated[int, _range(0, None, what=" (0 means all generated tokens)")] = 0
@@ -197,6 +253,19 @@ class SamplingProfile(BaseModel):
     @classmethod
     def _response_format(cls, v: Any) -> Any:
         return parse_response_format(v)
+
+    @field_validator("dry_sequence_breakers", mode="before")
+    @classmethod
+    def _breakers(cls, v: Any) -> Any:
+        # Checked before pydantic's own list[str] check, so that the error names the field, the value and what is
+        # allowed (pydantic's would read "Input should be a valid string").
+        items = v if isinstance(v, (list, tuple)) else [v]
+        bad = next((x for x in items if not isinstance(x, str) or not x), None) if items else None
+        if not isinstance(v, (list, tuple)) or bad is not None:
+            raise PydanticCustomError(
+                "bad_breakers", "dry_sequence_breakers must be a list of non-empty strings, got {value}",
+                {"value": repr(bad if isinstance(v, (list, tuple)) else v)})
+        return list(v)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -259,6 +328,9 @@ class SamplingProfile(BaseModel):
         return self.temperature == 0
 
     def order(self) -> list[str]:
+        """The transforms in the order they run; with Mirostat, temperature then Mirostat (llama.cpp's chain)."""
+        if self.mirostat:
+            return list(MIROSTAT_ORDER)
         return list(DEFAULT_ORDER if self.sampler_order is None else self.sampler_order)
 
     def active(self, step: str) -> bool:
@@ -273,13 +345,18 @@ class SamplingProfile(BaseModel):
             out.append(f"{' + '.join(stacked)} are stacked: use temperature with one truncation (top_p or min_p), "
                        "and tune one parameter at a time")
         if self.greedy:
-            ignored = [t for t in DEFAULT_ORDER if t != "temperature" and self.active(t)]
+            ignored = [t for t in STEPS if STEPS[t].kind == "transform" and t != "temperature" and self.active(t)]
             if ignored:
                 out.append(f"temperature 0 is greedy, so these are ignored: {', '.join(ignored)}")
         else:
-            missing = [t for t in DEFAULT_ORDER if self.active(t) and t not in self.order()]
+            missing = [t for t in DEFAULT_ORDER if self.active(t) and t not in self.order() and not self.mirostat]
             if missing:
                 out.append(f"{', '.join(missing)} set but not in sampler_order, so not applied")
+        if self.mirostat and not self.greedy:
+            ignored = [t for t in DEFAULT_ORDER if t != "temperature" and self.active(t)]
+            if ignored:
+                out.append(f"mirostat {self.mirostat} replaces the other transforms, so these are ignored: "
+                           f"{', '.join(ignored)}")
         if self.xtc_probability > 0 and self.xtc_threshold > 0.5:
             out.append(f"xtc_threshold {format_number(self.xtc_threshold)} is above 0.5: XTC can never act")
         if self.top_logprobs and not self.logprobs:
@@ -402,4 +479,4 @@ class ProfileStore:
             raise ProfileError(f"{path}: no such profile") from None
 
 
-__all__ = ["DEFAULT_ORDER", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore", "SamplingProfile"]
+__all__ = ["DEFAULT_ORDER", "DRY_SEQUENCE_BREAKERS", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore", "SamplingProfile"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from . import dry
 from .constraint import constraint_for
 from .generate import Sample
 from .loader import LoadedModel
@@ -102,8 +103,11 @@ class Reply:
             fmt = use.response_format()
         self._constraint = constraint_for(fmt, tok, model.vocab_size, RepeatedCall() if calling else None)
         self._calls = CallStream() if calling else None
-        self._sampler = Sampler(request.profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
-                               prompt_ids=list(prompt), constraint=self._constraint)
+        profile = request.profile
+        # DRY's sequence breakers are strings, found on the model's vocabulary once per tokenizer (core/dry.py).
+        breakers = dry.breakers_for(tok, profile.dry_sequence_breakers) if profile.active("dry") else dry.NO_BREAKERS
+        self._sampler = Sampler(profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
+                               prompt_ids=list(prompt), constraint=self._constraint, dry_breakers=breakers)
         self._tracer = Tracer(self._sampler, request.trace, lambda i: tok.decode([i])) if request.trace else None
         # Untraced requests call Sampler.step directly: tracing adds nothing to their decode step.
         self.sample: Sample = self._tracer.step if self._tracer else self._sampler.step

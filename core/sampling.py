@@ -51,6 +51,7 @@ from typing import Any, ClassVar, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from . import dry, native
 from .candidates import (CANDIDATES, NEG_INF, Candidates, accurate_sum, log_softmax, nucleus, top_candidates,
                          top_index)
 from .constraint import Constraint
@@ -77,6 +78,34 @@ class ChainObject:
 
 # --- transforms: (candidates, the step's transform words) -> candidates -------------------------------------------
 
+def _at(values: mx.array, c: Candidates, token: mx.array) -> mx.array:
+    """`values` (aligned with `c`'s candidates) at token id `token` (0 when it is not a candidate)."""
+    if c.ids is None:
+        return values[token]
+    return mx.sum(mx.where(c.ids == token, values, 0.0))
+
+
+class TopNSigma(ChainObject):
+    """Top-nσ (Tang et al. 2024, llama.cpp's top-n-sigma): keep the tokens whose logit is at least max − n·σ, σ the
+    standard deviation of the live logits. A cut in logit space: scaling by a temperature scales max, σ and the
+    distances alike, so it keeps the same tokens at any temperature."""
+
+    name = "top_n_sigma"
+
+    def __init__(self, n: float) -> None:
+        self.args = (n,)
+        self.n = n
+
+    def __call__(self, c: Candidates, key: mx.array) -> Candidates:
+        live = c.logits > NEG_INF
+        count = mx.sum(live).astype(mx.float32)
+        mean = accurate_sum(mx.where(live, c.logits, 0.0)) / count
+        sigma = mx.sqrt(accurate_sum(mx.where(live, mx.square(c.logits - mean), 0.0)) / count)
+        # llama.cpp masks the cut tokens but keeps them in its array, which a dynamic temperature counts.
+        present = count if c.present is None else c.present
+        return Candidates(mx.where(c.logits >= mx.max(c.logits) - self.n * sigma, c.logits, NEG_INF), c.ids, present)
+
+
 class TopK(ChainObject):
     name = "top_k"
 
@@ -85,7 +114,10 @@ class TopK(ChainObject):
         self.k = k
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
-        return top_candidates(c, self.k)
+        out = top_candidates(c, self.k)
+        if c.present is None:
+            return out
+        return Candidates(out.logits, out.ids, mx.minimum(c.present, self.k))
 
 
 
@@ -172,6 +204,139 @@ class Temperature(ChainObject):
             logits = logits - mx.max(logits)
         return Candidates(logits * self._scale, c.ids)
 
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> ChainObject:
+        t, spread, exponent = STEPS[cls.name].args(profile)
+        return DynamicTemperature(t, spread, exponent) if spread > 0 else cls(t)
+
+    def __repr__(self) -> str:
+        return STEPS[self.name].label(self.t, 0.0, 1.0)
+
+
+class DynamicTemperature(ChainObject):
+    """llama.cpp's temp-ext (Zhu et al. 2023's entropy-based dynamic temperature): the temperature runs from
+    max(0, t − range) to t + range with the candidates' entropy over its maximum (log of their number), raised to
+    ``exponent``: a flat distribution is sampled hotter, a peaked one colder. The candidates are the live tokens
+    (llama.cpp's array size: its cuts remove what they cut, except top-nσ, `Candidates.present`)."""
+
+    name = "temperature"
+
+    def __init__(self, t: float, spread: float, exponent: float) -> None:
+        self.args = (t, spread, exponent)
+        self.low, self.high = max(0.0, t - spread), t + spread
+        self.exponent = exponent
+
+    def __call__(self, c: Candidates, key: mx.array) -> Candidates:
+        count = (mx.sum(c.logits > NEG_INF) if c.present is None else c.present).astype(mx.float32)
+        shifted = c.logits - mx.max(c.logits)
+        logprobs = shifted - mx.log(accurate_sum(mx.exp(shifted)))
+        probs = mx.exp(logprobs)
+        entropy = -accurate_sum(mx.where(probs > 0, probs * logprobs, 0.0))
+        t = self.low + (self.high - self.low) * mx.power(entropy / mx.log(count), self.exponent)
+        # A temperature of 0 (no entropy, low end 0) keeps the best token alone, as llama.cpp's temperature 0 does;
+        # measured from the maximum, nothing overflows for a small one. One live token: nothing to scale.
+        scaled = mx.where(t > 0, shifted / mx.maximum(t, 1e-30), mx.where(shifted == 0, 0.0, NEG_INF))
+        return Candidates(mx.where(count > 1, scaled, c.logits), c.ids)
+
+
+class AdaptiveP(ChainObject):
+    """llama.cpp's adaptive-p (``llama_sampler_init_adaptive_p``): each candidate's new logit is
+    5 − 10·d²/(1 + d), d = |p − target'| / 0.3, so tokens whose probability p is near the adapted target are
+    favoured; target' = 2·target − the moving average (decay ``decay``) of the chosen tokens' probabilities before
+    this stage, clamped to [0, 1], which steers that average to the target. Stateful: `update` learns from each
+    drawn token."""
+
+    name = "adaptive_p"
+    _WIDTH, _PEAK, _SHARPNESS = 0.3, 5.0, 10.0
+
+    def __init__(self, target: float, decay: float) -> None:
+        self.args = (target, decay)
+        self.target = min(max(target, 0.0), 1.0)
+        self.decay = min(max(decay, 0.0), 0.99)
+        # Primed as if the target had been met (llama.cpp's initial state), so the first steps are not skewed.
+        self._weighted = mx.array(self.target / (1 - self.decay), mx.float32)
+        self._total = mx.array(1 / (1 - self.decay), mx.float32)
+        self._seen: tuple[mx.array, Candidates] | None = None
+
+    def __call__(self, c: Candidates, key: mx.array) -> Candidates:
+        live = c.logits > NEG_INF
+        shifted = c.logits - mx.max(c.logits)
+        mass = mx.exp(shifted)
+        probs = mass / accurate_sum(mass)
+        adapted = mx.clip(2 * self.target - self._weighted / self._total, 0.0, 1.0)
+        d = mx.abs(probs - adapted) * (1 / self._WIDTH)
+        self._seen = (probs, c)
+        return Candidates(mx.where(live, self._PEAK - self._SHARPNESS * d * d / (1 + d), NEG_INF), c.ids)
+
+    def update(self, token: mx.array) -> None:
+        """Fold the drawn token's probability (as this stage saw it) into the moving average."""
+        if self._seen is None:
+            return
+        probs, c = self._seen
+        self._weighted = _at(probs, c, token) + self.decay * self._weighted
+        self._total = 1 + self.decay * self._total
+        self._seen = None
+
+
+_LN2 = math.log(2)
+
+
+class Mirostat(ChainObject):
+    """Mirostat (Basu et al. 2020, llama.cpp's mirostat and mirostat-v2): a cut that steers the chosen tokens'
+    surprise (−log2 p) towards ``tau`` bits. v2 keeps the tokens whose surprise is at most μ (at least the best one);
+    v1 estimates the distribution's Zipf exponent from its 100 likeliest tokens and keeps the k that a Zipf law
+    predicts for surprise μ. After each draw μ −= eta × (the chosen token's surprise − tau), starting at 2·tau."""
+
+    name = "mirostat"
+    M = 100  # v1's tokens for the Zipf estimate (llama.cpp's common sampler passes 100)
+
+    def __init__(self, version: int, tau: float, eta: float, vocab_size: int) -> None:
+        self.args = (version, tau, eta)
+        self.version, self.tau, self.eta, self.vocab_size = version, tau, eta, vocab_size
+        self._mu = mx.array(2 * tau, mx.float32)
+        self._kept: Candidates | None = None
+
+    @classmethod
+    def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "Mirostat":
+        return cls(*STEPS[cls.name].args(profile), vocab_size)
+
+    def __call__(self, c: Candidates, key: mx.array) -> Candidates:
+        logits = c.logits
+        top = mx.max(logits)
+        if self.version == 2:
+            keep = (log_softmax(logits) * (-1 / _LN2) <= self._mu) | (logits == top)
+        else:
+            keep = logits >= self._kth(logits)
+        kept = Candidates(mx.where(keep, logits, NEG_INF), c.ids)
+        self._kept = kept
+        return kept
+
+    def _kth(self, logits: mx.array) -> mx.array:
+        """v1's cut: the k-th largest logit, k from the Zipf estimate."""
+        n = logits.size
+        m = min(self.M, n)
+        idx = top_index(logits, m)
+        best = -mx.sort(-(logits if idx is None else logits[idx]))  # the m likeliest, best first
+        lp = best - mx.max(logits) - mx.log(accurate_sum(mx.exp(logits - mx.max(logits))))
+        pairs = min(m - 1, n - 1)
+        t = np.log(np.arange(2, pairs + 2) / np.arange(1, pairs + 1)).astype(np.float32)
+        live = mx.sum(logits > NEG_INF)
+        use = mx.arange(pairs) < live - 1  # only pairs of live tokens (a banned token has p = 0)
+        b = lp[:pairs] - lp[1:pairs + 1]
+        t_mx = mx.array(t)
+        s_hat = mx.sum(mx.where(use, t_mx * b, 0.0)) / mx.sum(mx.where(use, t_mx * t_mx, 0.0))
+        eps = s_hat - 1
+        k = mx.power((eps * mx.power(2.0, self._mu)) / (1 - mx.power(float(self.vocab_size), -eps)), 1 / s_hat)
+        k = mx.clip(mx.nan_to_num(mx.floor(k), nan=1.0, posinf=float(n), neginf=1.0), 1, n).astype(mx.int32)
+        return mx.sort(logits)[n - k]
+
+    def update(self, token: mx.array) -> None:
+        """μ −= eta × (surprise of the drawn token in the kept distribution − tau)."""
+        if self._kept is None:
+            return
+        surprise = -_at(log_softmax(self._kept.logits), self._kept, token) / _LN2
+        self._mu = self._mu - self.eta * (surprise - self.tau)
+        self._kept = None
 
 
 # --- processors: (logits over the vocabulary, history) -> logits --------------------------------------------------
@@ -270,6 +435,47 @@ class PresencePenalty(ChainObject):
 
 
 
+class DRY(ChainObject):
+    """DRY (core/dry.py): lowers the logit of each token that would extend a sequence repeated in the history. Its
+    own history of ids (the last ``last_n``, or all with -1) is kept on the device and read by the native op, so
+    the pipelined decode does not wait for it."""
+
+    name = "dry"
+
+    def __init__(self, multiplier: float, base: float, allowed: int, last_n: int,
+                 breakers: dry.Breakers = dry.NO_BREAKERS, seed_ids: Sequence[int] = ()) -> None:
+        self.args = (multiplier, base, allowed, last_n)
+        self.multiplier, self.base, self.allowed, self.last_n = multiplier, base, allowed, last_n
+        self.breakers = breakers
+        self._native_breakers = native.dry_breakers(*breakers.flat()) if native.available() else None
+        seed = list(seed_ids)[-last_n:] if last_n > 0 else list(seed_ids)
+        self.seed_ids = seed  # on the host, for the inspector's matched sequences
+        self.held = len(seed)
+        self.ids = mx.array(seed, mx.int32)
+
+    def accept(self, token: mx.array) -> None:
+        token = token.reshape(1).astype(mx.int32)
+        if self.last_n > 0 and self.held == self.last_n:
+            self.ids = mx.concatenate([self.ids[1:], token])
+        else:
+            self.ids = mx.concatenate([self.ids, token])
+            self.held += 1
+
+    def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
+        if self.held <= self.allowed:  # no repeat can be long enough yet (known on the host)
+            return logits
+        if self._native_breakers is not None and mx.default_device() == mx.cpu:
+            return native.dry_penalty(logits, self.ids, self._native_breakers, multiplier=self.multiplier,
+                                      base=self.base, allowed_length=self.allowed)
+        # Without the extension: the same algorithm on the host, which waits for the history once per step.
+        shifts = dry.penalties(np.asarray(self.ids).tolist(), self.breakers, self.multiplier, self.base, self.allowed)
+        if not shifts:
+            return logits
+        ids = mx.array(list(shifts), mx.int32)
+        return mx.put_along_axis(logits, ids, logits[ids] - mx.array(list(shifts.values()), mx.float32), axis=0)
+
+
+
 class LogitBias(ChainObject):
     name = "logit_bias"
 
@@ -310,8 +516,8 @@ class MinTokens(ChainObject):
 
 
 IMPLEMENTATIONS: dict[str, type[ChainObject]] = {cls.name: cls for cls in (
-    RepetitionPenalty, FrequencyPenalty, PresencePenalty, LogitBias, MinTokens,
-    TopK, TypicalP, TopP, MinP, XTC, Temperature)}
+    RepetitionPenalty, FrequencyPenalty, PresencePenalty, DRY, LogitBias, MinTokens,
+    TopNSigma, TopK, TypicalP, TopP, MinP, XTC, Temperature, AdaptiveP, Mirostat)}
 assert set(IMPLEMENTATIONS) == set(STEPS), "every registry entry needs its implementation"
 
 
@@ -329,6 +535,7 @@ class StepRecord(NamedTuple):
     alive: mx.array  # (1 + S, M) kept after the processors, then after each transform
     entropy: mx.array  # (2,) nats, before the transforms and of the distribution sampled from
     rank: mx.array  # () how many tokens the processors made more likely than the chosen one
+    dry_history: mx.array  # (n,) the ids DRY looked at this step (empty without DRY), for the matched sequences
 
 
 def _normaliser(logits: mx.array) -> mx.array:
@@ -372,7 +579,8 @@ class Sampler:
     ``prompt_ids`` matter only with ``penalize_prompt``."""
 
     def __init__(self, profile: SamplingProfile, *, vocab_size: int, eos_ids: set[int] | frozenset[int],
-                 prompt_ids: list[int] | None = None, constraint: Constraint | None = None) -> None:
+                 prompt_ids: list[int] | None = None, constraint: Constraint | None = None,
+                 dry_breakers: dry.Breakers = dry.NO_BREAKERS) -> None:
         for what, ids in (("logit_bias", profile.logit_bias), ("eos_ids", eos_ids), ("prompt_ids", prompt_ids or ())):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
@@ -383,17 +591,26 @@ class Sampler:
         self._vocab_ids = mx.arange(vocab_size, dtype=mx.uint32)
 
         p = profile
-        build = lambda name: IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)  # noqa: E731
+        seed_ids = list(prompt_ids or []) if p.penalize_prompt else []
+
+        def build(name: str) -> Any:
+            if name == "dry":  # the sequence breakers come from the model's tokenizer (core/dry.py)
+                return DRY(*STEPS[name].args(p), dry_breakers, seed_ids)
+            return IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)
+
         self.processors: list[Any] = [build(n) for n in PROCESSORS if p.active(n)]
         self.transforms: list[Any] = [] if p.greedy else [build(t) for t in p.order() if p.active(t)]
+        # Stages with state of their own: DRY keeps its history (`accept`, also for replayed tokens); Mirostat and
+        # adaptive-p learn from each drawn token (`update`).
+        self._accepting = [s for s in self.processors if hasattr(s, "accept")]
+        self._updating = [s for s in self.transforms if hasattr(s, "update")]
         # The profile's response format, built on the model's tokenizer by the caller (core/constraint.py).
         self.constraint = constraint
         track = any(getattr(proc, "needs_history", False) for proc in self.processors)
         # The penalties run first (core.profile.PROCESSORS' order): `_process` applies them in one scatter.
         self._penalties = next((i for i, proc in enumerate(self.processors)
                                 if not getattr(proc, "needs_history", False)), len(self.processors))
-        self.history = TokenHistory(vocab_size, p.penalty_window, list(prompt_ids or []) if p.penalize_prompt else [],
-                                    track)
+        self.history = TokenHistory(vocab_size, p.penalty_window, seed_ids, track)
 
     def describe(self) -> str:
         """The chain as built, printed by its objects (equal to ``SamplingProfile.describe_chain()``)."""
@@ -417,7 +634,10 @@ class Sampler:
         them: the penalties count them and, when sampling, the position advances one step per token, so the tokens that
         follow are drawn with the noise the original reply used at those positions."""
         for token in token_ids:
-            self.history.accept(mx.array(token, mx.int32))
+            t = mx.array(token, mx.int32)
+            self.history.accept(t)
+            for s in self._accepting:
+                s.accept(t)
         if self.constraint is not None:
             self.constraint.replay(token_ids)
 
@@ -436,12 +656,12 @@ class Sampler:
             logits = proc(logits, self.history)
         return logits
 
-    def _chain(self, logits: mx.array, outputs: list[mx.array] | None = None,
-               stages: list[Candidates] | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        """The chain itself, for `step` and `traced_step` alike (so both draw the same token for a seed): the token,
-        the log-probabilities and the processed logits the transforms saw. Given
-        lists, it also keeps the logits before and after each processor (`outputs`) and each transform's candidates
-        (`stages`): references to arrays the chain builds anyway, no extra ops."""
+    def _distribution(self, logits: mx.array, outputs: list[mx.array] | None = None,
+                      stages: list[Candidates] | None = None,
+                      aux_words: mx.array | None = None) -> tuple[Candidates, mx.array, mx.array]:
+        """The chain up to the draw: the last stage's candidates, the log-probabilities and the processed logits the
+        transforms saw. Given lists, it also keeps the logits before and after each processor (`outputs`) and each
+        transform's candidates (`stages`): references to arrays the chain builds anyway, no extra ops."""
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
         if outputs is not None:
@@ -460,17 +680,31 @@ class Sampler:
             c = self.constraint(c)
             if stages is not None:
                 stages.append(c)
-        if self.profile.greedy:
-            token = mx.argmax(c.logits)
-        else:
-            draw_words, aux_words = self.step_keys()
+        if not self.profile.greedy:
+            aux_words = self.step_keys()[1] if aux_words is None else aux_words
             for transform in self.transforms:
                 c = transform(c, aux_words)
                 if stages is not None:
                     stages.append(c)
+        return c, logprobs, logits
+
+    def _chain(self, logits: mx.array, outputs: list[mx.array] | None = None,
+               stages: list[Candidates] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """The chain and the draw, for `step` and `traced_step` alike (so both draw the same token for a seed): the
+        token, the log-probabilities and the processed logits the transforms saw (`_distribution`)."""
+        if self.profile.greedy:
+            c, logprobs, logits = self._distribution(logits, outputs, stages)
+            token = mx.argmax(c.logits)
+        else:
+            draw_words, aux_words = self.step_keys()
+            c, logprobs, logits = self._distribution(logits, outputs, stages, aux_words)
             token = gumbel_argmax(c, draw_words, self._vocab_ids)
         token = token.astype(mx.int32)
         self.history.accept(token)
+        for s in self._accepting:
+            s.accept(token)
+        for s in self._updating:
+            s.update(token)
         if self.constraint is not None:
             self.constraint.accept(token)
         return token, logprobs, logits
@@ -484,6 +718,8 @@ class Sampler:
         like `step`."""
         outputs: list[mx.array] = []  # before and after each processor
         stages: list[Candidates] = []
+        dry_stage = next((p for p in self.processors if isinstance(p, DRY)), None)
+        dry_ids = dry_stage.ids if dry_stage is not None else mx.zeros((0,), mx.int32)  # before this step's token
         token, logprobs, logits = self._chain(logits, outputs, stages)
         processed = Candidates(logits, None)
         final = stages[-1] if stages else processed
@@ -496,7 +732,8 @@ class Sampler:
         final_logprobs = final.logits - _normaliser(final.logits) if stages else logprobs
         record = StepRecord(ids, seen[0], shifts, logprobs[ids], rows([p for p, _ in at]),
                             rows([logits[ids] > NEG_INF, *(a for _, a in at)]),
-                            mx.stack([_entropy(logprobs), _entropy(final_logprobs)]), mx.sum(logits > logits[token]))
+                            mx.stack([_entropy(logprobs), _entropy(final_logprobs)]), mx.sum(logits > logits[token]),
+                            dry_ids)
         return token, logprobs, record
 
     @staticmethod
@@ -512,7 +749,38 @@ class Sampler:
         return float(lp[int(token.item() if isinstance(token, mx.array) else token)]), best
 
 
+def final_distribution(profile: SamplingProfile, logits: Any, history: Sequence[int] = (), *,
+                       breakers: dry.Breakers = dry.NO_BREAKERS) -> np.ndarray:
+    """The probabilities over the vocabulary after `profile`'s whole chain (0 for every token a stage cut), for
+    `logits` (the model's, 1-D) after the reply's token ids `history` (what the penalties and DRY look at).
+
+    For scripts and tests (tests/test_llama_samplers.py compares it with llama.cpp's samplers). Stateless stages
+    only: Mirostat and adaptive-p learn from the tokens drawn before, which `history` does not say. A greedy profile
+    gives its argmax probability 1. `breakers` are DRY's sequence breakers on the vocabulary (`core.dry.breakers_for`
+    of the model's tokenizer); without them DRY runs with none."""
+    if profile.mirostat or profile.active("adaptive_p"):
+        raise ValueError("final_distribution covers stateless stages only: mirostat and adaptive_p depend on the "
+                         "tokens drawn before (test them through seeded replies)")
+    x = mx.array(np.asarray(logits, dtype=np.float32).reshape(-1))
+    sampler = Sampler(profile, vocab_size=x.size, eos_ids=frozenset(), dry_breakers=breakers)
+    sampler.replay(list(history))
+    c, _, _ = sampler._distribution(x)
+    if profile.greedy:
+        out = np.zeros(x.size)
+        out[int(mx.argmax(c.logits).item())] = 1.0
+        return out
+    shifted = c.logits - mx.max(c.logits)
+    probs = np.asarray(mx.exp(shifted) / accurate_sum(mx.exp(shifted)), dtype=np.float64)
+    out = np.zeros(x.size)
+    if c.ids is None:
+        out[:] = probs
+    else:
+        out[np.asarray(c.ids)] = probs
+    return out
+
+
 __all__ = [
+    "AdaptiveP", "DRY", "DynamicTemperature", "Mirostat", "TopNSigma", "final_distribution",
     "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty", "RepetitionPenalty", "Sampler",
     "StepRecord", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
 ]

@@ -9,7 +9,9 @@ This is the contract scripts, the server's extension field and the TUI's inspect
   the next stage sees, or ``None`` once a stage removed it. The last key's column is the distribution sampled from;
 * ``removed_by`` — the key of the stage that removed the candidate, or ``None``;
 * ``shifts`` — per processor (as ``describe()`` prints it), how far it moved this candidate's logit (``-inf`` when it
-  banned the token, e.g. ``MinTokens``; ``as_dict`` writes that as ``null``, since JSON has no infinity).
+  banned the token, e.g. ``MinTokens``; ``as_dict`` writes that as ``null``, since JSON has no infinity);
+* ``notes`` — per stage, why it acted on this candidate where the numbers do not say it: for DRY, the repeated
+  sequence the candidate would extend (``"DRY(0.8, 1.75, 2, -1)": "repeats ' the cat sat' (3 tokens)"``).
 
 Greedy chains have no transforms: ``probs`` holds just ``"processed"`` and the chosen token is its argmax.
 """
@@ -29,6 +31,7 @@ class Candidate:
     removed_by: str | None
     chosen: bool
     shifts: dict[str, float] = field(default_factory=dict)  # processor -> logit change it made
+    notes: dict[str, str] = field(default_factory=dict)  # stage -> why it acted on this candidate
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ class TokenTrace:
         return {
             "candidates": [{"token_id": c.token_id, "text": c.text, "logit": c.logit, "probs": dict(c.probs),
                             "removed_by": c.removed_by, "chosen": c.chosen,
-                            "shifts": {k: v if math.isfinite(v) else None for k, v in c.shifts.items()}}
+                            "shifts": {k: v if math.isfinite(v) else None for k, v in c.shifts.items()},
+                            "notes": dict(c.notes)}
                            for c in self.candidates],
             "entropy_before": self.entropy_before, "entropy_after": self.entropy_after,
             "chosen_rank": self.chosen_rank, "stages": list(self.stages),
@@ -74,7 +78,8 @@ class TokenTrace:
     def from_dict(cls, d: dict) -> "TokenTrace":
         return cls(candidates=[Candidate(c["token_id"], c["text"], c["logit"], dict(c["probs"]), c["removed_by"],
                                          c["chosen"], {k: -math.inf if v is None else v
-                                                       for k, v in c.get("shifts", {}).items()})
+                                                       for k, v in c.get("shifts", {}).items()},
+                                         dict(c.get("notes", {})))
                                for c in d["candidates"]],
                    entropy_before=d["entropy_before"], entropy_after=d["entropy_after"],
                    chosen_rank=d["chosen_rank"], stages=tuple(d["stages"]))

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from .sampling import Sampler, StepRecord
+from . import dry
+from .sampling import DRY, Sampler, StepRecord
 from .trace import Candidate, TokenTrace
 
 # The most candidates a trace may hold: enough for any inspector table, bounded so a typo cannot ask for the
@@ -44,6 +45,7 @@ class Tracer:
         self.stages = (PROCESSED, *(repr(t) for t in sampler.stages))
         self._token_text = token_text
         self._texts: dict[int, str] = {}
+        self._dry = next((p for p in sampler.processors if isinstance(p, DRY)), None)
         self._pending: deque[StepRecord] = deque()
 
     def step(self, logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -73,18 +75,30 @@ class Tracer:
         for j in sorted(range(len(ids)), key=lambda j: (ids[j] != token_id, -kept[j], -logprobs[j], ids[j])):
             first.setdefault(ids[j], j)
         shown = sorted(list(first.values())[:self.k], key=lambda j: (-float(logprobs[j]), ids[j]))
+        history = np.asarray(r.dry_history).tolist() if self._dry is not None else []
         candidates = [self._candidate(ids[j], float(raw[j]), float(logprobs[j]), shifts[:, j], probs[:, j],
-                                      alive[:, j], ids[j] == token_id) for j in shown]
+                                      alive[:, j], ids[j] == token_id, history) for j in shown]
         return TokenTrace(candidates, float(entropy[0]), float(entropy[1]), int(np.asarray(r.rank)), self.stages)
 
     def _candidate(self, token_id: int, raw: float, logprob: float, shifts: np.ndarray, probs: np.ndarray,
-                   alive: np.ndarray, chosen: bool) -> Candidate:
+                   alive: np.ndarray, chosen: bool, history: list[int]) -> Candidate:
         column = [math.exp(logprob), *probs.tolist()]
         kept = dict(zip(self.stages, (p if a else None for p, a in zip(column, alive.tolist()))))
         # A token a processor banned (min_tokens) is removed by "processed"; its shift of -inf says which one.
         removed = next((s for s in self.stages if kept[s] is None), None)
-        return Candidate(token_id, self._text(token_id), raw, kept, removed, chosen,
-                         dict(zip(self.processors, shifts.tolist())))
+        moved = dict(zip(self.processors, shifts.tolist()))
+        notes = {}
+        if self._dry is not None and moved.get(repr(self._dry), 0.0) < 0:
+            notes[repr(self._dry)] = self._dry_note(moved[repr(self._dry)], token_id, history)
+        return Candidate(token_id, self._text(token_id), raw, kept, removed, chosen, moved, notes)
+
+    def _dry_note(self, shift: float, token_id: int, history: list[int]) -> str:
+        """The repeated sequence a DRY penalty stands for: the history's last n tokens, which appeared before
+        followed by this candidate (n from the penalty, `core.dry.repeat_length`)."""
+        d = self._dry
+        n = dry.repeat_length(shift, d.multiplier, d.base, d.allowed)
+        text = "".join(self._text(t) for t in history[-n:])
+        return f"repeats {text + self._text(token_id)!r} ({n} tokens + this one)"
 
 
 __all__ = ["MAX_TRACE", "PROCESSED", "Tracer", "check_trace"]

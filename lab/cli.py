@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from . import metrics as M
 from . import prompts as P
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
@@ -27,7 +28,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="lab_command", metavar="{run,list,show,compare,judge}")
+    sub = parser.add_subparsers(dest="lab_command", metavar="{run,tune,list,show,compare,judge}")
     sub.required = True
     r = sub.add_parser("run", help="run prompts x settings x seeds and store the outputs and metrics")
     # Named without reading the user's folder: building the parser must not import the engine (see app/cli.py).
@@ -49,6 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--baseline", help="a stored run (id or 'last') to compare with, for --fail-on")
     r.add_argument("--fail-on", action="append", default=[],
                    help='exit 1 when a metric moves past a bound vs --baseline, e.g. "pass_rate<-0.05" (repeatable)')
+    t = sub.add_parser("tune", help="samplers at their best: the same budget of settings each, the best chosen on half "
+                                    "the prompts and compared on the other half")
+    t.add_argument("--prompts", required=True, help="prompt set, as for `lab run`")
+    t.add_argument("--sampler", action="append", default=[], required=True,
+                   help="a sampler to tune (repeatable, at least two): temperature, top_k, top_p, min_p, typical_p, "
+                        "top_n_sigma, xtc, dry, dynatemp, mirostat, adaptive_p")
+    t.add_argument("--budget", type=int, default=4, help="settings tried per sampler (default 4)")
+    t.add_argument("--metric", default="pass_rate", help="what the best is chosen by: pass_rate (the default) or a "
+                                                         "per-output metric (distinct_2, rep_4, mean_logprob, ...)")
+    t.add_argument("--base", help="the profile each setting starts from (default: the default profile)")
+    t.add_argument("--seeds", type=int, default=2, help="seeds per prompt and setting (default 2)")
+    t.add_argument("--max-tokens", type=int, default=64, help="tokens per output (default 64)")
+    t.add_argument("--limit", type=int, help="use only the first N prompts of the set (at least 4)")
+    t.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded model)")
+    t.add_argument("--json", type=Path, help="also write the choices and comparisons as JSON to FILE (- for stdout)")
     s = sub.add_parser("show", help="one stored run: settings and metrics with 95%% intervals")
     s.add_argument("run", help="run id or 'last'")
     s.add_argument("--json", type=Path, help="write the run as JSON to FILE (- for stdout)")
@@ -76,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxchat.core.errors import MlxChatError
 
     try:
-        return {"run": _run, "list": _list, "show": _show, "compare": _compare,
+        return {"run": _run, "tune": _tune, "list": _list, "show": _show, "compare": _compare,
                 "judge": _judge}[args.lab_command](args)
     except ValidationError as e:
         print(f"mlxchat lab: error: {e.errors()[0]['msg']}", file=sys.stderr)
@@ -166,6 +182,64 @@ def _run(args: argparse.Namespace) -> int:
         if bounds:
             print(f"within bounds vs run {baseline.id}: {', '.join(map(str, bounds))}", file=sys.stderr)
     return 0
+
+
+# --- tune ------------------------------------------------------------------------------------------------------
+
+def _tune(args: argparse.Namespace) -> int:
+    from .runner import Experiment
+    from .settings import named_profile
+    from .store import LabStore
+    from . import tune as T
+
+    if args.metric not in T.TUNE_METRICS:
+        raise ValueError(f"--metric {args.metric!r}: choose one of {', '.join(T.TUNE_METRICS)}")
+    prompt_set = P.load(args.prompts).limited(args.limit)
+    if len(prompt_set.prompts) < 4:
+        raise ValueError(f"lab tune needs at least 4 prompts (half choose, half compare); {prompt_set.name} has "
+                         f"{len(prompt_set.prompts)}")
+    from mlxchat.core import SamplingProfile
+
+    base = named_profile(args.base) if args.base else SamplingProfile()
+    experiment = Experiment(prompt_set, T.tune_settings(args.sampler, args.budget, base), args.seeds,
+                            args.max_tokens)
+    from mlxchat.core import Engine
+
+    engine = Engine.load(args.model)
+    store = LabStore()
+    run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
+                          settings=[s.record() for s in experiment.settings],
+                          prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
+                          max_tokens=args.max_tokens)
+    try:
+        status = _execute(experiment, engine, store, run_id)
+    except BaseException:
+        store.finish(run_id, "failed")
+        raise
+    finally:
+        engine.close()
+    run = store.load(run_id)
+    bests = T.choose(run, args.metric)
+    rows = T.compare_best(run, bests, args.metric)
+    selection, held_out = T.split_prompts(run)
+    lines = [f"run {run_id} ({status}): {len(args.sampler)} samplers x {args.budget} settings, {args.seeds} seeds; "
+             f"best by {args.metric} on {len(selection)} prompts, compared on the other {len(held_out)}"]
+    lines += [f"  {b.sampler}: best {b.label} ({args.metric} {b.selection:.3f} where chosen)" for b in bests]
+    for r in rows:
+        ea, eb = r["held_out_a"], r["held_out_b"]
+        lines.append(f"  {r['a']} vs {r['b']} on held-out prompts: {args.metric} {_rate(ea)} vs {_rate(eb)}; "
+                     f"{r['a']} better on a share of prompts: " + _fairness(r))
+    to_stdout = args.json is None or str(args.json) != "-"
+    print("\n".join(lines), file=sys.stdout if to_stdout else sys.stderr)
+    if args.json is not None:
+        text = json.dumps({"run_id": run_id, "metric": args.metric, "selection_prompts": selection,
+                           "held_out_prompts": held_out, "best": [b.__dict__ for b in bests], "comparisons": rows},
+                          ensure_ascii=False, indent=1)
+        if str(args.json) == "-":
+            print(text)
+        else:
+            args.json.write_text(text, encoding="utf-8")
+    return 130 if status == "cancelled" else 0
 
 
 def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
@@ -290,10 +364,13 @@ def _evaluations(store: Any, run: Any) -> list[str]:
     lines = []
     votes = store.votes(run.id)
     for a, b in sorted({(v["cell_a"], v["cell_b"]) for v in votes}):
-        t = tally([winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)])
+        won = [winner(v["choice"], v["a_on_left"]) for v in votes if (v["cell_a"], v["cell_b"]) == (a, b)]
+        t = tally(won)
         n = t["a"] + t["b"] + t["tie"]
         lines.append(f"blind A/B {label[a]} vs {label[b]}: {t['a']} wins, {t['b']} losses, {t['tie']} ties, "
                      f"{t['skip']} skipped; win rate {_rate(t['win_rate_a'])} (Wilson 95%, n={n})" + _small_n_note(n))
+        lines.append("  " + _fairness(M.paired_comparison([{"a": 1.0, "b": 0.0, "tie": 0.5}[w] for w in won
+                                                           if w != "skip"])))
     judged = store.judgements(run.id)
     for key in sorted({(j["cell_a"], j["cell_b"], j["judge"], j["rubric_version"]) for j in judged}):
         t = tally([j["verdict"] if j["verdict"] != "unparsed" else "skip" for j in judged
@@ -418,7 +495,8 @@ def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Pa
              f"{a} vs {b}: {result['pairs']} of {total} pairs, {result['swapped']} asked both ways; {a} won "
              f"{result['wins_a']}, {b} won {result['wins_b']}, ties {result['ties']}, unparsed {result['unparsed']}; "
              f"the two orders agreed on {result['consistent']}",
-             f"win rate of {a}: {rate}" + (_small_n_note(w["n"]) if w else "")]
+             f"win rate of {a}: {rate}" + (_small_n_note(w["n"]) if w else ""),
+             _fairness(result)]
     to_stdout = json_path is None or str(json_path) != "-"
     print("\n".join(lines), file=sys.stdout if to_stdout else sys.stderr)
     if json_path is not None:
@@ -428,6 +506,20 @@ def _judge_outputs(result: dict[str, Any], asked: int, total: int, json_path: Pa
         else:
             json_path.write_text(text, encoding="utf-8")
             print(f"wrote {json_path}", file=sys.stderr)
+
+
+def _fairness(c: dict[str, Any]) -> str:
+    """The line every comparison carries (issue 39): n, the bootstrap interval, the paired test, and for a judge its
+    order-flip rate and the length-controlled win rate next to the raw one."""
+    boot, p = c.get("win_rate_bootstrap"), c.get("sign_test_p")
+    parts = [f"n={c['n']}", f"bootstrap 95% {_rate(boot)}" if boot else "bootstrap n/a",
+             f"sign test p={p:.3g}" if p is not None else "sign test n/a (all ties)"]
+    if "order_flip_rate" in c:
+        flip = c["order_flip_rate"]
+        parts.append(f"order-flip rate {flip:.0%} of {c['both_parsed']}" if flip is not None else "order-flip n/a")
+    if c.get("lc_win_rate") is not None:
+        parts.append(f"length-controlled win rate {c['lc_win_rate']:.2f} (raw {boot['mean']:.2f})")
+    return "; ".join(parts)
 
 
 def _small_n_note(n: int) -> str:

@@ -17,7 +17,13 @@ from mlxchat.core import SamplingProfile
 # that leaves each off: they are sent only when a setting turns them on, since a hosted API refuses a name it does not
 # know. (xtc_threshold goes along with xtc_probability: alone it changes nothing.)
 _EXTRA_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.0, "min_tokens": 0,
-              "xtc_probability": 0.0, "penalty_window": 0, "penalize_prompt": False, "sampler_order": None}
+              "xtc_probability": 0.0, "penalty_window": 0, "penalize_prompt": False, "sampler_order": None,
+              "dry_multiplier": 0.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "mirostat": 0,
+              "adaptive_p_target": -1.0}
+# The settings that go along with a sampler that is on (under llama.cpp server's names, which are the profile's).
+_COMPANIONS = {"dry_multiplier": ("dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
+               "dynatemp_range": ("dynatemp_exponent",), "mirostat": ("mirostat_tau", "mirostat_eta"),
+               "adaptive_p_target": ("adaptive_p_decay",)}
 
 
 class EndpointError(ValueError):
@@ -47,6 +53,7 @@ def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | No
     if profile.logit_bias:  # token ids of this model's vocabulary: only meaningful for the same tokenizer
         body["logit_bias"] = {str(k): v for k, v in profile.logit_bias.items()}
     body.update({k: getattr(profile, k) for k, off in _EXTRA_OFF.items() if getattr(profile, k) != off})
+    body.update({c: getattr(profile, c) for k, cs in _COMPANIONS.items() if k in body for c in cs})
     if profile.xtc_probability:
         body["xtc_threshold"] = profile.xtc_threshold
     if profile.response_format is not None:  # a prompt with a schema (lab/prompts.py) asks the server to keep to it

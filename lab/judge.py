@@ -211,7 +211,9 @@ class Judging:
             verdict = "unparsed" if said is None else "tie" if said == "tie" else \
                 (first if said == "A" else ("b" if first == "a" else "a"))
             orders.append({"first": first, "answer": answer, "parsed": said, "verdict": verdict, "cached": cached})
-        pair = {"prompt_id": job.prompt_id, "seed": job.seed, "verdict": combine(orders), "orders": orders}
+        # The outputs' lengths in words, for the length-controlled win rate (a judge may favour the longer answer).
+        pair = {"prompt_id": job.prompt_id, "seed": job.seed, "verdict": combine(orders), "orders": orders,
+                "words_a": len(M.words(job.a)), "words_b": len(M.words(job.b))}
         self.store.add_judgement(self.run.id, self.cell_a, self.cell_b, job.prompt_id, job.seed, self.judge.name,
                                  self.rubric.tag, pair)
         return pair
@@ -223,11 +225,21 @@ def summary(pairs: list[dict[str, Any]], judge: str, rubric: Rubric) -> dict[str
     decided = count["a"] + count["b"] + count["tie"]
     est = M.wilson(count["a"] + 0.5 * count["tie"], decided)
     both = [p for p in pairs if all(o["verdict"] != "unparsed" for o in p["orders"])]
+    consistent = sum(p["orders"][0]["verdict"] == p["orders"][1]["verdict"] for p in both)
+    decided_pairs = [p for p in pairs if p["verdict"] != "unparsed"]
+    scores = [{"a": 1.0, "b": 0.0, "tie": 0.5}[p["verdict"]] for p in decided_pairs]
+    # Pairs judged before lengths were stored have none: then no length-controlled rate.
+    diffs = ([p["words_a"] - p["words_b"] for p in decided_pairs]
+             if all("words_a" in p for p in decided_pairs) else None)
     return {"pairs": len(pairs), "swapped": sum(len(p["orders"]) == 2 for p in pairs), "wins_a": count["a"],
             "wins_b": count["b"], "ties": count["tie"], "unparsed": count["unparsed"],
             "win_rate_a": est.as_dict() if est else None,
             # pairs whose two orders agree, of those where both parsed: 1 = no sign of position bias
-            "consistent": sum(p["orders"][0]["verdict"] == p["orders"][1]["verdict"] for p in both),
+            "consistent": consistent,
+            # the judge's order-flip rate: of the pairs where both orders parsed, those whose verdict flipped with
+            # the order (position bias); reported next to its verdicts, since a high one makes them noise
+            "order_flip_rate": (len(both) - consistent) / len(both) if both else None, "both_parsed": len(both),
+            **M.paired_comparison(scores, diffs),
             "judge": judge, "rubric_version": rubric.tag, "verdicts": pairs}
 
 

@@ -4,10 +4,12 @@ the numbers do not depend on the model's tokenizer and two models can be compare
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Fewer prompts (or judged pairs, or votes) than this: an interval or a kappa says little, and the lab says so.
 SMALL_N = 10
@@ -114,3 +116,67 @@ def wilson(successes: float, n: int, z: float = 1.96) -> Estimate | None:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     h = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return Estimate(p, max(0.0, centre - h), min(1.0, centre + h), n)
+
+
+# --- comparing two settings fairly (issue 39, point 5) --------------------------------------------------------------
+# A comparison's outcomes are paired: each (prompt, seed) gives one score for A (1 a win, 0.5 a tie, 0 a loss).
+
+def bootstrap_mean(scores: Sequence[float], resamples: int = 2000, seed: int = 0) -> Estimate | None:
+    """The mean score with a 95% percentile-bootstrap interval (pairs resampled with replacement; a fixed seed, so
+    a report reads the same each time). Unlike Wilson's, it makes no assumption about ties."""
+    n = len(scores)
+    if n == 0:
+        return None
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(scores) for _ in range(n)) / n for _ in range(resamples))
+    return Estimate(sum(scores) / n, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1], n)
+
+
+def sign_test(wins: int, losses: int) -> float | None:
+    """The paired test: a two-sided exact sign test (binomial, p = 1/2) of wins against losses, ties left out.
+    The p-value, or None when every pair tied."""
+    n = wins + losses
+    if n == 0:
+        return None
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def length_controlled(scores: Sequence[float], length_diffs: Sequence[float]) -> float | None:
+    """A's win rate with the length difference regressed out (AlpacaEval's length-controlled win rate): a logistic
+    fit score ~ σ(b0 + b1·tanh(Δ / sd(Δ))) by Newton's method (ties as half a win, a small ridge so that a clean
+    sweep stays finite), read at Δ = 0. None with fewer than two pairs."""
+    n = len(scores)
+    if n < 2 or len(length_diffs) != n:
+        return None
+    sd = math.sqrt(sum(d * d for d in length_diffs) / n) or 1.0
+    xs = [math.tanh(d / sd) for d in length_diffs]
+    b0 = b1 = 0.0
+    ridge = 1e-2
+    for _ in range(50):
+        ps = [1 / (1 + math.exp(-(b0 + b1 * x))) for x in xs]
+        g0 = sum(y - p for y, p in zip(scores, ps)) - ridge * b0
+        g1 = sum((y - p) * x for y, p, x in zip(scores, ps, xs)) - ridge * b1
+        w = [p * (1 - p) for p in ps]
+        h00 = sum(w) + ridge
+        h01 = sum(wi * x for wi, x in zip(w, xs))
+        h11 = sum(wi * x * x for wi, x in zip(w, xs)) + ridge
+        det = h00 * h11 - h01 * h01
+        if det <= 0:
+            break
+        d0, d1 = (h11 * g0 - h01 * g1) / det, (h00 * g1 - h01 * g0) / det
+        b0, b1 = b0 + d0, b1 + d1
+        if abs(d0) + abs(d1) < 1e-10:
+            break
+    return 1 / (1 + math.exp(-b0))
+
+
+def paired_comparison(scores: Sequence[float], length_diffs: Sequence[float] | None = None) -> dict[str, Any]:
+    """What every comparison of two settings reports: n, the win rate with its bootstrap interval, the sign test's
+    p-value, and (given each pair's length difference A − B) the length-controlled win rate next to the raw one."""
+    boot = bootstrap_mean(scores)
+    wins, losses = sum(s == 1 for s in scores), sum(s == 0 for s in scores)
+    return {"n": len(scores), "win_rate_bootstrap": boot.as_dict() if boot else None,
+            "sign_test_p": sign_test(wins, losses),
+            "lc_win_rate": length_controlled(scores, length_diffs) if length_diffs is not None else None}

@@ -13,7 +13,7 @@ from .runner import RUN_FIELDS, Setting
 # Fields a sweep may not change: labels and provenance, per-run fields (max_tokens is --max-tokens), lists and
 # dicts that have no "v1,v2" form, and beam search, which the lab (sampling only) does not run.
 _NOT_SWEEPABLE = {"name", "description", "version", "stop", "logit_bias", "sampler_order", "max_tokens",
-                  "beam_size", "length_penalty"} | RUN_FIELDS
+                  "beam_size", "length_penalty", "dry_sequence_breakers"} | RUN_FIELDS
 
 
 def named_profile(name: str) -> SamplingProfile:

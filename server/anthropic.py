@@ -3,8 +3,9 @@ and /v1/messages/count_tokens.
 
 A request is `system` (a string or text blocks), `messages` (user and assistant turns whose content is a string or
 text blocks; a last assistant turn is a prefill the reply continues), `max_tokens` (required), `temperature`,
-`top_p`, `top_k` (the SDK sends these three in `extra_body`), `seed` (mlxchat's extension, in `extra_body` too) and
-`stop_sequences` over the server's profile, and `stream`. A stream is Anthropic's event
+`top_p`, `top_k` (the SDK sends these three in `extra_body`, and llama.cpp's samplers under llama.cpp server's
+names: dry_*, top_n_sigma, dynatemp_*, mirostat*, adaptive_p_*), `seed` (mlxchat's extension, in `extra_body` too)
+and `stop_sequences` over the server's profile, and `stream`. A stream is Anthropic's event
 sequence: message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta (the
 stop reason and usage), message_stop. `usage` counts as Anthropic does: `input_tokens` are the prompt tokens
 computed for this request, `cache_read_input_tokens` those reused from the prefix cache. `metadata`,
@@ -45,7 +46,7 @@ from mlxchat.core.events import Done, Metrics
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
 
-from .protocol import ApiError, profile_error
+from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, profile_error
 from .service import Choice, GenerationFailed, Service
 
 # Anthropic's error type for each status this server answers.
@@ -83,6 +84,20 @@ class _Types(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None  # mlxchat's extension (in the SDK's extra_body): Anthropic's API has none
+    # llama.cpp's samplers under llama.cpp server's names (the SDK sends them in `extra_body`), as on /v1/chat
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[Any] | None = None  # SamplingProfile names a breaker that is not a string
+    top_n_sigma: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    adaptive_p_target: float | None = None
+    adaptive_p_decay: float | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -228,7 +243,8 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
     if prefill != prefill.rstrip():
         raise ApiError(400, "messages: the final assistant content cannot end with whitespace")
 
-    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
+    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", *LLAMA_SAMPLER_FIELDS)
+              if getattr(req, k) is not None}
     if req.stop_sequences:
         fields["stop"] = req.stop_sequences
     if req.max_tokens is not None:

@@ -10,9 +10,10 @@ without one onto Ollama's own defaults (`OLLAMA_DEFAULTS`: temperature 0.8, top_
 clients expect:
 temperature, top_p, top_k, min_p, typical_p, repeat_penalty (`repetition_penalty`), repeat_last_n (the penalty
 window: 0 turns the penalties off, -1 means all tokens), presence/frequency_penalty, seed (negative: a random one),
-num_predict (-1 or -2: until the context is full), num_ctx (prompt and reply together stay within it), stop. The
-options that say how Ollama runs a model (num_gpu, num_thread, use_mmap, ...) have no meaning here and are ignored;
-mirostat and tfs_z are refused unless neutral. `keep_alive` is accepted: the model stays loaded while the server runs.
+num_predict (-1 or -2: until the context is full), num_ctx (prompt and reply together stay within it), stop,
+mirostat, mirostat_tau, mirostat_eta, and llama.cpp's other samplers under llama.cpp's names (dry_*, top_n_sigma,
+dynatemp_*, adaptive_p_*). The options that say how Ollama runs a model (num_gpu, num_thread, use_mmap, ...) have no
+meaning here and are ignored; tfs_z is refused unless neutral. `keep_alive` is accepted: the model stays loaded while the server runs.
 `format` ("json" or a JSON schema) becomes the profile's `response_format` (OpenAI's shape; constrained decoding,
 core/constraint.py), so the reply is valid JSON when it ends with "stop".
 
@@ -45,15 +46,17 @@ from mlxchat.core import tools as tool_calls
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
 from mlxchat.core.tools import ToolCall, ToolError, ToolUse
 
-from .protocol import ApiError, profile_error
+from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, profile_error
 from .service import Choice, GenerationFailed, Service
 
 # Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
 IGNORED_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                              "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
-                             "penalize_newline", "mirostat_tau", "mirostat_eta"})
+                             "penalize_newline"})
 # Samplers this server does not have, accepted only with the value that turns them off.
-NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0}
+NEUTRAL_OPTIONS = {"tfs_z": 1.0}
+# Ollama's own mirostat options, and llama.cpp's other samplers under llama.cpp's names: the profile's fields.
+SAMPLER_OPTIONS = LLAMA_SAMPLER_FIELDS
 RENAMED_OPTIONS = {"repeat_penalty": "repetition_penalty"}
 # What Ollama samples with when a request sets nothing: used on /api/* unless `mlxchat serve --profile` names one.
 OLLAMA_DEFAULTS = SamplingProfile(name="ollama", temperature=0.8, top_k=40, top_p=0.9)
@@ -90,6 +93,19 @@ class _Options(BaseModel):
     num_predict: int | None = None
     num_ctx: int | None = None
     stop: str | list[str] | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[Any] | None = None  # SamplingProfile names a breaker that is not a string
+    top_n_sigma: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    adaptive_p_target: float | None = None
+    adaptive_p_decay: float | None = None
 
 
 class _Common(BaseModel):
@@ -153,7 +169,7 @@ def parse_options(raw: dict[str, Any] | None, base: SamplingProfile) -> OptionSe
             raise ApiError(400, f"options.{name} is not a known option")
     fields: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", *SAMPLER_OPTIONS):
         if (value := getattr(opts, name)) is not None:
             fields[RENAMED_OPTIONS.get(name, name)] = value
     if opts.repeat_last_n is not None:
@@ -268,7 +284,7 @@ def _parameters(profile: SamplingProfile) -> str:
     names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
              "typical_p": "typical_p", "repetition_penalty": "repeat_penalty", "penalty_window": "repeat_last_n",
              "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-             "max_tokens": "num_predict", "stop": "stop"}
+             "max_tokens": "num_predict", "stop": "stop", **{o: o for o in SAMPLER_OPTIONS}}
     lines = []
     for field, value in profile.model_dump(exclude_defaults=True).items():
         if field in names:

@@ -220,7 +220,9 @@ def test_config_from_cli_flags():
     cfg = config_from_args(argparse.Namespace(quick=True, lengths="32,2048", repeats=5, skip=["tui"]))
     assert cfg.quick and cfg.prompt_lengths == (32, 2048) and cfg.repeats == 5
     assert cfg.skip == frozenset({"tui"})
-    assert cfg.full_chain_lengths == (32,)  # the quick set runs the full chain at 32 only
+    # The quick set runs the full chain at 1,024 only (DRY over a 1k-token history); without 1,024, the longest.
+    assert cfg.full_chain_lengths == (2048,)
+    assert config_from_args(argparse.Namespace(quick=True)).full_chain_lengths == (1024,)
     with pytest.raises(ValueError, match="--skip"):
         config_from_args(argparse.Namespace(skip=["everything"]))
     assert config_from_args(argparse.Namespace()).prompt_lengths == (32, 512, 2048)

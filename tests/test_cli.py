@@ -24,7 +24,7 @@ from mlxchat.core.profile import ProfileStore
 from tests.bad_models import BAD_NAMES, bad_model_files
 
 ROOT = Path(__file__).resolve().parent.parent
-PRESETS = "presets: chat, completion, creative, factual, precise"
+PRESETS = "presets: chat, completion, creative, factual, longform, precise"
 
 
 def one_error_line(err: str) -> str:

@@ -79,7 +79,7 @@ def test_heat_text_carries_each_token_index_and_marks_the_cursor():
 def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
     trace = make_trace(0)
     assert inspector.columns(trace) == ("", "#", "token", "logit", "penalty", "processed", "TopK(3)",
-                                        "TopP(0.5)", "Temperature(0.7)", "cut by")
+                                        "TopP(0.5)", "Temperature(0.7)", "cut by", "why")
     rows = inspector.rows(trace)
     assert [r.rank for r in rows] == [1, 2, 3, 4]
     assert rows[0].chosen and rows[0].final == 1.0 and rows[0].removed_by is None
@@ -88,7 +88,7 @@ def test_rows_hold_every_stage_and_the_stage_that_cut_each_candidate():
     assert rows[2].shift == -0.4
     cells = rows[1].cells()
     assert len(cells) == len(inspector.columns(trace))
-    assert cells[0] == " " and cells[2] == " Lyon" and cells[-1] == "TopP(0.5)"
+    assert cells[0] == " " and cells[2] == " Lyon" and cells[-2] == "TopP(0.5)" and cells[-1] == "outside the nucleus"
     assert cells[5].endswith("25.0%") and cells[7].endswith("cut")
     assert inspector.rows(trace)[0].cells()[0] == "▶" and rows[2].cells()[4] == "-0.40"
     # A chosen token ranked past the K listed comes last, with its own rank.

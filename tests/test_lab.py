@@ -193,3 +193,78 @@ def test_blind_ab_maps_sides_back_to_settings():
     with pytest.raises(ValueError):
         ab.vote("left")
     assert winner("left", False) == "b" and tally(["a", "tie"])["win_rate_a"]["mean"] == 0.75
+
+
+# --- fair comparisons (issue 39, point 5) --------------------------------------------------------------------------
+
+def test_sign_test_and_bootstrap_by_hand():
+    # 8 wins and 2 losses: P(X <= 2 | n = 10, p = 1/2) = (1 + 10 + 45) / 1024, two-sided twice that
+    assert M.sign_test(8, 2) == pytest.approx(2 * 56 / 1024)
+    assert M.sign_test(5, 5) == 1.0 and M.sign_test(0, 0) is None
+    est = M.bootstrap_mean([1.0] * 6 + [0.0] * 2 + [0.5] * 2)
+    assert est.mean == pytest.approx(0.7) and est.low < 0.7 < est.high and est.n == 10
+    assert M.bootstrap_mean([1.0, 1.0]).low == 1.0  # every resample of a clean sweep is a sweep
+    assert M.bootstrap_mean([]) is None
+
+
+def test_length_controlled_win_rate_removes_a_length_preference():
+    rng = random.Random(3)
+
+    def judged(b0: float, b1: float, longer: float) -> tuple[list[float], list[int]]:
+        """400 pairs from a judge who prefers A with log-odds b0 + b1·tanh(Δ / 30); A is longer a `longer` share."""
+        diffs = [(1 if rng.random() < longer else -1) * rng.randint(5, 60) for _ in range(400)]
+        scores = [1.0 if rng.random() < 1 / (1 + math.exp(-(b0 + b1 * math.tanh(d / 30)))) else 0.0 for d in diffs]
+        return scores, diffs
+
+    # A judge with no preference but for length, and A longer 80% of the time: raw ~0.7, at equal length a coin.
+    scores, diffs = judged(0.0, 2.5, 0.8)
+    assert sum(scores) / len(scores) > 0.65
+    assert M.length_controlled(scores, diffs) == pytest.approx(0.5, abs=0.1)
+    # A judge who prefers A at any length: the length control leaves the win rate as it is.
+    scores, diffs = judged(math.log(0.7 / 0.3), 0.0, 0.5)
+    assert M.length_controlled(scores, diffs) == pytest.approx(sum(scores) / len(scores), abs=0.05)
+    # No length difference at all: the raw win rate.
+    assert M.length_controlled([1.0, 0.0, 1.0, 1.0], [0, 0, 0, 0]) == pytest.approx(0.75, abs=0.01)
+    assert M.length_controlled([1.0], [3]) is None
+
+
+def test_paired_comparison_reports_n_interval_test_and_length_control():
+    c = M.paired_comparison([1.0, 1.0, 0.0, 0.5], [10, 5, -3, 0])
+    assert c["n"] == 4 and c["win_rate_bootstrap"]["mean"] == pytest.approx(0.625)
+    assert c["sign_test_p"] == 1.0  # 2 wins, 1 loss (the tie left out): 2 * (1 + 3) / 8, capped at 1
+    assert c["lc_win_rate"] is not None
+
+
+def test_tune_gives_each_sampler_the_same_budget_and_judges_the_best_on_held_out_prompts():
+    from mlxchat.core import SamplingProfile
+    from mlxchat.lab import tune as T
+    from mlxchat.lab.store import Run
+
+    assert T.budget_values("min_p", 4) == [0.02, 0.1133, 0.2067, 0.3]
+    assert T.budget_values("top_k", 3) == [5, 52, 100]
+    settings = T.tune_settings(["min_p", "dry", "mirostat"], 2, SamplingProfile(temperature=0.9))
+    assert [s.label for s in settings] == ["min_p:min_p=0.02", "min_p:min_p=0.3", "dry:dry_multiplier=0.2",
+                                           "dry:dry_multiplier=1.6", "mirostat:mirostat_tau=2", "mirostat:mirostat_tau=8"]
+    assert settings[4].profile.mirostat == 2 and all(s.profile.temperature == 0.9 for s in settings)
+    with pytest.raises(ValueError, match="at least two different --sampler"):
+        T.tune_settings(["min_p"], 2, SamplingProfile())
+    with pytest.raises(ValueError, match="unknown; samplers: temperature"):
+        T.budget_values("beam", 2)
+
+    # Four prompts: p0 and p2 choose, p1 and p3 judge. min_p=0.3 passes both choosing prompts (0.02 one), top_p=0.5
+    # one of them (0.99 none); on the held-out prompts both chosen settings pass everything.
+    passed = {0: {"p0"}, 1: {"p0", "p1", "p2", "p3"}, 2: set(), 3: {"p0", "p1", "p3"}}
+    labels = ["min_p:min_p=0.02", "min_p:min_p=0.3", "top_p:top_p=0.99", "top_p:top_p=0.5"]
+    outputs = [Output(cell=c, prompt_id=p, seed=0, text="x", finish_reason="stop", length=1, words=1,
+                      mean_logprob=None, ttft_s=0.1, tpot_s=0.1, passed=p in passed[c], distinct_1=1.0,
+                      distinct_2=1.0, rep_4=0.0) for c in range(4) for p in ("p0", "p1", "p2", "p3")]
+    run = Run(1, "now", "m", "set", "h", "v", [{"label": lb, "setting": {}} for lb in labels],
+              {f"p{i}": "" for i in range(4)}, 1, 16, "done", outputs)
+    assert T.split_prompts(run) == (["p0", "p2"], ["p1", "p3"])
+    bests = T.choose(run, "pass_rate")
+    assert [(b.sampler, b.label, b.selection) for b in bests] == [("min_p", "min_p:min_p=0.3", 1.0),
+                                                                   ("top_p", "top_p:top_p=0.5", 0.5)]
+    (row,) = T.compare_best(run, bests, "pass_rate")
+    assert (row["a"], row["b"], row["n"]) == ("min_p:min_p=0.3", "top_p:top_p=0.5", 2)
+    assert row["win_rate_bootstrap"]["mean"] == 0.5 and row["sign_test_p"] is None  # both pass p1 and p3: ties
+    assert row["held_out_a"]["mean"] == 1.0 and row["held_out_a"]["high"] <= 1.0

@@ -64,6 +64,9 @@ def test_pair_verdicts_win_rate_and_kappa_by_hand():
     assert (s["pairs"], s["swapped"], s["wins_a"], s["wins_b"], s["ties"], s["unparsed"]) == (5, 5, 1, 1, 2, 1)
     assert s["win_rate_a"]["mean"] == pytest.approx(0.5) and 0 <= s["win_rate_a"]["low"] < s["win_rate_a"]["high"] <= 1
     assert s["consistent"] == 1 and s["rubric_version"].startswith("chat v1 (")
+    # the fair-comparison fields: of the 3 pairs both orders parsed, 2 flipped with the order
+    assert s["order_flip_rate"] == pytest.approx(2 / 3) and s["both_parsed"] == 3
+    assert s["n"] == 4 and s["sign_test_p"] == 1.0 and s["lc_win_rate"] is None  # these pairs carry no lengths
     # p_o = 3/4; rater 1 a, a, b, tie and rater 2 a, a, b, a: p_e = (2/4)(3/4) + (1/4)(1/4) + (1/4)(0) = 7/16
     # -> kappa = (12/16 - 7/16) / (9/16) = 5/9
     k = J.cohen_kappa([("a", "a"), ("a", "a"), ("b", "b"), ("tie", "a")])
@@ -146,6 +149,26 @@ def test_a_setting_goes_to_a_server_as_openai_fields_plus_the_extras_it_turns_on
     xtc = request_body(SamplingProfile(top_k=40, xtc_probability=0.5, stop=["END"]), 8, ["\n\n"])
     assert (xtc["top_k"], xtc["xtc_probability"], xtc["xtc_threshold"]) == (40, 0.5, 0.1)
     assert xtc["stop"] == ["END", "\n\n"]  # the profile's stops and the prompt's, as the engine takes them
+    # llama.cpp's samplers go under llama.cpp server's names, each with the settings that go along with it.
+    dry = request_body(SamplingProfile(dry_multiplier=0.8, mirostat=2), 8, None)
+    assert {k: dry[k] for k in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                                "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta")} == {
+        "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+        "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 2, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
+    assert "top_n_sigma" not in dry and "dynatemp_range" not in dry
+
+
+def test_llama_cpp_samplers_can_be_swept() -> None:
+    from mlxchat.lab.settings import sweep_settings
+
+    settings = sweep_settings("dry_multiplier=0,0.8", "longform")
+    assert [(s.label, s.profile.dry_multiplier, s.profile.min_p) for s in settings] == [
+        ("dry_multiplier=0", 0.0, 0.05), ("dry_multiplier=0.8", 0.8, 0.05)]
+    assert [s.profile.top_n_sigma for s in sweep_settings("top_n_sigma=-1,1,2", None)] == [-1.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"--sweep dry_base=1: dry_base must be greater than 1, got 1"):
+        sweep_settings("dry_base=1.75,1", None)
+    with pytest.raises(ValueError, match="'dry_sequence_breakers' cannot be swept"):
+        sweep_settings("dry_sequence_breakers=a,b", None)
 
 
 @pytest.mark.anyio

@@ -37,6 +37,7 @@ def test_the_wheel_holds_one_mlxchat_package_with_its_data(wheel: Path) -> None:
     for preset in ("chat", "completion", "creative", "factual", "precise"):
         assert f"mlxchat/templates/presets/{preset}.toml" in names
         assert f"mlxchat/templates/rubrics/{preset}.toml" in names  # the lab judge's rubric per prompt set
+    assert "mlxchat/templates/presets/longform.toml" in names  # a preset with no prompt set of its own
     assert "mlxchat/app/app.tcss" in names
     # The tools plug into the app through entry points: the lab's F6 screen as well as its subcommand.
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]

@@ -37,8 +37,21 @@ from mlxchat.core.profile import DEFAULT_ORDER, ProfileError, ProfileStore, Samp
     ("top_logprobs", 21, "top_logprobs must be between 0 and 20, got 21"),
     ("version", 0, "version must be at least 1, got 0"),
     ("stop", ["END", ""], "stop strings must not be empty"),
-    ("sampler_order", ["top_k", "beam"], "sampler_order names must be among top_k, typical_p, top_p, min_p, xtc, "
-                                         "temperature, got 'beam'"),
+    ("sampler_order", ["top_k", "beam"], "sampler_order names must be among top_n_sigma, top_k, typical_p, top_p, "
+                                         "min_p, xtc, temperature, adaptive_p, got 'beam'"),
+    ("dry_multiplier", -0.5, "dry_multiplier must be at least 0 (0 disables), got -0.5"),
+    ("dry_base", 1.0, "dry_base must be greater than 1, got 1.0"),
+    ("dry_allowed_length", 0, "dry_allowed_length must be at least 1, got 0"),
+    ("dry_penalty_last_n", -2, "dry_penalty_last_n must be at least -1 (-1 means the whole context, 0 disables)"),
+    ("dry_sequence_breakers", ["\n", 5], "dry_sequence_breakers must be a list of non-empty strings, got 5"),
+    ("dry_sequence_breakers", ":", "dry_sequence_breakers must be a list of non-empty strings, got ':'"),
+    ("top_n_sigma", -2, "top_n_sigma must be at least -1 (0 or below disables), got -2"),
+    ("dynatemp_range", -0.1, "dynatemp_range must be between 0 and 2 (0 disables), got -0.1"),
+    ("mirostat", 3, "mirostat must be between 0 and 2 (0 disables, 1 or 2 picks the version), got 3"),
+    ("mirostat_tau", 0, "mirostat_tau must be greater than 0, got 0"),
+    ("mirostat_eta", 0, "mirostat_eta must be greater than 0 and at most 1, got 0"),
+    ("adaptive_p_target", 1.5, "adaptive_p_target must be between -1 and 1 (negative disables), got 1.5"),
+    ("adaptive_p_decay", 1.0, "adaptive_p_decay must be between 0 and 0.99, got 1.0"),
     ("sampler_order", ["top_k", "top_k"], "sampler_order must not repeat a name"),
     ("name", "../etc/passwd", "name must be 1-64 letters"),
 ])
@@ -75,6 +88,8 @@ EXPECTED_PRESETS = {
     "precise": dict(temperature=0.0, max_tokens=1024),
     "factual": dict(temperature=0.3, top_p=0.9, presence_penalty=0.4, max_tokens=512),
     "chat": dict(temperature=0.8, top_p=0.9, max_tokens=1024),
+    "longform": dict(temperature=1.0, min_p=0.05, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2,
+                     dry_penalty_last_n=-1, max_tokens=2048),
     "creative": dict(temperature=1.0, top_p=0.95, frequency_penalty=0.6, max_tokens=1024),
     "completion": dict(temperature=0.2, min_p=0.05, max_tokens=128),
 }
@@ -222,10 +237,19 @@ def test_the_printed_chain_is_the_built_chain_for_every_step() -> None:
 
     p = SamplingProfile(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, typical_p=0.95, xtc_probability=0.5,
                         repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={3: 1.0},
-                        min_tokens=2)
-    assert all(p.active(name) for name in STEPS)
+                        min_tokens=2, dry_multiplier=0.8, top_n_sigma=1.5, dynatemp_range=0.5, adaptive_p_target=0.4)
+    # Mirostat replaces the transforms, so it is checked on its own.
+    assert all(p.active(name) for name in STEPS if name != "mirostat")
     built = Sampler(p, vocab_size=16, eos_ids={0})
-    assert len(built.processors) + len(built.transforms) == len(STEPS)
+    assert len(built.processors) + len(built.transforms) == len(STEPS) - 1
     assert built.describe() == p.describe_chain()
+    assert "DRY(0.8, 1.75, 2, -1) → LogitBias" in p.describe_chain()
+    assert "TopNSigma(1.5) → TopK(40)" in p.describe_chain()
+    assert "DynaTemp(0.2..1.2, 1) → AdaptiveP(0.4, 0.9) → sample" in p.describe_chain()
+    m = p.model_copy(update={"mirostat": 2})
+    assert Sampler(m, vocab_size=16, eos_ids={0}).describe() == m.describe_chain()
+    assert m.describe_chain().endswith("MinTokens(2) → Temperature(0.7) → MirostatV2(5, 0.1) → sample")
+    assert any("mirostat 2 replaces the other transforms" in w for w in m.warnings())
     assert p.describe_chain().startswith("RepetitionPenalty(1.1) → FrequencyPenalty(0.5) → PresencePenalty(0.3) → "
-                                         "LogitBias(1 tokens) → MinTokens(2) → TopK(40) → TypicalP(0.95)")
+                                         "DRY(0.8, 1.75, 2, -1) → LogitBias(1 tokens) → MinTokens(2) → "
+                                         "TopNSigma(1.5) → TopK(40) → TypicalP(0.95)")

@@ -375,6 +375,10 @@ OUT_OF_RANGE = {
     "presence_penalty": [-2.1, 2.1], "repetition_penalty": [0.0, -1.0], "min_tokens": [-1],
     "penalty_window": [-1], "seed": [-1, 2**64], "max_tokens": [0, -1], "top_logprobs": [-1, 21],
     "beam_size": [0, 17], "length_penalty": [-0.1, 4.1],
+    "dry_multiplier": [-1e-9, -1.0], "dry_base": [1.0, 0.5], "dry_allowed_length": [0, -1],
+    "dry_penalty_last_n": [-2], "top_n_sigma": [-1.0000001], "dynatemp_range": [-0.1, 2.1],
+    "dynatemp_exponent": [-0.1, 10.1], "mirostat": [-1, 3], "mirostat_tau": [0.0, -1.0], "mirostat_eta": [0.0, 1.1],
+    "adaptive_p_target": [-1.1, 1.1], "adaptive_p_decay": [-0.1, 0.991],
     "logit_bias": [{0: -100.5}, {0: 101}, {-1: 0.0}, {0: float("nan")}],
 }
 

@@ -210,8 +210,12 @@ def test_n_choices(client: openai.OpenAI) -> None:
 def test_extra_sampler_fields_and_profile(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=_msgs("Hi"), max_tokens=3, seed=3, extra_body={
         "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "profile": "creative",
-        "sampler_order": ["top_k", "min_p", "temperature"]})
+        "sampler_order": ["top_n_sigma", "top_k", "min_p", "temperature"], "top_n_sigma": 2.0,
+        "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n"], "dynatemp_range": 0.3})
     assert r.usage.completion_tokens >= 2
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Hi"), max_tokens=3, seed=3, extra_body={
+        "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2})
+    assert r.usage.completion_tokens >= 1
 
 
 def test_resent_conversation_prefills_only_the_suffix(client: openai.OpenAI) -> None:
@@ -238,6 +242,10 @@ def test_resent_conversation_prefills_only_the_suffix(client: openai.OpenAI) -> 
     (json.dumps({"messages": _msgs("hi"), "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"messages": _msgs("hi"), "temperature": 3}).encode(), 400, "between 0 and 2"),
     (json.dumps({"messages": _msgs("hi"), "top_p": 0}).encode(), 400, "top_p must be greater than 0"),
+    (json.dumps({"messages": _msgs("hi"), "dry_base": 1}).encode(), 400, "dry_base must be greater than 1, got 1"),
+    (json.dumps({"messages": _msgs("hi"), "dry_sequence_breakers": ["\n", 7]}).encode(), 400,
+     "dry_sequence_breakers must be a list of non-empty strings, got 7"),
+    (json.dumps({"messages": _msgs("hi"), "mirostat_tau": -1}).encode(), 400, "mirostat_tau must be greater than 0"),
     (json.dumps({"messages": _msgs("hi"), "max_tokens": 0}).encode(), 400, "max_tokens must be at least 1"),
     (json.dumps({"messages": _msgs("hi"), "min_tokens": 2000}).encode(), 400,
      "min_tokens (2000) must not exceed max_tokens (1024)"),

@@ -84,8 +84,10 @@ def test_ollama_options_map_onto_the_profile() -> None:
     settings = parse_options({"temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "typical_p": 0.8,
                               "repeat_penalty": 1.2, "repeat_last_n": 32, "presence_penalty": 0.1,
                               "frequency_penalty": 0.2, "seed": 7, "num_predict": 50, "num_ctx": 100, "stop": "\n",
-                              "num_gpu": 99, "mirostat": 0}, SamplingProfile())
+                              "num_gpu": 99, "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2,
+                              "dry_multiplier": 0.8}, SamplingProfile())
     p = settings.profile
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta, p.dry_multiplier) == (2, 4.0, 0.2, 0.8)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.typical_p) == (0.5, 0.9, 20, 0.05, 0.8)
     assert (p.repetition_penalty, p.penalty_window, p.presence_penalty, p.frequency_penalty) == (1.2, 32, 0.1, 0.2)
     assert (p.seed, p.stop) == (7, ["\n"])
@@ -98,7 +100,10 @@ def test_ollama_options_map_onto_the_profile() -> None:
     off = parse_options({"repeat_last_n": 0, "seed": -1}, base).profile
     assert off.repetition_penalty == 1 and off.temperature == 0.2 and off.seed is not None and off.seed >= 0
     for options, message in (({"repeat_penalty": 0}, "options.repeat_penalty must be greater than 0"),
-                             ({"mirostat": 2}, "options.mirostat is not supported"),
+                             ({"tfs_z": 0.5}, "options.tfs_z is not supported"),
+                             ({"mirostat_tau": 0.0}, "options.mirostat_tau must be greater than 0, got 0.0"),
+                             ({"dry_sequence_breakers": ["\n", 3]},
+                              "options.dry_sequence_breakers must be a list of non-empty strings, got 3"),
                              ({"num_predict": 0}, "options.num_predict must be at least 1"),
                              ({"top_k": "40"}, "options.top_k: Input should be a valid integer"),
                              ({"bogus": 1}, "options.bogus is not a known option")):
@@ -369,3 +374,20 @@ async def test_a_choice_streams_its_events_and_an_engine_failure_ends_it_as_one_
         async for event in choice.stream():
             got.append(event.text)
     assert got == ["Hi"]
+
+
+def test_llama_cpp_samplers_in_each_api_and_their_errors() -> None:
+    """llama.cpp's samplers under llama.cpp server's names reach the profile on Anthropic's API (the SDK's
+    extra_body) too, and a bad value is that API's 400 naming the field, the value and the range."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "dry_multiplier": 0.8,
+            "top_n_sigma": 1.5, "adaptive_p_target": 0.3}
+    p = messages_api.parse(body, served="m", base=SamplingProfile()).profile
+    assert (p.dry_multiplier, p.top_n_sigma, p.adaptive_p_target) == (0.8, 1.5, 0.3)
+    for field, value, message in (("dry_multiplier", -1.0, "dry_multiplier must be at least 0 (0 disables), got -1.0"),
+                                  ("dry_base", 1.0, "dry_base must be greater than 1, got 1.0"),
+                                  ("mirostat_tau", 0.0, "mirostat_tau must be greater than 0, got 0.0"),
+                                  ("dry_sequence_breakers", ["\n", 2],
+                                   "dry_sequence_breakers must be a list of non-empty strings, got 2")):
+        with pytest.raises(ApiError) as e:
+            messages_api.parse({**body, field: value}, served="m", base=SamplingProfile())
+        assert e.value.status == 400 and e.value.message.startswith(message)  # Anthropic's errors name no param

@@ -147,8 +147,8 @@ async def test_profile_picker_validates_inline_and_the_switch_reaches_the_engine
         assert isinstance(picker, ProfilePicker)
         names = [picker.query_one(OptionList).get_option_at_index(i).id
                  for i in range(picker.query_one(OptionList).option_count)]
-        assert names[:5] == ["preset:chat", "preset:completion", "preset:creative", "preset:factual",
-                             "preset:precise"]
+        assert names[:6] == ["preset:chat", "preset:completion", "preset:creative", "preset:factual",
+                             "preset:longform", "preset:precise"]
         # An out-of-range value: SamplingProfile's own message, inline, and Use is disabled.
         field = picker.query_one("#field-temperature", Input)
         field.value = "5"

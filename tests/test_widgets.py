@@ -213,6 +213,34 @@ async def test_the_profile_dialog_shows_every_error_at_once_wrapped_whole(tmp_pa
 
 
 @pytest.mark.anyio
+async def test_the_profile_dialog_edits_llama_cpp_samplers_with_inline_errors(tmp_path: Path, profile_app):
+    """Issue 39's parameters in the editor: bad values get the field, the value and the range next to the field;
+    good ones reach the edited profile and its printed chain."""
+    app = profile_app(ProfileStore(tmp_path / "profiles"))
+    async with app.run_test(size=(90, 60)) as pilot:
+        picker = app.screen
+        picker.query_one("#field-dry_multiplier", Input).value = "-1"
+        picker.query_one("#field-dry_base", Input).value = "1"
+        picker.query_one("#field-mirostat_tau", Input).value = "0"
+        picker.query_one("#field-dry_sequence_breakers", Input).value = '["\\n", 3]'
+        await pilot.pause()
+        assert picker.errors == {
+            "dry_multiplier": "dry_multiplier must be at least 0 (0 disables), got -1.0",
+            "dry_base": "dry_base must be greater than 1, got 1.0",
+            "mirostat_tau": "mirostat_tau must be greater than 0, got 0.0",
+            "dry_sequence_breakers": "dry_sequence_breakers must be a list of non-empty strings, got 3"}
+        assert "got -1.0" in rendered(picker.query_one("#error-dry_multiplier"))
+        for name, value in (("dry_multiplier", "0.8"), ("dry_base", "1.75"), ("mirostat_tau", "5"),
+                            ("dry_sequence_breakers", '["\\n", ":"]'), ("top_n_sigma", "1.5")):
+            picker.query_one(f"#field-{name}", Input).value = value
+        await pilot.pause()
+        assert not picker.errors
+        assert picker.edited.dry_sequence_breakers == ["\n", ":"]
+        assert "DRY(0.8, 1.75, 2, -1)" in rendered(picker.query_one("#profile-chain"))
+        assert "TopNSigma(1.5)" in rendered(picker.query_one("#profile-chain"))
+
+
+@pytest.mark.anyio
 async def test_a_profile_saved_from_a_preset_does_not_claim_its_description(tmp_path: Path, profile_app):
     store = ProfileStore(tmp_path / "profiles")
     app = profile_app(store)

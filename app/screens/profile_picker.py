@@ -18,7 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.profile import DRY_SEQUENCE_BREAKERS, ProfileError, ProfileStore, SamplingProfile
 
 from ..formatting import profile_summary
 from .dialogs import TextPrompt
@@ -33,6 +33,19 @@ FIELDS: list[tuple[str, str]] = [
     ("frequency_penalty", "−2…2"),
     ("presence_penalty", "−2…2"),
     ("repetition_penalty", "> 0, 1 = off"),
+    ("top_n_sigma", "≤ 0 = off, e.g. 1"),
+    ("dynatemp_range", "0–2, 0 = off"),
+    ("dynatemp_exponent", "0–10"),
+    ("dry_multiplier", "≥ 0, 0 = off, e.g. 0.8"),
+    ("dry_base", "> 1"),
+    ("dry_allowed_length", "≥ 1"),
+    ("dry_penalty_last_n", "-1 = all, 0 = off"),
+    ("dry_sequence_breakers", 'e.g. ["\\n", ":"]'),
+    ("mirostat", "0 = off, 1 or 2"),
+    ("mirostat_tau", "> 0 (bits)"),
+    ("mirostat_eta", "(0, 1]"),
+    ("adaptive_p_target", "-1…1, negative = off"),
+    ("adaptive_p_decay", "0–0.99"),
     ("min_tokens", "≥ 0"),
     ("max_tokens", "empty = no limit"),
     ("seed", "empty = random"),
@@ -40,6 +53,7 @@ FIELDS: list[tuple[str, str]] = [
     ("response_format", 'JSON, e.g. {"type": "json_object"}; empty = text'),
 ]
 OPTIONAL = {"seed", "max_tokens"}
+LISTS = {"stop", "dry_sequence_breakers"}  # JSON lists of strings (one plain string is a list of one)
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,7 @@ def field_text(profile: SamplingProfile, name: str) -> str:
     value = getattr(profile, name)
     if value is None:
         return ""
-    if name == "stop":
+    if name in LISTS:
         return json.dumps(value) if value else ""
     if name == "response_format":
         return json.dumps(value.model_dump(mode="json", exclude_none=True))
@@ -73,14 +87,14 @@ def field_text(profile: SamplingProfile, name: str) -> str:
 
 def parse_field(name: str, text: str) -> Any:
     text = text.strip()
-    if name == "stop":
+    if name in LISTS:
         if not text:
-            return []
+            return [] if name == "stop" else list(DRY_SEQUENCE_BREAKERS)
         if text.startswith("["):
             try:
                 return json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"stop: not a JSON list ({e.msg})") from None
+                raise ValueError(f"{name}: not a JSON list ({e.msg})") from None
         return [text]
     if name == "response_format":  # OpenAI's shape as JSON (core/response_format.py)
         try:
@@ -95,7 +109,7 @@ def parse_field(name: str, text: str) -> Any:
 def error_text(error: dict[str, Any]) -> str:
     field = ".".join(str(p) for p in error["loc"])
     # These messages name their field themselves (a response format's names the part: response_format.regex).
-    own = ("out_of_range", "bad_name", "empty_stop", "bad_format", "bad_schema", "beam_format")
+    own = ("out_of_range", "bad_name", "empty_stop", "bad_format", "bad_schema", "beam_format", "bad_breakers")
     return error["msg"] if error["type"] in own else f"{field}: {error['msg']}"
 
 

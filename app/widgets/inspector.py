@@ -168,9 +168,9 @@ class TokenInspector(Vertical):
         table = self.table
         table.clear(columns=True)
         table.add_columns(*inspector.columns(trace, density))
-        shifts = inspector.has_shifts(trace)
+        shifts, dry = inspector.has_shifts(trace), inspector.has_dry(trace)
         for candidate in inspector.rows(trace):
-            table.add_row(*candidate.cells(shifts=shifts, density=density), key=str(candidate.token_id))
+            table.add_row(*candidate.cells(shifts=shifts, dry=dry, density=density), key=str(candidate.token_id))
         if row:
             table.move_cursor(row=min(row, table.row_count - 1))
         self.density = density

@@ -204,6 +204,18 @@ def top_k_index(logits: mx.array, k: int) -> mx.array:
     return _module().top_k_index(logits, k)
 
 
+def dry_breakers(heads: list[int], offsets: list[int], tails: list[int]) -> object:
+    """DRY's sequence breakers as the native op holds them (core/dry.py's `Breakers.flat()`), built once."""
+    return _module().DryBreakers(heads, offsets, tails)
+
+
+def dry_penalty(logits: mx.array, history: mx.array, breakers: object, *, multiplier: float, base: float,
+                allowed_length: int) -> mx.array:
+    """llama.cpp's DRY penalty (core/dry.py) on float32 logits [V] after int32 history ids [n], as one lazy op."""
+    return _module().dry_penalty(logits, history, breakers, multiplier=multiplier, base=base,
+                                 allowed_length=allowed_length)
+
+
 def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
     """core/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit for
     bit, as one op."""

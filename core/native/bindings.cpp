@@ -50,6 +50,11 @@ NB_MODULE(_ext, m) {
         "Positions (ascending) of the k largest float32 logits along the last axis; ties: the lowest positions.");
   m.def("uniform_at", &mlxchat::uniform_at, "ids"_a, "words"_a,
         "core/draw.py's uniform numbers for uint32 ids and two uint32 words, bit for bit, as one op.");
+  nb::class_<mlxchat::DryBreakers>(m, "DryBreakers")
+      .def(nb::init<const std::vector<int32_t>&, const std::vector<int32_t>&, const std::vector<int32_t>&>(),
+           "heads"_a, "offsets"_a, "tails"_a);
+  m.def("dry_penalty", &mlxchat::dry_penalty, "logits"_a, "history"_a, "breakers"_a, nb::kw_only(), "multiplier"_a,
+        "base"_a, "allowed_length"_a, "llama.cpp's DRY penalty on float32 logits [V] after int32 history ids, as one op.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   nb::class_<mlxchat::LayerShape>(m, "LayerShape")
       .def("__init__",

@@ -1,6 +1,7 @@
 #include "draw_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
@@ -106,7 +107,149 @@ class NativeUniform : public CpuOp {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// The repeat length that emitting each token would extend (llama.cpp's llama_sampler_dry_apply, steps 1-3, on a
+// plain vector: h[n - 1 - i] is its ring buffer's rat(i)). Tokens absent from `out` extend nothing.
+void dry_repeats(const int32_t* h, int n, const DryBreakers::Map& breakers, int allowed,
+                 std::unordered_map<int32_t, int>& out, std::vector<int>& count) {
+  out.clear();
+  if (n <= allowed) return;
+  auto rat = [&](int i) { return h[n - 1 - i]; };
+  // Step 1: the most recent complete sequence breaker limits how far back a repeat may reach.
+  int rep_limit = n;
+  for (int i = 0; i < n; ++i) {
+    auto range = breakers.equal_range(rat(i));
+    if (range.first == range.second) continue;
+    int longest = -1;
+    for (auto it = range.first; it != range.second; ++it) {
+      const int len = int(it->second.size());
+      if (len > longest && len <= i) {
+        bool match = true;
+        for (int o = 0; o < len && match; ++o) match = it->second[o] == rat(i - o - 1);
+        if (match) longest = len;
+      }
+    }
+    if (longest >= 0) {
+      rep_limit = i - longest;
+      break;
+    }
+  }
+  if (rep_limit < allowed) return;
+  // Step 2: the reversed Z-algorithm: count[n - 1 - k] = the length of the history's suffix that also ends k tokens
+  // earlier, capped at rep_limit.
+  count.assign(n, 0);
+  const int last = n - 1;
+  int rt = 0, lt = 0;
+  for (int k = 1; k < n; ++k) {
+    if (k > rt) {
+      int len = 0;
+      while (len + k < n && rat(len) == rat(len + k)) ++len;
+      count[last - k] = std::min(len, rep_limit);
+      if (len > 0) {
+        lt = k;
+        rt = k + len - 1;
+      }
+    } else {
+      const int p = k - lt, right = rt - k + 1;
+      if (count[last - p] < right) {
+        count[last - k] = std::min(count[last - p], rep_limit);
+      } else {
+        int i = rt + 1;
+        while (i < n && rat(i) == rat(i - k)) ++i;
+        count[last - k] = std::min(i - k, rep_limit);
+        lt = k;
+        rt = i - 1;
+      }
+    }
+  }
+  // Step 3: the token after each long enough repeat would extend it; keep the longest per token.
+  for (int i = 0; i < n - 1; ++i) {
+    const int len = count[i];
+    if (len >= allowed) {
+      const int32_t token = rat(n - 2 - i);
+      auto it = out.find(token);
+      if (it == out.end() || it->second < len) out[token] = len;
+    }
+  }
+}
+
+class NativeDry : public CpuOp {
+ public:
+  NativeDry(mx::Stream stream, std::shared_ptr<const DryBreakers::Map> breakers, float multiplier, float base,
+            int allowed)
+      : CpuOp(stream), breakers_(std::move(breakers)), multiplier_(multiplier), base_(base), allowed_(allowed) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto &logits = inputs[0], &history = inputs[1];
+    allocate_output(logits, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(logits);
+    encoder.set_input_array(history);
+    encoder.set_output_array(out);
+    encoder.dispatch([logits = mx::array::unsafe_weak_copy(logits), history = mx::array::unsafe_weak_copy(history),
+                      out = mx::array::unsafe_weak_copy(out), breakers = breakers_, multiplier = multiplier_,
+                      base = base_, allowed = allowed_]() mutable {
+      thread_local std::unordered_map<int32_t, int> repeats;
+      thread_local std::vector<int> count;
+      const size_t V = logits.size();
+      float* y = out.data<float>();
+      if (y != logits.data<float>()) std::copy(logits.data<float>(), logits.data<float>() + V, y);
+      dry_repeats(history.data<int32_t>(), int(history.size()), *breakers, allowed, repeats, count);
+      // llama.cpp's step 4: the exponent is clamped so that base^exponent stays below float's maximum.
+      const float kFloatMaxLog = 88.7228391f;
+      int max_exponent = 0;
+      if (base > 1.000001f) max_exponent = int(kFloatMaxLog / std::log(base));
+      for (const auto& [token, len] : repeats) {
+        if (token < 0 || size_t(token) >= V) continue;
+        auto range = breakers->equal_range(token);
+        bool single_breaker = false;
+        for (auto it = range.first; it != range.second && !single_breaker; ++it) single_breaker = it->second.empty();
+        if (single_breaker) continue;
+        int exponent = len - allowed;
+        if (max_exponent > 0 && exponent > max_exponent) exponent = max_exponent;
+        const float penalty = multiplier * std::pow(base, exponent);
+        y[token] -= penalty;
+      }
+    });
+  }
+
+  const char* name() const override { return "MlxchatDry"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const NativeDry&>(other);
+    return breakers_ == o.breakers_ && multiplier_ == o.multiplier_ && base_ == o.base_ && allowed_ == o.allowed_;
+  }
+
+ private:
+  std::shared_ptr<const DryBreakers::Map> breakers_;
+  float multiplier_, base_;
+  int allowed_;
+};
+
 }  // namespace
+
+DryBreakers::DryBreakers(const std::vector<int32_t>& heads, const std::vector<int32_t>& offsets,
+                         const std::vector<int32_t>& tails) {
+  if (offsets.size() != heads.size() + 1 || (!offsets.empty() && size_t(offsets.back()) != tails.size())) {
+    throw std::invalid_argument("DryBreakers needs offsets of len(heads) + 1 ending at len(tails)");
+  }
+  auto built = std::make_shared<Map>();
+  for (size_t i = 0; i < heads.size(); ++i) {
+    built->emplace(heads[i], std::vector<int32_t>(tails.begin() + offsets[i], tails.begin() + offsets[i + 1]));
+  }
+  map = std::move(built);
+}
+
+mx::array dry_penalty(const mx::array& logits, const mx::array& history, const DryBreakers& breakers,
+                      float multiplier, float base, int allowed_length) {
+  check_float32(logits, "logits");
+  if (logits.ndim() != 1 || history.ndim() != 1 || history.dtype() != mx::int32) {
+    throw std::invalid_argument("dry_penalty needs float32 logits [V] and int32 history ids [n]");
+  }
+  auto s = cpu_stream();
+  return mx::array(logits.shape(), mx::float32,
+                   std::make_shared<NativeDry>(s, breakers.map, multiplier, base, allowed_length),
+                   {dense(logits, s), dense(history, s)});
+}
 
 mx::array uniform_at(const mx::array& ids, const mx::array& words) {
   if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || words.shape() != mx::Shape{2}) {

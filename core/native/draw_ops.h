@@ -3,6 +3,11 @@
 // one pass with a k-slot heap) and the seeded draw's uniform numbers (two MurmurHash3 finalisers: ~30 nodes).
 #pragma once
 
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
 #include "mlx/array.h"
 
 namespace mlxchat {
@@ -16,5 +21,22 @@ mx::array top_k_index(const mx::array& logits, int k);
 // core/draw.py's uniform_at, bit for bit: for each uint32 id, h = fmix32(fmix32(id ^ words[0]) ^ words[1]) and
 // ((h >> 9) + 0.5) / 2^23 as float32 (every step exact). words: uint32 [2].
 mx::array uniform_at(const mx::array& ids, const mx::array& words);
+
+// DRY's sequence breakers on one vocabulary (llama.cpp's processed breakers): each head token maps to the token
+// sequences that must follow it for the breaker to be complete (empty: the head alone is one). Built once per
+// (tokenizer, breakers) by core/dry.py; shared by every op that uses it.
+class DryBreakers {
+ public:
+  DryBreakers(const std::vector<int32_t>& heads, const std::vector<int32_t>& offsets,
+              const std::vector<int32_t>& tails);
+  using Map = std::unordered_multimap<int32_t, std::vector<int32_t>>;
+  std::shared_ptr<const Map> map;
+};
+
+// llama.cpp's DRY sampler on float32 logits [V] after the history ids (int32 [n], oldest first, already cut to the
+// window): a token that would extend a sequence of length L >= allowed_length repeated earlier in the history (and
+// not crossing a sequence breaker) loses multiplier * base^(L - allowed_length). Bit for bit llama.cpp's arithmetic.
+mx::array dry_penalty(const mx::array& logits, const mx::array& history, const DryBreakers& breakers,
+                      float multiplier, float base, int allowed_length);
 
 }  // namespace mlxchat
