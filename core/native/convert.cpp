@@ -62,6 +62,14 @@ uint16_t f16_bits(float v) {
 }
 // d * m as an f16, as NumPy computes an f16 times an f16 constant (in float, rounded once).
 uint16_t f16_times(uint16_t d, float m) { return f16_bits(f16_value(d) * m); }
+// d * -2^k, the legacy types' bias: where d is a normal number whose product stays normal, a sign flip and k more in
+// the exponent, which is what the float product rounds to; otherwise through float. (MLX's f16 conversions are
+// software here: two of them per 32-value block were a third of reading a Q4_0 file.)
+uint16_t f16_times_minus_pow2(uint16_t d, int k) {
+  const int e = (d >> 10) & 0x1F;
+  if (e != 0 && e + k < 31) return uint16_t((d ^ 0x8000) + (k << 10));
+  return f16_times(d, -float(1 << k));
+}
 
 // A 32-value ggml block's 4-bit halves: byte j holds value j (low nibble) and value j + 16 (high).
 void nibbles32(const uint8_t* qs, uint8_t* codes) {
@@ -107,7 +115,7 @@ bool decode(const uint8_t* b, Block& out) {
     case 0:  // Q4_0: d, 16 bytes of nibbles; w = d * (q - 8)
       nibbles32(b + 2, q);
       out.scale = u16(b);
-      out.bias = f16_times(out.scale, -8.0f);
+      out.bias = f16_times_minus_pow2(out.scale, 3);
       return true;
     case 1:  // Q4_1: d, m, nibbles; w = d * q + m
       nibbles32(b + 4, q);
@@ -118,7 +126,7 @@ bool decode(const uint8_t* b, Block& out) {
       nibbles32(b + 6, q);
       fifth_bits32(b + 2, q);
       out.scale = u16(b);
-      out.bias = f16_times(out.scale, -16.0f);
+      out.bias = f16_times_minus_pow2(out.scale, 4);
       return true;
     case 3:  // Q5_1: d, m, qh, nibbles
       nibbles32(b + 8, q);
@@ -129,7 +137,7 @@ bool decode(const uint8_t* b, Block& out) {
     case 4:  // Q8_0: d, 32 int8; MLX's codes are unsigned: q + 128, bias -128 d
       for (int j = 0; j < 32; ++j) q[j] = uint8_t(int(int8_t(b[2 + j])) + 128);
       out.scale = u16(b);
-      out.bias = f16_times(out.scale, -128.0f);
+      out.bias = f16_times_minus_pow2(out.scale, 7);
       return true;
     case 5:  // Q4_K: d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles
       k_nibbles(b + 16, q);
