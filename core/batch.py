@@ -282,11 +282,16 @@ class BatchScheduler:
         if self._rows:
             queued = self._step()
         pending, self._pending = self._pending, queued
+        read = pending[1].tolist() if pending is not None else []
+        if queued is not None:
+            # Queued once the pending step's tokens are out, not before: MLX holds a step's buffers until its tasks
+            # finish, and the fused decoder layers would then copy the whole KV cache instead of writing in place
+            # (core/generate.py measures it).
+            mx.async_eval(queued[1], *(lp for lp in queued[2] if lp is not None))
         if pending is None:
             return
-        rows, tokens, logprobs = pending
-        ended = [i for i, (seq, token) in enumerate(zip(rows, tokens.tolist()))
-                 if self._accept(seq, token, logprobs[i])]
+        rows, _, logprobs = pending
+        ended = [i for i, (seq, token) in enumerate(zip(rows, read)) if self._accept(seq, token, logprobs[i])]
         # Rows that joined after `pending` was queued sit after it, so its indices are still the batch's.
         if ended:
             self._drop(ended)
@@ -300,7 +305,6 @@ class BatchScheduler:
             logprobs.append(lp if seq.req.profile.logprobs else None)
             seq.context += 1
         self._inputs = mx.stack(tokens)
-        mx.async_eval(self._inputs, *(lp for lp in logprobs if lp is not None))
         return list(self._rows), self._inputs, logprobs
 
     def _accept(self, seq: _Sequence, token: int, logprobs: mx.array | None) -> bool:

@@ -11,10 +11,9 @@ callers can plug into it:
   a caller that keeps a conversation's cache knows exactly what the cache holds, including after a break.
 * `on_prefill(done)` reports each prefill chunk; `cancelled()` is checked between chunks.
 
-Decode is pipelined as in mlx-lm: step n+1 is queued with `mx.async_eval` before the host waits on token n, so
-on a GPU the device never idles on the host (on MLX's CPU backend `async_eval` itself waits until all but a few of
-the graph's tasks have run: docs/architecture.md §3). Hence a token is already in the cache when it is yielded (and in `fed`),
-unless it is the last one `max_tokens` allows, for which no further step is queued.
+Decode is pipelined: step n+1's graph is built while token n computes, and queued with `mx.async_eval` as soon as
+token n is out (not before it, as mlx-lm does: see the loop for why). Hence a token is already in the cache when it
+is yielded (and in `fed`), unless it is the last one `max_tokens` allows, for which no further step is queued.
 """
 
 from __future__ import annotations
@@ -55,20 +54,27 @@ def generate_step(model: nn.Module, layers: list, prompt: Sequence[int], sample:
     fed = [] if fed is None else fed
 
     def forward(ids: mx.array) -> tuple[mx.array, mx.array]:
-        token, lp = sample(model(ids[None], cache=layers)[0, -1])
+        return sample(model(ids[None], cache=layers)[0, -1])
+
+    def queue(token: mx.array, lp: mx.array) -> None:
         mx.async_eval(token, lp) if logprobs else mx.async_eval(token)
-        return token, lp
 
     if not prefill_all_but_last(model, layers, prompt, fed, prefill_step, cancelled, on_prefill):
         return
     y, lp = forward(mx.array(prompt[-1:]))
+    queue(y, lp)
     fed.append(prompt[-1])
     for n in range(1, max_tokens + 1):
         last = n == max_tokens
         if not last:
-            next_y, next_lp = forward(y.reshape(1))  # queued before waiting on this token
+            next_y, next_lp = forward(y.reshape(1))  # the graph built (the host's work) while this token computes
         token = y.item()
         if not last:
+            # Queued once this token is out, not before: until step n's tasks finish, MLX holds their buffers, and
+            # the fused decoder layer (core/native/layer.cpp) can then not write step n + 1's keys and values into
+            # the cache in place; it copies the whole cache instead. Embedded model, 2,000 tokens of context: 32 ms
+            # a token queued before, 16.7 queued after (as fast as no pipelining); at 32 tokens 9.0 against 6.9.
+            queue(next_y, next_lp)
             fed.append(token)
         yield token, lp
         if last:
