@@ -46,7 +46,7 @@ from mlxchat.core.events import Done, Metrics
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
 
-from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, profile_error
+from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, LlamaSamplerTypes, profile_error
 from .service import Choice, GenerationFailed, Service
 
 # Anthropic's error type for each status this server answers.
@@ -59,8 +59,9 @@ def error_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
-class _Types(BaseModel):
-    """JSON types of a Messages request (ranges are SamplingProfile's)."""
+class _Types(LlamaSamplerTypes):
+    """JSON types of a Messages request (ranges are SamplingProfile's), llama.cpp's samplers included (the SDK sends
+    them in `extra_body`, as on /v1/chat)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -84,20 +85,6 @@ class _Types(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None  # mlxchat's extension (in the SDK's extra_body): Anthropic's API has none
-    # llama.cpp's samplers under llama.cpp server's names (the SDK sends them in `extra_body`), as on /v1/chat
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[Any] | None = None  # SamplingProfile names a breaker that is not a string
-    top_n_sigma: float | None = None
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-    adaptive_p_target: float | None = None
-    adaptive_p_decay: float | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None

@@ -46,7 +46,7 @@ from mlxchat.core import tools as tool_calls
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
 from mlxchat.core.tools import ToolCall, ToolError, ToolUse
 
-from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, profile_error
+from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, LlamaSamplerTypes, profile_error
 from .service import Choice, GenerationFailed, Service
 
 # Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
@@ -77,7 +77,7 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
     raise ApiError(400, f"format must be \"json\" or a JSON schema object, got {fmt!r}", "format")
 
 
-class _Options(BaseModel):
+class _Options(LlamaSamplerTypes):  # Ollama's own mirostat options among llama.cpp's
     model_config = ConfigDict(strict=True, extra="allow")
 
     temperature: float | None = None
@@ -93,19 +93,6 @@ class _Options(BaseModel):
     num_predict: int | None = None
     num_ctx: int | None = None
     stop: str | list[str] | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[Any] | None = None  # SamplingProfile names a breaker that is not a string
-    top_n_sigma: float | None = None
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    adaptive_p_target: float | None = None
-    adaptive_p_decay: float | None = None
 
 
 class _Common(BaseModel):

@@ -31,11 +31,29 @@ UNSUPPORTED = {
     "store": (False, None), "metadata": (None,), "service_tier": ("auto", "default", None), "suffix": (None,),
     "echo": (False, None), "best_of": (1, None),
 }
-# The extra sampler fields accepted at the top level (vLLM's `extra_body` convention), by their profile names.
 # llama.cpp's samplers (issue 39) under llama.cpp server's names, which are the profile's: every API takes them.
-LLAMA_SAMPLER_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                        "dry_sequence_breakers", "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "mirostat",
-                        "mirostat_tau", "mirostat_eta", "adaptive_p_target", "adaptive_p_decay")
+class LlamaSamplerTypes(BaseModel):
+    """JSON types of llama.cpp's sampler fields (`LLAMA_SAMPLER_FIELDS`), for each API's request model to inherit
+    (ranges are SamplingProfile's)."""
+
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    # Any items: SamplingProfile names a breaker that is not a string, with its value and what is allowed.
+    dry_sequence_breakers: list[Any] | None = None
+    top_n_sigma: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    adaptive_p_target: float | None = None
+    adaptive_p_decay: float | None = None
+
+
+LLAMA_SAMPLER_FIELDS = tuple(LlamaSamplerTypes.model_fields)
+# The extra sampler fields accepted at the top level (vLLM's `extra_body` convention), by their profile names.
 EXTRA_SAMPLER_FIELDS = ("top_k", "min_p", "typical_p", "repetition_penalty", "xtc_threshold", "xtc_probability",
                         "min_tokens", "sampler_order", "penalty_window", "penalize_prompt", *LLAMA_SAMPLER_FIELDS)
 
@@ -61,7 +79,7 @@ def check_model(wanted: str | None, served: str) -> None:
                        code="model_not_found")
 
 
-class _Types(BaseModel):
+class _Types(LlamaSamplerTypes):
     """JSON types of the fields both endpoints share (ranges are SamplingProfile's)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -91,20 +109,6 @@ class _Types(BaseModel):
     sampler_order: list[str] | None = None
     penalty_window: int | None = None
     penalize_prompt: bool | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    # Any items: SamplingProfile names a breaker that is not a string, with its value and what is allowed.
-    dry_sequence_breakers: list[Any] | None = None
-    top_n_sigma: float | None = None
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-    adaptive_p_target: float | None = None
-    adaptive_p_decay: float | None = None
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
     response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
     speculative: str | None = None  # mlxchat's extension: "off", "ngram", "auto" (see `check_speculative`)
