@@ -11,10 +11,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import metrics as M
 from . import prompts as P
+
+if TYPE_CHECKING:  # imported where a run starts: nothing here imports MLX before
+    from .runner import Experiment
+    from .store import LabStore
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
 from .metrics import SMALL_N
@@ -155,17 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         from mlxchat.core import Engine
 
         engine = Engine.load(args.model)
-    run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
-                          settings=[s.record() for s in experiment.settings],
-                          prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
-                          max_tokens=args.max_tokens)
-    try:
-        status = _execute(experiment, engine, store, run_id)
-    except BaseException:
-        store.finish(run_id, "failed")  # what finished stays stored and listed
-        raise
-    finally:
-        engine.close()
+    run_id, status = _run_experiment(experiment, engine, store)
     result = store.load(run_id)
     _outputs(result, args.json, args.report)
     print(_summary(result))
@@ -207,17 +201,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     engine = Engine.load(args.model)
     store = LabStore()
-    run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
-                          settings=[s.record() for s in experiment.settings],
-                          prompts={p.id: p.text for p in prompt_set.prompts}, seeds=args.seeds,
-                          max_tokens=args.max_tokens)
-    try:
-        status = _execute(experiment, engine, store, run_id)
-    except BaseException:
-        store.finish(run_id, "failed")
-        raise
-    finally:
-        engine.close()
+    run_id, status = _run_experiment(experiment, engine, store)
     run = store.load(run_id)
     bests = T.choose(run, args.metric)
     rows = T.compare_best(run, bests, args.metric)
@@ -240,6 +224,24 @@ def _tune(args: argparse.Namespace) -> int:
         else:
             args.json.write_text(text, encoding="utf-8")
     return 130 if status == "cancelled" else 0
+
+
+def _run_experiment(experiment: Experiment, engine: Any, store: LabStore) -> tuple[str, str]:
+    """Store a new run of `experiment` and execute it on `engine` (closed after): its id and final status. A run that
+    fails is marked so; what finished stays stored and listed."""
+    prompt_set = experiment.prompt_set
+    run_id = store.create(model=engine.name, prompt_set=prompt_set.name, prompt_set_hash=prompt_set.digest,
+                          settings=[s.record() for s in experiment.settings],
+                          prompts={p.id: p.text for p in prompt_set.prompts}, seeds=len(experiment.seeds),
+                          max_tokens=experiment.max_tokens)
+    try:
+        status = _execute(experiment, engine, store, run_id)
+    except BaseException:
+        store.finish(run_id, "failed")
+        raise
+    finally:
+        engine.close()
+    return run_id, status
 
 
 def _execute(experiment: Any, engine: Any, store: Any, run_id: int) -> str:
