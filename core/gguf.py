@@ -111,16 +111,11 @@ class _Reader:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        n = self.scalar("<Q")
-        raw = self.take(n)
-        try:
-            return str(raw, "utf-8")
-        except UnicodeDecodeError:
-            raise self.fail("a metadata string is not valid UTF-8") from None
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings, as `string` reads each, in one loop: a vocabulary and its merges are ~100k of them, where
-        a call chain per string was most of a header's parsing time."""
+        """`count` strings (each a uint64 length and its UTF-8 bytes) in one loop: a vocabulary and its merges are
+        ~100k of them, where a call chain per string was most of a header's parsing time."""
         read, pos, out = self.f.read, self.pos, []
         try:
             for _ in range(count):

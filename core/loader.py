@@ -282,9 +282,11 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
     weights = {gguf_archs.mlx_name(arch, name): value for name, value in tensors.arrays.items()}
-    formats = {gguf_archs.mlx_name(arch, f"{name}.weight").removesuffix(".weight"): fmt
-               for name, fmt in tensors.formats.items()}
-    packed = {gguf_archs.mlx_name(arch, f"{name}.weight").removesuffix(".weight") for name in tensors.packed}
+
+    def layer(name: str) -> str:  # a quantized tensor's GGUF NAME (less `.weight`) as its mlx-lm layer's path
+        return gguf_archs.mlx_name(arch, f"{name}.weight").removesuffix(".weight")
+    formats = {layer(name): fmt for name, fmt in tensors.formats.items()}
+    packed = {layer(name) for name in tensors.packed}
     try:
         args = gguf_archs.model_args(header, tied)
         model = _model_class(path, arch, stage)(args)

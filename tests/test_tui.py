@@ -674,18 +674,22 @@ async def _settle(pilot, wait_for) -> None:
 
 # The screens show the weight path (native kernel or fp32 fallback): the snapshots were taken on the native one,
 # so they are skipped on the fallback.
-@needs_native
-def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
-    app, conversation_id = snap_app
-
+def _opened(app, conversation_id, wait_for):
+    """A snapshot's run_before: the conversation open and the input focused, once the app has settled."""
     async def run_before(pilot) -> None:
         await _settle(pilot, wait_for)
         await app.chat_screen.open_conversation(conversation_id)
         await pilot.pause()
         app.chat_screen.input.focus()
         await pilot.pause()
+    return run_before
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+@needs_native
+def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
+    app, conversation_id = snap_app
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=_opened(app, conversation_id, wait_for))
 
 
 # Issue 37 item 10: 80x24 (the sidebar collapsed, a compact footer), 120 and 200 columns (a reading width).
@@ -694,14 +698,7 @@ def test_snapshot_main_screen(snap_compare, snap_app, wait_for):
 def test_snapshot_main_screen_at_each_width(snap_compare, snap_app, wait_for, size):
     app, conversation_id = snap_app
 
-    async def run_before(pilot) -> None:
-        await _settle(pilot, wait_for)
-        await app.chat_screen.open_conversation(conversation_id)
-        await pilot.pause()
-        app.chat_screen.input.focus()
-        await pilot.pause()
-
-    assert snap_compare(app, terminal_size=size, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=_opened(app, conversation_id, wait_for))
 
 
 @pytest.mark.anyio

@@ -330,6 +330,19 @@ def test_a_streaming_replys_blocks_close_when_the_next_one_starts() -> None:
     assert text[:closed_length(text)].endswith("| 1 | 2 |\n\n")
 
 
+def _count_layouts(app: App) -> list[int]:
+    """A one-item list counting the screen's layout passes from now on (Textual's private hook, for these tests)."""
+    layouts = [0]
+    refresh_layout = app.screen._refresh_layout
+
+    def count(*a, **kw):
+        layouts[0] += 1
+        return refresh_layout(*a, **kw)
+
+    app.screen._refresh_layout = count  # type: ignore[method-assign]
+    return layouts
+
+
 @pytest.mark.anyio
 async def test_a_rich_reply_streams_without_a_layout_a_batch_and_ends_as_textuals_own_markdown():
     """Issue 37 item 11: a reply with a table and code blocks streamed into one Markdown widget re-rendered its open
@@ -348,20 +361,12 @@ async def test_a_rich_reply_streams_without_a_layout_a_batch_and_ends_as_textual
     app = ReplyApp()
     async with app.run_test(size=(80, 200)) as pilot:
         view = app.query_one(MessageView)
-        layouts = 0
-        refresh_layout = app.screen._refresh_layout
-
-        def count(*a, **kw):
-            nonlocal layouts
-            layouts += 1
-            return refresh_layout(*a, **kw)
-
-        app.screen._refresh_layout = count  # type: ignore[method-assign]
+        layouts = _count_layouts(app)
         batches = [MARKDOWN_REPLY[i:i + 12] for i in range(0, len(MARKDOWN_REPLY), 12)]
         for batch in batches:
             await view.write(batch)
             await pilot.pause()
-        assert layouts < len(batches) / 3, (layouts, len(batches))
+        assert layouts[0] < len(batches) / 3, (layouts[0], len(batches))
         closed = [w for w in view.query(".closed-block")]
         assert closed and any("closed-text" in w.classes for w in closed)  # a code block, as its text for now
         assert view.text == MARKDOWN_REPLY and MARKDOWN_REPLY.endswith(str(view.query_one(OpenBlock).content))
@@ -387,19 +392,11 @@ async def test_a_reply_that_grows_needs_one_layout_not_two():
         view = app.query_one(MessageView)
         await view.write("One line.")
         await pilot.pause()
-        layouts = 0
-        refresh_layout = app.screen._refresh_layout
-
-        def count(*a, **kw):
-            nonlocal layouts
-            layouts += 1
-            return refresh_layout(*a, **kw)
-
-        app.screen._refresh_layout = count  # type: ignore[method-assign]
+        layouts = _count_layouts(app)
         await view.write(" Then enough words to need a second line and a third one too, in sixty columns.")
         await pilot.pause()
         await pilot.pause()
-        assert layouts == 1 and view.text.startswith("One line. Then")
+        assert layouts[0] == 1 and view.text.startswith("One line. Then")
         assert view.query_one(OpenBlock).size.height >= 2
 
 

@@ -64,7 +64,7 @@ uint16_t f16_bits(float v) {
 uint16_t f16_times(uint16_t d, float m) { return f16_bits(f16_value(d) * m); }
 // d * -2^k, the legacy types' bias: where d is a normal number whose product stays normal, a sign flip and k more in
 // the exponent, which is what the float product rounds to; otherwise through float. (MLX's f16 conversions are
-// software here: two of them per 32-value block were a third of reading a Q4_0 file.)
+// software here: a 1.1B Q4_0 file's reading took 0.80 s of one core through float, 0.76 s so.)
 uint16_t f16_times_minus_pow2(uint16_t d, int k) {
   const int e = (d >> 10) & 0x1F;
   if (e != 0 && e + k < 31) return uint16_t((d ^ 0x8000) + (k << 10));
