@@ -104,6 +104,8 @@ class StreamedReply(OneLayout, Vertical):
 
     async def append(self, text: str) -> None:
         self._open += text
+        if not self.is_attached:  # removed (the app quits) while a batch was on its way: nothing left to draw
+            return
         tail = self.query_one(OpenBlock)
         if (cut := closed_length(self._open)) and self._open.count("\n", 0, cut) >= self.MIN_LINES:
             closed, self._open = self._open[:cut], self._open[cut:]
@@ -215,6 +217,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         if not text:
             return
         self._parts.append(text)
+        if not self.is_attached:  # the app is quitting: the reply is saved from its parts, nothing more is drawn
+            return
         if self._stream is None:  # the first batch: the reply streams on in a StreamedReply, from what came so far
             self._stream = StreamedReply()
             await self.query_one(".body", Markdown).update("")
