@@ -199,14 +199,16 @@ class Engine:
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4,
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
-             kv_group_size: int = 64, speculative: str | Speculation = "off") -> "ChatSession":
+             kv_group_size: int = 64, speculative: str | Speculation = "off",
+             reasoning_budget: int | None = None, enable_thinking: bool | None = None) -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
-        memory for long contexts, small numeric drift); it cannot be combined with a rotating window."""
+        memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
+        `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`)."""
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
                            context_policy=context_policy,
                            kv=kv_options(kv_bits, kv_group_size,
                                          rotating=max_kv_size is not None or context_policy == "rotate"),
-                           speculative=speculative)
+                           speculative=speculative, reasoning=Reasoning.make(enable_thinking, reasoning_budget))
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(prompt_messages(prompt, system)))
