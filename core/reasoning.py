@@ -131,18 +131,19 @@ class Reasoning:
 
     enable_thinking: bool | None = None
     budget: int | None = None
+    apart: bool = True  # False: the reply's text as the model wrote it, markers and all (a raw completion)
 
     @classmethod
     def make(cls, enable_thinking: bool | None = None, budget: int | None = None,
              effort: str | None = None, field: str = "reasoning_budget") -> "Reasoning":
         """Validated settings: `budget` is a count of tokens (0 or more); `effort` (OpenAI's reasoning_effort) names
         one of EFFORT_BUDGETS when no budget is given."""
+        if effort is not None and effort not in EFFORT_BUDGETS:
+            raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}")
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
                 raise ValueError(f"{field} must be an integer of 0 or more (tokens), got {budget!r}")
         elif effort is not None:
-            if effort not in EFFORT_BUDGETS:
-                raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}")
             budget = EFFORT_BUDGETS[effort]
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
             raise ValueError(f"enable_thinking must be true or false, got {enable_thinking!r}")
@@ -270,7 +271,7 @@ class ReplyReasoning:
 
     @classmethod
     def make(cls, tokenizer: ChatTokenizer, settings: Reasoning, prompt: Sequence[int]) -> "ReplyReasoning | None":
-        markers = markers_for(tokenizer)
+        markers = markers_for(tokenizer) if settings.apart else None
         return cls(markers, tokenizer, settings, prompt) if markers is not None else None
 
     # --- the sample function (called once per token, before the previous token is read) ---------------------
