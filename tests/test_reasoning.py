@@ -187,3 +187,29 @@ def test_batch_budget_equals_solo(thinking_engine: Engine, greedy_short: Samplin
         assert "".join(e.reasoning for e in events[:-1]) == result.reasoning
         solo = thinking_engine.generate(text, profile=greedy_short, max_tokens=12, reasoning_budget=5)
         assert (solo.reasoning, solo.text) == (result.reasoning, result.text)
+
+
+def test_generate_cli_json_and_hide_thinking(thinking_engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from mlxchat.app.cli import main
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model=None, **kw: thinking_engine))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(thinking_engine.model.source) + ".config")
+    flags = ["generate", STORY, "--temperature", "0", "--max-tokens", "12", "--reasoning-budget", "4"]
+    assert main([*flags, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["reasoning"] and got["text"] and got["metrics"]["reasoning_tokens"] == 4
+    assert "think>" not in got["text"] + got["reasoning"]
+    assert main([*flags, "--json", "--hide-thinking"]) == 0
+    hidden = json.loads(capsys.readouterr().out)
+    assert "reasoning" not in hidden and hidden["text"] == got["text"]
+    assert main([*flags, "--hide-thinking"]) == 0
+    assert capsys.readouterr().out == got["text"] + "\n"  # a script reads the answer alone
+    assert main(flags) == 0
+    assert capsys.readouterr().out == got["reasoning"] + "\n\n" + got["text"] + "\n"
+    assert main([*flags, "--no-enable-thinking", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reasoning"] == ""
+    assert main([*flags[:-1], "-3"]) == 2
+    assert capsys.readouterr().err.strip() == "mlxchat: error: --reasoning-budget must be 0 or more tokens, got -3"
