@@ -213,3 +213,41 @@ def test_generate_cli_json_and_hide_thinking(thinking_engine: Engine, monkeypatc
     assert json.loads(capsys.readouterr().out)["reasoning"] == ""
     assert main([*flags[:-1], "-3"]) == 2
     assert capsys.readouterr().err.strip() == "mlxchat: error: --reasoning-budget must be 0 or more tokens, got -3"
+
+
+# --- the store (no model) -------------------------------------------------------------------------------------
+
+def test_store_migration_keeps_what_was_saved_and_stores_reasoning(tmp_path) -> None:
+    import json
+    import sqlite3
+
+    from mlxchat.app.store import MIGRATIONS, Store
+    from mlxchat.core.messages import ChatMessage
+
+    db = tmp_path / "conversations.db"
+    c = sqlite3.connect(db, isolation_level=None)
+    for step, migrate in enumerate(MIGRATIONS[:3]):  # a database as version 3 wrote it
+        migrate(c)
+        c.execute("UPDATE schema_version SET version = ?", (step + 1,))
+    c.execute("INSERT INTO conversations (title, model, created_at, updated_at) VALUES ('old', 'm', 1, 1)")
+    old = ["assistant", "<think>old way</think>kept", 1, "stop", None, None, None, None, "m", "[1,2]", None]
+    c.execute("INSERT INTO messages (conversation_id, position, role, content, created_at, finish_reason, metrics, "
+              "profile, sampler, seed, model, token_ids, traces) VALUES (1, 1, ?,?,?,?,?,?,?,?,?,?,?)", old)
+    c.execute("INSERT INTO messages (conversation_id, position, role, content, created_at) VALUES "
+              "(1, 0, 'user', 'hi', 1)")
+    # A branch saved by version 3: its tail's messages have one value fewer than version 4's.
+    c.execute("INSERT INTO forks (conversation_id, position, active, tails) VALUES (1, 1, 1, ?)",
+              (json.dumps([{"messages": [["assistant", "older", 1, "stop", None, None, None, None, "m", None,
+                                          None]], "forks": {}}, None]),))
+    c.close()
+    store = Store(db)
+    assert store.version == 4 and (tmp_path / "conversations.db.v3.bak").exists()
+    user, reply = store.messages(1)
+    assert (reply.content, reply.reasoning, reply.token_ids) == ("<think>old way</think>kept", "", (1, 2))
+    store.select_branch(1, 1, 0)  # the old branch comes back as rows of version 4
+    assert store.messages(1)[1].content == "older"
+    store.select_branch(1, 1, 1)
+    new = store.add_message(1, ChatMessage("assistant", "answer", "stop", reasoning="why"))
+    assert Store(db).messages(1)[-1].reasoning == "why" and new.reasoning == "why"
+    store.update_message(1, new.position, ChatMessage("assistant", "answer 2", "stop", reasoning="why 2"))
+    assert (Store(db).messages(1)[-1].content, Store(db).messages(1)[-1].reasoning) == ("answer 2", "why 2")

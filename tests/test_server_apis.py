@@ -348,7 +348,7 @@ def test_anthropic_tool_blocks_become_template_messages_and_choices_constrain() 
     for body, message in (
             ({"messages": [*ASK, {"role": "assistant", "content": [use]}]}, "messages.1: the reply continues"),
             ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}, *ASK]},
-             "messages.0.content.0: only text or tool_use blocks"),
+             "messages.0.content.0: only text, thinking or tool_use blocks"),
             ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages.0.content.0.tool_use_id"),
             ({"tools": [{"name": "f"}]}, "tools.0.input_schema: field required"),
             ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools.1.name: 'get_weather' is given twice"),
