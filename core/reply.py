@@ -128,7 +128,9 @@ class Reply:
         self._emit, self._cancelled = emit, cancelled
         self._detok = IncrementalDetokenizer(tok)
         # A thinking model's reasoning apart, and its budget (core/reasoning.py); None for other models.
-        self._reasoning = ReplyReasoning.make(tok, request.reasoning, prompt)
+        # With a response_format the grammar holds the whole reply: it is the answer, as the model writes it.
+        self._reasoning = (ReplyReasoning.make(tok, request.reasoning, prompt)
+                           if request.profile.response_format is None else None)
         self._thinking: list[str] = []
         if self._reasoning is not None:
             self.sample = self._reasoning.wrap(self.sample, self._sampler, peek_text(self._detok))

@@ -251,3 +251,27 @@ def test_store_migration_keeps_what_was_saved_and_stores_reasoning(tmp_path) -> 
     assert Store(db).messages(1)[-1].reasoning == "why" and new.reasoning == "why"
     store.update_message(1, new.position, ChatMessage("assistant", "answer 2", "stop", reasoning="why 2"))
     assert (Store(db).messages(1)[-1].content, Store(db).messages(1)[-1].reasoning) == ("answer 2", "why 2")
+
+
+def test_the_template_authors_nudge_is_forced_before_the_close(thinking_engine: Engine,
+                                                               greedy_short: SamplingProfile) -> None:
+    import copy
+    from dataclasses import replace
+
+    from mlxchat.core.tokenizer import ChatTokenizer
+
+    hf = copy.copy(thinking_engine.model.tokenizer.hf)
+    hf.chat_template = '{%- set reasoning_budget_message = "Time is up, answering now." %}' + THINKING_TEMPLATE
+    nudged = thinking_engine.with_model(replace(thinking_engine.model, tokenizer=ChatTokenizer(hf,
+                                                thinking_engine.model.tokenizer.eos_ids)))
+    result = nudged.generate(STORY, profile=greedy_short, max_tokens=24, reasoning_budget=3)
+    assert result.metrics.reasoning_tokens == 3  # the nudge is forced: not counted
+    assert result.reasoning.endswith("\nTime is up, answering now.") and result.text
+    assert "Time is up" not in result.text and "think>" not in result.text
+
+
+def test_speculation_with_a_budget_is_refused_in_one_line() -> None:
+    from mlxchat.core.reply import Request
+
+    with pytest.raises(ValueError, match="reasoning_budget does not combine with speculative decoding"):
+        Request.make(speculative="ngram", reasoning=Reasoning(budget=4))
