@@ -352,16 +352,16 @@ class ReplyReasoning:
         """The next accepted token was forced (by the budget)."""
         return self._pending.pop(0)[1] if self._pending else False
 
-    def feed(self, text: str, token: int | None, forced: bool, now: float) -> tuple[str, str]:
-        """One token's text delta (already past the stop strings) as (thinking, answer). `token` is its id (None for
-        text with no token: the end's flush)."""
+    def feed(self, text: str, ids: Sequence[int], forced: bool, now: float) -> tuple[str, str]:
+        """The text delta of `ids` (already past the stop strings) as (thinking, answer): one generated token, or a
+        branch's kept ids, or none (the end's flush)."""
         before = self.splitter.state
-        if token is not None:
-            text = self._restore(text, [token])
+        if before != ANSWER:  # after the close, the answer is as the decode writes it
+            text = self._restore(text, ids)
         thinking, answer = self.splitter.feed(text)
         after = self.splitter.state
-        if token is not None and not forced and before == THINKING and after == THINKING:
-            self.tokens += 1
+        if not forced and before == THINKING and after == THINKING:
+            self.tokens += len(ids)
         if after == THINKING and self.started is None:
             self.started = now
         if after == ANSWER and before != ANSWER and self.started is not None and self.ended is None:

@@ -170,8 +170,14 @@ class Reply:
             shown = shown if len(shown) == len(kept) else ()
             self._ids.extend(kept)
             self._traces.extend(shown)
-            delta, calls = self._split(self._stops.feed("".join(self._detok.add(t) for t in kept)))
-            self._emit(TokenEvent(delta, kept, self.metrics(), (), shown, calls, self._thought))
+            # Token by token through the text layer (a thinking model counts its reasoning per token), one event.
+            texts, thoughts, calls = [], [], ()
+            for t in kept:
+                text, closed = self._split(self._stops.feed(self._detok.add(t)), (t,))
+                texts.append(text)
+                thoughts.append(self._thought)
+                calls += closed
+            self._emit(TokenEvent("".join(texts), kept, self.metrics(), (), shown, calls, "".join(thoughts)))
         return "stop" if ends or self._stops.stopped else None
 
     def accept(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
@@ -195,7 +201,7 @@ class Reply:
         if self._tracer is not None and not forced:  # a token the budget forced was not drawn: no trace
             traces = (self._tracer.take(token),)
             self._traces.append(traces[0])
-        delta, calls = self._split(self._stops.feed(self._detok.add(token)), token, forced)
+        delta, calls = self._split(self._stops.feed(self._detok.add(token)), (token,), forced)
         self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces, calls, self._thought))
         if self._stops.stopped:
             return "stop"
@@ -241,14 +247,14 @@ class Reply:
         self._emit(Done(result))
         return result
 
-    def _split(self, delta: str, token: int | None = None, forced: bool = False,
+    def _split(self, delta: str, ids: Sequence[int] = (), forced: bool = False,
                end: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
         """A text delta as the reply's text and the calls it closed (all text without tools), recorded. A thinking
         model's reasoning is taken out first (into `_thought`, this delta's reasoning; core/reasoning.py)."""
         self._thought = ""
         if self._reasoning is not None:
             now = time.perf_counter()
-            self._thought, delta = self._reasoning.feed(delta, token, forced, now)
+            self._thought, delta = self._reasoning.feed(delta, ids, forced, now)
             if end:
                 thought, tail = self._reasoning.flush(now)
                 self._thought, delta = self._thought + thought, delta + tail

@@ -275,3 +275,37 @@ def test_speculation_with_a_budget_is_refused_in_one_line() -> None:
 
     with pytest.raises(ValueError, match="reasoning_budget does not combine with speculative decoding"):
         Request.make(speculative="ngram", reasoning=Reasoning(budget=4))
+
+
+@pytest.fixture(scope="module")
+def special_engine(thinking_engine: Engine) -> Engine:
+    """The thinking model with its markers as single special tokens (two of the vocabulary's control tokens
+    renamed), which a plain decode skips: the tokenizer built by the real GGUF path from the changed metadata."""
+    from dataclasses import replace
+
+    from mlxchat.core.tokenizer import from_gguf_metadata
+    from tests.model_files import embedded_metadata
+
+    meta = dict(embedded_metadata())
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[14], tokens[15] = MARKERS  # <jupyter_output>, <jupyter_script>: control tokens, never generated here
+    meta.update({"tokenizer.ggml.tokens": tokens, "tokenizer.chat_template": THINKING_TEMPLATE})
+    return thinking_engine.with_model(replace(thinking_engine.model, tokenizer=from_gguf_metadata(meta)))
+
+
+def test_special_token_markers_and_a_branch_that_closes(special_engine: Engine,
+                                                        greedy_short: SamplingProfile) -> None:
+    tok = special_engine.model.tokenizer
+    markers = markers_for(tok)
+    assert markers is not None and (markers.open_ids, markers.close_ids) == ((14,), (15,)) and markers.hidden
+    assert tok.decode([15]) == ""  # a plain decode drops it: the text layer puts it back while reasoning
+    chat = special_engine.chat(profile=greedy_short, reasoning_budget=3)
+    result = chat.send(STORY, max_tokens=10).wait()
+    assert result.metrics.reasoning_tokens == 3 and result.token_ids[3] == 15 and result.token_ids.count(15) == 1
+    assert result.reasoning and result.text and "think>" not in result.text
+    # A branch that keeps two reasoning tokens and then takes the closing token itself (as a model that closes on
+    # its own): the reasoning ends there, the answer follows, through the forced-ids path (Reply.force).
+    branch = chat.branch(-1, 2, 15, max_tokens=10).wait()
+    assert branch.token_ids[:3] == (*result.token_ids[:2], 15)
+    assert branch.reasoning == tok.decode(result.token_ids[:2]).strip() and branch.text
+    assert branch.metrics.reasoning_tokens == 2 and "think>" not in branch.text
