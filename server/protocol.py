@@ -293,10 +293,20 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
                    {**(req.chat_template_kwargs or {}), **reasoning.template_kwargs()})
 
 
+# What the server itself passes to the chat template (transformers' apply_chat_template arguments): not a client's.
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
 def reasoning_settings(template_kwargs: dict[str, Any] | None, budget: Any, effort: Any = None,
                        enable: Any = None, budget_field: str = "reasoning_budget",
                        enable_field: str = "chat_template_kwargs.enable_thinking") -> Reasoning:
     """A thinking model's settings from a request (every API's names), or an ApiError naming the field."""
+    for key in template_kwargs or {}:
+        if key in TEMPLATE_ARGUMENTS:
+            raise ApiError(400, f"chat_template_kwargs.{key}: the server sets it; leave it out", "chat_template_kwargs")
     if enable is None and template_kwargs:
         enable = template_kwargs.get("enable_thinking")
     if enable is not None and not isinstance(enable, bool):

@@ -46,12 +46,15 @@ def test_openai_reasoning_content_streamed_and_not(url: str) -> None:
         **body, "chat_template_kwargs": {"enable_thinking": False}}).json()["choices"][0]["message"]
     assert "reasoning_content" not in off and off["content"]
     # OpenAI's reasoning_effort is accepted (its budget is documented); a bad value is one line naming the field.
-    assert httpx.post(f"{url}/v1/chat/completions", json={**body, "reasoning_budget": None,
-                                                          "reasoning_effort": "minimal"}, timeout=120).status_code == 200
-    for bad, field, says in (({"reasoning_budget": -1}, "reasoning_budget", "reasoning_budget must be an integer of 0"),
+    effort = {**body, "reasoning_budget": None, "reasoning_effort": "minimal"}
+    assert httpx.post(f"{url}/v1/chat/completions", json=effort, timeout=120).status_code == 200
+    for bad, field, says in (({"reasoning_budget": -1}, "reasoning_budget",
+                              "reasoning_budget must be an integer of 0"),
                              ({"reasoning_effort": "max"}, "reasoning_effort", "reasoning_effort must be one of"),
                              ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs",
-                              "chat_template_kwargs.enable_thinking must be true or false")):
+                              "chat_template_kwargs.enable_thinking must be true or false"),
+                             ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs",
+                              "chat_template_kwargs.tokenize: the server sets it")):
         r = httpx.post(f"{url}/v1/chat/completions", json={**body, **bad}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field
         assert r.json()["error"]["message"].startswith(says)
