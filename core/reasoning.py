@@ -281,7 +281,7 @@ class ReplyReasoning:
         """`sample` with the budget: it returns the closing marker's ids itself once the reasoning reaches the budget.
         `peek(ids)` is the text the accepted tokens' detokenizer would give for `ids` next (without taking them)."""
         if self.budget is None:
-            return self._tracked(sample)
+            return sample  # nothing is forced: no token is tracked (speculation samples rows it then rejects)
 
         def step(logits: mx.array) -> tuple[mx.array, mx.array]:
             if not self._forcing and not self.cut and self._due(peek):
@@ -297,14 +297,6 @@ class ReplyReasoning:
             self._pending.append((token, False))
             return token, lp
 
-        return step
-
-    def _tracked(self, sample: Callable[[mx.array], tuple[mx.array, mx.array]]
-                 ) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
-        def step(logits: mx.array) -> tuple[mx.array, mx.array]:
-            token, lp = sample(logits)
-            self._pending.append((token, False))
-            return token, lp
         return step
 
     def _due(self, peek: Callable[[Sequence[int]], str]) -> bool:

@@ -309,3 +309,12 @@ def test_special_token_markers_and_a_branch_that_closes(special_engine: Engine,
     assert branch.token_ids[:3] == (*result.token_ids[:2], 15)
     assert branch.reasoning == tok.decode(result.token_ids[:2]).strip() and branch.text
     assert branch.metrics.reasoning_tokens == 2 and "think>" not in branch.text
+
+
+def test_speculation_without_a_budget_splits_the_same(thinking_engine: Engine, greedy_short: SamplingProfile) -> None:
+    plain = thinking_engine.generate(STORY, profile=greedy_short, max_tokens=12, enable_thinking=False)
+    guessed = thinking_engine.generate(STORY, profile=greedy_short, max_tokens=12, enable_thinking=False,
+                                       speculative="ngram")
+    assert (guessed.reasoning, guessed.text) == (plain.reasoning, plain.text)
+    thought = thinking_engine.generate(STORY, profile=greedy_short, max_tokens=12, speculative="ngram")
+    assert thought.reasoning and thought.text == "" and thought.metrics.reasoning_tokens == 12
