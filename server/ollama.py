@@ -21,6 +21,11 @@ core/constraint.py), so the reply is valid JSON when it ends with "stop".
 core/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
 (`[{"function": {"name", "arguments": {...}}}]`; streamed, each call a line of its own). History's assistant
 `tool_calls` and `role: "tool"` results (`tool_name` says whose) go through the chat template.
+
+`think` (core/reasoning.py): a thinking model's reasoning comes back apart, as `message.thinking` (/api/chat) or
+`thinking` (/api/generate), a line of its own while it streams; `think: false` turns a template's switch off, and a
+level ("low", "medium", "high") is a budget of reasoning tokens. History's `thinking` goes to the template as the
+reply's `reasoning_content`. A raw /api/generate prompt's reply is the model's text as written.
 """
 
 from __future__ import annotations
