@@ -355,7 +355,9 @@ def usage(results: list[GenerationResult]) -> dict[str, Any]:
     completion = sum(r.metrics.completion_tokens for r in results)
     return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            # OpenAI's count of reasoning tokens within completion_tokens (a thinking model's; 0 otherwise)
+            "completion_tokens_details": {"reasoning_tokens": sum(r.metrics.reasoning_tokens for r in results)}}
 
 
 def timings(m: Metrics) -> dict[str, float | int]:

@@ -34,6 +34,7 @@ def test_openai_reasoning_content_streamed_and_not(url: str) -> None:
     whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
     message = whole["choices"][0]["message"]
     _clean(message["content"], message["reasoning_content"])
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == BUDGET  # exact, as OpenAI counts it
     chunks = _sse(httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120))
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
