@@ -318,3 +318,15 @@ def test_speculation_without_a_budget_splits_the_same(thinking_engine: Engine, g
     assert (guessed.reasoning, guessed.text) == (plain.reasoning, plain.text)
     thought = thinking_engine.generate(STORY, profile=greedy_short, max_tokens=12, speculative="ngram")
     assert thought.reasoning and thought.text == "" and thought.metrics.reasoning_tokens == 12
+
+
+def test_export_folds_the_reasoning() -> None:
+    from mlxchat.app.export import markdown
+    from mlxchat.app.turns import Turn
+    from mlxchat.core.messages import ChatMessage
+
+    reply = ChatMessage("assistant", "It is 4.", "stop", {"reasoning_tokens": 5, "reasoning_s": 0.25},
+                        reasoning="2 and 2 make 4.")
+    text = markdown("Sum", [Turn(ChatMessage("user", "2+2?")), Turn(reply)], now=0)
+    assert ("<details>\n<summary>thought for 0.2 s · 5 tokens</summary>\n\n2 and 2 make 4.\n\n</details>\n\nIt is 4."
+            in text)
