@@ -56,10 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     # Thinking models (core/reasoning.py): the reasoning apart from the answer, bounded, or switched off.
     gen.add_argument("--hide-thinking", action="store_true",
                      help="print only the answer of a thinking model, not its reasoning (and no reasoning in --json)")
-    gen.add_argument("--reasoning-budget", type=int, metavar="N",
-                     help="a thinking model reasons for at most N tokens, then answers")
-    gen.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
-                     help="switch a thinking model's reasoning on or off (templates with enable_thinking)")
     add_format_flags(gen)
     gen.add_argument("--draft-model", metavar="SPEC",
                      help="the draft model of --speculative draft: a model with the same vocabulary, or self:N (the "
@@ -127,6 +123,11 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                                           "folder's kv/)")
     p.add_argument("--kv-cache-mb", type=float, help="the most the KV cache folder may hold, least recently used "
                                                      "files removed first; 0 turns the disk cache off (default 4096)")
+    # Thinking models (core/reasoning.py): a budget on the reasoning, or the template's switch.
+    p.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="a thinking model reasons for at most N tokens, then answers")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="switch a thinking model's reasoning on or off (templates with enable_thinking)")
     p.add_argument("--speculative", choices=("ngram", "draft", "auto", "off"),
                    help="guess tokens and verify them in one pass; the text is the same (ngram: from the prompt and "
                         "the reply so far; draft: a --draft-model; auto: ngram, only while it pays; default: off)")
@@ -146,6 +147,8 @@ def _check_reply_flags(args: argparse.Namespace) -> None:
         args.context_policy = "rotate"
     if args.kv_cache_mb is not None and args.kv_cache_mb < 0:
         raise ValueError(f"--kv-cache-mb must be at least 0 (0 turns the disk cache off), got {args.kv_cache_mb:g}")
+    if args.reasoning_budget is not None and args.reasoning_budget < 0:
+        raise ValueError(f"--reasoning-budget must be 0 or more tokens, got {args.reasoning_budget}")
 
 
 def _sampler_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -349,7 +352,8 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
                          "loads: use --speculative ngram or auto in the chat")
     settings = {k: v for k, v in (("context_policy", args.context_policy), ("kv_window", args.kv_window),
                                   ("speculative", args.speculative), ("kv_cache_dir", args.kv_cache_dir),
-                                  ("kv_cache_mb", args.kv_cache_mb)) if v is not None}
+                                  ("kv_cache_mb", args.kv_cache_mb), ("reasoning_budget", args.reasoning_budget),
+                                  ("enable_thinking", args.enable_thinking)) if v is not None}
     if args.new or sampling or args.profile or args.system is not None:
         settings["reopen_last"] = False
     return {"max_tokens": args.max_tokens, "profile": args.profile, "system_prompt": args.system,
@@ -368,8 +372,6 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         args.speculative = args.speculative or "draft"
     elif args.speculative == "draft":
         raise ValueError("--speculative draft needs --draft-model SPEC (a model with the same vocabulary, or self:N)")
-    if args.reasoning_budget is not None and args.reasoning_budget < 0:
-        raise ValueError(f"--reasoning-budget must be 0 or more tokens, got {args.reasoning_budget}")
     _import_core()
     check_split(args)
     profile = _profile(args)

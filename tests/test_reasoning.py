@@ -213,6 +213,11 @@ def test_generate_cli_json_and_hide_thinking(thinking_engine: Engine, monkeypatc
     assert json.loads(capsys.readouterr().out)["reasoning"] == ""
     assert main([*flags[:-1], "-3"]) == 2
     assert capsys.readouterr().err.strip() == "mlxchat: error: --reasoning-budget must be 0 or more tokens, got -3"
+    # The chat takes the same flags, as its new chat's settings (config.toml's reasoning_budget, enable_thinking).
+    from mlxchat.app.cli import chat_options, parse_args
+
+    settings = chat_options(parse_args(["chat", "--reasoning-budget", "5", "--no-enable-thinking"]))["settings"]
+    assert (settings["reasoning_budget"], settings["enable_thinking"]) == (5, False)
 
 
 # --- the store (no model) -------------------------------------------------------------------------------------
