@@ -190,7 +190,8 @@ class ReplyFeed:
                 await view.write(event.text)
                 view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
             if reply is controller.reply and event.metrics is not None:
-                self.screen.stats.show_metrics(event.metrics, label="▶ decoding")
+                thinking = bool(event.reasoning) and not event.text  # a thinking model still reasoning
+                self.screen.stats.show_metrics(event.metrics, label="▶ thinking" if thinking else "▶ decoding")
         self._pace_batches()
 
     def _pace_batches(self) -> None:
