@@ -236,6 +236,7 @@ class ToolStream:
         self.result: GenerationResult | None = None
         self.calls: list[tuple[ToolCall, str, ToolOutcome, Decision]] = []  # every call of the turn, in order
         self._cancelled = False
+        self._done: dict[str, ToolOutcome] = {}  # each distinct call of the turn (name and arguments): its outcome
         self._notices = len(self.toolbox.notices)
         # The first reply starts now, as a plain turn's does (a bad message or a busy session fails here).
         self._stream = start(self.toolbox.use(tool_choice) if tool_choice != "none" else None)
@@ -270,9 +271,20 @@ class ToolStream:
                 yield Done(result)
                 return
             step += 1
+            repeats = 0
             for call in result.tool_calls:
                 source = box.source(call.name)
                 yield ToolCallEvent(call, source)
+                key = _identity(call)
+                if key in self._done:  # the loop of a small model: the same call again gets the same result
+                    repeats += 1
+                    earlier = self._done[key]
+                    outcome = ToolOutcome(f"(this call was already made in this turn; its result) {earlier.text}",
+                                          earlier.ok, earlier.note)
+                    self._record(call, outcome)
+                    self.calls.append((call, source, outcome, "once"))
+                    yield ToolResultEvent(call, source, outcome, "once")
+                    continue
                 decision = self._decide(call, source)
                 if self._cancelled:
                     outcome = ToolOutcome("the turn was stopped before this call ran", ok=False)
@@ -282,13 +294,16 @@ class ToolStream:
                     outcome = box.run(call)
                 self._record(call, outcome)
                 self.calls.append((call, source, outcome, decision))
+                self._done[key] = outcome
                 yield ToolResultEvent(call, source, outcome, decision)
             if self._cancelled:
                 self.result = result
                 yield Done(result)
                 return
             last = step >= session.max_tool_steps
-            if last:
+            if repeats == len(result.tool_calls):  # nothing new was called: the model answers from the results
+                last = True
+            elif last:
                 yield ToolNotice(f"{step} rounds of tool calls: the model answers now, without tools "
                                  f"(max_tool_steps = {session.max_tool_steps})")
             use = box.use("none" if last else "auto")
@@ -322,6 +337,13 @@ class ToolStream:
         while self._notices < len(self.toolbox.notices):
             yield ToolNotice(self.toolbox.notices[self._notices])
             self._notices += 1
+
+
+def _identity(call: ToolCall) -> str:
+    try:
+        return json.dumps([call.name, json.loads(call.arguments)], sort_keys=True)
+    except json.JSONDecodeError:
+        return json.dumps([call.name, call.arguments])
 
 
 class AlwaysAllowed:
