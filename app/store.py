@@ -43,7 +43,7 @@ from typing import Any
 from mlxchat.core.messages import ChatMessage, Fork, Tail
 from mlxchat.core.trace import TokenTrace
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_MS = 5000
 
 
@@ -143,7 +143,13 @@ def _to_v3(c: sqlite3.Connection) -> None:
               "PRIMARY KEY (conversation_id, position))")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3]
+def _to_v4(c: sqlite3.Connection) -> None:
+    # A reply's tool calls and their results (core/tool_loop.py), as JSON; NULL in the rows already there, and
+    # missing from the alternatives saved before in forks' tails (`_full` reads them as NULL).
+    c.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3, _to_v4]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -161,7 +167,13 @@ def _compact(value: Any) -> str | None:
 
 
 _MESSAGE_COLUMNS = ("role, content, created_at, finish_reason, metrics, profile, sampler, seed, model, token_ids, "
-                    "traces")
+                    "traces, tool_calls")
+_COLUMN_COUNT = _MESSAGE_COLUMNS.count(",") + 1
+
+
+def _full(values: Sequence[Any]) -> list[Any]:
+    """A message's column values, a column added since they were saved (in a fork's tail) as NULL."""
+    return [*values, *[None] * (_COLUMN_COUNT - len(values))]
 
 
 def _message_values(message: ChatMessage, created_at: float) -> tuple:
@@ -169,15 +181,15 @@ def _message_values(message: ChatMessage, created_at: float) -> tuple:
     m = message
     return (m.role, m.content, created_at, m.finish_reason, _dumps(m.metrics or None), _dumps(m.profile or None),
             m.sampler, None if m.seed is None else str(m.seed), m.model, _compact(list(m.token_ids)),
-            _compact([t.as_dict() for t in m.traces]))
+            _compact([t.as_dict() for t in m.traces]), _compact(list(m.tool_calls)))
 
 
 def _message_fields(values: Sequence[Any]) -> tuple[tuple, float]:
     """Column values (in _MESSAGE_COLUMNS order) as ChatMessage's positional fields, and the row's created_at."""
-    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces = values
+    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces, calls = _full(values)
     return ((role, content, finish, _loads(metrics) or {}, _loads(profile) or {}, tuple(_loads(ids) or ()),
              None if seed is None else int(seed), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()),
-             sampler, model), created)
+             sampler, model, tuple(_loads(calls) or ())), created)
 
 
 def _stored(id_: int, conversation_id: int, position: int, values: Sequence[Any]) -> StoredMessage:
@@ -417,11 +429,12 @@ class Store:
         """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final); its role,
         model and creation time stay."""
         _, content, _, *rest = _message_values(message, 0.0)
-        finish, metrics, profile, sampler, seed, _, ids, traces = rest
+        finish, metrics, profile, sampler, seed, _, ids, traces, calls = rest
         with self._tx() as c:
             c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
-                      "seed = ?, token_ids = ?, traces = ? WHERE conversation_id = ? AND position = ?",
-                      (content, finish, metrics, profile, sampler, seed, ids, traces, conversation_id, position))
+                      "seed = ?, token_ids = ?, traces = ?, tool_calls = ? WHERE conversation_id = ? AND position = ?",
+                      (content, finish, metrics, profile, sampler, seed, ids, traces, calls, conversation_id,
+                       position))
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
@@ -519,6 +532,7 @@ class Store:
     def _paste(self, c: sqlite3.Connection, conversation_id: int, position: int, tail: dict[str, Any]) -> None:
         """Write a tail back as the active path from ``position`` on."""
         for i, values in enumerate(tail["messages"]):
+            values = _full(values)
             c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
                       f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position + i, *values))
         for p, fork in tail["forks"].items():
