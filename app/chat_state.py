@@ -24,6 +24,8 @@ from .turns import Notify, Refused, Reply, State, Turn
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
+
+    from .chat_tools import ChatTools
     from mlxchat.core.events import GenerationResult
 
 
@@ -34,8 +36,9 @@ class ChatState:
                  max_tokens: int | None = None, kv_window: int | None = None,
                  context_policy: ContextPolicy = "truncate", exports: Path | None = None,
                  notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0,
-                 speculative: str = "off") -> None:
+                 speculative: str = "off", tools: "ChatTools | None" = None) -> None:
         self.store = store
+        self.tools = tools if tools is not None and tools.configured else None  # MCP servers (app/chat_tools.py)
         self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
         self.speculative = speculative  # speculative decoding of the replies (config.toml's speculative)
         self.default_profile, self.default_system = default_profile, default_system
@@ -93,8 +96,15 @@ class ChatState:
                                         max_kv_size=self.kv_window if self.context_policy == "rotate" else None,
                                         context_policy=self.context_policy,
                                         # A rotating window cannot be trimmed: its replies decode plainly.
-                                        speculative="off" if self.context_policy == "rotate" else self.speculative)
+                                        speculative="off" if self.context_policy == "rotate" else self.speculative,
+                                        **self._tool_options())
         self.session.replace_history(history, forks)
+
+    def _tool_options(self) -> dict:
+        """engine.chat's tool arguments: the app's toolbox, the chat's choice, the UI's approval."""
+        if self.tools is None:
+            return {}
+        return {"tools": self.tools.toolbox, "tool_choice": self.tools.tool_choice, "approve": self.tools.approve}
 
     def index_of(self, turn: Turn) -> int | None:
         """Where ``turn``'s message is in the session's messages (system prompt first); None if it holds none."""

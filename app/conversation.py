@@ -290,6 +290,8 @@ class ChatController(ChatState):
         self.saved.conversation, self.turns, self.last_result = None, [], None
         self.profile, self.system_prompt = self.default_profile(), self.default_system
         self.session = None
+        if self.tools is not None:
+            self.tools.new_chat()  # tools on/off, "always" and the tool choice are per chat
         self._new_session()
 
     def open(self, conversation_id: int) -> None:
@@ -308,6 +310,8 @@ class ChatController(ChatState):
         changes = [t.content for t in self.turns if t.role == "system"]
         self.system_prompt = changes[-1] if changes else (record.system_prompt or "")
         self.session = None
+        if self.tools is not None:
+            self.tools.new_chat()
         self._new_session()
         if self.session is not None:
             self.session.warm()  # its KV cache saved on disk is loaded in the background: the next turn starts warm

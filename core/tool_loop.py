@@ -127,7 +127,7 @@ class Toolbox:
     `disabled` holds the names the user turned off for this chat (the TUI's tools screen)."""
 
     def __init__(self, sources: Sequence[MCPServer | Callable[..., Any]] = (), *,
-                 max_result_chars: int = MAX_RESULT_CHARS) -> None:
+                 max_result_chars: int = MAX_RESULT_CHARS, start_on_use: bool = True) -> None:
         self.servers: list[MCPServer] = []
         self.functions: dict[str, tuple[Tool, Callable[..., Any]]] = {}
         for s in sources:
@@ -139,17 +139,23 @@ class Toolbox:
             else:
                 raise ToolError("tools", f"each tool must be an MCPServer or a Python function, got {s!r}")
         self.max_result_chars = max_result_chars
+        # Whether a turn starts the servers not running yet (the API, the CLI). A UI starts them in the background
+        # (`start`) instead: a turn's first reply is started on its thread, which must not wait for a server.
+        self.start_on_use = start_on_use
         self.disabled: set[str] = set()
         self.notices: list[str] = []  # servers that did not start, names taken twice: shown once each
         self._failed: dict[str, str] = {}  # server name -> why it did not start
         self._sources: dict[str, str] = {}  # tool name -> its source
         self._lock = threading.Lock()
 
-    def start(self) -> list[tuple[str, list[Tool] | str]]:
+    def start(self, wait: bool = True) -> list[tuple[str, list[Tool] | str]]:
         """Start every server not running yet; per source (each server, then "python"), its tools or why it did
-        not start."""
+        not start. `wait=False` starts none: a server not running yet is "starting"."""
         out: list[tuple[str, list[Tool] | str]] = []
         for server in self.servers:
+            if not wait and not server.running:
+                out.append((server.name, self._failed.get(server.name, "starting")))
+                continue
             try:
                 out.append((server.name, server.start()))
                 self._failed.pop(server.name, None)
@@ -162,12 +168,13 @@ class Toolbox:
             out.append(("python", [t for t, _ in self.functions.values()]))
         return out
 
-    def tools(self) -> list[Tool]:
-        """The tools the model may call now (enabled ones of the sources that started)."""
+    def tools(self, start: bool | None = None) -> list[Tool]:
+        """The tools the model may call now (enabled ones of the sources that started; `start`: start the servers
+        not running yet, `start_on_use` when None)."""
         with self._lock:
             found: list[Tool] = []
             self._sources = {}
-            for source, tools in self.start():
+            for source, tools in self.start(self.start_on_use if start is None else start):
                 if isinstance(tools, str):
                     continue
                 for tool in tools:
