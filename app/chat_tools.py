@@ -59,7 +59,7 @@ class ChatTools:
         """Start the servers (blocking: call it from a worker thread); once per app, and again for those that did
         not start when the tools screen asks."""
         self._started = True
-        self.toolbox.start()
+        self.toolbox.start(retry=True)
 
     @property
     def started(self) -> bool:

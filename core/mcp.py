@@ -160,6 +160,11 @@ class MCPServer:
     def tools(self) -> list[Tool]:
         return self.start()
 
+    @property
+    def known_tools(self) -> list[Tool]:
+        """The tools it listed when it last started (none before it has), without starting it."""
+        return list(self._tools)
+
     def call(self, name: str, arguments: dict[str, Any] | None = None) -> ToolOutcome:
         """Call tool `name`; every failure is an outcome with ``ok=False`` and one line (see the module docstring)."""
         try:

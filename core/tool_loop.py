@@ -148,12 +148,17 @@ class Toolbox:
         self._sources: dict[str, str] = {}  # tool name -> its source
         self._lock = threading.Lock()
 
-    def start(self, wait: bool = True) -> list[tuple[str, list[Tool] | str]]:
+    def start(self, wait: bool = True, retry: bool = False) -> list[tuple[str, list[Tool] | str]]:
         """Start every server not running yet; per source (each server, then "python"), its tools or why it did
-        not start. `wait=False` starts none: a server not running yet is "starting"."""
+        not start. A server that did not start is tried again only with `retry` (a slow failure must not cost
+        every round of a turn again). `wait=False` starts none: a server not running yet is "starting"."""
         out: list[tuple[str, list[Tool] | str]] = []
         for server in self.servers:
-            if not wait and not server.running:
+            if not server.running and not wait and server.known_tools and server.name not in self._failed:
+                out.append((server.name, server.known_tools))  # it stopped (a crash): its next call starts it
+                continue
+            if not server.running and ((not wait and server.name not in self._failed)
+                                       or (server.name in self._failed and not retry)):
                 out.append((server.name, self._failed.get(server.name, "starting")))
                 continue
             try:

@@ -113,6 +113,24 @@ def test_a_server_that_does_not_start_says_why_in_one_line() -> None:
         f"MCP server broken ({sys.executable} -c {script}) did not start: missing API key"]
 
 
+def test_a_toolbox_tries_a_broken_server_once_and_keeps_a_crashed_ones_tools() -> None:
+    crashy = MCPServer.stdio("crashy", sys.executable, [TEST_SERVER], timeout=5)
+    broken = MCPServer.stdio("broken", "/nonexistent/mcp")
+    box = Toolbox([crashy, broken], start_on_use=False)
+    try:
+        assert box.tools() == [] and [s for s, _ in box.start(wait=False)] == ["crashy", "broken"]  # "starting"
+        box.start()
+        assert len(box.notices) == 1 and "broken" in box.notices[0]
+        started = time.monotonic()
+        assert box.tools(start=True) and box.notices[1:] == []  # not tried again
+        assert time.monotonic() - started < 0.5
+        assert not box.run(ToolCall("c1", "crash", "{}")).ok and not crashy.running
+        assert "add" in [t.name for t in box.tools()]  # listed while stopped: its next call starts it
+        assert box.run(ToolCall("c2", "add", '{"a": 1, "b": 2}')).text == "3"
+    finally:
+        box.close()
+
+
 def test_streamable_http(http_url: str) -> None:
     with MCPServer.http("web", http_url) as server:
         assert "add" in [t.name for t in server.tools]

@@ -135,7 +135,7 @@ class ChatScreen(Screen):
         if app.settings.mcp.servers:  # MCP servers are configured: they start now, in the background
             tools = ChatTools(app.settings.mcp, ask=lambda call, source, answer: self.post_message(
                 self.ToolApprovalNeeded(call, source, answer)))
-            self.run_worker(tools.start, thread=True, group="mcp-start", exit_on_error=False)
+            self.run_worker(lambda: self._start_tools(tools), thread=True, group="mcp-start", exit_on_error=False)
         self._controller = ChatController(
             app.store, default_profile=app.default_profile, default_system=app.settings.system_prompt,
             max_tokens=app.max_tokens, kv_window=app.settings.kv_window,
@@ -267,6 +267,12 @@ class ChatScreen(Screen):
     def _approve_tool(self, event: ToolApprovalNeeded) -> None:
         self.app.push_screen(ToolApproval(event.call.name, event.source, event.call.arguments),
                              lambda decision: event.answer(decision or "deny"))
+
+    def _start_tools(self, tools: ChatTools) -> None:
+        """On a worker thread: start the MCP servers; one that does not start is one line, and the chat goes on."""
+        tools.start()
+        for line in tools.toolbox.notices:
+            self.app.call_from_thread(self.notify, line, title="Tools", severity="error", timeout=15)
 
     def action_tools(self) -> None:
         """ctrl+o: config.toml's MCP servers and their tools, on or off for this chat, and the tool choice."""
