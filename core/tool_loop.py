@@ -270,6 +270,7 @@ class ToolStream:
         session, box = self.session, self.toolbox
         yield from self._new_notices()
         step = 0
+        kept: GenerationResult | None = None  # the last reply that made calls (kept by the session)
         while True:
             result = None
             for event in self._stream:
@@ -279,9 +280,14 @@ class ToolStream:
                 yield event
             assert result is not None
             if not result.tool_calls or self._cancelled or result.finish_reason == "cancelled":
+                if kept is not None and not result.text and result.finish_reason == "cancelled":
+                    # Stopped before the first token after results: the reply is its calls (the session keeps
+                    # it, and so must whoever shows the turn): the round that made them ends the turn.
+                    result = kept
                 self.result = result
                 yield Done(result)
                 return
+            kept = result
             step += 1
             repeats = 0
             for call in result.tool_calls:
