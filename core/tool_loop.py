@@ -328,9 +328,6 @@ class ToolStream:
             self._stream = session.continue_tools(use, max_tokens=self.max_tokens, stop=self.stop)
             yield from self._new_notices()
 
-    def __next__(self) -> Any:  # pragma: no cover - iterate with `for`
-        raise TypeError("iterate a ToolStream with for")
-
     def _decide(self, call: ToolCall, source: str) -> Decision:
         approve = self.session.approve
         if approve is None:
