@@ -250,11 +250,11 @@ def test_a_denied_or_failing_call_is_a_result_and_the_turn_goes_on(engine) -> No
 
     chat = engine.chat(tools=[explode], tool_choice="required", profile=SamplingProfile(temperature=0),
                        max_tool_steps=1)
-    events = list(chat.send("Go.", max_tokens=16))
+    events = list(chat.send("Go.", max_tokens=24))
     [result] = [e for e in events if isinstance(e, ToolResultEvent)][:1]
     assert not result.outcome.ok and result.outcome.text == "explode failed: RuntimeError: kaboom"
     chat.approve = lambda call, source: "deny"
-    events = list(chat.send("Again.", max_tokens=16, tool_choice="required"))
+    events = list(chat.send("Again.", max_tokens=24, tool_choice="required"))
     denied = [e for e in events if isinstance(e, ToolResultEvent)][0]
     assert denied.decision == "deny" and denied.outcome.text == "the user denied this call of explode"
 
