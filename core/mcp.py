@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tools import NAME_RE, Tool
+from .tools import Tool, ToolError
 
 DEFAULT_CALL_TIMEOUT_S = 30.0
 DEFAULT_START_TIMEOUT_S = 30.0
@@ -125,6 +125,7 @@ class MCPServer:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._tools: list[Tool] = []
+        self.skipped: list[str] = []  # tools it listed that cannot be offered to the model, each in one line
         self._errlog: Any = None
 
     @classmethod
@@ -250,12 +251,15 @@ class MCPServer:
             session = await stack.enter_async_context(ClientSession(read, write))
             await session.initialize()
             listed = await session.list_tools()
-            tools = []
+            tools, self.skipped = [], []
             for t in listed.tools:
-                if not NAME_RE.match(t.name):
-                    continue  # a name no chat template can carry
-                schema = t.input_schema if isinstance(t.input_schema, dict) else {"type": "object", "properties": {}}
-                tools.append(Tool(t.name, t.description or "", schema))
+                # Checked as the server checks a client's tools: a name a template can carry, a schema the
+                # constraint can enforce (else a turn offering it would fail); one that is not is left out, said.
+                try:
+                    tools.append(Tool.checked(t.name, t.description or "", t.input_schema, f"{t.name}: ",
+                                              "inputSchema"))
+                except ToolError as e:
+                    self.skipped.append(f"{self.name}'s tool {t.name!r} is left out ({e})")
             self._session = session
             ready.set_result(tools)
             await self._stop.wait()

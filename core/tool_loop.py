@@ -164,6 +164,7 @@ class Toolbox:
             try:
                 out.append((server.name, server.start()))
                 self._failed.pop(server.name, None)
+                self.notices += [line for line in server.skipped if line not in self.notices]
             except MCPError as e:
                 if self._failed.get(server.name) != str(e):
                     self.notices.append(str(e))

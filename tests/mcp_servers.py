@@ -52,6 +52,12 @@ def picture() -> ImageContent:
     return ImageContent(type="image", data=base64.b64encode(b"\x89PNG....").decode(), mime_type="image/png")
 
 
+@server.tool()
+def distinct(items: set[str]) -> str:
+    """A schema the constraint cannot enforce (uniqueItems): left out, said."""
+    return ", ".join(sorted(items))
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--http":
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
