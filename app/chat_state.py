@@ -100,6 +100,17 @@ class ChatState:
                                         **self._tool_options())
         self.session.replace_history(history, forks)
 
+    def save_tools(self) -> None:
+        """Keep this chat's tool settings (on/off, always allowed, the choice) with its conversation."""
+        if self.tools is not None and self.record is not None:
+            self.saved.write(lambda: self.store.set_setting(f"chat_tools.{self.record.id}", self.tools.state()))
+
+    def load_tools(self, conversation_id: int | None) -> None:
+        """This chat's saved tool settings (a new chat: the defaults)."""
+        if self.tools is not None:
+            self.tools.restore(None if conversation_id is None else
+                               self.store.get_setting(f"chat_tools.{conversation_id}"))
+
     def _tool_options(self) -> dict:
         """engine.chat's tool arguments: the app's toolbox, the chat's choice, the UI's approval."""
         if self.tools is None:

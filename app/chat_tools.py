@@ -9,6 +9,7 @@ answer. A question nobody answers (the app quits, the turn is stopped) is answer
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -70,6 +71,23 @@ class ChatTools:
         self.toolbox.disabled.clear()
         self.always.clear()
         self.tool_choice = "auto"
+
+    def state(self) -> str:
+        """This chat's tool settings as JSON (what the store keeps per conversation)."""
+        return json.dumps({"disabled": sorted(self.toolbox.disabled), "always": sorted(self.always),
+                           "tool_choice": self.tool_choice}, sort_keys=True)
+
+    def restore(self, state: str | None) -> None:
+        """A chat's saved tool settings (None or unreadable: the defaults)."""
+        self.new_chat()
+        try:
+            saved = json.loads(state) if state else {}
+            self.toolbox.disabled.update(str(x) for x in saved.get("disabled", ()))
+            self.always.update(str(x) for x in saved.get("always", ()))
+            if saved.get("tool_choice") in self.CHOICES:
+                self.tool_choice = saved["tool_choice"]
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            self.new_chat()
 
     def rows(self) -> list[ToolRow]:
         """What the tools screen lists (never starting a server)."""

@@ -41,8 +41,13 @@ def test_chat_tools_lists_toggles_and_asks() -> None:
         call = ToolCall("c1", "add", '{"a": 1, "b": 2}')
         assert tools.approve(call, "test") == "always" and tools.approve(call, "test") == "always"
         assert asked == [("add", "test")]  # asked once: "always" holds for the chat
+        saved = tools.state()
         tools.new_chat()
         assert tools.always == set() and tools.toolbox.disabled == set() and tools.tool_choice == "auto"
+        tools.restore(saved)
+        assert (tools.always, tools.toolbox.disabled, tools.tool_choice) == ({"add"}, {"hang"}, "required")
+        tools.restore("{not json")  # unreadable: the defaults
+        assert (tools.always, tools.toolbox.disabled, tools.tool_choice) == (set(), set(), "auto")
         tools.ask = lambda call, source, answer: None  # nobody answers: quitting denies
         threading.Timer(0.05, tools.deny_waiting).start()
         assert tools.approve(call, "test") == "deny"
@@ -95,6 +100,12 @@ async def test_the_model_calls_a_tool_from_the_chat(engine, new_app, wait_for, s
         assert not isinstance(app.screen, ToolApproval)
         conversation = screen.controller.record.id
         exported = markdown("t", screen.controller.turns)
+        # the chat's tool settings are its own: a new chat has the defaults, reopening this one brings them back
+        await pilot.press("ctrl+n")
+        assert (tools.tool_choice, tools.always, tools.toolbox.disabled) == ("auto", set(), set())
+        screen.controller.open(conversation)
+        assert (tools.tool_choice, tools.always) == ("required", {"add"}) and "hang" in tools.toolbox.disabled
+        assert screen.controller.session.tool_choice == "required"
     store = Store(tmp_path / "data" / "conversations.db")
     stored = store.messages(conversation)
     assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]

@@ -164,6 +164,7 @@ class ChatScreen(Screen):
             return
         if controller.tools is not None:
             controller.tools.deny_waiting()  # a call waiting for approval is denied: its turn ends
+            controller.save_tools()
         controller.close()
         if self._feed is not None:
             self._feed.worker.close()
@@ -283,8 +284,10 @@ class ChatScreen(Screen):
             return
 
         def closed(_: None) -> None:
-            if self._controller is not None and self._controller.session is not None:
-                self._controller.session.tool_choice = tools.tool_choice
+            if self._controller is not None:
+                if self._controller.session is not None:
+                    self._controller.session.tool_choice = tools.tool_choice
+                self._controller.save_tools()
 
         self.app.push_screen(ToolsScreen(tools), closed)
 
