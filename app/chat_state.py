@@ -36,8 +36,11 @@ class ChatState:
                  max_tokens: int | None = None, kv_window: int | None = None,
                  context_policy: ContextPolicy = "truncate", exports: Path | None = None,
                  notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0,
-                 speculative: str = "off", tools: "ChatTools | None" = None) -> None:
+                 speculative: str = "off", reasoning_budget: int | None = None,
+                 enable_thinking: bool | None = None, tools: "ChatTools | None" = None) -> None:
         self.store = store
+        # A thinking model's budget and switch for every reply (config.toml's reasoning_budget, enable_thinking).
+        self.reasoning_budget, self.enable_thinking = reasoning_budget, enable_thinking
         self.tools = tools if tools is not None and tools.configured else None  # MCP servers (app/chat_tools.py)
         self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
         self.speculative = speculative  # speculative decoding of the replies (config.toml's speculative)
@@ -97,6 +100,7 @@ class ChatState:
                                         context_policy=self.context_policy,
                                         # A rotating window cannot be trimmed: its replies decode plainly.
                                         speculative="off" if self.context_policy == "rotate" else self.speculative,
+                                        reasoning_budget=self.reasoning_budget, enable_thinking=self.enable_thinking,
                                         **self._tool_options())
         self.session.replace_history(history, forks)
 

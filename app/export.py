@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .formatting import profile_summary, stats_line
+from .formatting import profile_summary, stats_line, thought_line
 from .turns import first_reply
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ def markdown(title: str, turns: Sequence["Turn"], *, system_prompt: str = "", mo
             lines += ["## System (from here on)", "", turn.content, ""]
             continue
         lines += [f"## {'You' if turn.role == 'user' else 'Assistant'}", ""]
+        if turn.role == "assistant" and turn.message.reasoning:  # a thinking model's reasoning, folded
+            title = thought_line(turn.message.metrics)
+            lines += ["<details>", f"<summary>{title}</summary>", "", turn.message.reasoning.rstrip(), "",
+                      "</details>", ""]
         lines += tool_call_lines(turn.message.tool_calls)
         lines += [turn.content.rstrip(), ""]
         if turn.role == "assistant":

@@ -5,13 +5,14 @@ The database is the user's history, so it is never overwritten: a file that is n
 its integrity check), an SQLite file that is not mlxchat's, or one written by a newer schema raises
 :class:`StoreError` (one line: the file, what is wrong, what to do) and the file is left exactly as it was.
 
-Schema (version 3)::
+Schema (version 4)::
 
     schema_version(version)                                  -- one row
     conversations(id, title, system_prompt, profile JSON, model, created_at, updated_at)
     messages(id, conversation_id → conversations ON DELETE CASCADE, position, role, content, created_at,
              finish_reason, metrics JSON, profile JSON, sampler, seed, model,
-             token_ids JSON, traces JSON)                    -- a reply's ids and per-token traces (v3)
+             token_ids JSON, traces JSON,                    -- a reply's ids and per-token traces (v3)
+             reasoning)                                      -- a thinking model's reasoning, apart (v4)
     models(path, label, added_at)                            -- local model files/folders the user added (v2)
     settings(key, value)                                     -- small UI state, e.g. the theme (v2)
     forks(conversation_id → conversations ON DELETE CASCADE, position, active, tails JSON)   -- branches (v3)
@@ -43,7 +44,7 @@ from typing import Any
 from mlxchat.core.messages import ChatMessage, Fork, Tail
 from mlxchat.core.trace import TokenTrace
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 BUSY_TIMEOUT_MS = 5000
 
 
@@ -144,12 +145,18 @@ def _to_v3(c: sqlite3.Connection) -> None:
 
 
 def _to_v4(c: sqlite3.Connection) -> None:
+    # A thinking model's reasoning apart from the answer (core/reasoning.py); NULL in the rows already there (their
+    # content is kept as it was: a reply saved before carried no reasoning apart).
+    c.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
+
+
+def _to_v5(c: sqlite3.Connection) -> None:
     # A reply's tool calls and their results (core/tool_loop.py), as JSON; NULL in the rows already there, and
     # missing from the alternatives saved before in forks' tails (`_full` reads them as NULL).
     c.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3, _to_v4]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3, _to_v4, _to_v5]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -167,12 +174,13 @@ def _compact(value: Any) -> str | None:
 
 
 _MESSAGE_COLUMNS = ("role, content, created_at, finish_reason, metrics, profile, sampler, seed, model, token_ids, "
-                    "traces, tool_calls")
+                    "traces, reasoning, tool_calls")
 _COLUMN_COUNT = _MESSAGE_COLUMNS.count(",") + 1
 
 
 def _full(values: Sequence[Any]) -> list[Any]:
-    """A message's column values, a column added since they were saved (in a fork's tail) as NULL."""
+    """A message's column values, the columns added since they were saved (in a fork's tail: reasoning in v4,
+    tool_calls in v5) as NULL."""
     return [*values, *[None] * (_COLUMN_COUNT - len(values))]
 
 
@@ -181,15 +189,16 @@ def _message_values(message: ChatMessage, created_at: float) -> tuple:
     m = message
     return (m.role, m.content, created_at, m.finish_reason, _dumps(m.metrics or None), _dumps(m.profile or None),
             m.sampler, None if m.seed is None else str(m.seed), m.model, _compact(list(m.token_ids)),
-            _compact([t.as_dict() for t in m.traces]), _compact(list(m.tool_calls)))
+            _compact([t.as_dict() for t in m.traces]), m.reasoning or None, _compact(list(m.tool_calls)))
 
 
 def _message_fields(values: Sequence[Any]) -> tuple[tuple, float]:
     """Column values (in _MESSAGE_COLUMNS order) as ChatMessage's positional fields, and the row's created_at."""
-    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces, calls = _full(values)
+    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces, reasoning, calls = \
+        _full(values)
     return ((role, content, finish, _loads(metrics) or {}, _loads(profile) or {}, tuple(_loads(ids) or ()),
              None if seed is None else int(seed), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()),
-             sampler, model, tuple(_loads(calls) or ())), created)
+             sampler, model, reasoning or "", tuple(_loads(calls) or ())), created)
 
 
 def _stored(id_: int, conversation_id: int, position: int, values: Sequence[Any]) -> StoredMessage:
@@ -429,11 +438,12 @@ class Store:
         """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final); its role,
         model and creation time stay."""
         _, content, _, *rest = _message_values(message, 0.0)
-        finish, metrics, profile, sampler, seed, _, ids, traces, calls = rest
+        finish, metrics, profile, sampler, seed, _, ids, traces, reasoning, calls = rest
         with self._tx() as c:
             c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
-                      "seed = ?, token_ids = ?, traces = ?, tool_calls = ? WHERE conversation_id = ? AND position = ?",
-                      (content, finish, metrics, profile, sampler, seed, ids, traces, calls, conversation_id,
+                      "seed = ?, token_ids = ?, traces = ?, reasoning = ?, tool_calls = ? WHERE conversation_id = ? "
+                      "AND position = ?",
+                      (content, finish, metrics, profile, sampler, seed, ids, traces, reasoning, calls, conversation_id,
                        position))
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
@@ -532,7 +542,7 @@ class Store:
     def _paste(self, c: sqlite3.Connection, conversation_id: int, position: int, tail: dict[str, Any]) -> None:
         """Write a tail back as the active path from ``position`` on."""
         for i, values in enumerate(tail["messages"]):
-            values = _full(values)
+            values = _full(values)  # saved before v4 / v5
             c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
                       f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position + i, *values))
         for p, fork in tail["forks"].items():

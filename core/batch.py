@@ -38,6 +38,7 @@ from .kv_store import prefix_cache
 from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
+from .reasoning import Reasoning
 from .reply import Reply, Request
 from .tools import ToolUse
 from .worker import Job
@@ -66,12 +67,14 @@ class BatchRequest:
     stop: Sequence[str] = ()  # in addition to the profile's
     trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
     tools: ToolUse | None = None  # the tools the reply may call (core/tools.py)
+    reasoning: Reasoning = field(default_factory=Reasoning)  # a thinking model's budget (core/reasoning.py)
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Request = field(init=False)
 
     def __post_init__(self) -> None:
-        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace, tools=self.tools)
+        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace, tools=self.tools,
+                                    reasoning=self.reasoning)
 
     def cancel(self) -> None:
         """Stop at the next token (or prefill chunk); the request then ends with finish_reason "cancelled"."""

@@ -15,6 +15,7 @@ from .events import GenerationResult
 from .kv_store import KVStore
 from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
 from .profile import SamplingProfile
+from .reasoning import Reasoning
 from .reply import Request
 from .speculative import Speculation, check
 from .tools import ToolUse, render_messages
@@ -47,8 +48,8 @@ class ChatSession:
     def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
                  max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate",
                  kv: KVOptions = KVOptions(), speculative: str | Speculation = "off",
-                 toolbox: "Toolbox | None" = None, tool_choice: str = "auto", approve: "Approve | None" = None,
-                 max_tool_steps: int = 8) -> None:
+                 reasoning: Reasoning = Reasoning(), toolbox: "Toolbox | None" = None, tool_choice: str = "auto",
+                 approve: "Approve | None" = None, max_tool_steps: int = 8) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
@@ -59,6 +60,8 @@ class ChatSession:
             max_kv_size = engine.context_length
         self.max_kv_size, self.keep, self.kv = max_kv_size, keep, kv
         self.speculative = speculative  # each turn's default; a turn's own `speculative=` wins
+        # A thinking model's switch and budget for every turn (core/reasoning.py); may be replaced between turns.
+        self.reasoning = reasoning
         # A mode that cannot run with this cache is refused now, not at the first turn.
         check(Speculation.make(speculative), rotating=max_kv_size is not None, quantized=kv.quantized,
               draft=engine.draft is not None)
@@ -118,7 +121,8 @@ class ChatSession:
                  tools: ToolUse | None = None) -> Request:
         return self.engine.request(profile or self.profile, max_tokens, stop, trace,
                                    self.speculative if speculative is None else speculative,
-                                   rotating=self.max_kv_size is not None, quantized=self.kv.quantized, tools=tools)
+                                   rotating=self.max_kv_size is not None, quantized=self.kv.quantized,
+                                   reasoning=self.reasoning, tools=tools)
 
     def _with_tools(self, start: "Callable[[ToolUse | None], Stream]", tool_choice: str | None,
                     max_tokens: int | None, stop: Sequence[str] | None) -> Stream:
@@ -285,7 +289,7 @@ class ChatSession:
             # the Done raced the interpreter's exit and was lost).
             if (store := self._kv_store()) is not None:
                 store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
-            if not result.text and result.finish_reason == "cancelled":
+            if not result.text and not result.reasoning and result.finish_reason == "cancelled":
                 return
             earlier = continuing.tool_calls if continuing is not None else ()
             next_round = max((c.get("round", 0) for c in earlier), default=-1) + 1
@@ -294,7 +298,11 @@ class ChatSession:
                           for c in result.tool_calls)
             message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
                                   result.profile, result.token_ids, result.seed, result.traces, result.sampler,
-                                  engine.name, (*earlier, *calls))
+                                  engine.name,
+                                  # a tool turn's reasoning: each round's, in order
+                                  "\n\n".join(r for r in (continuing.reasoning if continuing else "",
+                                                            result.reasoning) if r),
+                                  (*earlier, *calls))
             with self._lock:
                 if continuing is not None:
                     if self._tree.path and self._tree.path[-1] is continuing:
@@ -363,7 +371,8 @@ class ChatSession:
         if store is None or not any(m.role != "system" for m in messages):
             return 0
         ids = self.engine.model.tokenizer.encode_chat([m.as_prompt() for m in messages],
-                                                      [m.token_ids for m in messages])
+                                                      [m.token_ids for m in messages],
+                                                      template_kwargs=self.reasoning.template_kwargs())
         return store.warm(self._conversation_cache(), ids)
 
     def _rendered(self, messages: list[ChatMessage], tools: ToolUse | None
@@ -392,8 +401,10 @@ class ChatSession:
         """The conversation's token ids, each reply as the ids it was generated as (`ChatTokenizer.encode_chat`);
         under "truncate", without its oldest turns if it would not fit with room for a reply (a quarter of the
         context at most)."""
+        kwargs = request.reasoning.template_kwargs()
+
         def encode(messages: list[dict[str, Any]], ids: list[tuple[int, ...] | None]) -> list[int]:
-            return self.engine.model.tokenizer.encode_chat(messages, ids, tools=tools)
+            return self.engine.model.tokenizer.encode_chat(messages, ids, tools=tools, template_kwargs=kwargs)
 
         prompt = encode(rendered, replies)
         if self.context_policy != "truncate" or self.max_kv_size is not None:

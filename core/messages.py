@@ -31,13 +31,17 @@ class ChatMessage:
     traces: tuple[TokenTrace, ...] = ()
     sampler: str | None = None
     model: str | None = None
+    reasoning: str = ""  # a thinking model's reasoning, apart from `content` (the answer; core/reasoning.py)
     # A reply that called tools (core/tool_loop.py): each call made on the way to its text, in order, as
     # {"id", "name", "arguments" (JSON text), "round" (which generation of the reply made it), "source" (the MCP
     # server or "python"), "result" (what the model was given back; None while not run), "ok", "note"}.
     tool_calls: tuple[dict[str, Any], ...] = ()
 
     def as_prompt(self) -> dict[str, str]:
-        """The message as a chat template reads it."""
+        """The message as a chat template reads it: a reply's reasoning as ``reasoning_content``, which the template
+        keeps or (most do, for old turns) leaves out."""
+        if self.reasoning:
+            return {"role": self.role, "content": self.content, "reasoning_content": self.reasoning}
         return {"role": self.role, "content": self.content}
 
     def as_prompts(self) -> list[dict[str, Any]]:
@@ -56,7 +60,7 @@ class ChatMessage:
                         "tool_calls": [call_entry(c["id"], c["name"], _arguments(c)) for c in calls]})
             out += [result_message(c["id"], c["result"], c["name"]) for c in calls if c.get("result") is not None]
         if self.content:
-            out.append({"role": "assistant", "content": self.content})
+            out.append(self.as_prompt())
         return out
 
     @classmethod
@@ -72,6 +76,7 @@ class ChatMessage:
         return cls(role, content, message.get("finish_reason"), dict(message.get("metrics") or {}),
                    dict(message.get("profile") or {}), tuple(message.get("token_ids") or ()), message.get("seed"),
                    traces, message.get("sampler"), message.get("model"),
+                   message.get("reasoning") or message.get("reasoning_content") or "",
                    tuple(dict(c) for c in message.get("tool_calls") or ()))
 
 

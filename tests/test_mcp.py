@@ -202,7 +202,7 @@ def test_calls_are_stored_and_a_version_3_database_keeps_everything(tmp_path: Pa
         ["assistant", "older", 1, "stop", None, None, None, None, None, None, None]], "forks": {}}, None]),))
     c.close()
     store = Store(db)
-    assert store.version == 4
+    assert store.version == 5
     assert [(m.content, m.token_ids, m.tool_calls) for m in store.messages(1)] == [("hi", (), ()),
                                                                                  ("hello", (1, 2), ())]
     store.select_branch(1, 1, 0)  # the old tail is written back as the active path
