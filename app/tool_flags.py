@@ -68,7 +68,9 @@ def start_with_tools(engine: Any, prompt: str, profile: Any, args: argparse.Name
 
     approve = None if args.yes else AlwaysAllowed(ask_on_terminal)
     chat = engine.chat(system=args.system, profile=profile, tools=servers, tool_choice=args.tool_choice or "auto",
-                       approve=approve, speculative=args.speculative or "off")
+                       approve=approve, speculative=args.speculative or "off",
+                       reasoning_budget=getattr(args, "reasoning_budget", None),
+                       enable_thinking=getattr(args, "enable_thinking", None))
     return chat.send(prompt, max_tokens=args.max_tokens, stop=args.stop)
 
 
