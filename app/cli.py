@@ -111,7 +111,8 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                    help="DRY: a string that ends every repeated sequence (repeatable; replaces the default "
                         "\\n : \" *)")
     p.add_argument("--seed", type=int, help="same seed, same text")
-    p.add_argument("--profile", help="a preset (precise, factual, chat, creative, longform, completion) or a saved profile")
+    p.add_argument("--profile",
+                   help="a preset (precise, factual, chat, creative, longform, completion) or a saved profile")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--context-policy", choices=CONTEXT_POLICIES,

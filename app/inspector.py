@@ -253,7 +253,8 @@ def _row(rank: int, c: Candidate, stages: Sequence[str]) -> InspectorRow:
 def summary(trace: TokenTrace, *, index: int, seed: int | None, profile: str | None, sampler: str | None) -> str:
     """The line over the table: which token, entropy before and after the chain, its rank, seed, profile, chain."""
     chosen = trace.chosen
-    parts = [f"token {index + 1}: {visible(chosen.text)!r} ({percent(trace.chosen_prob)}, rank {trace.chosen_rank + 1})",
+    parts = [f"token {index + 1}: {visible(chosen.text)!r} "
+             f"({percent(trace.chosen_prob)}, rank {trace.chosen_rank + 1})",
              f"entropy {trace.entropy_before:.2f} → {trace.entropy_after:.2f} nats",
              f"seed {seed if seed is not None else '–'}", f"profile {profile or 'custom'}"]
     if sampler:

@@ -291,16 +291,14 @@ def memory_bandwidth(engine: Any, nbytes: int = 1 << 30, repeats: int = 5) -> di
             t.join()
 
     many = nbytes / _timed(threaded, repeats)
-    del parts, a
+    parts = a = None  # the GB goes before MLX makes its own
 
     def mlx_sum() -> float:
         import mlx.core as mx
 
         x = mx.ones((nbytes // 4,), dtype=mx.float32)
         mx.eval(x)
-        t = _timed(lambda: mx.eval(x.sum()), repeats)
-        del x
-        return nbytes / t
+        return nbytes / _timed(lambda: mx.eval(x.sum()), repeats)
 
     mlx = engine.run(mlx_sum)
     methods = {"numpy_1_thread": one, f"numpy_{n}_threads": many, "mlx_sum": mlx}
@@ -387,7 +385,7 @@ def weight_formats(engine: Any, repeats: int = 5, formats: tuple[str, ...] = ("f
                 xs = [mx.ones((1, w.shape[1]), dtype=mx.float32) for w in base]
                 nbytes = sum(a.nbytes for q in qs for a in q)
 
-                def step(qs=qs, xs=xs, bits=bits) -> None:
+                def step(qs: list = qs, xs: list = xs, bits: int = bits) -> None:  # bound now, not at the loop's end
                     mx.eval([mx.quantized_matmul(x, *q, transpose=True, group_size=32, bits=bits)
                              for x, q in zip(xs, qs)])
             else:
@@ -397,7 +395,7 @@ def weight_formats(engine: Any, repeats: int = 5, formats: tuple[str, ...] = ("f
                 xs = [mx.ones((1, w.shape[1]), dtype=dtype) for w in ws]
                 nbytes = sum(w.nbytes for w in ws)
 
-                def step(ws=ws, xs=xs) -> None:
+                def step(ws: list = ws, xs: list = xs) -> None:
                     mx.eval([x @ w.T for x, w in zip(xs, ws)])
             times = _times(step, repeats)
             t = statistics.median(times)

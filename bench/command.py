@@ -10,7 +10,8 @@ import argparse
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the ``bench`` subcommand and its flags to ``mlxchat``'s parser."""
     bench = sub.add_parser("bench", help="benchmark against mlx-lm (and llama.cpp when installed)")
-    bench.add_argument("--quick", action="store_true", help="fewer prompt lengths, tokens and repeats: about 5 minutes on an idle 2-core machine")
+    bench.add_argument("--quick", action="store_true",
+                       help="fewer prompt lengths, tokens and repeats: about 5 minutes on an idle 2-core machine")
     bench.add_argument("--model", help="GGUF file (default: the embedded model)")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: bench/results)")
     bench.add_argument("--repeats", type=int, help="repeats per case; each figure is their median (default: 3)")

@@ -536,7 +536,8 @@ def file_targets(f: dict[str, Any]) -> list[dict[str, Any]]:
                           "in a fresh process" if mem else "not measured")),
         _target(f"{label}: load time <= {LOAD_VS_LLAMA_CPP:g}x llama.cpp's", load_ratio, LOAD_VS_LLAMA_CPP,
                 _check(load_ratio, LOAD_VS_LLAMA_CPP),
-                vs or f.get("load_error") or (f"{ours['load_s']:.2f} vs {theirs['load_s']:.2f} s" if load_ratio else "not measured")),
+                vs or f.get("load_error")
+                or (f"{ours['load_s']:.2f} vs {theirs['load_s']:.2f} s" if load_ratio else "not measured")),
         _target(f"{label}: peak RSS while loading <= {PEAK_LOAD_VS_FILE:g}x the file", peak, PEAK_LOAD_VS_FILE,
                 _check(peak, PEAK_LOAD_VS_FILE),
                 loads or (f"+{ours['peak_load_bytes'] / 1e6:.0f} MB over the process before loading{theirs_peak}"

@@ -20,7 +20,7 @@ JSON (``schema_version`` 1; times in seconds, memory in bytes, rates in tokens p
                   "decode_best", "ttft_best"}],                                     # best repeat / best repeat
       "chain_overhead": [{"system", "prompt_tokens", "greedy_tpot_s", "full_tpot_s", "overhead_pct"}],
       "trace": {"k", "max_tokens", "repeats", "untraced_tpot_s", "traced_tpot_s", "per_token_s", "overhead_pct",
-                "step_s", "traced_step_s", "step_rounds", "steps_per_round"},       # full chain, trace=k vs off (issue 14)
+                "step_s", "traced_step_s", "step_rounds", "steps_per_round"},  # full chain, trace=k vs off (issue 14)
       "chat": {"turns_run", "reply_tokens", "turns": [SAMPLE + {"turn", "cached_tokens", "prefilled_tokens",
                "context_tokens"}], "last_over_first_ttft", "median_ttft_s"},
       "rotating": {"max_kv_size", "keep", "prompt_tokens", "decode_tokens", "context_tokens", "completion_tokens",

@@ -78,8 +78,9 @@ FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, r
                   format_repeats=5, native=True, kv_disk=True, realsize=True)
 # --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
 # chain runs at 1,024 tokens only (its penalties and DRY look at the prompt too, so that DRY reads a 1k-token
-# history), and the rotating run is 2.6k tokens through a 512-token window. The TUI case keeps the full run's 3 x 128 tokens
-# (~7 s): one 32-token pair, ~0.2 s of decode each, read anywhere from 22% faster to 40% slower on this machine.
+# history), and the rotating run is 2.6k tokens through a 512-token window. The TUI case keeps the full run's
+# 3 x 128 tokens (~7 s): one 32-token pair, ~0.2 s of decode each, read anywhere from 22% faster to 40% slower on this
+# machine.
 QUICK_RUN = Config(quick=True, prompt_lengths=(32, 1024), max_tokens=32, repeats=3, full_chain_lengths=(1024,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
                    rotating_window=512, tui_repeats=3, tui_tokens=128, format_repeats=3, native=True,

@@ -98,7 +98,8 @@ class _Reader:
         self.float64 = False  # whether any metadata value is a float64 (see check_loadable)
 
     def fail(self, what: str) -> ModelLoadError:
-        return ModelLoadError(self.path, f"{what} (at byte {self.pos} of {self.size}); the file is truncated or not a GGUF model")
+        return ModelLoadError(self.path,
+                              f"{what} (at byte {self.pos} of {self.size}); the file is truncated or not a GGUF model")
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > self.size:
@@ -229,7 +230,8 @@ def _tensor(path: Path, size: int, data_start: int, name: str, dims: tuple[int, 
     nbytes = count // block * block_bytes
     end = data_start + offset + nbytes
     if end > size:
-        raise ModelLoadError(path, f"tensor {name!r} ends at byte {end} but the file has {size} bytes; the file is truncated")
+        raise ModelLoadError(path, f"tensor {name!r} ends at byte {end} but the file has {size} bytes; "
+                                   "the file is truncated")
     # GGUF lists dimensions fastest-first; MLX and mlx-lm use row-major (slowest-first).
     return TensorInfo(name, tuple(reversed(dims)), type_name, offset, nbytes)
 

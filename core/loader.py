@@ -272,7 +272,8 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     try:
         tokenizer = from_gguf_metadata(header.metadata)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: {_one_line(e)}") from None
+        raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: "
+                                   f"{_one_line(e)}") from None
     heap.give_back_freed_memory()
     # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held twice.
     names = [t.name for t in header.tensors

@@ -1,7 +1,7 @@
 """Sampling profiles: one validated parameter object per request, named presets, saved user profiles.
 
-Field names follow OpenAI / vLLM (docs/architecture.md §7). Every range is checked here, once, at the edge; an invalid value
-raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed range. Nothing here
+Field names follow OpenAI / vLLM (docs/architecture.md §7). Every range is checked here, once, at the edge; an invalid
+value raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed range. Nothing here
 imports MLX.
 
 Penalty semantics (peers differ, so they are explicit fields):
@@ -479,4 +479,5 @@ class ProfileStore:
             raise ProfileError(f"{path}: no such profile") from None
 
 
-__all__ = ["DEFAULT_ORDER", "DRY_SEQUENCE_BREAKERS", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore", "SamplingProfile"]
+__all__ = ["DEFAULT_ORDER", "DRY_SEQUENCE_BREAKERS", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore",
+           "SamplingProfile"]

@@ -19,9 +19,9 @@ It prints first among the stages (``JsonSchema(person) → TopP(0.9) → sample`
 
 **Transforms** run in the profile's ``sampler_order``; the default is
 ``top_k → typical_p → top_p → min_p → xtc → temperature`` (close to llama.cpp's; mlx-lm applies
-top_p → min_p → xtc → top_k and shares only "temperature last" with it): filters cut the untempered distribution and temperature
-reshapes only what survives, so changing the temperature never changes which tokens are allowed. (vLLM and HF apply
-temperature first; ``sampler_order=["temperature", "top_k", ...]`` gives that.) Transforms whose setting is
+top_p → min_p → xtc → top_k and shares only "temperature last" with it): filters cut the untempered distribution and
+temperature reshapes only what survives, so changing the temperature never changes which tokens are allowed. (vLLM
+and HF apply temperature first; ``sampler_order=["temperature", "top_k", ...]`` gives that.) Transforms whose setting is
 neutral are left out, and ``Sampler.describe()`` prints what runs, e.g.
 ``RepetitionPenalty(1.1) → TopK(40) → TopP(0.9) → Temperature(0.8) → sample``. Temperature 0 is greedy: the
 argmax of the processed logits (exactly ``mx.argmax``, as in mlx-lm), and no transform runs.

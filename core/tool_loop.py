@@ -185,7 +185,8 @@ class Toolbox:
                     continue
                 for tool in tools:
                     if tool.name in self._sources:
-                        line = f"{source}'s tool {tool.name} is left out: {self._sources[tool.name]} has one of that name"
+                        line = (f"{source}'s tool {tool.name} is left out: {self._sources[tool.name]} has one of "
+                                "that name")
                         if line not in self.notices:
                             self.notices.append(line)
                         continue

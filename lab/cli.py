@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import metrics as M
 from . import prompts as P
+from .metrics import SMALL_N
 
 if TYPE_CHECKING:  # imported where a run starts: nothing here imports MLX before
     from .runner import Experiment
     from .store import LabStore
 
 SUMMARY = ("pass_rate", "distinct_2", "rep_4", "self_bleu", "mean_logprob", "length")
-from .metrics import SMALL_N
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

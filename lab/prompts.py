@@ -33,7 +33,8 @@ class PromptSetError(ValueError):
 
 def user_dir() -> Path:
     """Where the user's own prompt sets live: ``prompts/`` in mlxchat's config folder."""
-    from mlxchat.core.locations import config_dir  # here: importing mlxchat.core loads MLX, which `mlxchat --help` need not
+    # Imported here: importing mlxchat.core loads MLX, which `mlxchat --help` need not.
+    from mlxchat.core.locations import config_dir
 
     return config_dir() / "prompts"
 

@@ -21,7 +21,8 @@ RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
 PER_OUTPUT = ("distinct_1", "distinct_2", "rep_4", "mean_logprob", "length", "words", "ttft_s", "tpot_s")
 METRICS = ("pass_rate", "schema_valid", "self_bleu", *PER_OUTPUT)
 # The values each metric can take: its interval is clipped to them (a t-interval over few prompts runs past them).
-RANGES = {"pass_rate": (0.0, 1.0), "schema_valid": (0.0, 1.0), "self_bleu": (0.0, 1.0), "distinct_1": (0.0, 1.0), "distinct_2": (0.0, 1.0),
+RANGES = {"pass_rate": (0.0, 1.0), "schema_valid": (0.0, 1.0), "self_bleu": (0.0, 1.0), "distinct_1": (0.0, 1.0),
+          "distinct_2": (0.0, 1.0),
           "rep_4": (0.0, 1.0), "mean_logprob": (-math.inf, 0.0), "length": (0.0, math.inf), "words": (0.0, math.inf),
           "ttft_s": (0.0, math.inf), "tpot_s": (0.0, math.inf)}
 

@@ -136,4 +136,5 @@ def compare_best(run: Run, bests: list[Best], metric: str) -> list[dict[str, Any
     return rows
 
 
-__all__ = ["RANGES", "TUNE_METRICS", "Best", "budget_values", "choose", "compare_best", "split_prompts", "tune_settings"]
+__all__ = ["RANGES", "TUNE_METRICS", "Best", "budget_values", "choose", "compare_best", "split_prompts",
+           "tune_settings"]

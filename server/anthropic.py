@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response

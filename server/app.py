@@ -8,7 +8,6 @@ cancels its requests, which leave the batch at their next token.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time

@@ -13,7 +13,8 @@ window: 0 turns the penalties off, -1 means all tokens), presence/frequency_pena
 num_predict (-1 or -2: until the context is full), num_ctx (prompt and reply together stay within it), stop,
 mirostat, mirostat_tau, mirostat_eta, and llama.cpp's other samplers under llama.cpp's names (dry_*, top_n_sigma,
 dynatemp_*, adaptive_p_*). The options that say how Ollama runs a model (num_gpu, num_thread, use_mmap, ...) have no
-meaning here and are ignored; tfs_z is refused unless neutral. `keep_alive` is accepted: the model stays loaded while the server runs.
+meaning here and are ignored; tfs_z is refused unless neutral. `keep_alive` is accepted: the model stays loaded while
+the server runs.
 `format` ("json" or a JSON schema) becomes the profile's `response_format` (OpenAI's shape; constrained decoding,
 core/constraint.py), so the reply is valid JSON when it ends with "stop".
 
@@ -351,7 +352,8 @@ def routes(service: Service) -> list[Route]:
         # Ollama's level is the file's kind ("Q4_K_M").
         level = model.quantization_kind or ("quantized" if model.quantized else "unquantized")
         return {"parent_model": "", "format": "gguf" if model.source.endswith(".gguf") else "mlx",
-                "family": family, "families": [family] if family else None, "parameter_size": parameter_size(service.engine.parameter_count()),
+                "family": family, "families": [family] if family else None,
+                "parameter_size": parameter_size(service.engine.parameter_count()),
                 "quantization_level": level}
 
     def modified_at() -> str:

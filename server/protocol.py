@@ -296,7 +296,8 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
 # What the server itself passes to the chat template (transformers' apply_chat_template arguments): not a client's.
 TEMPLATE_ARGUMENTS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask",
     "tokenizer_kwargs"})
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from mlxchat.bench import prompts, report, stats
-from mlxchat.bench.run import QUICK_RUN, Config, config_from_args, run, summary_text
+from mlxchat.bench.run import Config, config_from_args, run, summary_text
 from mlxchat.bench.systems import FULL, GREEDY, EngineRunner, MlxLmRunner, from_times, make_llama_cpp
 
 

@@ -2,8 +2,8 @@
 "mlxchat: error:", never a traceback.
 
 Most cases call `app.cli.main` in this process (the modules are already imported, and the embedded model, where one
-is needed, is the session's engine); a handful run `python -m mlxchat.app.cli` as real processes, side by side, to show the
-same at the process level, including a real answer to a prompt full of control characters.
+is needed, is the session's engine); a handful run `python -m mlxchat.app.cli` as real processes, side by side, to show
+the same at the process level, including a real answer to a prompt full of control characters.
 """
 
 from __future__ import annotations

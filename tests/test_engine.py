@@ -53,7 +53,8 @@ def test_deltas_concatenate_to_the_final_text(engine: Engine):
     assert engine.model.tokenizer.decode(ids) == stream.result.text
 
 
-@pytest.mark.parametrize("text", ["Emoji 🎉🐍👍🏽 and more 🇫🇷", "中文字符：你好，世界。日本語も。", "naïve café — ∑ ≤ ∞"])
+@pytest.mark.parametrize("text", ["Emoji 🎉🐍👍🏽 and more 🇫🇷", "中文字符：你好，世界。日本語も。",
+                                  "naïve café — ∑ ≤ ∞"])
 def test_streaming_detokenizer_never_emits_broken_utf8(engine: Engine, text: str):
     from mlxchat.core.streaming import IncrementalDetokenizer
 

@@ -213,7 +213,8 @@ def test_the_native_reader_refuses_what_does_not_fit(tmp_path: Path) -> None:
     header = _one_tensor_file(tmp_path / "t.gguf", "Q4_K", (24, 256), random_blocks("Q4_K", 24 * 256,
                                                                                      np.random.default_rng(0)))
     offset = header.data_start + header.tensors[0].offset
-    assert native.read_ggml(str(header.path), offset, "Q4_K", 24, 256, packed=False) is not None  # MLX's layout: any rows
+    # MLX's layout: any rows
+    assert native.read_ggml(str(header.path), offset, "Q4_K", 24, 256, packed=False) is not None
     with pytest.raises(ValueError, match="tiles of 16 rows"):
         native.read_ggml(str(header.path), offset, "Q4_K", 24, 256, packed=True)
     with pytest.raises(ValueError, match="cannot read tensor type IQ4_XS"):

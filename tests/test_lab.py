@@ -244,7 +244,8 @@ def test_tune_gives_each_sampler_the_same_budget_and_judges_the_best_on_held_out
     assert T.budget_values("top_k", 3) == [5, 52, 100]
     settings = T.tune_settings(["min_p", "dry", "mirostat"], 2, SamplingProfile(temperature=0.9))
     assert [s.label for s in settings] == ["min_p:min_p=0.02", "min_p:min_p=0.3", "dry:dry_multiplier=0.2",
-                                           "dry:dry_multiplier=1.6", "mirostat:mirostat_tau=2", "mirostat:mirostat_tau=8"]
+                                           "dry:dry_multiplier=1.6", "mirostat:mirostat_tau=2",
+                                           "mirostat:mirostat_tau=8"]
     assert settings[4].profile.mirostat == 2 and all(s.profile.temperature == 0.9 for s in settings)
     with pytest.raises(ValueError, match="at least two different --sampler"):
         T.tune_settings(["min_p"], 2, SamplingProfile())

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from mlxchat.core.profile import DEFAULT_ORDER, ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 
 
 @pytest.mark.parametrize("field, value, message", [

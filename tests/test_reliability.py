@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import struct
 import subprocess
 import sys
 import textwrap

@@ -349,7 +349,8 @@ def test_anthropic_tool_blocks_become_template_messages_and_choices_constrain() 
             ({"messages": [*ASK, {"role": "assistant", "content": [use]}]}, "messages.1: the reply continues"),
             ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}, *ASK]},
              "messages.0.content.0: only text, thinking or tool_use blocks"),
-            ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages.0.content.0.tool_use_id"),
+            ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+             "messages.0.content.0.tool_use_id"),
             ({"tools": [{"name": "f"}]}, "tools.0.input_schema: field required"),
             ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools.1.name: 'get_weather' is given twice"),
             ({"tool_choice": {"type": "some"}}, "tool_choice.type: must be")):

@@ -280,7 +280,8 @@ def decoder_layer(h: mx.array, keys: mx.array, values: mx.array, layer: object, 
 
 
 def set_threads(n: int) -> None:
-    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else every core up to 4)."""
+    """Threads the native ops use, the calling one included (default: MLXCHAT_NATIVE_THREADS, else every core up
+    to 4)."""
     _module().set_threads(n)
 
 
