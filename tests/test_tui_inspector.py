@@ -106,11 +106,12 @@ async def test_an_untraced_reply_is_traced_when_asked_with_the_same_tokens(new_a
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_f7_traces_a_later_turn_with_the_same_tokens(new_app, ready, reply, wait_for, seed):
+async def test_f7_traces_a_later_turn_with_the_same_tokens(new_app, ready, reply, wait_for):
     """F7 writes a reply again from the messages, fresh, with its seed: on the second turn the chat's own reply came
     from a cache that held the first turn's decode, and the draw followed last-bit logit differences, so F7 said
-    the rewrite "came out different" (issue 21). The keyed draw makes it the same reply."""
+    the rewrite "came out different" (issue 21). The keyed draw makes it the same reply. One seed here, through the
+    TUI; tests/test_seed_paths.py holds the same guarantee over seeds and paths without a terminal."""
+    seed = 2
     app = new_app(max_tokens=16)
     async with app.run_test(size=SIZE) as pilot:
         screen = await ready(pilot)
