@@ -30,7 +30,8 @@ from .chat_session import ChatSession
 from .messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .profile import SamplingProfile
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
-from .speculative import DraftModel, Speculation, check, decode, load_draft, plan
+from .generate import Row, StepLoop, prefill_all_but_last
+from .speculative import DraftModel, Speculation, check, load_draft, plan
 from .tools import Tool, ToolUse, render_messages
 from .worker import InferenceThread, Job, Stream
 
@@ -276,7 +277,7 @@ class Engine:
                     forced: Forced | None = None,
                     before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Tokens come from `core.generate.generate_step` (or `core.speculative`); the text,
+        and a final Done on `job`. Tokens come from the step loop (`core.generate.StepLoop`, one row); the text,
         stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a
         branch): it is fed to the model after the prompt, and the reply continues from it. `before_done(result)`
         runs just before the Done is emitted."""
@@ -297,16 +298,17 @@ class Engine:
         reason = reply.force(head, forced.traces) if forced else None
         if reason is None:
             reply.speculative, drafter = plan(req.speculative, cache, self.draft)
-            tokens = decode(
-                m.model, cache.layers, feed[reused:], reply.sample, max_tokens=reply.room, fed=cache.tokens,
-                context=feed, spec=req.speculative, drafter=drafter, stats=reply.speculation,
-                logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
-                on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed))))
+            row = Row(reply, cache.tokens, logprobs=req.profile.logprobs, context=feed, drafter=drafter,
+                      spec=req.speculative)
             with self._device_practices():
-                reason = reply.follow(tokens)
-                # Let go of the decode loop's arrays and let the step it queued past the reply's end finish before
-                # the result goes out: memory read after a reply is then the cache's, not a step's still in flight.
-                tokens.close()
+                if prefill_all_but_last(m.model, cache.layers, feed[reused:], cache.tokens, self.prefill_step,
+                                        job.cancelled.is_set,
+                                        lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed)))):
+                    reason = StepLoop(m.model).run(row, cache.layers, feed[-1])
+                else:
+                    reason = "cancelled"
+                # Let the step queued past the reply's end finish before the result goes out: memory read after a
+                # reply is then the cache's, not a step's still in flight.
                 mx.synchronize()
         if clear_cache_after_prefill(len(feed) - reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache

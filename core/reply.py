@@ -23,7 +23,7 @@ Per token, `Reply.accept` does what the engine's decode loop did before it: no e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -187,14 +187,6 @@ class Reply:
         if self._cancelled():
             return "cancelled"
         return None
-
-    def follow(self, tokens: Iterable[tuple[int, mx.array]]) -> FinishReason:
-        """Accept the token layer's tokens until the reply ends. A token layer that yields nothing was cancelled
-        during prefill."""
-        for token, logprobs in tokens:
-            if (reason := self.accept(token, logprobs)) is not None:
-                return reason
-        return "cancelled" if self._cancelled() else "length"
 
     def finish(self, reason: FinishReason,
                before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
