@@ -143,6 +143,7 @@ class Request:
     seed: int  # the base seed: choice i samples with seed + i
     trace: int = 0  # candidates per token in each choice's "trace" extension field (0 = none)
     tools: ToolUse | None = None  # the tools, the choice and parallel_tool_calls (None: no tools given)
+    speculative: str | None = None  # "off", "ngram" or "auto" (None: the server's default, `serve --speculative`)
 
 
 def _type_error(e: ValidationError) -> ApiError:
@@ -276,7 +277,7 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
             raise ApiError(400, "prompt must not be empty", "prompt")
         prompt = p
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
-                   bool((req.stream_options or {}).get("include_usage")), seed, trace, tools)
+                   bool((req.stream_options or {}).get("include_usage")), seed, trace, tools, req.speculative)
 
 
 def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
@@ -293,10 +294,10 @@ def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
 
 
 def check_speculative(mode: str | None) -> None:
-    """The `speculative` field. The server decodes every request in one continuous batch (core/batch.py), which
-    steps each row one token at a time: speculation does not run there, so "ngram" and "auto" are accepted and
-    decode plainly (the text is the same either way), and the response's `timings.speculative` says what ran.
-    "draft" is refused: the server loads no draft model."""
+    """The `speculative` field: "ngram" and "auto" guess tokens by prompt lookup and verify them while the request
+    has the model to itself, and decode plainly in a busy batch (core/generate.py); the text is the same either way,
+    and the response's `timings` say what ran (`draft_n`, `draft_n_accepted`). "draft" is refused: the server loads
+    no draft model."""
     if mode is None or mode in ("off", "ngram", "auto"):
         return
     if mode == "draft":

@@ -49,12 +49,13 @@ class Choice:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
                  max_tokens: int | None, trace: int, wake: asyncio.Event | None = None,
-                 tools: ToolUse | None = None) -> None:
+                 tools: ToolUse | None = None, speculative: str = "off") -> None:
         self._ready: deque = deque()
         self._pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._loop = loop
         self.wake = wake or asyncio.Event()
-        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace, tools=tools)
+        self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace, tools=tools,
+                                    speculative=speculative)
 
     def _deliver(self, event: object) -> None:
         """Called on the inference thread: queue the event; wake the loop unless a wake-up is on its way."""
@@ -168,14 +169,16 @@ class Service:
         return ids
 
     def start(self, ids: list[int], profiles: Sequence[SamplingProfile], max_tokens: int | None,
-              trace: int = 0, tools: ToolUse | None = None) -> list[Choice]:
-        """Submit one choice per profile (each may call `tools`); all or none run."""
+              trace: int = 0, tools: ToolUse | None = None, speculative: str | None = None) -> list[Choice]:
+        """Submit one choice per profile (each may call `tools`, each speculates as `speculative` says, by default
+        as the server's `--speculative`); all or none run."""
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
         wake = asyncio.Event()  # one for the request: its stream waits on all its choices at once
         try:
             for profile in profiles:
-                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools)
+                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools,
+                                speculative or self.config.speculative)
                 self.scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:
