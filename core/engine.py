@@ -180,14 +180,20 @@ class Engine:
                            parallel_tool_calls=parallel_tool_calls).wait(progress)
 
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-                    system: str | None = None) -> list[Beam]:
-        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py."""
+                    stop: Sequence[str] | None = None, system: str | None = None,
+                    cancelled: Callable[[], bool] = lambda: False) -> list[Beam]:
+        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py. Each beam is
+        a reply of the request (`max_tokens`, by default the profile's or 64; stop strings; the profile's penalties
+        and bias); `cancelled()` ends the search at the next step."""
         profile = profile or SamplingProfile(beam_size=4)
         ids = self.model.tokenizer.encode_chat(prompt_messages(prompt, system))
-        return self.run(lambda: beam_search(
-            self.model.model, self.model.tokenizer, ids, beam_size=profile.beam_size,
-            length_penalty=profile.length_penalty, max_tokens=max_tokens or profile.max_tokens or 64,
-            prefill_step=self.prefill_step))
+        self.check_fits(len(ids))
+        request = self.request(profile.model_copy(update={"beam_size": 1}), max_tokens or profile.max_tokens or 64,
+                               stop)
+        accepted = time.perf_counter()
+        return self.run(lambda: beam_search(self.model, request, ids, beam_size=profile.beam_size,
+                                            length_penalty=profile.length_penalty, prefill_step=self.prefill_step,
+                                            cancelled=cancelled, accepted=accepted))
 
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4,

@@ -97,6 +97,8 @@ class Reply:
                  rotating: bool = False, kv_window: int | None = None) -> None:
         tok = model.tokenizer
         self._request = request
+        self._again = lambda emit: Reply(model, request, prompt, emit, cancelled, accepted=accepted, context=context,
+                                         rotating=rotating, kv_window=kv_window)
         use, fmt = request.tools, request.profile.response_format
         calling = use is not None and use.calls
         if use is not None and (calling or fmt is None):  # tool_choice "none": text without call markup
@@ -157,6 +159,22 @@ class Reply:
             delta, calls = self._split(self._stops.feed("".join(self._detok.add(t) for t in kept)))
             self._emit(TokenEvent(delta, kept, self.metrics(), (), shown, calls))
         return "stop" if ends or self._stops.stopped else None
+
+    def fork(self, emit: Callable[[Event], None]) -> "Reply":
+        """Another reply to the same request that has taken the same tokens so far (its sampler's history and
+        constraint, its text and stops; emitted to `emit`, as `force` does): a beam's continuation (core/beam.py)."""
+        other = self._again(emit)
+        other.force(self._ids)
+        return other
+
+    def scores(self, logits: mx.array) -> mx.array:
+        """Every next token's log-probability under this reply's processors and constraint, nothing drawn."""
+        return self._sampler.scores(logits)
+
+    def take(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
+        """`accept` a token chosen outside the sampler (by beam search): the sampler counts it as drawn first."""
+        self._sampler.replay([token])
+        return self.accept(token, logprobs)
 
     def accept(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
         """Record one generated token and emit its delta; return why the reply ends here, or None to go on.

@@ -162,7 +162,9 @@ def profile_error(e: ValidationError) -> ApiError:
 def _refuse_unsupported(body: dict[str, Any], known: set[str]) -> None:
     for name, value in body.items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise ApiError(400, f"{name} is not supported by this server; remove it from the request", name)
+            why = " (beam search does not stream and is not served: the Python API has engine.beam_search)" \
+                if name == "best_of" else ""
+            raise ApiError(400, f"{name} is not supported by this server{why}; remove it from the request", name)
         if name not in known and name not in UNSUPPORTED:
             raise ApiError(400, f"unrecognized request field: {name}", name)
 

@@ -483,3 +483,5 @@ def test_the_server_speculates_to_the_same_text_and_the_timings_say_what_ran(ser
     for mode, words in (("draft", "needs a draft model"), ("fast", "speculative must be one of off, ngram, auto")):
         err = _chat(server, {"messages": _msgs("hi"), "speculative": mode}).json()["error"]
         assert err["param"] == "speculative" and words in err["message"]
+    err = _chat(server, {"messages": _msgs("hi"), "best_of": 3}).json()["error"]  # beam search: refused, one line
+    assert err["param"] == "best_of" and "beam search" in err["message"]
