@@ -350,8 +350,10 @@ def server_targets(section: dict | None) -> list[dict]:
 def summary_lines(section: dict | None) -> list[str]:
     if not section:
         return []
+    spec = [f"  speculation, {name}: {c['ratio']:.2f}x plain tok/s (median of {len(c['tok_s']['off'])} paired runs)"
+            for name, c in ((section.get("speculation") or {}).get("cases") or {}).items()]
     return ["Server (streaming clients, same weights):"] + [
-        "  " + _row(ServerFigures(**f)) for f in section["figures"]]
+        "  " + _row(ServerFigures(**f)) for f in section["figures"]] + spec
 
 
 def _row(f: ServerFigures) -> str:
