@@ -12,7 +12,8 @@ a growing conversation for `--turns` turns while 4 others decode: with the prefi
 turn 1's. Both servers listen on 127.0.0.1 only.
 
 Speculation (`--spec-repeats`, on mlxchat's server): one client streaming an input-grounded reply (bench/
-speculative.py's "copy text") with `speculative: "ngram"` against the same request plain, and 4 clients with
+speculative.py's grounded prompts, the next one each repeat: edit code, copy, rewrite, extract) with
+`speculative: "ngram"` against the same request plain, and 4 clients with
 `"auto"` against 4 plain; modes alternate within each repeat (the order reversed every other repeat) and a ratio is
 the median over repeats of the mode's aggregate tok/s over plain's in the same repeat, so the machine's drift cancels.
 """
@@ -168,11 +169,13 @@ def speculation(url: str, model: str, bias: dict[str, int], repeats: int, max_to
     tok/s per mode and the median ratio."""
     from .speculative import GROUNDED
 
-    cases = {"1 client ngram, grounded": (1, "ngram", GROUNDED["copy text"]), "4 clients auto": (4, "auto", PROMPT)}
+    grounded = list(GROUNDED.values())
+    cases = {"1 client ngram, grounded": (1, "ngram", grounded), "4 clients auto": (4, "auto", [PROMPT])}
     section: dict = {"repeats": repeats, "max_tokens": max_tokens, "cases": {}}
-    for name, (clients, mode, content) in cases.items():
+    for name, (clients, mode, contents) in cases.items():
         runs: dict[str, list[float]] = {"off": [], mode: []}
         for k in range(repeats):
+            content = contents[k % len(contents)]
             for m in (("off", mode) if k % 2 == 0 else (mode, "off")):
                 f = measure(url, model, clients, max_tokens, bias, "mlxchat serve", content, {"speculative": m})
                 runs[m].append(f.aggregate_tok_s)

@@ -261,6 +261,10 @@ class BatchScheduler:
         if self.prefix_cache is not None and len(prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
             self._remember(prompt[:-1], seq.cache)
         cache, seq.cache = seq.cache, None
+        if seq.row.drafter is not None and not all(type(c) is KVCache for c in cache):
+            # A sliding window (a rotating cache) cannot be trimmed once it wraps: "auto"'s rule, for every mode.
+            seq.row.drafter = seq.row.governor = None
+            seq.reply.speculative = "off"
         self._loop.join(seq.row, cache, prompt[-1])
 
     def _remember(self, ids: list[int], cache: list[KVCache]) -> None:

@@ -103,6 +103,7 @@ class StepLoop:
         self._batched = False
         self._inputs: mx.array | None = None  # each row's next input id, (rows,), lazy
         self._pending: tuple[list[Row], mx.array, list[mx.array | None]] | None = None  # queued, not yet read
+        self._verifying: Row | None = None  # the lone row in verified steps: its last token is not in its cache
 
     def run(self, row: Row, layers: list, last: int) -> "FinishReason":
         """One row alone, from its last prompt id to its end (the engine's solo path); the step queued past its end,
@@ -119,14 +120,13 @@ class StepLoop:
         """Add a row whose prompt is in `layers` but for its `last` id, which its first step runs."""
         if not self.rows:
             self.rows, self.layers, self._batched = [row], layers, False
-            if self._can_verify(row):
-                self._verify(row, last)  # the prompt's end may already continue a run of the prompt
-                if row.reason is not None:
-                    self._leave([0])
-                    return
-                last = row.context[-1]
-            self._queue_alone(row, last)
+            if row.drafter is not None and row.context[-1:] == [last]:
+                self._verifying = row  # the prompt's end may already continue a run of the prompt
+            else:
+                self._queue_alone(row, last)
             return
+        if self._verifying is not None:  # the lone row stops drafting: it has company
+            self._plain_again(self._verifying)
         # Joining rows that decode: its first token from its own one-row step, at once (not after the batch's next
         # steps), computed as the solo path computes it.
         token, lp = row.reply.sample(self.model(mx.array([[last]]), cache=layers)[0, -1])
@@ -195,7 +195,10 @@ class StepLoop:
 
     def step(self) -> None:
         """Read the pending step's tokens, with the next step built before and queued right after; rows that end
-        leave. A lone row whose drafter guessed the token read goes on with verified steps."""
+        leave. A lone row whose drafter guessed the token read goes on with verified steps, one per call."""
+        if self._verifying is not None:
+            self._verify_step(self._verifying)
+            return
         pending = self._pending
         queued = None
         if self.rows and (pending is None or any(r.reply.room > 1 or r not in pending[0] for r in self.rows)):
@@ -240,58 +243,59 @@ class StepLoop:
 
     # --- speculation ----------------------------------------------------------------------------------------
 
-    def _can_verify(self, row: Row) -> bool:
-        return row.drafter is not None and not self._batched and self.rows == [row]
-
     def _speculate(self, row: Row) -> None:
-        """The lone row's guess was right: read the token after it (already queued), then verify from there, then
-        queue plain steps again."""
+        """The lone row's guess was right: read the token after it (already queued), left pending (not in the
+        cache): verified steps go on from it."""
         _, tokens, lps = self._pending
         self._pending = self._inputs = None
-        if row.take(tokens.item(), lps[0]):  # left pending: not in the cache, the verify pass runs it
+        if row.take(tokens.item(), lps[0]):
             self._leave([0])
             return
-        self._verify(row, row.context[-1])
-        if row.reason is not None:
-            self._leave([0])
-            return
+        self._verifying = row
+
+    def _plain_again(self, row: Row) -> None:
+        """End the lone row's verified steps: queue a plain step from its pending token."""
+        row.governor.episode_done()
+        self._verifying = None
         self._queue_alone(row, row.context[-1])
 
-    def _verify(self, row: Row, last: int) -> None:
-        """Verified steps from `last` (not in the cache yet) while their guesses are kept and the row goes on."""
+    def _verify_step(self, row: Row) -> None:
+        """One verified step of the lone row: its pending token and up to k guesses in one pass, each position's token
+        drawn by its own sampler; the positions after the first token that differs from its guess are trimmed off.
+        The steps go on while they keep guesses (a step that keeps none, or no guess, returns to plain steps)."""
         g, stats, layers = row.governor, row.reply.speculation, self.layers
-        while True:
-            began = time.perf_counter()
-            guess = row.drafter.propose(row.context, min(g.k, row.reply.room - 1))
-            if not guess and not g.always:
+        began = time.perf_counter()
+        guess = row.drafter.propose(row.context, min(g.k, row.reply.room - 1))
+        if not guess and not g.always:
+            self._plain_again(row)
+            return
+        ids = [row.context[-1], *guess]
+        logits = self.model(mx.array(ids)[None], cache=layers)[0]
+        row.fed.extend(ids)
+        stats.draft_tokens += len(guess)
+        for i in range(len(ids)):
+            token, lp = row.reply.sample(logits[i])
+            mx.eval(token, lp) if row.logprobs else mx.eval(token)
+            token = token.item()
+            kept = i < len(guess) and token == guess[i]
+            if kept:
+                stats.accepted_tokens += 1
+            else:
+                if rejected := len(guess) - i:  # the positions after this one were computed for guesses that lost
+                    for c in layers:
+                        c.trim(rejected)
+                    del row.fed[-rejected:]
+                if guess:
+                    g.verified(len(guess), i, time.perf_counter() - began)
+            if row.take(token, lp, steps=i == 0):
+                g.episode_done()
+                self._verifying = None
+                self._leave([0])
+                return
+            if not kept:
                 break
-            ids = [last, *guess]
-            logits = self.model(mx.array(ids)[None], cache=layers)[0]
-            row.fed.extend(ids)
-            stats.draft_tokens += len(guess)
-            for i in range(len(ids)):
-                token, lp = row.reply.sample(logits[i])
-                mx.eval(token, lp) if row.logprobs else mx.eval(token)
-                token = token.item()
-                kept = i < len(guess) and token == guess[i]
-                if kept:
-                    stats.accepted_tokens += 1
-                else:
-                    if rejected := len(guess) - i:  # the positions after this one were computed for guesses that lost
-                        for c in layers:
-                            c.trim(rejected)
-                        del row.fed[-rejected:]
-                    if guess:
-                        g.verified(len(guess), i, time.perf_counter() - began)
-                if row.take(token, lp, steps=i == 0):
-                    g.episode_done()
-                    return
-                if not kept:
-                    break
-            last = row.context[-1]
-            if guess and i == 0 and not g.always:
-                break
-        g.episode_done()
+        if guess and i == 0 and not g.always:
+            self._plain_again(row)
 
 
 __all__ = ["Row", "Sample", "StepLoop", "prefill_all_but_last"]
