@@ -42,7 +42,7 @@ from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
 from .reply import Reply, Request
-from .speculative import NgramDrafter, Speculation
+from .speculative import Speculation, plan
 from .tools import ToolUse
 from .worker import Job
 
@@ -95,11 +95,9 @@ class _Sequence:
         self.req = req
         self.reply = Reply(engine.model, req.request, req.prompt, req.emit, req.cancelled.is_set,
                            accepted=req.accepted, context=lambda: len(self.row.fed))
-        spec = req.request.speculative
-        self.reply.speculative = spec.mode
-        drafter = NgramDrafter(spec.ngram, spec.min_ngram) if spec.on else None
         # `fed`: the ids in the sequence's cache (the loop extends it); the prompt but its last id once prefilled.
-        self.row = Row(self.reply, [], logprobs=req.profile.logprobs, context=req.prompt, drafter=drafter, spec=spec)
+        # Whether it speculates is decided when it joins, on its cache (`_join`).
+        self.row = Row(self.reply, [], logprobs=req.profile.logprobs)
         self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the loop
         self.todo: list[int] = []  # prefilled before joining; the last prompt id is the row's first step
 
@@ -256,15 +254,17 @@ class BatchScheduler:
     def _join(self, seq: _Sequence) -> None:
         """A prefilled sequence joins the step loop: its prompt's cache is stored for the prefix cache (a copy: a lone
         row decodes on its own cache), and its last prompt id is its first step."""
-        prompt = seq.req.prompt
+        prompt, spec = seq.req.prompt, seq.req.request.speculative
+        # Where speculation cannot run (a model's sliding-window layers) the request, already accepted, decodes
+        # plainly; the server loads no draft model ("draft" is refused at submission).
+        seq.reply.speculative, drafter = plan(spec, seq.cache, strict=False)
+        if drafter is not None:
+            seq.row = Row(seq.reply, seq.row.fed, logprobs=seq.req.profile.logprobs, context=prompt, drafter=drafter,
+                          spec=spec)
         self._decoding[seq.row] = seq  # from here a failure reaches it (_fail_all)
         if self.prefix_cache is not None and len(prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
             self._remember(prompt[:-1], seq.cache)
         cache, seq.cache = seq.cache, None
-        if seq.row.drafter is not None and not all(type(c) is KVCache for c in cache):
-            # A sliding window (a rotating cache) cannot be trimmed once it wraps: "auto"'s rule, for every mode.
-            seq.row.drafter = seq.row.governor = None
-            seq.reply.speculative = "off"
         self._loop.join(seq.row, cache, prompt[-1])
 
     def _remember(self, ids: list[int], cache: list[KVCache]) -> None:

@@ -303,7 +303,9 @@ class Engine:
         job.emit(PrefillProgress(reused, len(feed)))
         reason = reply.force(head, forced.traces) if forced else None
         if reason is None:
-            reply.speculative, drafter = plan(req.speculative, cache, self.draft)
+            draft = self.draft
+            reply.speculative, drafter = plan(req.speculative, cache.layers,
+                                              (lambda: draft.drafter(cache)) if draft is not None else None)
             row = Row(reply, cache.tokens, logprobs=req.profile.logprobs, context=feed, drafter=drafter,
                       spec=req.speculative)
             with self._device_practices():

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, get_args
@@ -48,6 +48,7 @@ from typing import Literal, Protocol, get_args
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
 from . import loader
 from .cache import ConversationCache, prefill
@@ -302,15 +303,22 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-def plan(spec: Speculation, cache: ConversationCache, draft: DraftModel | None) -> tuple[str, Drafter | None]:
-    """What a reply into `cache` runs: ("off", None), or the mode and its drafter. A mode asked for by name that
-    cannot run raises (`check`); "auto" is prompt lookup (its guesses are free to check: a draft model's are not),
-    and turns off where speculation cannot run."""
-    check(spec, rotating=cache.rotating, quantized=cache.kv.quantized, draft=draft is not None)
-    if not spec.on or unavailable(cache.rotating, cache.kv.quantized):
+def plan(spec: Speculation, layers: Sequence, draft: Callable[[], Drafter] | None = None, *,
+         strict: bool = True) -> tuple[str, Drafter | None]:
+    """Whether and how a reply into the KV cache `layers` speculates, for every path (the solo path, chat turns, the
+    batch): ("off", None), or the mode and its drafter. The cache's kind is read from its layers' classes, so a
+    model's own sliding-window layers count as rotating. `draft` makes the draft model's drafter (None: no draft
+    model). `strict`: a mode asked for by name that cannot run raises (`check`); otherwise (the server's batch, which
+    has accepted the request) it decodes plainly, as "auto" always does where speculation cannot run. "auto" is
+    prompt lookup: its guesses are free to check, a draft model's are not."""
+    rotating = any(isinstance(c, (RotatingKVCache, BatchRotatingKVCache)) for c in layers)
+    quantized = any(isinstance(c, QuantizedKVCache) for c in layers)
+    if strict:
+        check(spec, rotating=rotating, quantized=quantized, draft=draft is not None)
+    if not spec.on or unavailable(rotating, quantized) or (spec.mode == "draft" and draft is None):
         return "off", None
     if spec.mode == "draft":
-        return spec.mode, draft.drafter(cache)
+        return spec.mode, draft()
     return spec.mode, NgramDrafter(spec.ngram, spec.min_ngram)
 
 
