@@ -59,11 +59,11 @@ def test_speculation_alone_and_in_a_batch_changes_no_token(engine: Engine, greed
     fox = "the quick brown fox jumps over the lazy dog."
     grounded = f"Repeat exactly: {fox} {fox}"
     for profile in (greedy, SamplingProfile(temperature=0.7, seed=5)):
-        plain = _result(_submit(s, engine, grounded, profile, max_tokens=20))
-        alone = _result(_submit(s, engine, grounded, profile, max_tokens=20, speculative="ngram"))
+        plain = _result(_submit(s, engine, grounded, profile, max_tokens=14))
+        alone = _result(_submit(s, engine, grounded, profile, max_tokens=14, speculative="ngram"))
         assert alone.token_ids == plain.token_ids and alone.metrics.accepted_tokens > 0
         short = _submit(s, engine, PROMPTS[0], greedy, max_tokens=3)  # joins first, leaves after 3 tokens
-        shared = _submit(s, engine, grounded, profile, max_tokens=20, speculative="ngram")
+        shared = _submit(s, engine, grounded, profile, max_tokens=14, speculative="ngram")
         _result(short)
         joined = _result(shared)
         assert joined.token_ids == plain.token_ids

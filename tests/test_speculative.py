@@ -205,7 +205,7 @@ def test_a_row_joining_ends_the_lone_rows_verified_steps(engine) -> None:  # noq
     grounded = tok.encode_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy "
                                                             "dog. the quick brown fox jumps over the lazy dog."}])
     other = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    request = engine.request(SamplingProfile(temperature=0), 24, speculative="ngram")
+    request = engine.request(SamplingProfile(temperature=0), 14, speculative="ngram")
 
     def row(prompt: list[int], spec: bool) -> tuple[Row, list]:
         layers = make_prompt_cache(m.model)
