@@ -34,8 +34,11 @@ class ChatState:
                  max_tokens: int | None = None, kv_window: int | None = None,
                  context_policy: ContextPolicy = "truncate", exports: Path | None = None,
                  notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0,
-                 speculative: str = "off") -> None:
+                 speculative: str = "off", reasoning_budget: int | None = None,
+                 enable_thinking: bool | None = None) -> None:
         self.store = store
+        # A thinking model's budget and switch for every reply (config.toml's reasoning_budget, enable_thinking).
+        self.reasoning_budget, self.enable_thinking = reasoning_budget, enable_thinking
         self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
         self.speculative = speculative  # speculative decoding of the replies (config.toml's speculative)
         self.default_profile, self.default_system = default_profile, default_system
@@ -93,7 +96,8 @@ class ChatState:
                                         max_kv_size=self.kv_window if self.context_policy == "rotate" else None,
                                         context_policy=self.context_policy,
                                         # A rotating window cannot be trimmed: its replies decode plainly.
-                                        speculative="off" if self.context_policy == "rotate" else self.speculative)
+                                        speculative="off" if self.context_policy == "rotate" else self.speculative,
+                                        reasoning_budget=self.reasoning_budget, enable_thinking=self.enable_thinking)
         self.session.replace_history(history, forks)
 
     def index_of(self, turn: Turn) -> int | None:

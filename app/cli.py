@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
     _reply_flags(gen, policy_default="error")
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
-    gen.add_argument("--json", action="store_true", help="print one JSON object (text, finish_reason, metrics)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, reasoning, finish_reason, "
+                                                         "metrics)")
+    # Thinking models (core/reasoning.py): the reasoning apart from the answer, bounded, or switched off.
+    gen.add_argument("--hide-thinking", action="store_true",
+                     help="print only the answer of a thinking model, not its reasoning (and no reasoning in --json)")
     add_format_flags(gen)
     gen.add_argument("--draft-model", metavar="SPEC",
                      help="the draft model of --speculative draft: a model with the same vocabulary, or self:N (the "
@@ -119,6 +123,11 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                                           "folder's kv/)")
     p.add_argument("--kv-cache-mb", type=float, help="the most the KV cache folder may hold, least recently used "
                                                      "files removed first; 0 turns the disk cache off (default 4096)")
+    # Thinking models (core/reasoning.py): a budget on the reasoning, or the template's switch.
+    p.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="a thinking model reasons for at most N tokens, then answers")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="switch a thinking model's reasoning on or off (templates with enable_thinking)")
     p.add_argument("--speculative", choices=("ngram", "draft", "auto", "off"),
                    help="guess tokens and verify them in one pass; the text is the same (ngram: from the prompt and "
                         "the reply so far; draft: a --draft-model; auto: ngram, only while it pays; default: off)")
@@ -138,6 +147,8 @@ def _check_reply_flags(args: argparse.Namespace) -> None:
         args.context_policy = "rotate"
     if args.kv_cache_mb is not None and args.kv_cache_mb < 0:
         raise ValueError(f"--kv-cache-mb must be at least 0 (0 turns the disk cache off), got {args.kv_cache_mb:g}")
+    if args.reasoning_budget is not None and args.reasoning_budget < 0:
+        raise ValueError(f"--reasoning-budget must be 0 or more tokens, got {args.reasoning_budget}")
 
 
 def _sampler_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -341,7 +352,8 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
                          "loads: use --speculative ngram or auto in the chat")
     settings = {k: v for k, v in (("context_policy", args.context_policy), ("kv_window", args.kv_window),
                                   ("speculative", args.speculative), ("kv_cache_dir", args.kv_cache_dir),
-                                  ("kv_cache_mb", args.kv_cache_mb)) if v is not None}
+                                  ("kv_cache_mb", args.kv_cache_mb), ("reasoning_budget", args.reasoning_budget),
+                                  ("enable_thinking", args.enable_thinking)) if v is not None}
     if args.new or sampling or args.profile or args.system is not None:
         settings["reopen_last"] = False
     return {"max_tokens": args.max_tokens, "profile": args.profile, "system_prompt": args.system,
@@ -368,16 +380,29 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
 
     stream = _start(engine, prompt, profile, args)
     interrupts.stream = stream
+    # A thinking model's reasoning streams first (dim on a terminal), a blank line, then the answer.
+    dim = sys.stdout.isatty()
+    thinking = answered = False
     for event in stream:
         if isinstance(event, TokenEvent) and not args.json:
-            sys.stdout.write(event.text)
+            if event.reasoning and not args.hide_thinking and not answered:
+                sys.stdout.write(("\x1b[2m" if dim and not thinking else "") + event.reasoning)
+                thinking = True
+            if event.text:
+                if thinking and not answered:
+                    sys.stdout.write(("\x1b[0m" if dim else "") + "\n\n")
+                answered = True
+                sys.stdout.write(event.text)
             sys.stdout.flush()
+    if thinking and not answered and dim:
+        sys.stdout.write("\x1b[0m")
     # The reply has ended; wait for the inference thread to finish the job (it frees MLX arrays after its last
     # event), so the interpreter never finalizes while that thread runs MLX code.
     engine.run(lambda: None)
     result = stream.result
     if args.json:
-        json.dump({"text": result.text, "finish_reason": result.finish_reason, "model": engine.name,
+        json.dump({"text": result.text, **({} if args.hide_thinking else {"reasoning": result.reasoning}),
+                   "finish_reason": result.finish_reason, "model": engine.name,
                    "profile": profile.name, "sampler": result.sampler, "seed": result.seed,
                    "metrics": result.metrics.as_dict()},
                   sys.stdout, ensure_ascii=False)
@@ -459,7 +484,8 @@ def _start(engine: Any, prompt: str, profile: Any, args: argparse.Namespace) -> 
     limit = engine.context_length
     if args.context_policy == "rotate":
         chat = engine.chat(system=args.system, profile=profile, max_kv_size=args.kv_window or limit,
-                           speculative=args.speculative or "off")
+                           speculative=args.speculative or "off", reasoning_budget=args.reasoning_budget,
+                           enable_thinking=args.enable_thinking)
         return chat.send(prompt, max_tokens=args.max_tokens, stop=args.stop)
     size = engine.count_tokens(prompt, args.system)
     if size >= limit:
@@ -472,7 +498,8 @@ def _start(engine: Any, prompt: str, profile: Any, args: argparse.Namespace) -> 
               f"{engine.count_tokens(prompt, args.system)} tokens to fit the context of {limit} "
               "(--context-policy truncate)", file=sys.stderr)
     return engine.stream(prompt, profile=profile, max_tokens=args.max_tokens, stop=args.stop, system=args.system,
-                         speculative=args.speculative or "off")
+                         speculative=args.speculative or "off", reasoning_budget=args.reasoning_budget,
+                         enable_thinking=args.enable_thinking)
 
 
 def _keep_end(engine: Any, prompt: str, system: str | None, budget: int) -> str:  # noqa: ANN401 - core.Engine

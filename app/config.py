@@ -15,6 +15,8 @@ Example ``~/.config/mlxchat/config.toml``::
     reopen_last = true               # start where you left off: the last chat, not a new one (`mlxchat chat --new`)
     kv_cache_dir = "~/.cache/mlxchat/kv"  # where chats' KV caches are saved, so a reopened chat starts warm
     kv_cache_mb = 4096               # the most that folder may hold (least recently used files go first); 0: off
+    reasoning_budget = 1024          # a thinking model reasons for at most this many tokens, then answers
+    enable_thinking = false          # switch a thinking model's reasoning off (templates with enable_thinking)
 
     [keys]                           # binding id = keys (comma-separated); see the help screen (F1) for the ids
     regenerate = "ctrl+r,f12"
@@ -67,6 +69,10 @@ class Settings(BaseModel):
     kv_cache_dir: str | None = None
     kv_cache_mb: float = Field(default=DEFAULT_BUDGET_MB, ge=0)
     keys: dict[str, str] = Field(default_factory=dict)
+    # Thinking models (core/reasoning.py): the reasoning's budget in tokens (None: none), and the template's switch
+    # (None: the template's default).
+    reasoning_budget: int | None = Field(default=None, ge=0)
+    enable_thinking: bool | None = None
 
     @field_validator("keys")
     @classmethod

@@ -172,12 +172,14 @@ class ChatController(ChatState):
             reply.cached = done  # the first report counts what the cache already held
         return reply
 
-    def on_tokens(self, stream: "Stream", text: str, count: int, metrics: "Metrics | None") -> Reply | None:
+    def on_tokens(self, stream: "Stream", text: str, count: int, metrics: "Metrics | None",
+                  reasoning: str = "") -> Reply | None:
         reply = self._replies.get(stream)
         if reply is None:
             return None
         reply.tokens += count
         reply.turn.message.content += text
+        reply.turn.message.reasoning += reasoning
         reply.metrics = metrics or reply.metrics
         if reply is self.reply:
             self.state = State.STREAMING

@@ -95,6 +95,7 @@ class EngineWorker:
         text: str
         metrics: "Metrics | None"
         count: int
+        reasoning: str = ""  # a thinking model's reasoning in this batch (it comes before the answer's text)
 
     @dataclass
     class Finished(Message):
@@ -183,23 +184,27 @@ class EngineWorker:
         from mlxchat.core.events import Done, PrefillProgress, TokenEvent
 
         pending: list[str] = []
+        thought: list[str] = []
         count = 0
         metrics = None
         last_post = last_event = time.perf_counter()
 
         def flush() -> None:
-            nonlocal pending, count, last_post
-            if pending or count:
-                self._post(self.Tokens(stream, "".join(pending), metrics, count))
+            nonlocal pending, thought, count, last_post
+            if pending or thought or count:
+                self._post(self.Tokens(stream, "".join(pending), metrics, count, "".join(thought)))
                 self.batches_posted += 1
-            pending, count = [], 0
+            pending, thought, count = [], [], 0
             last_post = time.perf_counter()
 
         try:
             for event in stream:
                 now = time.perf_counter()
                 if isinstance(event, TokenEvent):
+                    if event.reasoning and pending:  # a batch is reasoning then answer, never answer then reasoning
+                        flush()
                     pending.append(event.text)
+                    thought.append(event.reasoning)
                     count += len(event.token_ids)
                     metrics = event.metrics
                     # Post when the batch is ~40 ms old, or when waiting for the next token (judging by the last

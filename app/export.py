@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .formatting import profile_summary, stats_line
+from .formatting import profile_summary, stats_line, thought_line
 from .turns import first_reply
 
 if TYPE_CHECKING:
@@ -45,7 +45,12 @@ def markdown(title: str, turns: Sequence["Turn"], *, system_prompt: str = "", mo
         if turn.role == "system":
             lines += ["## System (from here on)", "", turn.content, ""]
             continue
-        lines += [f"## {'You' if turn.role == 'user' else 'Assistant'}", "", turn.content.rstrip(), ""]
+        lines += [f"## {'You' if turn.role == 'user' else 'Assistant'}", ""]
+        if turn.role == "assistant" and turn.message.reasoning:  # a thinking model's reasoning, folded
+            title = thought_line(turn.message.metrics)
+            lines += ["<details>", f"<summary>{title}</summary>", "", turn.message.reasoning.rstrip(), "",
+                      "</details>", ""]
+        lines += [turn.content.rstrip(), ""]
         if turn.role == "assistant":
             m = turn.message
             stats = f"error: {turn.error}" if turn.error else stats_line(m.metrics, m.finish_reason,

@@ -109,6 +109,8 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
         f"{_get(m, 'completion_tokens')} tokens",
         f"{fmt_seconds(_get(m, 'ttft_s', 0.0))} to first token",
     ]
+    if _get(m, "reasoning_tokens") or _get(m, "reasoning_s", 0.0):  # a thinking model: when its answer began
+        parts.append(f"{fmt_seconds(_get(m, 'answer_ttft_s', 0.0))} to the answer")
     if finish_reason:
         parts.append(FINISH.get(finish_reason, f"stop: {finish_reason}"))
     prompt, cached = _get(m, "prompt_tokens"), _get(m, "cached_tokens")
@@ -131,6 +133,15 @@ def stats_line(metrics: Mapping[str, Any] | Any, finish_reason: str | None = Non
     if profile_name:
         parts.append(f"profile {profile_name}")
     return FIELD_SEP.join(parts)
+
+
+def thought_line(metrics: Mapping[str, Any] | Any, streaming: bool = False) -> str:
+    """A thinking model's reasoning block title: "thought for 3.2 s · 412 tokens" ("thinking… 12 tokens" while it
+    streams)."""
+    tokens = _get(metrics or {}, "reasoning_tokens")
+    if streaming:
+        return f"thinking… {tokens} tokens"
+    return f"thought for {_get(metrics or {}, 'reasoning_s', 0.0):.1f} s · {tokens} tokens"
 
 
 def wrap_fields(line: str, width: int) -> list[str]:

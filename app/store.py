@@ -5,13 +5,14 @@ The database is the user's history, so it is never overwritten: a file that is n
 its integrity check), an SQLite file that is not mlxchat's, or one written by a newer schema raises
 :class:`StoreError` (one line: the file, what is wrong, what to do) and the file is left exactly as it was.
 
-Schema (version 3)::
+Schema (version 4)::
 
     schema_version(version)                                  -- one row
     conversations(id, title, system_prompt, profile JSON, model, created_at, updated_at)
     messages(id, conversation_id → conversations ON DELETE CASCADE, position, role, content, created_at,
              finish_reason, metrics JSON, profile JSON, sampler, seed, model,
-             token_ids JSON, traces JSON)                    -- a reply's ids and per-token traces (v3)
+             token_ids JSON, traces JSON,                    -- a reply's ids and per-token traces (v3)
+             reasoning)                                      -- a thinking model's reasoning, apart (v4)
     models(path, label, added_at)                            -- local model files/folders the user added (v2)
     settings(key, value)                                     -- small UI state, e.g. the theme (v2)
     forks(conversation_id → conversations ON DELETE CASCADE, position, active, tails JSON)   -- branches (v3)
@@ -43,7 +44,7 @@ from typing import Any
 from mlxchat.core.messages import ChatMessage, Fork, Tail
 from mlxchat.core.trace import TokenTrace
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_MS = 5000
 
 
@@ -143,7 +144,13 @@ def _to_v3(c: sqlite3.Connection) -> None:
               "PRIMARY KEY (conversation_id, position))")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3]
+def _to_v4(c: sqlite3.Connection) -> None:
+    # A thinking model's reasoning apart from the answer (core/reasoning.py); NULL in the rows already there (their
+    # content is kept as it was: a reply saved before carried no reasoning apart).
+    c.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3, _to_v4]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -161,7 +168,7 @@ def _compact(value: Any) -> str | None:
 
 
 _MESSAGE_COLUMNS = ("role, content, created_at, finish_reason, metrics, profile, sampler, seed, model, token_ids, "
-                    "traces")
+                    "traces, reasoning")
 
 
 def _message_values(message: ChatMessage, created_at: float) -> tuple:
@@ -169,15 +176,17 @@ def _message_values(message: ChatMessage, created_at: float) -> tuple:
     m = message
     return (m.role, m.content, created_at, m.finish_reason, _dumps(m.metrics or None), _dumps(m.profile or None),
             m.sampler, None if m.seed is None else str(m.seed), m.model, _compact(list(m.token_ids)),
-            _compact([t.as_dict() for t in m.traces]))
+            _compact([t.as_dict() for t in m.traces]), m.reasoning or None)
 
 
 def _message_fields(values: Sequence[Any]) -> tuple[tuple, float]:
     """Column values (in _MESSAGE_COLUMNS order) as ChatMessage's positional fields, and the row's created_at."""
-    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces = values
+    # A branch's tail saved in JSON before v4 has one value fewer (no reasoning).
+    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces, reasoning = (
+        *values, *[None] * (_MESSAGE_COLUMNS.count(",") + 1 - len(values)))
     return ((role, content, finish, _loads(metrics) or {}, _loads(profile) or {}, tuple(_loads(ids) or ()),
              None if seed is None else int(seed), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()),
-             sampler, model), created)
+             sampler, model, reasoning or ""), created)
 
 
 def _stored(id_: int, conversation_id: int, position: int, values: Sequence[Any]) -> StoredMessage:
@@ -417,11 +426,12 @@ class Store:
         """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final); its role,
         model and creation time stay."""
         _, content, _, *rest = _message_values(message, 0.0)
-        finish, metrics, profile, sampler, seed, _, ids, traces = rest
+        finish, metrics, profile, sampler, seed, _, ids, traces, reasoning = rest
         with self._tx() as c:
             c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
-                      "seed = ?, token_ids = ?, traces = ? WHERE conversation_id = ? AND position = ?",
-                      (content, finish, metrics, profile, sampler, seed, ids, traces, conversation_id, position))
+                      "seed = ?, token_ids = ?, traces = ?, reasoning = ? WHERE conversation_id = ? AND position = ?",
+                      (content, finish, metrics, profile, sampler, seed, ids, traces, reasoning, conversation_id,
+                       position))
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
@@ -519,6 +529,7 @@ class Store:
     def _paste(self, c: sqlite3.Connection, conversation_id: int, position: int, tail: dict[str, Any]) -> None:
         """Write a tail back as the active path from ``position`` on."""
         for i, values in enumerate(tail["messages"]):
+            values = [*values, *[None] * (_MESSAGE_COLUMNS.count(",") + 1 - len(values))]  # saved before v4
             c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
                       f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position + i, *values))
         for p, fork in tail["forks"].items():

@@ -23,7 +23,7 @@ Notify = Callable[[str, Severity], None]
 def keeps(result: "GenerationResult") -> bool:
     """Whether a finished reply stays in the chat: not when it was stopped before its first token (what the
     ChatSession keeps, too)."""
-    return bool(result.text) or result.finish_reason != "cancelled"
+    return bool(result.text) or bool(result.reasoning) or result.finish_reason != "cancelled"
 
 
 def step_to(count: int, current: int | None, step: int) -> int | None:

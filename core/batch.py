@@ -41,6 +41,7 @@ from .kv_store import prefix_cache
 from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
+from .reasoning import Reasoning
 from .reply import Reply, Request
 from .speculative import Speculation, plan
 from .tools import ToolUse
@@ -70,6 +71,7 @@ class BatchRequest:
     stop: Sequence[str] = ()  # in addition to the profile's
     trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
     tools: ToolUse | None = None  # the tools the reply may call (core/tools.py)
+    reasoning: Reasoning = field(default_factory=Reasoning)  # a thinking model's budget (core/reasoning.py)
     speculative: str | Speculation | None = None  # "ngram" or "auto": guess and verify while alone (core/generate.py)
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -77,7 +79,7 @@ class BatchRequest:
 
     def __post_init__(self) -> None:
         self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace, self.speculative,
-                                    tools=self.tools)
+                                    tools=self.tools, reasoning=self.reasoning)
         if self.request.speculative.mode == "draft":
             raise ValueError("speculative='draft' needs a draft model, which the batch scheduler does not run: use "
                              "'ngram', 'auto' or 'off'")

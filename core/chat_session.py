@@ -15,6 +15,7 @@ from .events import GenerationResult
 from .kv_store import KVStore
 from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
 from .profile import SamplingProfile
+from .reasoning import Reasoning
 from .reply import Request
 from .speculative import Speculation, check
 from .worker import Job, Stream
@@ -44,7 +45,8 @@ class ChatSession:
 
     def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
                  max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate",
-                 kv: KVOptions = KVOptions(), speculative: str | Speculation = "off") -> None:
+                 kv: KVOptions = KVOptions(), speculative: str | Speculation = "off",
+                 reasoning: Reasoning = Reasoning()) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
@@ -55,6 +57,8 @@ class ChatSession:
             max_kv_size = engine.context_length
         self.max_kv_size, self.keep, self.kv = max_kv_size, keep, kv
         self.speculative = speculative  # each turn's default; a turn's own `speculative=` wins
+        # A thinking model's switch and budget for every turn (core/reasoning.py); may be replaced between turns.
+        self.reasoning = reasoning
         # A mode that cannot run with this cache is refused now, not at the first turn.
         check(Speculation.make(speculative), rotating=max_kv_size is not None, quantized=kv.quantized,
               draft=engine.draft is not None)
@@ -109,7 +113,8 @@ class ChatSession:
                  speculative: str | Speculation | None = None, profile: SamplingProfile | None = None) -> Request:
         return self.engine.request(profile or self.profile, max_tokens, stop, trace,
                                    self.speculative if speculative is None else speculative,
-                                   rotating=self.max_kv_size is not None, quantized=self.kv.quantized)
+                                   rotating=self.max_kv_size is not None, quantized=self.kv.quantized,
+                                   reasoning=self.reasoning)
 
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
              trace: int = 0, speculative: str | Speculation | None = None) -> Stream:
@@ -238,11 +243,11 @@ class ChatSession:
             # the Done raced the interpreter's exit and was lost).
             if (store := self._kv_store()) is not None:
                 store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
-            if not result.text and result.finish_reason == "cancelled":
+            if not result.text and not result.reasoning and result.finish_reason == "cancelled":
                 return
             message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
                                   result.profile, result.token_ids, result.seed, result.traces, result.sampler,
-                                  engine.name)
+                                  engine.name, result.reasoning)
             with self._lock:
                 if branch:
                     self._tree.add_alternative(branch[0], lead or message)
@@ -307,7 +312,8 @@ class ChatSession:
         if store is None or not any(m.role != "system" for m in messages):
             return 0
         ids = self.engine.model.tokenizer.encode_chat([m.as_prompt() for m in messages],
-                                                      [m.token_ids for m in messages])
+                                                      [m.token_ids for m in messages],
+                                                      template_kwargs=self.reasoning.template_kwargs())
         return store.warm(self._conversation_cache(), ids)
 
     def _fitted_prompt(self, rendered: list[dict[str, str]], replies: list[tuple[int, ...]],
@@ -315,7 +321,11 @@ class ChatSession:
         """The conversation's token ids, each reply as the ids it was generated as (`ChatTokenizer.encode_chat`);
         under "truncate", without its oldest turns if it would not fit with room for a reply (a quarter of the
         context at most)."""
-        encode = self.engine.model.tokenizer.encode_chat
+        kwargs = request.reasoning.template_kwargs()
+
+        def encode(messages: list[dict[str, str]], ids: list[tuple[int, ...]]) -> list[int]:
+            return self.engine.model.tokenizer.encode_chat(messages, ids, template_kwargs=kwargs)
+
         prompt = encode(rendered, replies)
         if self.context_policy != "truncate" or self.max_kv_size is not None:
             return prompt

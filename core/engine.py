@@ -29,6 +29,7 @@ from .kv_store import DEFAULT_BUDGET_MB, KVStore
 from .chat_session import ChatSession
 from .messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .profile import SamplingProfile
+from .reasoning import Reasoning
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
 from .generate import Row, StepLoop, prefill_all_but_last
 from .speculative import DraftModel, Speculation, check, load_draft, plan
@@ -149,22 +150,27 @@ class Engine:
                stop: Sequence[str] | None = None, system: str | None = None, trace: int = 0,
                speculative: str | Speculation = "off", tools: Sequence[Tool | dict[str, Any]] | None = None,
                tool_choice: str | dict[str, Any] | None = None,
-               parallel_tool_calls: bool | None = None) -> Stream:
+               parallel_tool_calls: bool | None = None, reasoning_budget: int | None = None,
+               enable_thinking: bool | None = None) -> Stream:
         """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
         (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`.
         `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py).
         `tools` (OpenAI's function specs, or `Tool`s), `tool_choice` ("auto", the default with tools, "required",
         "none", or ``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls` work as the
         server's (core/tools.py): calls arrive as `TokenEvent.tool_calls` and the result's `tool_calls`, never in
-        its text; a bad spec raises `ToolError` naming the field."""
+        its text; a bad spec raises `ToolError` naming the field. A thinking model's reasoning comes apart
+        (`TokenEvent.reasoning`, `GenerationResult.reasoning`; `text` is the answer), at most `reasoning_budget`
+        tokens of it; `enable_thinking` is given to a template with a thinking switch (core/reasoning.py)."""
         messages = prompt_messages(prompt, system)
         use = ToolUse.make(list(tools), tool_choice, parallel_tool_calls) if tools is not None else None
-        request = self.request(profile, max_tokens, stop, trace, speculative, tools=use)
+        reasoning = Reasoning.make(enable_thinking, reasoning_budget)
+        request = self.request(profile, max_tokens, stop, trace, speculative, tools=use, reasoning=reasoning)
         tok = self.model.tokenizer
         rendered, shown = render_messages(messages, use.shown if use else [], tok.knows_tools)
 
         def run(job: Job) -> None:
-            self.run_request(job, ConversationCache(self.model.model), tok.encode_chat(rendered, tools=shown),
+            self.run_request(job, ConversationCache(self.model.model),
+                             tok.encode_chat(rendered, tools=shown, template_kwargs=reasoning.template_kwargs()),
                              request)
 
         return self.submit(run)
@@ -174,10 +180,12 @@ class Engine:
                  progress: Callable[[int, int], None] | None = None, trace: int = 0,
                  speculative: str | Speculation = "off", tools: Sequence[Tool | dict[str, Any]] | None = None,
                  tool_choice: str | dict[str, Any] | None = None,
-                 parallel_tool_calls: bool | None = None) -> GenerationResult:
+                 parallel_tool_calls: bool | None = None, reasoning_budget: int | None = None,
+                 enable_thinking: bool | None = None) -> GenerationResult:
         return self.stream(prompt, profile=profile, max_tokens=max_tokens, stop=stop, system=system,
                            trace=trace, speculative=speculative, tools=tools, tool_choice=tool_choice,
-                           parallel_tool_calls=parallel_tool_calls).wait(progress)
+                           parallel_tool_calls=parallel_tool_calls, reasoning_budget=reasoning_budget,
+                           enable_thinking=enable_thinking).wait(progress)
 
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                     stop: Sequence[str] | None = None, system: str | None = None,
@@ -198,14 +206,16 @@ class Engine:
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4,
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
-             kv_group_size: int = 64, speculative: str | Speculation = "off") -> "ChatSession":
+             kv_group_size: int = 64, speculative: str | Speculation = "off",
+             reasoning_budget: int | None = None, enable_thinking: bool | None = None) -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
-        memory for long contexts, small numeric drift); it cannot be combined with a rotating window."""
+        memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
+        `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`)."""
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
                            context_policy=context_policy,
                            kv=kv_options(kv_bits, kv_group_size,
                                          rotating=max_kv_size is not None or context_policy == "rotate"),
-                           speculative=speculative)
+                           speculative=speculative, reasoning=Reasoning.make(enable_thinking, reasoning_budget))
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(prompt_messages(prompt, system)))
@@ -268,9 +278,10 @@ class Engine:
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                 stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
-                *, rotating: bool = False, quantized: bool = False, tools: ToolUse | None = None) -> Request:
+                *, rotating: bool = False, quantized: bool = False, tools: ToolUse | None = None,
+                reasoning: Reasoning | None = None) -> Request:
         """Validate a request (`Request.make`: the max_tokens default, stop strings, limits; its speculation)."""
-        req = Request.make(profile, max_tokens, stop, trace, speculative, tools)
+        req = Request.make(profile, max_tokens, stop, trace, speculative, tools, reasoning)
         check(req.speculative, rotating=rotating, quantized=quantized, draft=self.draft is not None)
         return req
 

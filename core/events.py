@@ -37,6 +37,11 @@ class Metrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     decode_steps: int = 0
+    # Thinking models (core/reasoning.py): the reasoning's generated tokens (forced closing ids not counted), its
+    # duration (first reasoning token to its close), and the time to the first token of the answer.
+    reasoning_tokens: int = 0
+    reasoning_s: float = 0.0
+    answer_ttft_s: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -93,6 +98,7 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     traces: tuple[TokenTrace, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls that closed with this event's tokens
+    reasoning: str = ""  # a thinking model's reasoning delta (core/reasoning.py); `text` is the answer's
 
     @property
     def trace(self) -> TokenTrace | None:
@@ -113,6 +119,7 @@ class GenerationResult:
     traces: tuple[TokenTrace, ...] = ()  # with trace=K: one per token id, aligned with token_ids
     stop_sequence: str | None = None  # the stop string that ended the reply, when one did
     tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls the reply made (its text then holds none of them)
+    reasoning: str = ""  # a thinking model's reasoning, without its markers; `text` is then the answer alone
 
 
 @dataclass(frozen=True)

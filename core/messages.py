@@ -31,9 +31,13 @@ class ChatMessage:
     traces: tuple[TokenTrace, ...] = ()
     sampler: str | None = None
     model: str | None = None
+    reasoning: str = ""  # a thinking model's reasoning, apart from `content` (the answer; core/reasoning.py)
 
     def as_prompt(self) -> dict[str, str]:
-        """The message as a chat template reads it."""
+        """The message as a chat template reads it: a reply's reasoning as ``reasoning_content``, which the template
+        keeps or (most do, for old turns) leaves out."""
+        if self.reasoning:
+            return {"role": self.role, "content": self.content, "reasoning_content": self.reasoning}
         return {"role": self.role, "content": self.content}
 
     @classmethod
@@ -48,7 +52,8 @@ class ChatMessage:
         traces = tuple(t if isinstance(t, TokenTrace) else TokenTrace.from_dict(t) for t in message.get("traces") or ())
         return cls(role, content, message.get("finish_reason"), dict(message.get("metrics") or {}),
                    dict(message.get("profile") or {}), tuple(message.get("token_ids") or ()), message.get("seed"),
-                   traces, message.get("sampler"), message.get("model"))
+                   traces, message.get("sampler"), message.get("model"),
+                   message.get("reasoning") or message.get("reasoning_content") or "")
 
 
 # --- branches -------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .constraint import constraint_for
 from .generate import Sample
 from .loader import LoadedModel
 from .profile import SamplingProfile
+from .reasoning import Reasoning, ReplyReasoning, peek_text
 from .sampling import Sampler
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
@@ -59,11 +60,13 @@ class Request:
     trace: int = 0
     speculative: Speculation = Speculation()
     tools: ToolUse | None = None
+    reasoning: Reasoning = Reasoning()  # a thinking model's switch and budget (core/reasoning.py)
 
     @classmethod
     def make(cls, profile: SamplingProfile | None = None, max_tokens: int | None = None,
              stop: Sequence[str] | None = None, trace: int = 0,
-             speculative: str | Speculation | None = None, tools: ToolUse | None = None) -> "Request":
+             speculative: str | Speculation | None = None, tools: ToolUse | None = None,
+             reasoning: Reasoning | None = None) -> "Request":
         """Validate a request: `max_tokens` wins over the profile's, and with neither the reply is capped at
         DEFAULT_MAX_TOKENS (finish reason "length"); `stop` adds to the profile's stop strings; `trace` is the
         number of candidates to trace per token (0-100, 0 = off); `tools` that may be called constrain the reply,
@@ -81,7 +84,12 @@ class Request:
         cap = max_tokens or profile.max_tokens or DEFAULT_MAX_TOKENS
         if profile.min_tokens > cap:
             raise ValueError(f"min_tokens ({profile.min_tokens}) must not exceed max_tokens ({cap})")
-        return cls(profile, cap, [*profile.stop, *(stop or [])], trace, Speculation.make(speculative), tools)
+        spec = Speculation.make(speculative)
+        reasoning = reasoning or Reasoning()
+        if reasoning.budget is not None and spec.mode != "off":
+            raise ValueError(f"reasoning_budget does not combine with speculative decoding ({spec.mode!r}) yet: use "
+                             "speculative \"off\" with a budget")
+        return cls(profile, cap, [*profile.stop, *(stop or [])], trace, spec, tools, reasoning)
 
 
 class Reply:
@@ -117,9 +125,17 @@ class Reply:
         self._logprobs: list[TokenLogprob] = []
         self._traces: list[TokenTrace] = []
         self._text: list[str] = []
+        self._thought = ""  # the reasoning of the delta being emitted
         self._eos = tok.eos_ids
         self._emit, self._cancelled = emit, cancelled
         self._detok = IncrementalDetokenizer(tok)
+        # A thinking model's reasoning apart, and its budget (core/reasoning.py); None for other models.
+        # With a response_format the grammar holds the whole reply: it is the answer, as the model writes it.
+        self._reasoning = (ReplyReasoning.make(tok, request.reasoning, prompt)
+                           if request.profile.response_format is None else None)
+        self._thinking: list[str] = []
+        if self._reasoning is not None:
+            self.sample = self._reasoning.wrap(self.sample, self._sampler, peek_text(self._detok))
         self._stops = StopStringFilter(request.stop)
         self._top = request.profile.top_logprobs if request.profile.logprobs else None
         self._cap = request.max_tokens if rotating else min(request.max_tokens, model.context_length - len(prompt))
@@ -156,8 +172,14 @@ class Reply:
             shown = shown if len(shown) == len(kept) else ()
             self._ids.extend(kept)
             self._traces.extend(shown)
-            delta, calls = self._split(self._stops.feed("".join(self._detok.add(t) for t in kept)))
-            self._emit(TokenEvent(delta, kept, self.metrics(), (), shown, calls))
+            # Token by token through the text layer (a thinking model counts its reasoning per token), one event.
+            texts, thoughts, calls = [], [], ()
+            for t in kept:
+                text, closed = self._split(self._stops.feed(self._detok.add(t)), (t,))
+                texts.append(text)
+                thoughts.append(self._thought)
+                calls += closed
+            self._emit(TokenEvent("".join(texts), kept, self.metrics(), (), shown, calls, "".join(thoughts)))
         return "stop" if ends or self._stops.stopped else None
 
     def fork(self, emit: Callable[[Event], None]) -> "Reply":
@@ -182,6 +204,7 @@ class Reply:
         now = time.perf_counter()
         if self._first is None:
             self._first = now  # an end token drawn first still ends the prefill: TTFT is the time to it, never 0
+        forced = self._reasoning.take() if self._reasoning is not None else False
         if token in self._eos:
             return "stop"
         self._last = now
@@ -193,11 +216,11 @@ class Reply:
             token_lp = (TokenLogprob(token, chosen, tuple(top)),)
             self._logprobs.append(token_lp[0])
         traces: tuple[TokenTrace, ...] = ()
-        if self._tracer is not None:
+        if self._tracer is not None and not forced:  # a token the budget forced was not drawn: no trace
             traces = (self._tracer.take(token),)
             self._traces.append(traces[0])
-        delta, calls = self._split(self._stops.feed(self._detok.add(token)))
-        self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces, calls))
+        delta, calls = self._split(self._stops.feed(self._detok.add(token)), (token,), forced)
+        self._emit(TokenEvent(delta, (token,), self.metrics(), token_lp, traces, calls, self._thought))
         if self._stops.stopped:
             return "stop"
         if len(self._ids) >= self._cap:
@@ -214,23 +237,38 @@ class Reply:
         if self._first is None:
             self._first = time.perf_counter()  # no token at all (cancelled in prefill): TTFT is the time to the end
         if not self._stops.stopped:
-            tail, calls = self._split(self._stops.feed(self._detok.flush()) + self._stops.flush())
-            if tail or calls:
-                self._emit(TokenEvent(tail, (), self.metrics(), tool_calls=calls))
+            tail, calls = self._split(self._stops.feed(self._detok.flush()) + self._stops.flush(), end=True)
+            if tail or calls or self._thought:
+                self._emit(TokenEvent(tail, (), self.metrics(), tool_calls=calls, reasoning=self._thought))
+        elif self._reasoning is not None:
+            tail, calls = self._split("", end=True)
+            if tail or calls or self._thought:
+                self._emit(TokenEvent(tail, (), self.metrics(), tool_calls=calls, reasoning=self._thought))
         # Traces stay aligned with token_ids or are left out (a branch forced a token its trace did not hold).
         traces = tuple(self._traces) if len(self._traces) == len(self._ids) else ()
         result = GenerationResult("".join(self._text), reason, self.metrics(), tuple(self._ids), tuple(self._logprobs),
                                   self._sampler.describe(), self._sampler.seed,
                                   self._request.profile.model_dump(mode="json"), traces,
                                   stop_sequence=self._stops.matched,
-                                  tool_calls=tuple(self._calls.calls) if self._calls is not None else ())
+                                  tool_calls=tuple(self._calls.calls) if self._calls is not None else (),
+                                  reasoning="".join(self._thinking))
         if before_done is not None:
             before_done(result)
         self._emit(Done(result))
         return result
 
-    def _split(self, delta: str) -> tuple[str, tuple[ToolCall, ...]]:
-        """A text delta as the reply's text and the calls it closed (all text without tools), recorded."""
+    def _split(self, delta: str, ids: Sequence[int] = (), forced: bool = False,
+               end: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
+        """A text delta as the reply's text and the calls it closed (all text without tools), recorded. A thinking
+        model's reasoning is taken out first (into `_thought`, this delta's reasoning; core/reasoning.py)."""
+        self._thought = ""
+        if self._reasoning is not None:
+            now = time.perf_counter()
+            self._thought, delta = self._reasoning.feed(delta, ids, forced, now)
+            if end:
+                thought, tail = self._reasoning.flush(now)
+                self._thought, delta = self._thought + thought, delta + tail
+            self._thinking.append(self._thought)
         if self._calls is None:
             self._text.append(delta)
             return delta, ()
@@ -256,7 +294,13 @@ class Reply:
                 "constraint_compile_s": self._constraint.compile_s} if self._constraint is not None else {}),
             speculative=self.speculative, draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens,
             decode_steps=spec.steps if self.speculative != "off" else n,
+            **(self._reasoning_metrics() if self._reasoning is not None else {}),
         )
+
+    def _reasoning_metrics(self) -> dict[str, float | int]:
+        r = self._reasoning
+        return {"reasoning_tokens": r.tokens, "reasoning_s": r.seconds,
+                "answer_ttft_s": r.answer_at - self._accepted if r.answer_at is not None else 0.0}
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "Reply", "Request"]

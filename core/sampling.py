@@ -378,9 +378,13 @@ class TokenHistory:
     def penalize(self, logits: mx.array, penalties: Sequence["RepetitionPenalty | FrequencyPenalty | PresencePenalty"]
                  ) -> mx.array:
         """`logits` with `penalties` applied in order, computed at the window's ids only (a repeated id gets the same
-        value at each of its places)."""
+        value at each of its places). On the CPU, the native op does it in one node, the same bits (the graph below
+        was ~20 nodes a step)."""
         if not self.held:
             return logits
+        if logits.dtype == mx.float32 and mx.default_device() == mx.cpu and native.available():
+            args = {type(p).name.removesuffix("_penalty"): p.args[0] for p in penalties}
+            return native.penalties(logits, self.ids, self.counts, **args)
         values, counts = logits[self.ids], self.counts[self.ids]
         for p in penalties:
             values = p.shift(values, counts)

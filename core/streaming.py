@@ -22,6 +22,12 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start: ids before it are settled
         self._read = 0  # ids up to here have been turned into emitted text
 
+    def copy(self) -> "IncrementalDetokenizer":
+        """An independent copy (to look at the text of ids ahead without taking them)."""
+        other = IncrementalDetokenizer(self._tok)
+        other._ids, other._prefix, other._read = list(self._ids), self._prefix, self._read
+        return other
+
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
         before = self._tok.decode(self._ids[self._prefix:self._read])

@@ -47,17 +47,19 @@ class ChatTokenizer:
         return "tools" in (self.chat_template or "")
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         if not self.chat_template:
             # Base models have no template: plain concatenation is what llama.cpp's completion mode does.
             return "\n\n".join(m["content"] or "" for m in messages)
         # `tools` (OpenAI's function specs) only for a template that uses them (core/tools.py renders the rest).
-        extra = {"tools": tools} if tools else {}
+        # `template_kwargs`: variables for the template (e.g. a thinking model's enable_thinking, core/reasoning.py).
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **extra)
 
     def encode_chat(self, messages: Sequence[Message], replies: Sequence[Sequence[int] | None] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation's prompt ids. `replies` (aligned with `messages`) may give an assistant message's own
         token ids, the ones the model generated: they are used as they are wherever they decode to the message's
         text and the template writes that text verbatim after the message's generation prompt. A sampled reply is
@@ -67,12 +69,12 @@ class ChatTokenizer:
         renders them (core/tools.py)."""
         for m in messages:
             _check_unicode(m["content"] or "")  # an assistant message that only calls tools has no content
-        text = self.render(messages, tools=tools)
+        text = self.render(messages, tools=tools, template_kwargs=template_kwargs)
         # The template writes special tokens (BOS, <|im_start|>) itself as text; they must parse as specials.
         ids: list[int] = []
         done = 0  # characters of `text` tokenized so far
         for i, own in enumerate(replies or ()):
-            start = self._reply_start(messages, i, own, text, done)
+            start = self._reply_start(messages, i, own, text, done, template_kwargs)
             if start is not None:
                 ids += self.hf.encode(text[done:start], add_special_tokens=False)
                 ids += own
@@ -84,7 +86,7 @@ class ChatTokenizer:
         return ids
 
     def _reply_start(self, messages: Sequence[Message], i: int, own: Sequence[int] | None, text: str,
-                     done: int) -> int | None:
+                     done: int, template_kwargs: dict[str, Any] | None = None) -> int | None:
         """Where assistant message `i`'s text starts in the rendered `text` if its ids `own` can stand for it, else
         None: the ids decode to its text, and the conversation up to it, rendered with a generation prompt (what
         the reply was generated after), is how `text` begins, followed by the message's text."""
@@ -92,7 +94,7 @@ class ChatTokenizer:
         if not own or not content or messages[i]["role"] != "assistant" or not self.chat_template \
                 or self.decode(own) != content:
             return None
-        head = self.render(messages[:i])
+        head = self.render(messages[:i], template_kwargs=template_kwargs)
         if len(head) < done or not text.startswith(head) or not text.startswith(content, len(head)):
             return None
         return len(head)

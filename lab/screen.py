@@ -37,6 +37,13 @@ def open_lab(engine: "Engine", data_dir: Path) -> "LabScreen":
     return LabScreen(engine, LabStore(data_dir / "lab.db"))
 
 
+def metric_cell(stat: dict | None) -> str:
+    """A metrics table cell: the mean, and its 95% interval below it."""
+    if not stat:
+        return "n/a"
+    return f"{stat['mean']:.2f}\n[{stat['low']:.2f}, {stat['high']:.2f}]"
+
+
 def field(label: str, widget: Widget, id: str | None = None) -> Vertical:  # noqa: A002 - Textual's name
     """A form field: its label above it."""
     return Vertical(Label(label), widget, classes="field", id=id)
@@ -167,9 +174,11 @@ class LabScreen(Screen):
         table.add_columns("setting", *COLUMNS, "finish")
         for cell in run.cells():
             m = cell["metrics"]
-            table.add_row(cell["label"], *(f"{m[c]['mean']:.2f} [{m[c]['low']:.2f}, {m[c]['high']:.2f}]"
-                                           if m.get(c) else "n/a" for c in COLUMNS),
-                          " ".join(f"{k}:{v}" for k, v in sorted(m["finish_reasons"].items())))
+            finish = sorted(m["finish_reasons"].items())
+            # Two lines a row, the mean over its 95% interval: on one line the table ran to ~145 columns and
+            # clipped its interval and finish columns at 120.
+            table.add_row(cell["label"], *(metric_cell(m.get(c)) for c in COLUMNS),
+                          "\n".join(f"{k} {v}" for k, v in finish), height=max(2, len(finish)))
         self.show_prompt()
 
     # --- browsing and voting -------------------------------------------------------------------------------------

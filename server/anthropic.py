@@ -17,8 +17,12 @@ call, as OpenAI's named function); calls come back as `tool_use` blocks (`stop_r
 whole block each (one `input_json_delta`). History's
 `tool_use` blocks and `tool_result` blocks (string or text content; `is_error` prefixes "Error: ") go through the
 chat template as tool calls and tool messages. Structured output, `output_config.format` (a JSON schema), constrains
-the reply the same way. Anthropic's server tools (web search, bash, ...), extended thinking, images and documents
-are a 400.
+the reply the same way. Anthropic's server tools (web search, bash, ...), images and documents are a 400.
+
+Extended thinking (core/reasoning.py): a thinking model's reasoning comes back as a `thinking` block before the text
+(streamed as `thinking_delta` events); `thinking` {"type": "enabled", "budget_tokens": N} bounds it at N tokens,
+{"type": "disabled"} turns a template's thinking switch off. History's thinking blocks go to the template as the
+reply's `reasoning_content` (most templates leave old thinking out). Signatures are empty: nothing is signed.
 
 Errors are Anthropic's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`; a stream that fails
 ends with an `error` event.
@@ -42,6 +46,7 @@ from starlette.routing import Route
 
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done, Metrics
+from mlxchat.core.reasoning import Reasoning, markers_for
 
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
@@ -100,6 +105,7 @@ class MessagesRequest:
     max_tokens: int | None
     stream: bool
     tools: ToolUse | None  # the tools, the choice and whether calls may come in parallel (None: no tools)
+    reasoning: Reasoning = Reasoning()  # `thinking`: a thinking model's switch and budget (budget_tokens)
 
 
 def _text(content: Any, where: str) -> str:
@@ -127,21 +133,25 @@ def _turn(m: Any, i: int) -> list[dict[str, Any]]:
     content, where = m.get("content"), f"messages.{i}.content"
     if not isinstance(content, list):
         return [{"role": role, "content": _text(content, where)}]
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "tool_use" and role == "assistant":
+        if kind in ("thinking", "redacted_thinking") and role == "assistant":
+            if isinstance(block.get("thinking"), str):  # given to the template, which keeps or strips it
+                thoughts.append(block["thinking"])
+        elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, f"{where}.{j}"))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, f"{where}.{j}"))
         elif kind == "text":
             texts.append(_text([block], where))
         else:
-            wanted = "text or tool_use" if role == "assistant" else "text or tool_result"
+            wanted = "text, thinking or tool_use" if role == "assistant" else "text or tool_result"
             raise ApiError(400, f"{where}.{j}: only {wanted} blocks are supported in a {role} turn, "
                                 f"got {kind or 'no type'!r}")
     if role == "assistant":
-        return [{"role": role, "content": "".join(texts), **({"tool_calls": calls} if calls else {})}]
+        return [{"role": role, "content": "".join(texts), **({"tool_calls": calls} if calls else {}),
+                 **({"reasoning_content": "".join(thoughts)} if thoughts else {})}]
     return results + ([{"role": role, "content": "".join(texts)}] if texts or not results else [])
 
 
@@ -213,8 +223,7 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
         choice, parallel = _tool_choice(req.tool_choice, tools)
     except ToolError as e:
         raise ApiError(400, str(e)) from None
-    if req.thinking and req.thinking.get("type") != "disabled":
-        raise ApiError(400, "thinking is not supported by this server; leave it out")
+    reasoning = _thinking(req.thinking)
     if req.max_tokens is None and not counting:
         raise ApiError(400, "max_tokens: field required")
 
@@ -252,7 +261,27 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
             raise ApiError(400, err.message.replace("response_format.json_schema", "output_config.format")) from None
         raise ApiError(400, err.message.replace("stop", "stop_sequences", 1) if err.param == "stop"
                        else err.message) from None
-    return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream), use)
+    return MessagesRequest(messages, prefill, profile, profile.max_tokens, bool(req.stream), use, reasoning)
+
+
+def _thinking(raw: dict[str, Any] | None) -> Reasoning:
+    """`thinking`: {"type": "enabled", "budget_tokens": N} (a budget of N reasoning tokens: 0 or more, not
+    Anthropic's minimum of 1024, for small local models), {"type": "disabled"} (a template's thinking switched off),
+    {"type": "adaptive"} (on, no budget)."""
+    if raw is None:
+        return Reasoning()
+    kind = raw.get("type")
+    if kind == "disabled":
+        return Reasoning(False)
+    if kind not in ("enabled", "adaptive"):
+        raise ApiError(400, f"thinking.type must be enabled, disabled or adaptive, got {kind!r}")
+    extra = set(raw) - {"type", "budget_tokens", "display"}
+    if extra:
+        raise ApiError(400, f"thinking.{sorted(extra)[0]}: unrecognized field; remove it")
+    try:
+        return Reasoning.make(True, raw.get("budget_tokens"), field="thinking.budget_tokens")
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def _output_format(fmt: Any) -> dict[str, Any]:
@@ -293,15 +322,26 @@ class Blocks:
 
     def __init__(self) -> None:
         self.index = -1  # the last block opened
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block open now ("thinking" or "text")
         self.called = False
 
+    def _start(self, kind: str) -> list[dict[str, str]]:
+        out = self.close()
+        self.index, self.open = self.index + 1, kind
+        block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                      "signature": ""}
+        return [*out, _event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def thinking(self, text: str) -> list[dict[str, str]]:
+        """A thinking model's reasoning: a thinking block (before the text) with thinking_delta events."""
+        out = [] if self.open == "thinking" else self._start("thinking")
+        if text:
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta",
+                                                                                      "thinking": text}}))
+        return out
+
     def text(self, text: str) -> list[dict[str, str]]:
-        out = []
-        if not self.text_open:
-            self.index, self.text_open = self.index + 1, True
-            out.append(_event("content_block_start", {"index": self.index, "content_block": {"type": "text",
-                                                                                              "text": ""}}))
+        out = [] if self.open == "text" else self._start("text")
         if text:
             out.append(_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta",
                                                                                       "text": text}}))
@@ -317,9 +357,9 @@ class Blocks:
                 _event("content_block_stop", {"index": self.index})]
 
     def close(self) -> list[dict[str, str]]:
-        if not self.text_open:
+        if self.open is None:
             return []
-        self.text_open = False
+        self.open = None
         return [_event("content_block_stop", {"index": self.index})]
 
 
@@ -327,7 +367,8 @@ def routes(service: Service) -> list[Route]:
     """The Messages routes over `service`, each answering errors in Anthropic's shape."""
 
     def encode(req: MessagesRequest) -> list[int]:
-        ids = service.encode_chat(req.messages, tools=req.tools.shown if req.tools else [])
+        ids = service.encode_chat(req.messages, tools=req.tools.shown if req.tools else [],
+                                  template_kwargs=req.reasoning.template_kwargs())
         if req.prefill:
             ids += service.engine.model.tokenizer.encode(req.prefill)
             service.check_fits(ids, "messages")
@@ -341,7 +382,7 @@ def routes(service: Service) -> list[Route]:
     async def messages(request: HttpRequest) -> Response:
         started = time.perf_counter()
         req = parse(await service.read_json(request), served=service.name, base=service.base)
-        choices = service.start(encode(req), [req.profile], req.max_tokens, tools=req.tools)
+        choices = service.start(encode(req), [req.profile], req.max_tokens, tools=req.tools, reasoning=req.reasoning)
         rid = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
             return EventSourceResponse(events(request, req, rid, choices[0], started), sep="\n", ping=15)
@@ -352,6 +393,8 @@ def routes(service: Service) -> list[Route]:
         r = results[0]
         # A reply with tools is text or calls (core/tools.py): one text block, or a tool_use block per call.
         content = [tool_use(c) for c in r.tool_calls] or [{"type": "text", "text": r.text}]
+        if r.reasoning:  # a thinking model's reasoning: a thinking block first
+            content.insert(0, {"type": "thinking", "thinking": r.reasoning, "signature": ""})
         return JSONResponse(message(rid, content, stop_reason(r, req.max_tokens, bool(r.tool_calls)),
                                     r.stop_sequence, r.metrics))
 
@@ -361,22 +404,29 @@ def routes(service: Service) -> list[Route]:
         status, opened = 200, False
         blocks = Blocks()
         calls = req.tools is not None and req.tools.calls  # the reply may be tool_use blocks instead of text
+        # A thinking model's reply may open with a thinking block: its text block opens with the first answer text.
+        thinks = markers_for(service.engine.model.tokenizer) is not None
         try:
             async for got in choice.stream():
                 metrics = got.result.metrics if isinstance(got, Done) else getattr(got, "metrics", None)
                 if not opened and metrics is not None:  # the usage is known once the prompt is in the cache
                     opened = True
                     yield _event("message_start", {"message": message(rid, [], None, None, metrics)})
-                    for e in [] if calls else blocks.text(""):  # no tools: the reply is one text block
+                    for e in [] if calls or thinks else blocks.text(""):  # no tools: the reply is one text block
                         yield e
                     yield _event("ping", {})
                 if isinstance(got, TokenEvent):
-                    for e in [*(blocks.text(got.text) if got.text else []),
+                    for e in [*(blocks.thinking(got.reasoning) if got.reasoning else []),
+                              *(blocks.text(got.text) if got.text else []),
                               *(e for call in got.tool_calls for e in blocks.call(call))]:
                         yield e
                 if isinstance(got, Done):
                     r = got.result
                     results.append(r)
+                    if not blocks.called and blocks.open != "text" and (blocks.open == "thinking"
+                                                                        or thinks and not calls):
+                        for e in blocks.text(""):  # the reply has a text block, if only an empty one
+                            yield e
                     for e in blocks.close():
                         yield e
                     yield _event("message_delta", {"delta": {"stop_reason": stop_reason(r, req.max_tokens,

@@ -63,7 +63,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         try:
             if req.chat:
                 messages, tools = render_messages(req.messages, req.tools.shown if req.tools else [], tok.knows_tools)
-                ids = tok.encode_chat(messages, tools=tools)
+                ids = tok.encode_chat(messages, tools=tools, template_kwargs=req.template_kwargs)
             else:
                 ids = list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt)
         except ValueError as e:
@@ -79,7 +79,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     def start(req: protocol.Request, ids: list[int]) -> list[Choice]:
         profiles = [req.profile.model_copy(update={"seed": (req.seed + i) % 2**64}) for i in range(req.n)]
-        return service.start(ids, profiles, req.max_tokens, req.trace, req.tools, req.speculative)
+        return service.start(ids, profiles, req.max_tokens, req.trace, req.tools, req.reasoning, req.speculative)
 
     def endpoint(fn: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool = True):  # noqa: ANN202
         return service.endpoint(fn, ApiError.body, auth=auth)
@@ -112,6 +112,8 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
             out["traces"] = [t.as_dict() for t in r.traces]  # one per generated token, in order
         if req.chat:
             out["message"] = {"role": "assistant", "content": (r.text or None) if calls else r.text}
+            if r.reasoning:  # a thinking model's reasoning, apart (llama.cpp's and vLLM's field)
+                out["message"]["reasoning_content"] = r.reasoning
             if calls:
                 out["message"]["tool_calls"] = [c.as_openai() for c in calls]
             if req.profile.logprobs:
@@ -152,7 +154,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
                             bodies.append(final)
                         # A split model's scheduler passes on prefill progress too: nothing to stream for it.
                         elif isinstance(event, TokenEvent):
-                            if event.text or event.logprobs or event.traces:
+                            if event.text or event.reasoning or event.logprobs or event.traces:
                                 bodies.append(delta(req, rid, i, event, offsets))
                             for call in event.tool_calls:  # each call whole, once its closing tag arrived
                                 bodies.append(tool_delta(req, rid, i, call, calls[i]))
@@ -185,7 +187,10 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return body
 
     def delta(req: protocol.Request, rid: str, index: int, event: TokenEvent, offsets: list[int]) -> dict[str, Any]:
-        body = chunk(req, rid, index, {"content": event.text} if req.chat else event.text)
+        content: dict[str, Any] = {"content": event.text} if event.text or not event.reasoning else {}
+        if event.reasoning:
+            content["reasoning_content"] = event.reasoning
+        body = chunk(req, rid, index, content if req.chat else event.text)
         if req.profile.logprobs and event.logprobs:
             body["choices"][0]["logprobs"] = (
                 protocol.chat_logprobs(event.logprobs, token_text) if req.chat

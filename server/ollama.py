@@ -21,6 +21,11 @@ core/constraint.py), so the reply is valid JSON when it ends with "stop".
 core/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
 (`[{"function": {"name", "arguments": {...}}}]`; streamed, each call a line of its own). History's assistant
 `tool_calls` and `role: "tool"` results (`tool_name` says whose) go through the chat template.
+
+`think` (core/reasoning.py): a thinking model's reasoning comes back apart, as `message.thinking` (/api/chat) or
+`thinking` (/api/generate), a line of its own while it streams; `think: false` turns a template's switch off, and a
+level ("low", "medium", "high") is a budget of reasoning tokens. History's `thinking` goes to the template as the
+reply's `reasoning_content`. A raw /api/generate prompt's reply is the model's text as written.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from starlette.routing import Route
 
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done
+from mlxchat.core.reasoning import EFFORT_BUDGETS, Reasoning, markers_for
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
 from mlxchat.core.tools import ToolCall, ToolError, ToolUse
@@ -200,13 +206,27 @@ def with_format(settings: OptionSettings, fmt: str | dict[str, Any] | None) -> O
 
 def _refuse(req: _Common, **fields: Any) -> None:
     """Fields of Ollama's API this server does not implement: a 400 that names the field unless it is neutral."""
-    if req.think not in (None, False):
-        raise ApiError(400, "think is not supported: this server does not separate a model's thinking; leave it out")
     if req.logprobs or req.top_logprobs:
         raise ApiError(400, "logprobs are not supported on /api routes; use /v1/chat/completions for them")
     for name, value in fields.items():
         if value:
             raise ApiError(400, f"{name} is not supported by this server; leave it out")
+
+
+def _think(think: bool | str | None) -> Reasoning:
+    """Ollama's `think`: false turns a template's thinking off, true (or absent) leaves it on; the reasoning comes
+    back apart as `thinking` either way. A level ("low", "medium", "high") is a budget (core/reasoning.py)."""
+    if isinstance(think, str):
+        if think not in EFFORT_BUDGETS:
+            raise ApiError(400, f"think must be true, false or one of {', '.join(EFFORT_BUDGETS)}, got {think!r}")
+        return Reasoning(True, EFFORT_BUDGETS[think])
+    return Reasoning(think)
+
+
+def thought(part: dict[str, Any], thinking: str) -> None:
+    """Add a reply's thinking to its line: `message.thinking` (/api/chat) or `thinking` (/api/generate)."""
+    if thinking:
+        (part["message"] if "message" in part else part)["thinking"] = thinking
 
 
 def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,7 +241,8 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError(400, f"messages[{i}].content must be a string")
         if m.get("images"):
             raise ApiError(400, f"messages[{i}].images: images are not supported; send text only")
-        # A reply's thinking is dropped; tool_call_id is what newer clients send with a tool's result.
+        # A reply's thinking goes to the template (which keeps or strips it); tool_call_id is what newer clients
+        # send with a tool's result.
         extra = set(m) - {"role", "content", "images", "tool_calls", "thinking", "tool_name", "tool_call_id"}
         if extra:
             raise ApiError(400, f"messages[{i}] has an unknown field: {sorted(extra)[0]}")
@@ -233,6 +254,8 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError(400, f"messages[{i}].tool_calls: only an assistant message makes tool calls")
         else:
             out.append({"role": role, "content": content})
+        if role == "assistant" and isinstance(m.get("thinking"), str) and m["thinking"]:
+            out[-1]["reasoning_content"] = m["thinking"]
     if not any(m["content"].strip() or m.get("tool_calls") for m in out if m["role"] != "system"):
         raise ApiError(400, "messages have no user content: send a non-empty user message")
     return out
@@ -358,7 +381,9 @@ def routes(service: Service) -> list[Route]:
             "template": service.engine.model.tokenizer.chat_template or "", "details": details(),
             "model_info": {"general.architecture": family, "general.basename": service.name,
                            f"{family}.context_length": service.engine.context_length},
-            "capabilities": ["completion", "tools"], "modified_at": modified_at()})
+            "capabilities": ["completion", "tools",
+                             *(["thinking"] if markers_for(service.engine.model.tokenizer) else [])],
+            "modified_at": modified_at()})
 
     def finish(result: GenerationResult, started: float) -> dict[str, Any]:
         m = result.metrics
@@ -368,12 +393,13 @@ def routes(service: Service) -> list[Route]:
                 "eval_count": m.completion_tokens, "eval_duration": _nanoseconds(m.decode_s)}
 
     async def reply(request: HttpRequest, model: str, ids: list[int], settings: OptionSettings, stream: bool,
-                    piece: Callable[..., dict[str, Any]], tools: ToolUse | None = None) -> Response:
+                    piece: Callable[..., dict[str, Any]], tools: ToolUse | None = None,
+                    reasoning: Reasoning = Reasoning()) -> Response:
         """Run one choice; `piece(text)` is the part of a line that carries text (message or response), and with
         `tools` `piece(text, calls)` also the calls the reply made."""
         started = time.perf_counter()
         max_tokens = settings.max_tokens(len(ids), service.engine.context_length)
-        [choice] = service.start(ids, [settings.profile], max_tokens, tools=tools)
+        [choice] = service.start(ids, [settings.profile], max_tokens, tools=tools, reasoning=reasoning)
         if stream:
             return StreamingResponse(lines(request, model, choice, piece, started),
                                      media_type="application/x-ndjson")
@@ -383,6 +409,7 @@ def routes(service: Service) -> list[Route]:
         request.state.results = results
         r = results[0]
         said = piece(r.text, r.tool_calls) if r.tool_calls else piece(r.text)
+        thought(said, r.reasoning)
         return JSONResponse({"model": model, "created_at": _now(), **said, **finish(r, started)})
 
     async def lines(request: HttpRequest, model: str, choice: Choice, piece: Callable[..., dict[str, Any]],
@@ -390,8 +417,9 @@ def routes(service: Service) -> list[Route]:
         results: list[GenerationResult] = []
         status = 200
 
-        def line(text: str | ToolCall) -> str:
+        def line(text: str | ToolCall, thinking: str = "") -> str:
             part = piece("", [text]) if isinstance(text, ToolCall) else piece(text)
+            thought(part, thinking)
             return json.dumps({"model": model, "created_at": _now(), **part, "done": False}) + "\n"
 
         try:
@@ -401,8 +429,8 @@ def routes(service: Service) -> list[Route]:
                     yield json.dumps({"model": model, "created_at": _now(), **piece(""),
                                       **finish(event.result, started)}) + "\n"
                 elif isinstance(event, TokenEvent):  # text, and each call as a line of its own
-                    if out := "".join(line(part) for part in [*([event.text] if event.text else []),
-                                                              *event.tool_calls]):
+                    if out := "".join([line("", event.reasoning)] if event.reasoning else []) + "".join(
+                            line(part) for part in [*([event.text] if event.text else []), *event.tool_calls]):
                         yield out
         except GenerationFailed as e:  # an in-stream error is the stream's last line
             status = 500
@@ -428,8 +456,10 @@ def routes(service: Service) -> list[Route]:
 
         if not req.messages:
             return loaded(model, piece(""))
-        ids = service.encode_chat(_messages(req.messages), tools=tools.shown if tools else [])
-        return await reply(request, model, ids, settings, req.stream is not False, piece, tools)
+        reasoning = _think(req.think)
+        ids = service.encode_chat(_messages(req.messages), tools=tools.shown if tools else [],
+                                  template_kwargs=reasoning.template_kwargs())
+        return await reply(request, model, ids, settings, req.stream is not False, piece, tools, reasoning)
 
     async def generate(request: HttpRequest) -> Response:
         req: _Generate = await body_of(request, _Generate)
@@ -442,12 +472,15 @@ def routes(service: Service) -> list[Route]:
 
         if not req.prompt:
             return loaded(model, piece(""))
+        reasoning = _think(req.think)
         if req.raw:
             ids = service.encode_text(req.prompt)
+            reasoning = Reasoning(apart=False)  # a raw prompt's reply is the model's text as it is
         else:
             system = [{"role": "system", "content": req.system}] if req.system else []
-            ids = service.encode_chat([*system, {"role": "user", "content": req.prompt}], "prompt")
-        return await reply(request, model, ids, settings, req.stream is not False, piece)
+            ids = service.encode_chat([*system, {"role": "user", "content": req.prompt}], "prompt",
+                                      template_kwargs=reasoning.template_kwargs())
+        return await reply(request, model, ids, settings, req.stream is not False, piece, reasoning=reasoning)
 
     def route(path: str, fn: Callable, method: str, *, auth: bool = True) -> Route:
         return Route(path, service.endpoint(fn, error_body, auth=auth), methods=[method])

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mlxchat.core import GenerationResult, SamplingProfile
 from mlxchat.core.events import Metrics, TokenLogprob
+from mlxchat.core.reasoning import Reasoning
 from mlxchat.core.tracing import check_trace
 
 from mlxchat.core import tools as tool_calls
@@ -27,7 +28,7 @@ from mlxchat.core.tools import ToolError, ToolUse
 # Fields of OpenAI's API that are not implemented; each is refused by name unless it carries its neutral value.
 UNSUPPORTED = {
     "functions": ([], None), "function_call": ("none", None), "audio": (None,),
-    "modalities": (["text"], None), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "modalities": (["text"], None), "prediction": (None,), "web_search_options": (None,),
     "store": (False, None), "metadata": (None,), "service_tier": ("auto", "default", None), "suffix": (None,),
     "echo": (False, None), "best_of": (1, None),
 }
@@ -112,6 +113,11 @@ class _Types(LlamaSamplerTypes):
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
     response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
     speculative: str | None = None  # mlxchat's extension: "off", "ngram", "auto" (see `check_speculative`)
+    # Thinking models (core/reasoning.py): a budget of reasoning tokens (llama.cpp's name), OpenAI's effort, and
+    # variables for the chat template (vLLM's chat_template_kwargs, e.g. {"enable_thinking": false}).
+    reasoning_budget: int | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class _ChatTypes(_Types):
@@ -143,6 +149,8 @@ class Request:
     seed: int  # the base seed: choice i samples with seed + i
     trace: int = 0  # candidates per token in each choice's "trace" extension field (0 = none)
     tools: ToolUse | None = None  # the tools, the choice and parallel_tool_calls (None: no tools given)
+    reasoning: Reasoning = Reasoning()  # a thinking model's switch and budget
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs, for the chat template
     speculative: str | None = None  # "off", "ngram" or "auto" (None: the server's default, `serve --speculative`)
 
 
@@ -197,6 +205,8 @@ def _messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         out.append({"role": role, "content": content})
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+            out[-1]["reasoning_content"] = m["reasoning_content"]  # the template keeps or strips it
     if not any(m["content"].strip() or m.get("tool_calls") for m in out if m["role"] != "system"):
         raise ApiError(400, "messages have no user content: send a non-empty user message", "messages")
     return out
@@ -278,8 +288,37 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
         if not p or (isinstance(p, str) and not p.strip()):
             raise ApiError(400, "prompt must not be empty", "prompt")
         prompt = p
+    reasoning = reasoning_settings(req.chat_template_kwargs, req.reasoning_budget, req.reasoning_effort)
+    if not chat:  # a raw completion's text is the model's, markers and all
+        reasoning = Reasoning(reasoning.enable_thinking, reasoning.budget, apart=False)
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
-                   bool((req.stream_options or {}).get("include_usage")), seed, trace, tools, req.speculative)
+                   bool((req.stream_options or {}).get("include_usage")), seed, trace, tools, reasoning,
+                   {**(req.chat_template_kwargs or {}), **reasoning.template_kwargs()}, req.speculative)
+
+
+# What the server itself passes to the chat template (transformers' apply_chat_template arguments): not a client's.
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
+def reasoning_settings(template_kwargs: dict[str, Any] | None, budget: Any, effort: Any = None,
+                       enable: Any = None, budget_field: str = "reasoning_budget",
+                       enable_field: str = "chat_template_kwargs.enable_thinking") -> Reasoning:
+    """A thinking model's settings from a request (every API's names), or an ApiError naming the field."""
+    for key in template_kwargs or {}:
+        if key in TEMPLATE_ARGUMENTS:
+            raise ApiError(400, f"chat_template_kwargs.{key}: the server sets it; leave it out", "chat_template_kwargs")
+    if enable is None and template_kwargs:
+        enable = template_kwargs.get("enable_thinking")
+    if enable is not None and not isinstance(enable, bool):
+        raise ApiError(400, f"{enable_field} must be true or false, got {enable!r}", enable_field.split(".")[0])
+    try:
+        return Reasoning.make(enable, budget, effort, field=budget_field)
+    except ValueError as e:
+        field = "reasoning_effort" if str(e).startswith("reasoning_effort") else budget_field
+        raise ApiError(400, str(e), field.split(".")[0]) from None
 
 
 def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
@@ -319,7 +358,9 @@ def usage(results: list[GenerationResult]) -> dict[str, Any]:
     completion = sum(r.metrics.completion_tokens for r in results)
     return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            # OpenAI's count of reasoning tokens within completion_tokens (a thinking model's; 0 otherwise)
+            "completion_tokens_details": {"reasoning_tokens": sum(r.metrics.reasoning_tokens for r in results)}}
 
 
 def timings(m: Metrics) -> dict[str, float | int]:

@@ -25,6 +25,7 @@ from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
 from mlxchat.core.errors import ContextLengthError
 from mlxchat.core.events import Done
+from mlxchat.core.reasoning import Reasoning
 
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import Tool, ToolUse
@@ -49,13 +50,13 @@ class Choice:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
                  max_tokens: int | None, trace: int, wake: asyncio.Event | None = None,
-                 tools: ToolUse | None = None, speculative: str = "off") -> None:
+                 tools: ToolUse | None = None, reasoning: Reasoning = Reasoning(), speculative: str = "off") -> None:
         self._ready: deque = deque()
         self._pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._loop = loop
         self.wake = wake or asyncio.Event()
         self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace, tools=tools,
-                                    speculative=speculative)
+                                    reasoning=reasoning, speculative=speculative)
 
     def _deliver(self, event: object) -> None:
         """Called on the inference thread: queue the event; wake the loop unless a wake-up is on its way."""
@@ -146,14 +147,14 @@ class Service:
             raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
                                 f"{self.engine.context_length}: shorten it", field)
 
-    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", tools: Sequence[Tool] = ()
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", tools: Sequence[Tool] = (),
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation through the model's chat template, ready for a reply; it must fit the context. `tools`
         are shown to the model, and tool messages rendered, as core/tools.py says."""
         tok = self.engine.model.tokenizer
         rendered, shown = tool_calls.render_messages(messages, list(tools), tok.knows_tools)
         try:
-            ids = tok.encode_chat(rendered, tools=shown)
+            ids = tok.encode_chat(rendered, tools=shown, template_kwargs=template_kwargs)
         except ValueError as e:
             raise ApiError(400, str(e), field) from None
         self.check_fits(ids, field)
@@ -169,16 +170,18 @@ class Service:
         return ids
 
     def start(self, ids: list[int], profiles: Sequence[SamplingProfile], max_tokens: int | None,
-              trace: int = 0, tools: ToolUse | None = None, speculative: str | None = None) -> list[Choice]:
+              trace: int = 0, tools: ToolUse | None = None, reasoning: Reasoning = Reasoning(),
+              speculative: str | None = None) -> list[Choice]:
         """Submit one choice per profile (each may call `tools`, each speculates as `speculative` says, by default
-        as the server's `--speculative`); all or none run."""
+        as the server's `--speculative` unless it has a reasoning budget, which speculation does not combine with
+        yet); all or none run."""
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
         wake = asyncio.Event()  # one for the request: its stream waits on all its choices at once
         try:
             for profile in profiles:
-                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools,
-                                speculative or self.config.speculative)
+                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools, reasoning,
+                                speculative or ("off" if reasoning.budget is not None else self.config.speculative))
                 self.scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:

@@ -49,6 +49,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
 
 
+@pytest.fixture(scope="session")
+def thinking_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded model with a Qwen3-style thinking template (tests/thinking_models.py)."""
+    from tests.thinking_models import thinking_gguf
+
+    return thinking_gguf(tmp_path_factory.mktemp("thinking") / "thinking.gguf")
+
+
+@pytest.fixture(scope="session")
+def thinking_engine(thinking_file: Path) -> Engine:
+    """`thinking_file` loaded (one engine for every thinking test)."""
+    e = Engine.load(thinking_file)
+    yield e
+    e.close()
+
+
 @pytest.fixture()
 def greedy() -> SamplingProfile:
     return SamplingProfile(temperature=0)
@@ -224,7 +240,7 @@ def snapshot(snapshot: Any) -> Any:
 # servers or apps throughout.
 MODEL_FIXTURES = {"engine", "tiny", "tiny_engine", "small_context_engine", "new_app", "with_session_engine",
                   "server", "tight", "client", "sweep", "wheel", "bad_files", "serve", "serve_module",
-                  "int8_engine"}
+                  "int8_engine", "thinking_file", "thinking_engine"}
 MODEL_MODULES = {"test_crash_safety", "test_defects_cli", "test_packaging", "test_server", "test_server_batch",
                  "test_native", "test_lab_engine", "test_lab_tui", "test_tui", "test_app_reliability",
                  "test_distributed_load", "test_distributed_procs", "test_interrupts", "test_readme"}

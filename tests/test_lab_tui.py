@@ -27,7 +27,7 @@ async def test_lab_screen_runs_browses_and_votes(engine, tmp_path):
         def on_mount(self) -> None:
             self.push_screen(screen)
 
-    async with LabApp().run_test(size=(160, 45)) as pilot:
+    async with LabApp().run_test(size=(120, 45)) as pilot:
         screen.query_one("#set", Select).value = "factual"
         screen.query_one("#seeds", Input).value = "1"
         screen.query_one("#max_tokens", Input).value = "6"
@@ -46,6 +46,7 @@ async def test_lab_screen_runs_browses_and_votes(engine, tmp_path):
         table = screen.query_one("#metrics", DataTable)
         assert table.row_count == 2
         assert str(table.get_row_at(0)[0]) == "precise"
+        assert table.virtual_size.width <= table.size.width  # issue 37: every column, interval and finish, at 120
         assert "capital-france" in str(screen.query_one("#prompt", Static).render())
         await pilot.press("right_square_bracket")
         assert "capital-japan" in str(screen.query_one("#prompt", Static).render())

@@ -596,3 +596,27 @@ def test_temperature_towards_zero_is_greedy(x: np.ndarray, seed: int) -> None:
     greedy = Sampler(SamplingProfile(temperature=0), vocab_size=x.size, eos_ids=set()).step(mx.array(x))[0].item()
     cold = Sampler(SamplingProfile(temperature=1e-6, seed=seed), vocab_size=x.size, eos_ids=set())
     assert greedy == best == cold.step(mx.array(x))[0].item()
+
+
+def test_native_penalties_are_the_graphs_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The penalties' one op must give what the composed graph gives, so a seed draws alike with or without the
+    # extension: repeated ids, a count of zero at an id, negative, zero, -inf and huge logits, each penalty alone.
+    if not native.available():
+        pytest.skip(f"native extension unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(5)
+    vocab = 4096
+    x = (rng.standard_normal(vocab) * 4).astype(np.float32)
+    x[:4] = [0.0, -np.inf, 3e38, -0.0]
+    prompt = [int(t) for t in rng.integers(0, 64, 300)] + [0, 1, 2, 3, 3]
+    logits = mx.array(x)
+    for r, f, p in [(1.3, 0.5, 0.3), (0.7, 0.0, 0.0), (1.0, 1.5, 0.0), (1.0, 0.0, 2.0), (1.1, -0.4, -0.2)]:
+        profile = SamplingProfile(temperature=0, repetition_penalty=r, frequency_penalty=f, presence_penalty=p,
+                                  penalize_prompt=True)
+        results = []
+        for flag in ("1", "0"):
+            with monkeypatch.context() as m:
+                m.setenv("MLXCHAT_NATIVE", flag)
+                sampler = Sampler(profile, vocab_size=vocab, eos_ids=frozenset(), prompt_ids=prompt)
+                results.append(np.array(sampler._distribution(logits)[2]))
+        np.testing.assert_array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
+        assert not np.array_equal(results[0], np.minimum(x, np.finfo(np.float32).max))  # the penalties did act

@@ -478,8 +478,9 @@ async def test_quitting_while_a_reply_streams_saves_it_as_stopped(tmp_path, new_
         await wait_for(pilot, lambda: screen.controller.reply is not None and screen.controller.reply.tokens >= 3,
                        what="the first tokens")
         conversation = screen.controller.record.id
+        view = screen.transcript.messages[-1]  # quitting removes the screen's widgets; the view keeps its text
         await pilot.press("ctrl+q")
-        shown = screen.transcript.messages[-1].text
+        shown = view.text
     store = Store(tmp_path / "data" / "conversations.db")
     try:
         stored = store.messages(conversation)

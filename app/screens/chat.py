@@ -121,7 +121,8 @@ class ChatScreen(Screen):
             app.store, default_profile=app.default_profile, default_system=app.settings.system_prompt,
             max_tokens=app.max_tokens, kv_window=app.settings.kv_window,
             context_policy=app.settings.context_policy, exports=app.locations.exports, trace_k=app.settings.trace,
-            speculative=app.settings.speculative,
+            speculative=app.settings.speculative, reasoning_budget=app.settings.reasoning_budget,
+            enable_thinking=app.settings.enable_thinking,
             notify=lambda message, severity: self.notify(message, severity=severity,
                                                          timeout=10 if severity == "error" else 5))
         self._panel = InspectionPanel(self, Inspection(self._controller))

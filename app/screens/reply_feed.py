@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..conversation import Reply, Turn, keeps
 from ..engine_worker import EngineWorker, next_batch_s
-from ..formatting import DONE, stats_line
+from ..formatting import DONE, stats_line, thought_line
 from ..inspection import Inspection
 from ..models import to_remember
 from ..turns import first_reply
@@ -58,7 +58,9 @@ class ReplyFeed:
                 stats = stats_line(message.metrics, message.finish_reason, message.profile.get("name"),
                                    first_reply=first)
             label = f"Assistant · {message.model}" if message.model else "Assistant"
-            view = MessageView("assistant", turn.content, label=_placed(label, turn), stats=stats, turn=turn)
+            view = MessageView("assistant", turn.content, label=_placed(label, turn), stats=stats, turn=turn,
+                               reasoning=message.reasoning,
+                               thought=thought_line(message.metrics, streaming=turn.streaming))
             if turn.error:
                 view.add_class("failed")
             return view
@@ -174,17 +176,22 @@ class ReplyFeed:
 
     async def tokens(self, event: EngineWorker.Tokens) -> None:
         controller = self.screen.controller
-        reply = controller.on_tokens(event.stream, event.text, event.count, event.metrics)
+        reply = controller.on_tokens(event.stream, event.text, event.count, event.metrics, event.reasoning)
         if reply is None:
             return
         view = self._reply_view(reply)
         # No screen update in the middle of a batch: its text, the reply's stats and the stats line change together.
         with self.screen.app.batch_update():
             if view is not None:
+                if event.reasoning:  # a thinking model's reasoning, in its own collapsed block above the answer
+                    await view.think(event.reasoning, thought_line(event.metrics, streaming=True))
+                elif view.thinking is not None and event.text and event.metrics is not None:
+                    view.set_thought(thought_line(event.metrics))  # the reasoning closed: its time is known
                 await view.write(event.text)
                 view.set_stats("generating…")  # the live numbers are in the stats bar; the final ones go here
             if reply is controller.reply and event.metrics is not None:
-                self.screen.stats.show_metrics(event.metrics, label="▶ decoding")
+                thinking = bool(event.reasoning) and not event.text  # a thinking model still reasoning
+                self.screen.stats.show_metrics(event.metrics, label="▶ thinking" if thinking else "▶ decoding")
         self._pace_batches()
 
     def _pace_batches(self) -> None:
@@ -204,6 +211,9 @@ class ReplyFeed:
         view = self._reply_view(reply)
         if view is not None:
             if keeps(result):
+                if result.reasoning and view.thinking is not None:
+                    view.set_thought(thought_line(result.metrics))
+                    view.thinking.show_all()
                 await view.finish(result.text, stats_line(result.metrics, result.finish_reason,
                                                           result.profile.get("name"),
                                                           first_reply=reply.turn is first_reply(controller.turns)),

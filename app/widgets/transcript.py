@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.geometry import Size
 from textual.message import Message
-from textual.widgets import Button, Markdown, Static
+from textual.widgets import Button, Collapsible, Markdown, Static
 from textual.visual import visualize
 from textual.widget import Widget
 from textual.widgets.markdown import MarkdownFence
@@ -104,12 +104,45 @@ class StreamedReply(OneLayout, Vertical):
 
     async def append(self, text: str) -> None:
         self._open += text
+        if not self.is_attached:  # removed (the app quits) while a batch was on its way: nothing left to draw
+            return
         tail = self.query_one(OpenBlock)
         if (cut := closed_length(self._open)) and self._open.count("\n", 0, cut) >= self.MIN_LINES:
             closed, self._open = self._open[:cut], self._open[cut:]
             tail.reset()
             await self.mount(closed_block(closed), before=tail)
         tail.extend(self._open.rstrip("\n"))
+
+
+class ThinkingBlock(Collapsible):
+    """A thinking model's reasoning, above its answer: collapsed to one line ("thought for 3.2 s · 412 tokens"),
+    expanded (a click, or Enter on its title) to read it. It streams in while the model thinks."""
+
+    DEFAULT_CSS = "ThinkingBlock { height: auto; }"
+
+    def __init__(self, text: str = "", title: str = "thinking…") -> None:
+        self._parts = [text]
+        super().__init__(Static(text, classes="thinking-text", markup=False), title=title, collapsed=True,
+                         classes="thinking")
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0]
+
+    def append(self, text: str) -> None:
+        self._parts.append(text)
+        if not self.collapsed:  # a collapsed block draws nothing: its text is set when it opens, or at the end
+            self.query_one(".thinking-text", Static).update(self.text)
+
+    def show_all(self) -> None:
+        self.query_one(".thinking-text", Static).update(self.text)
+
+    def _watch_collapsed(self, collapsed: bool) -> None:
+        super()._watch_collapsed(collapsed)
+        if not collapsed and self.is_mounted:
+            self.show_all()
 
 
 class ReplyMarkdown(OneLayout, Markdown):
@@ -162,7 +195,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
     _parts: list[str]  # the text, in the pieces it came in since it was last read
 
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
-                 turn: "Turn | None" = None) -> None:
+                 turn: "Turn | None" = None, reasoning: str = "", thought: str = "") -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
         self.text = text
@@ -173,9 +206,12 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self._streaming = False
         self._stream: StreamedReply | None = None  # what shows the reply while it streams
         self._code_index = 0
+        self.reasoning, self.thought = reasoning, thought  # a thinking model's reasoning, and its block's title
 
     def compose(self) -> ComposeResult:
         yield Static(self.label, classes="role", markup=False)
+        if self.reasoning:
+            yield ThinkingBlock(self.reasoning, self.thought or "thought")
         if self.role == "assistant":
             yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
@@ -215,6 +251,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         if not text:
             return
         self._parts.append(text)
+        if not self.is_attached:  # the app is quitting: the reply is saved from its parts, nothing more is drawn
+            return
         if self._stream is None:  # the first batch: the reply streams on in a StreamedReply, from what came so far
             self._stream = StreamedReply()
             await self.query_one(".body", Markdown).update("")
@@ -222,6 +260,27 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             await self._stream.append(self.text)
         else:
             await self._stream.append(text)
+
+    @property
+    def thinking(self) -> ThinkingBlock | None:
+        blocks = self.query(ThinkingBlock)
+        return blocks.first() if blocks else None
+
+    async def think(self, text: str, title: str) -> None:
+        """Append a batch of a thinking model's reasoning to its block (made by the first batch)."""
+        block = self.thinking
+        if block is None:
+            block = ThinkingBlock("", title)
+            await self.mount(block, before=self.query_one(".body"))
+        self.reasoning += text
+        block.append(text)
+        self.set_thought(title)
+
+    def set_thought(self, title: str) -> None:
+        """The thinking block's title ("thought for 3.2 s · 412 tokens")."""
+        self.thought = title
+        if (block := self.thinking) is not None:
+            block.title = title
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
         """End the stream and parse the final text once, in full."""

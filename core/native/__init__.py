@@ -216,6 +216,13 @@ def dry_penalty(logits: mx.array, history: mx.array, breakers: object, *, multip
                                  allowed_length=allowed_length)
 
 
+def penalties(logits: mx.array, ids: mx.array, counts: mx.array, *, repetition: float = 1.0, frequency: float = 0.0,
+              presence: float = 0.0) -> mx.array:
+    """core/sampling.py's repetition, frequency and presence penalties (in that order) at the history's int32 ids of
+    float32 logits [V], from float32 counts [V], bit for bit, as one lazy op."""
+    return _module().penalties(logits, ids, counts, repetition=repetition, frequency=frequency, presence=presence)
+
+
 def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
     """core/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit for
     bit, as one op."""

@@ -55,6 +55,9 @@ NB_MODULE(_ext, m) {
            "heads"_a, "offsets"_a, "tails"_a);
   m.def("dry_penalty", &mlxchat::dry_penalty, "logits"_a, "history"_a, "breakers"_a, nb::kw_only(), "multiplier"_a,
         "base"_a, "allowed_length"_a, "llama.cpp's DRY penalty on float32 logits [V] after int32 history ids, as one op.");
+  m.def("penalties", &mlxchat::penalties, "logits"_a, "ids"_a, "counts"_a, nb::kw_only(), "repetition"_a = 1.0f,
+        "frequency"_a = 0.0f, "presence"_a = 0.0f,
+        "The repetition, frequency and presence penalties at the history's ids of float32 logits [V], as one op.");
   m.def("swiglu", &mlxchat::swiglu, "gate"_a, "up"_a, "silu(gate) * up, float32.");
   nb::class_<mlxchat::LayerShape>(m, "LayerShape")
       .def("__init__",

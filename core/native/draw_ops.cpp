@@ -225,6 +225,55 @@ class NativeDry : public CpuOp {
   int allowed_;
 };
 
+// The token penalties (repetition, frequency, presence, in llama.cpp's order) at the history's ids: each id's logit
+// from its own count, the rest copied. MLX composed them as ~20 nodes (two gathers, the three shifts' selects and
+// arithmetic, a scatter) in every sampled decode step. The arithmetic is core/sampling.py's, operation for operation
+// (no FMA: the file builds with -ffp-contract=off), so a logit is the same bits on either path.
+class NativePenalties : public CpuOp {
+ public:
+  NativePenalties(mx::Stream stream, float repetition, float frequency, float presence)
+      : CpuOp(stream), repetition_(repetition), frequency_(frequency), presence_(presence) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto &logits = inputs[0], &ids = inputs[1], &counts = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));  // not the logits' buffer: an id repeats in the history
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(logits);
+    encoder.set_input_array(ids);
+    encoder.set_input_array(counts);
+    encoder.set_output_array(out);
+    encoder.dispatch([logits = mx::array::unsafe_weak_copy(logits), ids = mx::array::unsafe_weak_copy(ids),
+                      counts = mx::array::unsafe_weak_copy(counts), out = mx::array::unsafe_weak_copy(out),
+                      r = repetition_, f = frequency_, p = presence_]() mutable {
+      const size_t V = logits.size();
+      const float *x = logits.data<float>(), *c = counts.data<float>();
+      float* y = out.data<float>();
+      std::copy(x, x + V, y);
+      const int32_t* id = ids.data<int32_t>();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const int32_t t = id[i];
+        if (t < 0 || size_t(t) >= V) continue;
+        const float n = c[t];
+        float v = x[t];
+        if (n > 0) v = v > 0 ? v / r : v * r;
+        v = v - f * n;
+        v = v - (n > 0 ? p : 0.0f);
+        y[t] = v;
+      }
+    });
+  }
+
+  const char* name() const override { return "MlxchatPenalties"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const NativePenalties&>(other);
+    return repetition_ == o.repetition_ && frequency_ == o.frequency_ && presence_ == o.presence_;
+  }
+
+ private:
+  float repetition_, frequency_, presence_;
+};
+
 }  // namespace
 
 DryBreakers::DryBreakers(const std::vector<int32_t>& heads, const std::vector<int32_t>& offsets,
@@ -249,6 +298,18 @@ mx::array dry_penalty(const mx::array& logits, const mx::array& history, const D
   return mx::array(logits.shape(), mx::float32,
                    std::make_shared<NativeDry>(s, breakers.map, multiplier, base, allowed_length),
                    {dense(logits, s), dense(history, s)});
+}
+
+mx::array penalties(const mx::array& logits, const mx::array& ids, const mx::array& counts, float repetition,
+                    float frequency, float presence) {
+  check_float32(logits, "logits");
+  check_float32(counts, "counts");
+  if (logits.ndim() != 1 || counts.shape() != logits.shape() || ids.ndim() != 1 || ids.dtype() != mx::int32) {
+    throw std::invalid_argument("penalties needs float32 logits [V], int32 ids [n] and float32 counts [V]");
+  }
+  auto s = cpu_stream();
+  return mx::array(logits.shape(), mx::float32, std::make_shared<NativePenalties>(s, repetition, frequency, presence),
+                   {dense(logits, s), dense(ids, s), dense(counts, s)});
 }
 
 mx::array uniform_at(const mx::array& ids, const mx::array& words) {

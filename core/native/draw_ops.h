@@ -39,4 +39,10 @@ class DryBreakers {
 mx::array dry_penalty(const mx::array& logits, const mx::array& history, const DryBreakers& breakers,
                       float multiplier, float base, int allowed_length);
 
+// core/sampling.py's token penalties, bit for bit, as one op: float32 logits [V] where each id of the history
+// (int32 [n], repeats allowed) with count c = counts[id] > 0 becomes (x > 0 ? x / repetition : x * repetition),
+// then x - frequency * c, then x - (c > 0 ? presence : 0); other logits unchanged. (1, 0, 0) is no penalty.
+mx::array penalties(const mx::array& logits, const mx::array& ids, const mx::array& counts, float repetition,
+                    float frequency, float presence);
+
 }  // namespace mlxchat
