@@ -32,6 +32,7 @@ from .commands import ProfileCommands
 from .config import ConfigError, Settings
 from .conversation import Refused
 from .screens import ChatScreen, Confirm, HelpScreen, ModelPicker, ProfilePicker, ReplayScreen, TextPrompt
+from .screens.tools import ToolApproval, ToolsScreen
 from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView, TokenInspector, TokenStrip, Transcript
 
@@ -238,6 +239,7 @@ MlxChatApp.BINDING_SCOPES = [("app", MlxChatApp), ("any screen", Screen), ("chat
                              ("heat view", TokenStrip), ("inspector", TokenInspector),
                              ("profiles (F2)", ProfilePicker), ("models (F3)", ModelPicker),
                              ("replay (F9)", ReplayScreen), ("dialogs", TextPrompt), ("dialogs", Confirm),
+                             ("tools (ctrl+o)", ToolsScreen), ("tool call", ToolApproval),
                              ("help (F1)", HelpScreen)]
 # Keys that a widget of Textual's handles itself (no Binding of ours to list): F1 says them too.
 WIDGET_KEYS = [("enter", "Continue from this candidate (a branch)", "inspector", ""),

@@ -24,6 +24,8 @@ from .turns import Notify, Refused, Reply, State, Turn
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
+
+    from .chat_tools import ChatTools
     from mlxchat.core.events import GenerationResult
 
 
@@ -35,10 +37,11 @@ class ChatState:
                  context_policy: ContextPolicy = "truncate", exports: Path | None = None,
                  notify: Notify | None = None, clock: Callable[[], float] = time.monotonic, trace_k: int = 0,
                  speculative: str = "off", reasoning_budget: int | None = None,
-                 enable_thinking: bool | None = None) -> None:
+                 enable_thinking: bool | None = None, tools: "ChatTools | None" = None) -> None:
         self.store = store
         # A thinking model's budget and switch for every reply (config.toml's reasoning_budget, enable_thinking).
         self.reasoning_budget, self.enable_thinking = reasoning_budget, enable_thinking
+        self.tools = tools if tools is not None and tools.configured else None  # MCP servers (app/chat_tools.py)
         self.trace_k = trace_k  # candidates recorded per token of every reply (0: replies are not traced)
         self.speculative = speculative  # speculative decoding of the replies (config.toml's speculative)
         self.default_profile, self.default_system = default_profile, default_system
@@ -97,8 +100,26 @@ class ChatState:
                                         context_policy=self.context_policy,
                                         # A rotating window cannot be trimmed: its replies decode plainly.
                                         speculative="off" if self.context_policy == "rotate" else self.speculative,
-                                        reasoning_budget=self.reasoning_budget, enable_thinking=self.enable_thinking)
+                                        reasoning_budget=self.reasoning_budget, enable_thinking=self.enable_thinking,
+                                        **self._tool_options())
         self.session.replace_history(history, forks)
+
+    def save_tools(self) -> None:
+        """Keep this chat's tool settings (on/off, always allowed, the choice) with its conversation."""
+        if self.tools is not None and self.record is not None:
+            self.saved.write(lambda: self.store.set_setting(f"chat_tools.{self.record.id}", self.tools.state()))
+
+    def load_tools(self, conversation_id: int | None) -> None:
+        """This chat's saved tool settings (a new chat: the defaults)."""
+        if self.tools is not None:
+            self.tools.restore(None if conversation_id is None else
+                               self.store.get_setting(f"chat_tools.{conversation_id}"))
+
+    def _tool_options(self) -> dict:
+        """engine.chat's tool arguments: the app's toolbox, the chat's choice, the UI's approval."""
+        if self.tools is None:
+            return {}
+        return {"tools": self.tools.toolbox, "tool_choice": self.tools.tool_choice, "approve": self.tools.approve}
 
     def index_of(self, turn: Turn) -> int | None:
         """Where ``turn``'s message is in the session's messages (system prompt first); None if it holds none."""

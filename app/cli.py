@@ -21,6 +21,7 @@ from typing import Any
 from .format_flags import add_format_flags, response_format
 from .formatting import fmt_bytes
 from .split import add_split_arguments, add_worker_command, check_split, lost_a_peer, run_worker, start_split
+from .tool_flags import add_tool_flags, calls_json, close_servers, show_event, start_with_tools, tool_servers
 
 COMMANDS_GROUP = "mlxchat.commands"
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--hide-thinking", action="store_true",
                      help="print only the answer of a thinking model, not its reasoning (and no reasoning in --json)")
     add_format_flags(gen)
+    add_tool_flags(gen)
     gen.add_argument("--draft-model", metavar="SPEC",
                      help="the draft model of --speculative draft: a model with the same vocabulary, or self:N (the "
                           "first N layers of --model)")
@@ -372,28 +374,35 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         args.speculative = args.speculative or "draft"
     elif args.speculative == "draft":
         raise ValueError("--speculative draft needs --draft-model SPEC (a model with the same vocabulary, or self:N)")
+    servers = tool_servers(args)  # --mcp: checked (a terminal to ask on, or --yes; known names) before loading
     _import_core()
     check_split(args)
     profile = _profile(args)
     engine = _without_sigint(lambda: _load(args.model, args))
     from mlxchat.core.events import TokenEvent
 
-    stream = _start(engine, prompt, profile, args)
-    interrupts.stream = stream
     # A thinking model's reasoning streams first (dim on a terminal), a blank line, then the answer.
     dim = sys.stdout.isatty()
     thinking = answered = False
-    for event in stream:
-        if isinstance(event, TokenEvent) and not args.json:
-            if event.reasoning and not args.hide_thinking and not answered:
-                sys.stdout.write(("\x1b[2m" if dim and not thinking else "") + event.reasoning)
-                thinking = True
-            if event.text:
-                if thinking and not answered:
-                    sys.stdout.write(("\x1b[0m" if dim else "") + "\n\n")
-                answered = True
-                sys.stdout.write(event.text)
-            sys.stdout.flush()
+    try:
+        stream = start_with_tools(engine, prompt, profile, args, servers) if servers else \
+            _start(engine, prompt, profile, args)
+        interrupts.stream = stream
+        for event in stream:
+            if isinstance(event, TokenEvent) and not args.json:
+                if event.reasoning and not args.hide_thinking and not answered:
+                    sys.stdout.write(("\x1b[2m" if dim and not thinking else "") + event.reasoning)
+                    thinking = True
+                if event.text:
+                    if thinking and not answered:
+                        sys.stdout.write(("\x1b[0m" if dim else "") + "\n\n")
+                    answered = True
+                    sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif servers:
+                show_event(event)
+    finally:
+        close_servers(servers)
     if thinking and not answered and dim:
         sys.stdout.write("\x1b[0m")
     # The reply has ended; wait for the inference thread to finish the job (it frees MLX arrays after its last
@@ -404,7 +413,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         json.dump({"text": result.text, **({} if args.hide_thinking else {"reasoning": result.reasoning}),
                    "finish_reason": result.finish_reason, "model": engine.name,
                    "profile": profile.name, "sampler": result.sampler, "seed": result.seed,
-                   "metrics": result.metrics.as_dict()},
+                   "metrics": result.metrics.as_dict(), **({"tool_calls": calls_json(stream)} if servers else {})},
                   sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     if args.stats:

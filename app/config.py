@@ -22,6 +22,15 @@ Example ``~/.config/mlxchat/config.toml``::
     regenerate = "ctrl+r,f12"
     newline = "ctrl+j,shift+enter"
 
+    [mcp.servers.time]               # MCP servers whose tools the model may call (F9 in the chat, generate --mcp)
+    command = "uvx"                  # a program spoken to over stdio ...
+    args = ["mcp-server-time"]
+    env = { TZ = "Europe/Paris" }    # added to a safe part of mlxchat's environment
+    timeout = 30                     # seconds one call may take
+
+    [mcp.servers.search]
+    url = "http://127.0.0.1:8931/mcp"  # ... or a server over streamable HTTP
+
 A missing file means the defaults. An invalid one is reported in the app (one line naming the field) and the
 defaults are used, so a typo never keeps the chat from opening.
 """
@@ -42,6 +51,53 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 class ConfigError(Exception):
     """The config file could not be read; the message is one line and names the file."""
+
+
+class MCPServerSettings(BaseModel):
+    """One ``[mcp.servers.NAME]`` table: ``command`` (with ``args``, ``env``) over stdio, or ``url`` over streamable
+    HTTP; ``timeout`` is the most one call may take."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    url: str | None = None
+    timeout: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "MCPServerSettings":
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give either command (a program run over stdio) or url (streamable HTTP)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http:// or https:// address, got {self.url!r}")
+        if self.url is not None and (self.args or self.env):
+            raise ValueError("args and env go with command, not url")
+        return self
+
+
+class MCPSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    servers: dict[str, MCPServerSettings] = Field(default_factory=dict)
+
+    @field_validator("servers")
+    @classmethod
+    def _names(cls, v: dict[str, MCPServerSettings]) -> dict[str, MCPServerSettings]:
+        for name in v:
+            if not name or not all(c.isalnum() or c in "-_" for c in name):
+                raise ValueError(f"mcp.servers.{name}: a server's name is letters, digits, '-' or '_'")
+        return v
+
+    def server(self, name: str):  # noqa: ANN201 - core.mcp.MCPServer, imported late (it imports the engine's core)
+        """The server `name` as a (not yet started) `MCPServer`; a ValueError naming the configured ones if none."""
+        from mlxchat.core.mcp import MCPServer, MCPServerSpec
+
+        s = self.servers.get(name)
+        if s is None:
+            known = ", ".join(sorted(self.servers)) or "none (add [mcp.servers.NAME] to config.toml)"
+            raise ValueError(f"no MCP server named {name!r} in config.toml; configured: {known}")
+        return MCPServer(MCPServerSpec(name, s.command, tuple(s.args), dict(s.env), s.url, s.timeout))
 
 
 class Settings(BaseModel):
@@ -73,6 +129,7 @@ class Settings(BaseModel):
     # (None: the template's default).
     reasoning_budget: int | None = Field(default=None, ge=0)
     enable_thinking: bool | None = None
+    mcp: MCPSettings = Field(default_factory=MCPSettings)
 
     @field_validator("keys")
     @classmethod

@@ -288,15 +288,18 @@ class ChatController(ChatState):
     # --- conversations -------------------------------------------------------------------------------------------
 
     def new_chat(self) -> None:
+        self.save_tools()
         self._leave()
         self.saved.conversation, self.turns, self.last_result = None, [], None
         self.profile, self.system_prompt = self.default_profile(), self.default_system
         self.session = None
+        self.load_tools(None)  # tools on/off, "always" and the tool choice are per chat
         self._new_session()
 
     def open(self, conversation_id: int) -> None:
         """Restore a saved conversation: its messages (with their stats), system prompt and profile."""
         record = self.store.conversation(conversation_id)
+        self.save_tools()
         self._leave()
         try:
             profile = SamplingProfile.model_validate(record.profile) if record.profile else None
@@ -310,6 +313,7 @@ class ChatController(ChatState):
         changes = [t.content for t in self.turns if t.role == "system"]
         self.system_prompt = changes[-1] if changes else (record.system_prompt or "")
         self.session = None
+        self.load_tools(conversation_id)
         self._new_session()
         if self.session is not None:
             self.session.warm()  # its KV cache saved on disk is loaded in the background: the next turn starts warm

@@ -103,6 +103,14 @@ class EngineWorker:
         result: "GenerationResult"
 
     @dataclass
+    class ToolActivity(Message):
+        """A turn with tools called one (core.tool_loop's ToolCallEvent), got its result (ToolResultEvent), or has a
+        line to say (ToolNotice). The text before it was already posted."""
+
+        stream: "Stream"
+        event: Any
+
+    @dataclass
     class Failed(Message):
         """The reply failed (an engine error mid-stream, or a prompt the engine refused); the text so far was
         already posted."""
@@ -219,6 +227,9 @@ class EngineWorker:
                 elif isinstance(event, Done):
                     flush()
                     self._post(self.Finished(stream, event.result))
+                elif type(event).__name__ in ("ToolCallEvent", "ToolResultEvent", "ToolNotice"):
+                    flush()
+                    self._post(self.ToolActivity(stream, event))
                 last_event = now
         except Exception as e:  # noqa: BLE001 - an engine error mid-stream, or a refused prompt: shown in the app
             flush()

@@ -50,6 +50,7 @@ def markdown(title: str, turns: Sequence["Turn"], *, system_prompt: str = "", mo
             title = thought_line(turn.message.metrics)
             lines += ["<details>", f"<summary>{title}</summary>", "", turn.message.reasoning.rstrip(), "",
                       "</details>", ""]
+        lines += tool_call_lines(turn.message.tool_calls)
         lines += [turn.content.rstrip(), ""]
         if turn.role == "assistant":
             m = turn.message
@@ -58,6 +59,21 @@ def markdown(title: str, turns: Sequence["Turn"], *, system_prompt: str = "", mo
                                                                          first_reply=turn is first_reply(turns))
             lines += [f"*{stats}*", ""]
     return "\n".join(lines)
+
+
+def tool_call_lines(calls: Sequence[dict]) -> list[str]:
+    """A reply's tool calls as Markdown: each call's tool and arguments, then its result in a fenced block."""
+    lines: list[str] = []
+    for c in calls:
+        result = c.get("result")
+        status = "not run" if result is None else ("result" if c.get("ok", True) else "failed")
+        source = f"{c['source']}." if c.get("source") else ""
+        lines += [f"**Tool call** `{source}{c.get('name', '?')}` `{c.get('arguments', '{}')}` — {status}"
+                  + (f" ({c['note']})" if c.get("note") else ""), ""]
+        if result is not None:
+            fence = "````" if "```" in result else "```"
+            lines += [fence, result.rstrip(), fence, ""]
+    return lines
 
 
 def write(path: Path, text: str) -> Path:

@@ -44,7 +44,7 @@ from typing import Any
 from mlxchat.core.messages import ChatMessage, Fork, Tail
 from mlxchat.core.trace import TokenTrace
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 BUSY_TIMEOUT_MS = 5000
 
 
@@ -150,7 +150,13 @@ def _to_v4(c: sqlite3.Connection) -> None:
     c.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3, _to_v4]
+def _to_v5(c: sqlite3.Connection) -> None:
+    # A reply's tool calls and their results (core/tool_loop.py), as JSON; NULL in the rows already there, and
+    # missing from the alternatives saved before in forks' tails (`_full` reads them as NULL).
+    c.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_to_v1, _to_v2, _to_v3, _to_v4, _to_v5]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -168,7 +174,14 @@ def _compact(value: Any) -> str | None:
 
 
 _MESSAGE_COLUMNS = ("role, content, created_at, finish_reason, metrics, profile, sampler, seed, model, token_ids, "
-                    "traces, reasoning")
+                    "traces, reasoning, tool_calls")
+_COLUMN_COUNT = _MESSAGE_COLUMNS.count(",") + 1
+
+
+def _full(values: Sequence[Any]) -> list[Any]:
+    """A message's column values, the columns added since they were saved (in a fork's tail: reasoning in v4,
+    tool_calls in v5) as NULL."""
+    return [*values, *[None] * (_COLUMN_COUNT - len(values))]
 
 
 def _message_values(message: ChatMessage, created_at: float) -> tuple:
@@ -176,17 +189,16 @@ def _message_values(message: ChatMessage, created_at: float) -> tuple:
     m = message
     return (m.role, m.content, created_at, m.finish_reason, _dumps(m.metrics or None), _dumps(m.profile or None),
             m.sampler, None if m.seed is None else str(m.seed), m.model, _compact(list(m.token_ids)),
-            _compact([t.as_dict() for t in m.traces]), m.reasoning or None)
+            _compact([t.as_dict() for t in m.traces]), m.reasoning or None, _compact(list(m.tool_calls)))
 
 
 def _message_fields(values: Sequence[Any]) -> tuple[tuple, float]:
     """Column values (in _MESSAGE_COLUMNS order) as ChatMessage's positional fields, and the row's created_at."""
-    # A branch's tail saved in JSON before v4 has one value fewer (no reasoning).
-    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces, reasoning = (
-        *values, *[None] * (_MESSAGE_COLUMNS.count(",") + 1 - len(values)))
+    role, content, created, finish, metrics, profile, sampler, seed, model, ids, traces, reasoning, calls = \
+        _full(values)
     return ((role, content, finish, _loads(metrics) or {}, _loads(profile) or {}, tuple(_loads(ids) or ()),
              None if seed is None else int(seed), tuple(TokenTrace.from_dict(t) for t in _loads(traces) or ()),
-             sampler, model, reasoning or ""), created)
+             sampler, model, reasoning or "", tuple(_loads(calls) or ())), created)
 
 
 def _stored(id_: int, conversation_id: int, position: int, values: Sequence[Any]) -> StoredMessage:
@@ -426,11 +438,12 @@ class Store:
         """Rewrite the message at ``position`` (a reply saved while it streamed, now longer or final); its role,
         model and creation time stay."""
         _, content, _, *rest = _message_values(message, 0.0)
-        finish, metrics, profile, sampler, seed, _, ids, traces, reasoning = rest
+        finish, metrics, profile, sampler, seed, _, ids, traces, reasoning, calls = rest
         with self._tx() as c:
             c.execute("UPDATE messages SET content = ?, finish_reason = ?, metrics = ?, profile = ?, sampler = ?, "
-                      "seed = ?, token_ids = ?, traces = ?, reasoning = ? WHERE conversation_id = ? AND position = ?",
-                      (content, finish, metrics, profile, sampler, seed, ids, traces, reasoning, conversation_id,
+                      "seed = ?, token_ids = ?, traces = ?, reasoning = ?, tool_calls = ? WHERE conversation_id = ? "
+                      "AND position = ?",
+                      (content, finish, metrics, profile, sampler, seed, ids, traces, reasoning, calls, conversation_id,
                        position))
             c.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
 
@@ -529,7 +542,7 @@ class Store:
     def _paste(self, c: sqlite3.Connection, conversation_id: int, position: int, tail: dict[str, Any]) -> None:
         """Write a tail back as the active path from ``position`` on."""
         for i, values in enumerate(tail["messages"]):
-            values = [*values, *[None] * (_MESSAGE_COLUMNS.count(",") + 1 - len(values))]  # saved before v4
+            values = _full(values)  # saved before v4 / v5
             c.execute(f"INSERT INTO messages (conversation_id, position, {_MESSAGE_COLUMNS}) "
                       f"VALUES ({', '.join('?' * (len(values) + 2))})", (conversation_id, position + i, *values))
         for p, fork in tail["forks"].items():

@@ -4,7 +4,7 @@ replies can be regenerated, edited or branched from any of their tokens (`ChatSe
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -18,10 +18,12 @@ from .profile import SamplingProfile
 from .reasoning import Reasoning
 from .reply import Request
 from .speculative import Speculation, check
+from .tools import ToolUse, render_messages
 from .worker import Job, Stream
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .tool_loop import Approve, Toolbox
 
 
 CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
@@ -46,7 +48,8 @@ class ChatSession:
     def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
                  max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate",
                  kv: KVOptions = KVOptions(), speculative: str | Speculation = "off",
-                 reasoning: Reasoning = Reasoning()) -> None:
+                 reasoning: Reasoning = Reasoning(), toolbox: "Toolbox | None" = None, tool_choice: str = "auto",
+                 approve: "Approve | None" = None, max_tool_steps: int = 8) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
@@ -64,6 +67,10 @@ class ChatSession:
               draft=engine.draft is not None)
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
+        # Tools (core/tool_loop.py): with a toolbox, a turn is a loop of replies and calls (`ToolStream`), each
+        # call asked of `approve` (None: every call allowed), at most `max_tool_steps` rounds of calls.
+        self.toolbox, self.tool_choice, self.approve = toolbox, tool_choice, approve
+        self.max_tool_steps = max_tool_steps
 
     @property
     def messages(self) -> list[ChatMessage]:
@@ -110,17 +117,44 @@ class ChatSession:
         return self._cache
 
     def _request(self, max_tokens: int | None, stop: Sequence[str] | None, trace: int,
-                 speculative: str | Speculation | None = None, profile: SamplingProfile | None = None) -> Request:
+                 speculative: str | Speculation | None = None, profile: SamplingProfile | None = None,
+                 tools: ToolUse | None = None) -> Request:
         return self.engine.request(profile or self.profile, max_tokens, stop, trace,
                                    self.speculative if speculative is None else speculative,
                                    rotating=self.max_kv_size is not None, quantized=self.kv.quantized,
-                                   reasoning=self.reasoning)
+                                   reasoning=self.reasoning, tools=tools)
+
+    def _with_tools(self, start: "Callable[[ToolUse | None], Stream]", tool_choice: str | None,
+                    max_tokens: int | None, stop: Sequence[str] | None) -> Stream:
+        """`start(tools)` as a turn: a plain reply without a toolbox, else the tool loop's `ToolStream`."""
+        if self.toolbox is None:
+            return start(None)
+        from .tool_loop import ToolStream
+
+        return ToolStream(self, start, tool_choice or self.tool_choice, max_tokens, stop)  # type: ignore[return-value]
+
+    def continue_tools(self, tools: ToolUse | None, *, max_tokens: int | None = None,
+                       stop: Sequence[str] | None = None) -> Stream:
+        """Go on with the last reply once its calls have results (`ToolStream` does this): the model reads them and
+        writes on; what it writes joins that reply (its text, or further calls as the reply's next round)."""
+        with self._lock:
+            last = self._tree.path[-1] if self._tree.path else None
+        if last is None or last.role != "assistant" or not last.tool_calls:
+            raise ValueError("the last message is not a reply that called tools")
+        return self._reply(self._request(max_tokens, stop, 0, None, tools=tools), continuing=last)
 
     def send(self, text: str, *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-             trace: int = 0, speculative: str | Speculation | None = None) -> Stream:
-        """Answer `text`; `trace=K` traces each token's K candidates (see `Engine.stream`)."""
+             trace: int = 0, speculative: str | Speculation | None = None, tool_choice: str | None = None) -> Stream:
+        """Answer `text`; `trace=K` traces each token's K candidates (see `Engine.stream`). With a toolbox the turn
+        runs the tool loop (`tool_choice`: "auto", "required" or "none" for its first reply; the session's when
+        None)."""
         prompt_messages(text, None)  # the same checks as a one-off prompt, before anything is recorded
-        request = self._request(max_tokens, stop, trace, speculative)
+        return self._with_tools(lambda use: self._send(text, max_tokens, stop, trace, speculative, use),
+                                tool_choice, max_tokens, stop)
+
+    def _send(self, text: str, max_tokens: int | None, stop: Sequence[str] | None, trace: int,
+              speculative: str | Speculation | None, tools: ToolUse | None) -> Stream:
+        request = self._request(max_tokens, stop, trace, speculative, tools=tools)
         message = ChatMessage("user", text)
         with self._lock:
             self._tree.path.append(message)
@@ -130,7 +164,12 @@ class ChatSession:
                    trace: int = 0, keep: bool = False, speculative: str | Speculation | None = None) -> Stream:
         """Answer the last user message again. The last reply is dropped, or with `keep` it stays an alternative:
         the new reply becomes the active one at its place once it is done (see `alternatives`)."""
-        request = self._request(max_tokens, stop, trace, speculative)
+        return self._with_tools(lambda use: self._regenerate(max_tokens, stop, trace, keep, speculative, use),
+                                None, max_tokens, stop)
+
+    def _regenerate(self, max_tokens: int | None, stop: Sequence[str] | None, trace: int, keep: bool,
+                    speculative: str | Speculation | None, tools: ToolUse | None) -> Stream:
+        request = self._request(max_tokens, stop, trace, speculative, tools=tools)
         with self._lock:
             path = self._tree.path
             last = len(path) - 1
@@ -148,7 +187,12 @@ class ChatSession:
         what followed it stay an alternative: the new message and its reply take its place once the reply is done
         (see `alternatives`); a reply stopped before its first token or failed changes nothing."""
         prompt_messages(text, None)
-        request = self._request(max_tokens, stop, trace, speculative)
+        return self._with_tools(lambda use: self._edit_last(text, max_tokens, stop, trace, keep, speculative, use),
+                                None, max_tokens, stop)
+
+    def _edit_last(self, text: str, max_tokens: int | None, stop: Sequence[str] | None, trace: int, keep: bool,
+                   speculative: str | Speculation | None, tools: ToolUse | None) -> Stream:
+        request = self._request(max_tokens, stop, trace, speculative, tools=tools)
         message = ChatMessage("user", text)
         with self._lock:
             last = max((i for i, m in enumerate(self._tree.path) if m.role == "user"), default=None)
@@ -233,9 +277,11 @@ class ChatSession:
 
     def _reply(self, request: Request, sent: ChatMessage | None = None,
                branch: tuple[int, ChatMessage, Forced | None] | None = None,
-               lead: ChatMessage | None = None) -> Stream:
-        """Answer the path (up to `branch`'s position, then `lead` if given: an edit kept as a branch)."""
+               lead: ChatMessage | None = None, continuing: ChatMessage | None = None) -> Stream:
+        """Answer the path (up to `branch`'s position, then `lead` if given: an edit kept as a branch). `continuing`
+        (the path's last message, a reply whose calls have results): what is written joins it."""
         engine = self.engine
+        toolbox = self.toolbox
 
         def record(cache: ConversationCache, result: GenerationResult) -> None:
             # The KV cache is queued for disk before the Done goes out: a script that exits as soon as it has read
@@ -245,10 +291,23 @@ class ChatSession:
                 store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
             if not result.text and not result.reasoning and result.finish_reason == "cancelled":
                 return
+            earlier = continuing.tool_calls if continuing is not None else ()
+            next_round = max((c.get("round", 0) for c in earlier), default=-1) + 1
+            calls = tuple({"id": c.id, "name": c.name, "arguments": c.arguments, "round": next_round,
+                           "source": toolbox.source(c.name) if toolbox is not None else None, "result": None}
+                          for c in result.tool_calls)
             message = ChatMessage("assistant", result.text, result.finish_reason, result.metrics.as_dict(),
                                   result.profile, result.token_ids, result.seed, result.traces, result.sampler,
-                                  engine.name, result.reasoning)
+                                  engine.name,
+                                  # a tool turn's reasoning: each round's, in order
+                                  "\n\n".join(r for r in (continuing.reasoning if continuing else "",
+                                                            result.reasoning) if r),
+                                  (*earlier, *calls))
             with self._lock:
+                if continuing is not None:
+                    if self._tree.path and self._tree.path[-1] is continuing:
+                        self._tree.path[-1] = message
+                    return
                 if branch:
                     self._tree.add_alternative(branch[0], lead or message)
                 if lead is not None or not branch:
@@ -260,9 +319,9 @@ class ChatSession:
                 if branch and (len(self._tree.path) <= branch[0] or self._tree.path[branch[0]] is not branch[1]):
                     raise ValueError("the conversation changed before the branch started: branch again")
                 answered = [*self._tree.path[:branch[0] if branch else None], *([lead] if lead else [])]
-            rendered = [m.as_prompt() for m in answered]
+            rendered, replies, shown = self._rendered(answered, request.tools)
             try:
-                prompt = self._fitted_prompt(rendered, [m.token_ids for m in answered], request)
+                prompt = self._fitted_prompt(rendered, replies, request, shown)
                 # The reply joins the conversation before its Done is emitted: whoever reads `messages` on Done
                 # finds it.
                 engine.run_request(job, cache, prompt, request, branch[2] if branch else None,
@@ -316,15 +375,36 @@ class ChatSession:
                                                       template_kwargs=self.reasoning.template_kwargs())
         return store.warm(self._conversation_cache(), ids)
 
-    def _fitted_prompt(self, rendered: list[dict[str, str]], replies: list[tuple[int, ...]],
-                       request: Request) -> list[int]:
+    def _rendered(self, messages: list[ChatMessage], tools: ToolUse | None
+                  ) -> tuple[list[dict[str, Any]], list[tuple[int, ...] | None], list[dict[str, Any]] | None]:
+        """The messages for the chat template, each reply's ids aligned with them (a reply that called tools is
+        several messages: core.messages.ChatMessage.as_prompts), and the tool specs for a template that takes them
+        (a template that does not gets core/tools.py's generic rendering)."""
+        rendered: list[dict[str, Any]] = []
+        replies: list[tuple[int, ...] | None] = []
+        for m in messages:
+            parts = m.as_prompts()
+            rendered += parts
+            own = m.token_ids if parts[-1]["role"] == "assistant" and not parts[-1].get("tool_calls") else None
+            replies += [None] * (len(parts) - 1) + [own]
+        if tools is None and not any(m.tool_calls for m in messages):
+            return rendered, replies, None
+        before = len(rendered)
+        rendered, shown = render_messages(rendered, tools.shown if tools else [],
+                                          self.engine.model.tokenizer.knows_tools)
+        if len(rendered) > before:  # the generic rendering put a system prompt in front
+            replies = [None] + replies
+        return rendered, replies, shown
+
+    def _fitted_prompt(self, rendered: list[dict[str, Any]], replies: list[tuple[int, ...] | None],
+                       request: Request, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation's token ids, each reply as the ids it was generated as (`ChatTokenizer.encode_chat`);
         under "truncate", without its oldest turns if it would not fit with room for a reply (a quarter of the
         context at most)."""
         kwargs = request.reasoning.template_kwargs()
 
-        def encode(messages: list[dict[str, str]], ids: list[tuple[int, ...]]) -> list[int]:
-            return self.engine.model.tokenizer.encode_chat(messages, ids, template_kwargs=kwargs)
+        def encode(messages: list[dict[str, Any]], ids: list[tuple[int, ...] | None]) -> list[int]:
+            return self.engine.model.tokenizer.encode_chat(messages, ids, tools=tools, template_kwargs=kwargs)
 
         prompt = encode(rendered, replies)
         if self.context_policy != "truncate" or self.max_kv_size is not None:

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -35,6 +35,9 @@ from .generate import Row, StepLoop, prefill_all_but_last
 from .speculative import DraftModel, Speculation, check, load_draft, plan
 from .tools import Tool, ToolUse, render_messages
 from .worker import InferenceThread, Job, Stream
+
+if TYPE_CHECKING:
+    from .tool_loop import Approve, Toolbox
 
 # Re-exported: scripts, the server's schedulers and tests import these from here.
 __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine", "Forced", "InferenceThread", "Job",
@@ -207,15 +210,28 @@ class Engine:
              max_kv_size: int | None = None, keep: int = 4,
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
              kv_group_size: int = 64, speculative: str | Speculation = "off",
-             reasoning_budget: int | None = None, enable_thinking: bool | None = None) -> "ChatSession":
+             reasoning_budget: int | None = None, enable_thinking: bool | None = None,
+             tools: "Sequence[Any] | Toolbox | None" = None, tool_choice: str = "auto",
+             approve: "Approve | None" = None, max_tool_steps: int = 8) -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
         memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
-        `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`)."""
+        `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`).
+
+        `tools`: MCP servers (`core.mcp.MCPServer`) and plain Python functions the model may call (or a
+        `Toolbox`): each `send` then runs the tool loop (core/tool_loop.py) — calls asked of `approve(call,
+        source)` ("once", "always", "deny"; None allows every call), run, their results fed back, at most
+        `max_tool_steps` rounds; `tool_choice` ("auto", "required", "none") is each turn's first reply's."""
+        from .tool_loop import TOOL_CHOICES, Toolbox
+
+        if tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
+        toolbox = tools if isinstance(tools, Toolbox) or tools is None else Toolbox(list(tools))
         return ChatSession(self, system=system, profile=profile, max_kv_size=max_kv_size, keep=keep,
                            context_policy=context_policy,
                            kv=kv_options(kv_bits, kv_group_size,
                                          rotating=max_kv_size is not None or context_policy == "rotate"),
-                           speculative=speculative, reasoning=Reasoning.make(enable_thinking, reasoning_budget))
+                           speculative=speculative, reasoning=Reasoning.make(enable_thinking, reasoning_budget),
+                           toolbox=toolbox, tool_choice=tool_choice, approve=approve, max_tool_steps=max_tool_steps)
 
     def count_tokens(self, prompt: Prompt, system: str | None = None) -> int:
         return len(self.model.tokenizer.encode_chat(prompt_messages(prompt, system)))

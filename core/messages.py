@@ -32,6 +32,10 @@ class ChatMessage:
     sampler: str | None = None
     model: str | None = None
     reasoning: str = ""  # a thinking model's reasoning, apart from `content` (the answer; core/reasoning.py)
+    # A reply that called tools (core/tool_loop.py): each call made on the way to its text, in order, as
+    # {"id", "name", "arguments" (JSON text), "round" (which generation of the reply made it), "source" (the MCP
+    # server or "python"), "result" (what the model was given back; None while not run), "ok", "note"}.
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     def as_prompt(self) -> dict[str, str]:
         """The message as a chat template reads it: a reply's reasoning as ``reasoning_content``, which the template
@@ -39,6 +43,25 @@ class ChatMessage:
         if self.reasoning:
             return {"role": self.role, "content": self.content, "reasoning_content": self.reasoning}
         return {"role": self.role, "content": self.content}
+
+    def as_prompts(self) -> list[dict[str, Any]]:
+        """The message as the chat template reads it, a reply that called tools as what the model saw: per round,
+        an assistant message with its calls then one tool message per result; then its text (when it has any, or
+        when its last round's calls all have results: the text is what follows them)."""
+        if not self.tool_calls:
+            return [self.as_prompt()]
+        from .tools import call_entry, result_message
+
+        out: list[dict[str, Any]] = []
+        rounds = sorted({c.get("round", 0) for c in self.tool_calls})
+        for r in rounds:
+            calls = [c for c in self.tool_calls if c.get("round", 0) == r]
+            out.append({"role": "assistant", "content": "",
+                        "tool_calls": [call_entry(c["id"], c["name"], _arguments(c)) for c in calls]})
+            out += [result_message(c["id"], c["result"], c["name"]) for c in calls if c.get("result") is not None]
+        if self.content:
+            out.append(self.as_prompt())
+        return out
 
     @classmethod
     def coerce(cls, message: "ChatMessage | Mapping[str, Any]") -> "ChatMessage":
@@ -53,7 +76,18 @@ class ChatMessage:
         return cls(role, content, message.get("finish_reason"), dict(message.get("metrics") or {}),
                    dict(message.get("profile") or {}), tuple(message.get("token_ids") or ()), message.get("seed"),
                    traces, message.get("sampler"), message.get("model"),
-                   message.get("reasoning") or message.get("reasoning_content") or "")
+                   message.get("reasoning") or message.get("reasoning_content") or "",
+                   tuple(dict(c) for c in message.get("tool_calls") or ()))
+
+
+def _arguments(call: Mapping[str, Any]) -> Any:
+    """A stored call's arguments as an object (they are kept as JSON text, as the model wrote them)."""
+    import json
+
+    try:
+        return json.loads(call.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return {}
 
 
 # --- branches -------------------------------------------------------------------------------------------------------

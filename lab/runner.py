@@ -8,15 +8,12 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mlxchat.core import Engine, SamplingProfile
 
 from . import metrics as M
 from .prompts import Prompt, PromptSet
-
-if TYPE_CHECKING:
-    from .target import Target
 
 # Fields a run sets per generation (seed) or for measuring (logprobs); they are not part of a setting.
 RUN_FIELDS = {"seed", "logprobs", "top_logprobs"}
@@ -111,6 +108,14 @@ def cell_metrics(outputs: Sequence[Output]) -> dict[str, Any]:
     return out
 
 
+class Remote(Protocol):
+    """A server in an engine's place (lab/target.py's `Target`): it makes each whole output itself."""
+
+    name: str
+
+    def generate(self, cell: int, prompt: Prompt, profile: SamplingProfile, max_tokens: int) -> Output: ...
+
+
 class Experiment:
     """The jobs of one run, executed in a fixed order (setting, prompt, seed) so a cancelled run is a prefix."""
 
@@ -129,7 +134,7 @@ class Experiment:
     def jobs(self) -> list[tuple[int, Prompt, int]]:
         return [(c, p, s) for c in range(len(self.settings)) for p in self.prompt_set.prompts for s in self.seeds]
 
-    def generate(self, engine: "Engine | Target", cell: int, prompt: Prompt, seed: int,
+    def generate(self, engine: Engine | Remote, cell: int, prompt: Prompt, seed: int,
                  cancelled: threading.Event | None = None) -> Output | None:
         """One generation; None when `cancelled` is set before it finishes (the partial output is dropped).
         `engine` may instead be a server (lab/target.py), which makes the whole output itself."""
@@ -138,7 +143,7 @@ class Experiment:
             update["response_format"] = prompt.response_format
         profile = SamplingProfile.model_validate({**self.settings[cell].profile.model_dump(), **update})
         if not isinstance(engine, Engine):
-            return engine.generate(self, cell, prompt, profile)
+            return engine.generate(cell, prompt, profile, self.max_tokens)
         stream = engine.stream(prompt.text, profile=profile, max_tokens=self.max_tokens,
                                stop=[prompt.stop] if prompt.stop else None, system=prompt.system)
         for _event in stream:
@@ -147,7 +152,7 @@ class Experiment:
                 return None
         return make_output(cell, prompt, seed, stream.result)
 
-    def run(self, engine: "Engine | Target", on_output: Callable[[Output], None],
+    def run(self, engine: Engine | Remote, on_output: Callable[[Output], None],
             cancelled: threading.Event | None = None) -> bool:
         """Run every job, calling `on_output` after each; False when cancelled before the end.
         KeyboardInterrupt propagates (the engine's stream cancels itself when left early)."""

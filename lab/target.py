@@ -4,20 +4,16 @@ fields (lab/endpoint.py's `request_body`); what a server ignores it ignores sile
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mlxchat.core import SamplingProfile
 
 from .endpoint import Endpoint, request_body
 from .prompts import Prompt
 from .runner import Output, scored_output
 
-if TYPE_CHECKING:
-    from .runner import Experiment
-
 
 class Target:
-    """A server in an engine's place in `Experiment.run`: `name` for the run's record, `generate` for one output."""
+    """A server in an engine's place in `Experiment.run` (a `runner.Remote`): `name` for the run's record,
+    `generate` for one output."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
         self.endpoint = Endpoint(url, api_key)
@@ -27,11 +23,11 @@ class Target:
     def name(self) -> str:
         return f"{self.model} at {self.endpoint.base}"
 
-    def generate(self, experiment: "Experiment", cell: int, prompt: Prompt, profile: SamplingProfile) -> Output:
+    def generate(self, cell: int, prompt: Prompt, profile: SamplingProfile, max_tokens: int) -> Output:
         messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + \
             [{"role": "user", "content": prompt.text}]
         done = self.endpoint.chat(self.model, messages,
-                                  request_body(profile, experiment.max_tokens, [prompt.stop] if prompt.stop else None))
+                                  request_body(profile, max_tokens, [prompt.stop] if prompt.stop else None))
         return scored_output(cell, prompt, profile.seed or 0, done.text, done.finish_reason, done.completion_tokens,
                              done.logprobs or [], done.ttft_s, done.tpot_s)
 

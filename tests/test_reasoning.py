@@ -246,7 +246,7 @@ def test_store_migration_keeps_what_was_saved_and_stores_reasoning(tmp_path) -> 
                                           None]], "forks": {}}, None]),))
     c.close()
     store = Store(db)
-    assert store.version == 4 and (tmp_path / "conversations.db.v3.bak").exists()
+    assert store.version == 5 and (tmp_path / "conversations.db.v3.bak").exists()
     user, reply = store.messages(1)
     assert (reply.content, reply.reasoning, reply.token_ids) == ("<think>old way</think>kept", "", (1, 2))
     store.select_branch(1, 1, 0)  # the old branch comes back as rows of version 4

@@ -87,7 +87,7 @@ def test_migrates_step_by_step_from_version_1_keeping_data_and_a_backup(db):
               "VALUES (1, 0, 'assistant', 'kept', 1, '7')")
     c.close()
     store = Store(db)
-    assert store.version == SCHEMA_VERSION == 4
+    assert store.version == SCHEMA_VERSION == 5
     [m] = store.messages(1)
     assert m.content == "kept" and m.model == "smol" and m.seed == 7  # v2 filled the new column
     store.add_model("/models/x.gguf")  # a v2 table

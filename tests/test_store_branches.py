@@ -45,7 +45,7 @@ def test_a_version_2_database_opens_unchanged_and_gains_branches(db):
     before = [StoredMessage("user", "hi", id=1, conversation_id=1, position=0, created_at=1),
               StoredMessage("assistant", "hello", "stop", {"ttft_s": 0.1}, seed=2**64 - 1, model="smol", id=2,
                             conversation_id=1, position=1, created_at=2)]
-    assert store.version == SCHEMA_VERSION == 4
+    assert store.version == SCHEMA_VERSION == 5
     assert store.messages(conv.id) == before  # same rows, fields, ids; no token ids or traces
     assert store.messages(conv.id)[1].token_ids == () and store.branches(conv.id, 1).messages == before[1:]
     assert (db.parent / "conversations.db.v2.bak").exists()

@@ -9,17 +9,21 @@ dialogs and their answers) and inspection.py (the heat view, the token inspector
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header
 
 from .. import clipboard
+from ..chat_tools import ChatTools
 from ..conversation import ChatController, Refused, Reply
 from ..engine_worker import EngineWorker
 from ..formatting import profile_summary
@@ -30,6 +34,7 @@ from ..widgets import (ChatInput, ConversationList, MessageView, Notice, Sidebar
 from .chat_dialogs import BUSY, ChatDialogs
 from .inspection import InspectionPanel
 from .reply_feed import ReplyFeed
+from .tools import ToolApproval, ToolsScreen
 
 if TYPE_CHECKING:
     from mlxchat.core import SamplingProfile
@@ -58,7 +63,16 @@ class ChatScreen(Screen):
         # priority: the input (a TextArea) would take F7 as "select all" while it has the focus, which it mostly has
         Binding("f7", "heat", "Heat", id="heat_view", priority=True),
         Binding("f9", "replay", "Replay with a change", id="replay", show=False),
+        Binding("ctrl+o", "tools", "Tools (MCP servers)", id="tools", show=False),
     ]
+
+    @dataclass
+    class ToolApprovalNeeded(Message):
+        """The bridge thread waits for the user's answer on a tool call (app/chat_tools.py)."""
+
+        call: Any
+        source: str
+        answer: Callable[[str], None]
 
     app: "MlxChatApp"
 
@@ -117,12 +131,17 @@ class ChatScreen(Screen):
 
     def on_mount(self) -> None:
         app = self.app
+        tools = None
+        if app.settings.mcp.servers:  # MCP servers are configured: they start now, in the background
+            tools = ChatTools(app.settings.mcp, ask=lambda call, source, answer: self.post_message(
+                self.ToolApprovalNeeded(call, source, answer)))
+            self.run_worker(lambda: self._start_tools(tools), thread=True, group="mcp-start", exit_on_error=False)
         self._controller = ChatController(
             app.store, default_profile=app.default_profile, default_system=app.settings.system_prompt,
             max_tokens=app.max_tokens, kv_window=app.settings.kv_window,
             context_policy=app.settings.context_policy, exports=app.locations.exports, trace_k=app.settings.trace,
             speculative=app.settings.speculative, reasoning_budget=app.settings.reasoning_budget,
-            enable_thinking=app.settings.enable_thinking,
+            enable_thinking=app.settings.enable_thinking, tools=tools,
             notify=lambda message, severity: self.notify(message, severity=severity,
                                                          timeout=10 if severity == "error" else 5))
         self._panel = InspectionPanel(self, Inspection(self._controller))
@@ -144,9 +163,14 @@ class ChatScreen(Screen):
         controller, self._controller = self._controller, None
         if controller is None:
             return
+        if controller.tools is not None:
+            controller.tools.deny_waiting()  # a call waiting for approval is denied: its turn ends
+            controller.save_tools()
         controller.close()
         if self._feed is not None:
             self._feed.worker.close()
+        if controller.tools is not None:
+            controller.tools.close()  # the MCP servers stop
         if controller.owns_engine and controller.engine is not None:
             controller.engine.close()
 
@@ -236,6 +260,37 @@ class ChatScreen(Screen):
     @on(EngineWorker.Failed)
     async def _failed(self, event: EngineWorker.Failed) -> None:
         await self.feed.failed(event)
+
+    @on(EngineWorker.ToolActivity)
+    async def _tool_activity(self, event: EngineWorker.ToolActivity) -> None:
+        await self.feed.tool_activity(event)
+
+    @on(ToolApprovalNeeded)
+    def _approve_tool(self, event: ToolApprovalNeeded) -> None:
+        self.app.push_screen(ToolApproval(event.call.name, event.source, event.call.arguments),
+                             lambda decision: event.answer(decision or "deny"))
+
+    def _start_tools(self, tools: ChatTools) -> None:
+        """On a worker thread: start the MCP servers; one that does not start is one line, and the chat goes on."""
+        tools.start()
+        for line in tools.toolbox.notices:
+            self.app.call_from_thread(self.notify, line, title="Tools", severity="error", timeout=15)
+
+    def action_tools(self) -> None:
+        """ctrl+o: config.toml's MCP servers and their tools, on or off for this chat, and the tool choice."""
+        tools = self.controller.tools
+        if tools is None:
+            self.notify(f"No MCP servers: add [mcp.servers.NAME] to {self.app.locations.config_file}",
+                        severity="warning")
+            return
+
+        def closed(_: None) -> None:
+            if self._controller is not None:
+                if self._controller.session is not None:
+                    self._controller.session.tool_choice = tools.tool_choice
+                self._controller.save_tools()
+
+        self.app.push_screen(ToolsScreen(tools), closed)
 
     # --- sending -------------------------------------------------------------------------------------------------
 

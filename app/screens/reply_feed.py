@@ -229,6 +229,27 @@ class ReplyFeed:
                                       label=DONE.get(result.finish_reason, result.finish_reason))
             screen.refresh_sidebar()
 
+    async def tool_activity(self, event: EngineWorker.ToolActivity) -> None:
+        """A call of a turn with tools: shown in its reply (name and arguments, then the result, collapsed); a
+        tools notice (a server that did not start, the step limit) as a notification."""
+        reply = self.screen.controller.reply_for(event.stream)
+        e = event.event
+        if not hasattr(e, "call"):
+            self.screen.notify(e.message, title="Tools", severity="warning", timeout=10)
+            return
+        view = self._reply_view(reply) if reply is not None else None
+        if view is None:
+            return
+        record = {"id": e.call.id, "name": e.call.name, "arguments": e.call.arguments, "source": e.source,
+                  "result": None}
+        if hasattr(e, "outcome"):
+            record |= e.outcome.as_dict()
+            if e.decision == "deny":
+                record["note"] = "denied"
+        else:
+            view.set_stats(f"calling {e.source}.{e.call.name}…")
+        await view.show_tool_call(record)
+
     async def failed(self, event: EngineWorker.Failed) -> None:
         screen, controller = self.screen, self.screen.controller
         reply = controller.reply_for(event.stream)

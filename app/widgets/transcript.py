@@ -23,6 +23,7 @@ from ..formatting import wrap_fields
 from ..turns import step_to
 from ..textual_compat import OneLayout
 from .inspector import TokenStrip
+from .tool_calls import ToolCalls
 
 if TYPE_CHECKING:
     from mlxchat.core.trace import TokenTrace
@@ -212,6 +213,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         yield Static(self.label, classes="role", markup=False)
         if self.reasoning:
             yield ThinkingBlock(self.reasoning, self.thought or "thought")
+        if self.role == "assistant" and self.turn is not None and self.turn.message.tool_calls:
+            yield ToolCalls(self.turn.message.tool_calls)
         if self.role == "assistant":
             yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
@@ -299,6 +302,14 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         await self.finish(partial, "")
         self.add_class("failed")
         self.set_stats(f"error: {error}")
+
+    async def show_tool_call(self, record: dict) -> None:
+        """Show a call of this reply (its tool and arguments), or its result once it has one: a collapsed block
+        above the reply's text (app/widgets/tool_calls.py)."""
+        calls = self.query_children(ToolCalls)
+        if not calls:
+            await self.mount(ToolCalls(), before=self.query_one(".body"))
+        await self.query_children(ToolCalls).first().show(record)
 
     def set_label(self, label: str) -> None:
         self.label = label
