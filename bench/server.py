@@ -10,6 +10,12 @@ client's first token / (last token - first of the first tokens); gaps are per cl
 while 7 others decode (prefill interleaved with their steps, so it should stay under 2x), and a client that resends
 a growing conversation for `--turns` turns while 4 others decode: with the prefix cache, turn N's TTFT stays near
 turn 1's. Both servers listen on 127.0.0.1 only.
+
+Speculation (`--spec-repeats`, on mlxchat's server): one client streaming an input-grounded reply (bench/
+speculative.py's grounded prompts, the next one each repeat: edit code, copy, rewrite, extract) with
+`speculative: "ngram"` against the same request plain, and 4 clients with
+`"auto"` against 4 plain; modes alternate within each repeat (the order reversed every other repeat) and a ratio is
+the median over repeats of the mode's aggregate tok/s over plain's in the same repeat, so the machine's drift cancels.
 """
 
 from __future__ import annotations
@@ -56,9 +62,10 @@ def _content(line: str) -> str:
     return choices[0].get("delta", {}).get("content") or ""
 
 
-def _stream(url: str, model: str, max_tokens: int, bias: dict[str, int], out: list, barrier: threading.Barrier) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "logit_bias": bias}
+def _stream(url: str, model: str, max_tokens: int, bias: dict[str, int], out: list, barrier: threading.Barrier,
+            content: str = PROMPT, extra: dict | None = None) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "logit_bias": bias, **(extra or {})}
     barrier.wait()
     sent = time.perf_counter()
     stamps = []
@@ -69,10 +76,11 @@ def _stream(url: str, model: str, max_tokens: int, bias: dict[str, int], out: li
     out.append((sent, stamps))
 
 
-def measure(url: str, model: str, clients: int, max_tokens: int, bias: dict[str, int], system: str) -> ServerFigures:
+def measure(url: str, model: str, clients: int, max_tokens: int, bias: dict[str, int], system: str,
+            content: str = PROMPT, extra: dict | None = None) -> ServerFigures:
     out: list = []
     barrier = threading.Barrier(clients)
-    threads = [threading.Thread(target=_stream, args=(url, model, max_tokens, bias, out, barrier))
+    threads = [threading.Thread(target=_stream, args=(url, model, max_tokens, bias, out, barrier, content, extra))
                for _ in range(clients)]
     for t in threads:
         t.start()
@@ -156,6 +164,28 @@ def resent_conversation_ttft(url: str, model: str, turns: int, reply_tokens: int
     return [statistics.median(t) for t in per_turn]
 
 
+def speculation(url: str, model: str, bias: dict[str, int], repeats: int, max_tokens: int = 96) -> dict:
+    """Serve-side speculation against plain decode (see the module docstring): per case, each repeat's aggregate
+    tok/s per mode and the median ratio."""
+    from .speculative import GROUNDED
+
+    grounded = list(GROUNDED.values())
+    cases = {"1 client ngram, grounded": (1, "ngram", grounded), "4 clients auto": (4, "auto", [PROMPT])}
+    section: dict = {"repeats": repeats, "max_tokens": max_tokens, "cases": {}}
+    for name, (clients, mode, contents) in cases.items():
+        runs: dict[str, list[float]] = {"off": [], mode: []}
+        for k in range(repeats):
+            content = contents[k % len(contents)]
+            for m in (("off", mode) if k % 2 == 0 else (mode, "off")):
+                f = measure(url, model, clients, max_tokens, bias, "mlxchat serve", content, {"speculative": m})
+                runs[m].append(f.aggregate_tok_s)
+        ratio = statistics.median(s / p for s, p in zip(runs[mode], runs["off"]) if p)
+        section["cases"][name] = {"clients": clients, "mode": mode, "tok_s": runs, "ratio": ratio}
+        print(f"mlxchat serve  speculation, {name}: {statistics.median(runs['off']):.1f} -> "
+              f"{statistics.median(runs[mode]):.1f} tok/s ({ratio:.2f}x plain, median of {repeats})", flush=True)
+    return section
+
+
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -210,12 +240,14 @@ def load_model_info(model_spec: str | None, folder: Path | None) -> list[int]:
 
 
 def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str | None,
-        turns: int = 10) -> tuple[list[ServerFigures], list[float], dict[str, float]]:
+        turns: int = 10, spec_repeats: int = 0) -> tuple[list[ServerFigures], list[float], dict[str, float], dict]:
     """The figures per system and client count, mlxchat's TTFT (ms) per turn of a conversation resent while
-    BUSY_UNDER_RESENT clients decode, and a new client's TTFT (ms) alone and while BUSY_UNDER_NEW decode."""
+    BUSY_UNDER_RESENT clients decode, a new client's TTFT (ms) alone and while BUSY_UNDER_NEW decode, and with
+    `spec_repeats` the speculation section (`speculation`)."""
     figures: list[ServerFigures] = []
     ttft: list[float] = []
     new_client: dict[str, float] = {}
+    spec: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         eos = load_model_info(model_spec, Path(tmp) if with_mlx_lm else None)
         bias = {str(i): -100 for i in eos}
@@ -247,6 +279,8 @@ def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str 
                     print(_row(figures[-1]), flush=True)
                 if system != "mlxchat serve":  # mlx_lm.server reports no timings
                     continue
+                if spec_repeats:
+                    spec = speculation(url, model, bias, spec_repeats)
                 new_client["alone_ms"] = new_client_ttft(url, model, "alone")
                 with busy_clients(url, model, BUSY_UNDER_NEW, bias):
                     new_client["busy_ms"] = new_client_ttft(url, model, "busy")
@@ -261,21 +295,24 @@ def run(clients: list[int], max_tokens: int, with_mlx_lm: bool, model_spec: str 
             finally:
                 proc.terminate()
                 proc.wait(30)
-    return figures, ttft, new_client
+    return figures, ttft, new_client, spec
 
 
-def server_case(clients: list[int], max_tokens: int, model_spec: str | None, turns: int) -> dict:
-    """The `server` section of `mlxchat bench`: both servers, the same clients, and the resent conversation."""
-    figures, ttft, new_client = run(clients, max_tokens, True, model_spec, turns)
+def server_case(clients: list[int], max_tokens: int, model_spec: str | None, turns: int,
+                spec_repeats: int = 3) -> dict:
+    """The `server` section of `mlxchat bench`: both servers, the same clients, the resent conversation, and
+    serve-side speculation."""
+    figures, ttft, new_client, spec = run(clients, max_tokens, True, model_spec, turns, spec_repeats)
     return {"clients": clients, "max_tokens": max_tokens, "figures": [asdict(f) for f in figures],
             "resent_ttft_ms": ttft, "resent_busy_clients": BUSY_UNDER_RESENT, "new_client_ttft_ms": new_client,
-            "new_client_busy_clients": BUSY_UNDER_NEW}
+            "new_client_busy_clients": BUSY_UNDER_NEW, "speculation": spec}
 
 
 def server_targets(section: dict | None) -> list[dict]:
     """The issue's targets: 4 clients >= 2.5x one client's aggregate tok/s and 8 >= 3.5x; every figure >=
     mlx_lm.server's; a new client's TTFT while 7 others decode < 2x its TTFT alone; the last turn of a conversation
-    resent while 4 others decode within 1.2x the first turn's TTFT."""
+    resent while 4 others decode within 1.2x the first turn's TTFT; with speculation measured, one client's grounded
+    reply with ngram >= 1.4x plain and 4 clients with auto >= 0.97x plain."""
     def target(name: str, value: float | None, threshold: float, passed: bool | None, detail: str) -> dict:
         return {"name": name, "value": value, "threshold": threshold, "unit": "x", "passed": passed, "detail": detail}
 
@@ -295,6 +332,9 @@ def server_targets(section: dict | None) -> list[dict]:
     new = section.get("new_client_ttft_ms") or {}
     slow = new["busy_ms"] / new["alone_ms"] if new.get("alone_ms") and "busy_ms" in new else None
     busy_new, busy_resent = section.get("new_client_busy_clients", 7), section.get("resent_busy_clients", 0)
+    spec = [target(f"server speculation: {name} >= {goal}x plain tok/s", c["ratio"], goal, c["ratio"] >= goal,
+                   f"median of {len(c['tok_s']['off'])} paired runs")
+            for (name, c), goal in zip((section.get("speculation") or {}).get("cases", {}).items(), (1.4, 0.97))]
     return [
         scaling(4, 2.5),
         scaling(8, 3.5),
@@ -306,14 +346,17 @@ def server_targets(section: dict | None) -> list[dict]:
         target(f"server: turn-{len(ttft)} TTFT of a conversation resent while {busy_resent} others decode "
                "<= 1.2x turn 1", growth, 1.2, None if growth is None else growth <= 1.2,
                f"{ttft[0]:.0f} -> {ttft[-1]:.0f} ms" if growth is not None else "not measured"),
+        *spec,
     ]
 
 
 def summary_lines(section: dict | None) -> list[str]:
     if not section:
         return []
+    spec = [f"  speculation, {name}: {c['ratio']:.2f}x plain tok/s (median of {len(c['tok_s']['off'])} paired runs)"
+            for name, c in ((section.get("speculation") or {}).get("cases") or {}).items()]
     return ["Server (streaming clients, same weights):"] + [
-        "  " + _row(ServerFigures(**f)) for f in section["figures"]]
+        "  " + _row(ServerFigures(**f)) for f in section["figures"]] + spec
 
 
 def _row(f: ServerFigures) -> str:
@@ -328,12 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server on the same weights")
     p.add_argument("--model", help="GGUF file or folder (default: the embedded model)")
     p.add_argument("--turns", type=int, default=5, help="turns of the resent-conversation TTFT check (0 skips)")
-    p.add_argument("--json", help="write the figures to this JSON file")
+    p.add_argument("--spec-repeats", type=int, default=3,
+                   help="paired runs of serve-side speculation against plain decode (0 skips)")
+    p.add_argument("--json", help="write the figures (and the speculation section) to this JSON file")
     args = p.parse_args(argv)
     clients = [int(c) for c in re.split(r"[,\s]+", args.clients) if c]
-    figures, _, _ = run(clients, args.max_tokens, args.mlx_lm, args.model, args.turns)
+    figures, _, _, spec = run(clients, args.max_tokens, args.mlx_lm, args.model, args.turns, args.spec_repeats)
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(f) for f in figures], indent=2))
+        Path(args.json).write_text(json.dumps({"figures": [asdict(f) for f in figures], "speculation": spec,
+                                               "targets": server_targets({"figures": [asdict(f) for f in figures],
+                                                                          "resent_ttft_ms": [],
+                                                                          "speculation": spec})}, indent=2))
     return 0
 
 

@@ -1,24 +1,26 @@
 """Continuous batching: many requests decode together, one batched forward per step, on the engine's thread.
 
 Each request is a `_Sequence`: its `core.reply.Reply` (sampler, text, stops, metrics, result: the same text layer as
-the engine's solo path, so a request gives the same text alone and in a batch) and its KV cache rows. The
-scheduler is one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
+the engine's solo path, so a request gives the same text alone and in a batch), its row of the step loop
+(`core.generate.StepLoop`, the same loop as the solo path) and, until it joins, its own KV cache. The scheduler is
+one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
 
-    admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ join the finished prefills
-    (each one's first token from its own one-row step, sent at once)
-    ─▶ queue step k+1 over every active row ─▶ read step k's tokens, emit them ─▶ drop the rows that ended
+    admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ a finished prefill joins the
+    loop (its first token from its own one-row step, sent at once) ─▶ one step of the loop: queue step k+1 over every
+    row, read step k's tokens, emit them, drop the rows that ended
 
 A newcomer joins at the next step and a finished or cancelled row leaves at once (its slot is free for the next
 admission). Prefill runs per sequence, in chunks interleaved with decode steps, so one long prompt does not stall
-the clients already streaming; it runs through the same `core.cache.prefill_chunk` as a single request, and the
-sequence's cache is merged into mlx-lm's `BatchKVCache` (left-padded, with a per-row attention mask) only to
-decode. Step k+1 is queued before step k's tokens are read, as in the single-request engine, so the host never
-idles the device.
+the clients already streaming; it runs through the same `core.cache.prefill_chunk` as a single request. The loop
+decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVCache` (left-padded, with a per-row
+attention mask) while there are several. A request with `speculative` ("ngram", "auto") verifies guesses while it
+has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/generate.py says why).
 
-The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a finished sequence's KV
-cache is stored under the ids it holds, and a new prompt starts from the longest cached prefix, so a client that
-resends a whole conversation prefills only what is new. `Metrics.cached_tokens` reports what was reused. With the
-engine's KV cache folder, evicted entries spill to disk and a prompt falls back to it (core/kv_store.py).
+The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a prompt's KV cache is
+stored when its prefill ends and a finished sequence's under the ids it holds, and a new prompt starts from the
+longest cached prefix, so a client that resends a whole conversation prefills only what is new.
+`Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk and
+a prompt falls back to it (core/kv_store.py).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 
 from .cache import prefill_chunk
 from .engine import Engine
+from .generate import Row, StepLoop
 from .kv_store import prefix_cache
 from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
 from .reasoning import Reasoning
 from .reply import Reply, Request
+from .speculative import Speculation, plan
 from .tools import ToolUse
 from .worker import Job
 
@@ -68,13 +72,17 @@ class BatchRequest:
     trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
     tools: ToolUse | None = None  # the tools the reply may call (core/tools.py)
     reasoning: Reasoning = field(default_factory=Reasoning)  # a thinking model's budget (core/reasoning.py)
+    speculative: str | Speculation | None = None  # "ngram" or "auto": guess and verify while alone (core/generate.py)
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Request = field(init=False)
 
     def __post_init__(self) -> None:
-        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace, tools=self.tools,
-                                    reasoning=self.reasoning)
+        self.request = Request.make(self.profile, self.max_tokens, self.stop, self.trace, self.speculative,
+                                    tools=self.tools, reasoning=self.reasoning)
+        if self.request.speculative.mode == "draft":
+            raise ValueError("speculative='draft' needs a draft model, which the batch scheduler does not run: use "
+                             "'ngram', 'auto' or 'off'")
 
     def cancel(self) -> None:
         """Stop at the next token (or prefill chunk); the request then ends with finish_reason "cancelled"."""
@@ -82,21 +90,23 @@ class BatchRequest:
 
 
 class _Sequence:
-    """A request's state on the inference thread, from admission to its `Done`: its reply, and its KV cache until
-    it joins the batch."""
+    """A request's state on the inference thread, from admission to its `Done`: its reply, its row of the step loop,
+    and its KV cache until it joins the loop."""
 
     def __init__(self, req: BatchRequest, engine: Engine) -> None:
         self.req = req
-        self.context = 0  # positions in the batch's KV cache, for Metrics
         self.reply = Reply(engine.model, req.request, req.prompt, req.emit, req.cancelled.is_set,
-                           accepted=req.accepted, context=lambda: self.context)
-        self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the batch
-        self.todo: list[int] = []  # prefilled before joining; the last prompt id runs alone for the first token
-        self.read: list[int] = []  # every id read back, end-of-sequence included: the cache holds prompt + these
+                           accepted=req.accepted, context=lambda: len(self.row.fed))
+        # `fed`: the ids in the sequence's cache (the loop extends it); the prompt but its last id once prefilled.
+        # Whether it speculates is decided when it joins, on its cache (`_join`).
+        self.row = Row(self.reply, [], logprobs=req.profile.logprobs)
+        self.cache: list | None = None  # per-layer caches from the start of its prefill until it joins the loop
+        self.todo: list[int] = []  # prefilled before joining; the last prompt id is the row's first step
 
     def begin(self, cache: list, reused: int, disk: int = 0) -> None:
         self.cache = cache
         self.todo = self.req.prompt[reused:-1]
+        self.row.fed[:] = self.req.prompt[:-1]
         self.reply.begin_prefill(len(self.req.prompt), reused, disk)
 
 
@@ -125,10 +135,8 @@ class BatchScheduler:
         self._active = 0  # admitted and not yet done
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
-        self._rows: list[_Sequence] = []  # aligned with the batch cache's rows
-        self._batch: list | None = None  # per-layer batch caches
-        self._inputs: mx.array | None = None  # the next step's input id per row (lazy)
-        self._pending: tuple[list[_Sequence], mx.array, list[mx.array | None]] | None = None
+        self._loop = StepLoop(engine.model.model, self._ended)
+        self._decoding: dict[Row, _Sequence] = {}  # the loop's rows' sequences
 
     # --- any thread ----------------------------------------------------------------------------------------
 
@@ -177,18 +185,19 @@ class BatchScheduler:
                 self._admit()
                 if self._prefilling:
                     self._prefill_chunk()
-                self._decode()
+                if self._loop.rows:
+                    self._loop.step()
             except Exception as e:  # noqa: BLE001 - an MLX failure ends every request in flight, not the server
                 self._fail_all(e)
             with self._lock:
-                if not (self._waiting or self._prefilling or self._rows or self._pending):
+                if not (self._waiting or self._prefilling or self._loop.rows):
                     self._running = False
                     return
 
     def _admit(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting or len(self._prefilling) + len(self._rows) >= self.max_batch:
+                if not self._waiting or len(self._prefilling) + len(self._loop.rows) >= self.max_batch:
                     return
                 req = self._waiting.popleft()
                 self._active += 1
@@ -236,7 +245,7 @@ class BatchScheduler:
             # Looked up when its prefill starts, not at admission: a prompt prefilled just before (the other
             # choices of an n > 1 request, a shared system prompt) is in the prefix cache by then.
             seq.begin(*self._from_disk(seq.req.prompt, *self._cache_for(seq.req.prompt)))
-        chunk = seq.todo[:self.prefill_step if not self._rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
+        chunk = seq.todo[:self.prefill_step if not self._loop.rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
         if chunk:
             prefill_chunk(self.engine.model.model, seq.cache, chunk)
             seq.todo = seq.todo[len(chunk):]
@@ -245,106 +254,40 @@ class BatchScheduler:
             self._join(seq)
 
     def _join(self, seq: _Sequence) -> None:
-        """Give a prefilled sequence its first token and add it as a new row; it decodes from the next step on.
-
-        Its last prompt id runs alone, as the engine's solo path runs it (the same one-row step, so the same logits),
-        and the token goes out at once: a newcomer's first token no longer waits for the batch's next two steps,
-        which with many rows decoding made most of its TTFT."""
-        logits = self.engine.model.model(mx.array([seq.req.prompt[-1:]]), cache=seq.cache)[0, -1]
-        token, logprobs = seq.reply.sample(logits)
-        wanted = logprobs if seq.req.profile.logprobs else None
-        mx.eval(token, *([wanted] if wanted is not None else []))
-        if self.prefix_cache is not None and all(type(c) is KVCache for c in seq.cache):
-            self._remember(seq.req.prompt, seq.cache)  # whole: a prompt sent again runs its last id again (trimmed)
-        seq.context = len(seq.req.prompt)
-        first = int(token.item())
-        if self._accept(seq, first, wanted):  # it ended at once (an end token, max_tokens 1, a stop string)
-            seq.cache = None
-            return
-        row = [c.merge([c]) for c in seq.cache]
-        seq.cache = None
-        if self._batch is None:
-            self._batch = row
-        else:
-            for mine, new in zip(self._batch, row):
-                mine.extend(new)
-        self._rows.append(seq)
-        following = mx.array([first], mx.int32)
-        self._inputs = following if self._inputs is None else mx.concatenate([self._inputs, following])
+        """A prefilled sequence joins the step loop: its prompt's cache is stored for the prefix cache (a copy: a lone
+        row decodes on its own cache), and its last prompt id is its first step."""
+        prompt, spec = seq.req.prompt, seq.req.request.speculative
+        # Where speculation cannot run (a model's sliding-window layers) the request, already accepted, decodes
+        # plainly; the server loads no draft model ("draft" is refused at submission).
+        seq.reply.speculative, drafter = plan(spec, seq.cache, strict=False)
+        if drafter is not None:
+            seq.row = Row(seq.reply, seq.row.fed, logprobs=seq.req.profile.logprobs, context=prompt, drafter=drafter,
+                          spec=spec)
+        self._decoding[seq.row] = seq  # from here a failure reaches it (_fail_all)
+        if self.prefix_cache is not None and len(prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
+            self._remember(prompt[:-1], seq.cache)
+        cache, seq.cache = seq.cache, None
+        self._loop.join(seq.row, cache, prompt[-1])
 
     def _remember(self, ids: list[int], cache: list[KVCache]) -> None:
-        """Store a prompt's cache, cut to what it holds (its buffers grow in steps of 256 positions). Merging into the
-        batch copies the keys/values, so these caches are never written again."""
-        for c in cache:
-            c.keys, c.values = mx.contiguous(c.keys[..., :c.offset, :]), mx.contiguous(c.values[..., :c.offset, :])
-        mx.eval([(c.keys, c.values) for c in cache])
-        self.prefix_cache.insert_cache(self.engine.name, ids, cache)
+        """Store a copy of a prompt's cache for the prefix cache (a lone row goes on decoding into its own)."""
+        copies = _held(cache)
+        mx.eval([c.state for c in copies])
+        self.prefix_cache.insert_cache(self.engine.name, ids, copies)
 
-    def _decode(self) -> None:
-        queued = None
-        if self._rows:
-            queued = self._step()
-        pending, self._pending = self._pending, queued
-        read = pending[1].tolist() if pending is not None else []
-        if queued is not None:
-            # Queued once the pending step's tokens are out, not before: MLX holds a step's buffers until its tasks
-            # finish, and the fused decoder layers would then copy the whole KV cache instead of writing in place
-            # (core/generate.py measures it).
-            mx.async_eval(queued[1], *(lp for lp in queued[2] if lp is not None))
-        if pending is None:
-            return
-        rows, _, logprobs = pending
-        ended = [i for i, (seq, token) in enumerate(zip(rows, read)) if self._accept(seq, token, logprobs[i])]
-        # Rows that joined after `pending` was queued sit after it, so its indices are still the batch's.
-        if ended:
-            self._drop(ended)
-
-    def _step(self) -> tuple[list[_Sequence], mx.array, list[mx.array | None]]:
-        logits = self.engine.model.model(self._inputs[:, None], cache=self._batch)[:, -1, :]
-        tokens, logprobs = [], []
-        for i, seq in enumerate(self._rows):
-            token, lp = seq.reply.sample(logits[i])
-            tokens.append(token)
-            logprobs.append(lp if seq.req.profile.logprobs else None)
-            seq.context += 1
-        self._inputs = mx.stack(tokens)
-        return list(self._rows), self._inputs, logprobs
-
-    def _accept(self, seq: _Sequence, token: int, logprobs: mx.array | None) -> bool:
-        """Record one generated token of `seq`; return whether the sequence has ended."""
-        seq.read.append(token)
-        reason = seq.reply.accept(token, logprobs)
-        if reason is None:
-            return False
-        self._done(seq, reason)
-        return True
-
-    def _drop(self, ended: list[int]) -> None:
-        """Remove ended rows from the batch, storing their KV caches in the prefix cache."""
-        gone = set(ended)
-        keep = [i for i in range(len(self._rows)) if i not in gone]
+    def _ended(self, row: Row, cache: Callable[[], list]) -> None:
+        """A row left the loop: store its KV cache in the prefix cache (under the ids it holds), end its reply."""
+        seq = self._decoding.pop(row)
         if self.prefix_cache is not None:
-            for i in ended:
-                seq = self._rows[i]
-                cache = [c.extract(i) for c in self._batch]
-                ids = (seq.req.prompt + seq.read)[:cache[0].size()]
-                if len(ids) == cache[0].size():
-                    # The copies are lazy: until they run, each holds the whole batch buffer it was cut from
-                    # (every row, every position), which the prefix cache's byte bound does not see. Queued, not
-                    # waited for: they run after the step in flight.
-                    mx.async_eval([(c.keys, c.values) for c in cache])
-                    self.prefix_cache.insert_cache(self.engine.name, ids, cache)
-        self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._batch = self._inputs = self._pending = None
-            return
-        for c in self._batch:
-            c.filter(keep)
-        index = mx.array(keep)
-        self._inputs = self._inputs[index]
-        if self._pending is not None:
-            rows, tokens, lps = self._pending
-            self._pending = ([rows[i] for i in keep], tokens[index], [lps[i] for i in keep])
+            layers = cache()
+            if all(type(c) is KVCache for c in layers) and len(row.fed) == layers[0].size():
+                # Copies of what the cache holds, not its buffers (they grow in steps of 256 positions; a row cut from
+                # the batch holds, until its copy runs, the whole batch buffer it was cut from), which the prefix
+                # cache's byte bound would not see. Queued, not waited for: they run after the step in flight.
+                copies = _held(layers)
+                mx.async_eval([c.state for c in copies])
+                self.prefix_cache.insert_cache(self.engine.name, list(row.fed), copies)
+        self._done(seq, row.reason)
 
     def _done(self, seq: _Sequence, reason: FinishReason) -> None:
         self._release()  # before the Done, so a caller that reads it sees the slot free
@@ -352,7 +295,7 @@ class BatchScheduler:
 
     def _cancel_all(self) -> None:
         with self._lock:
-            requests = [*self._waiting, *(seq.req for seq in (*self._prefilling, *self._rows))]
+            requests = [*self._waiting, *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
         for req in requests:
             req.cancel()
 
@@ -361,15 +304,26 @@ class BatchScheduler:
             self._active -= 1
 
     def _fail_all(self, error: Exception) -> None:
-        for seq in [*self._prefilling, *self._rows]:
+        for seq in [*self._prefilling, *self._decoding.values()]:
             self._release()
             try:
                 seq.req.emit(error)
             except Exception:  # noqa: BLE001, S110 - a caller that cannot take the error must not stop the others'
                 pass
         self._prefilling.clear()
-        self._rows = []
-        self._batch = self._inputs = self._pending = None
+        self._decoding.clear()
+        self._loop = StepLoop(self.engine.model.model, self._ended)
+
+
+def _held(cache: list[KVCache]) -> list[KVCache]:
+    """Lazy copies of plain KV caches cut to the positions they hold."""
+    copies = []
+    for c in cache:
+        copy = KVCache()
+        copy.keys, copy.values = (mx.contiguous(x[..., :c.offset, :]) for x in (c.keys, c.values))
+        copy.offset = c.offset
+        copies.append(copy)
+    return copies
 
 
 __all__ = ["BatchRequest", "BatchScheduler", "QueueFull"]

@@ -31,7 +31,8 @@ from .messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .profile import SamplingProfile
 from .reasoning import Reasoning
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
-from .speculative import DraftModel, Speculation, check, decode, load_draft, plan
+from .generate import Row, StepLoop, prefill_all_but_last
+from .speculative import DraftModel, Speculation, check, load_draft, plan
 from .tools import Tool, ToolUse, render_messages
 from .worker import InferenceThread, Job, Stream
 
@@ -190,14 +191,20 @@ class Engine:
                            enable_thinking=enable_thinking).wait(progress)
 
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
-                    system: str | None = None) -> list[Beam]:
-        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py."""
+                    stop: Sequence[str] | None = None, system: str | None = None,
+                    cancelled: Callable[[], bool] = lambda: False) -> list[Beam]:
+        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py. Each beam is
+        a reply of the request (`max_tokens`, by default the profile's or 64; stop strings; the profile's penalties
+        and bias); `cancelled()` ends the search at the next step."""
         profile = profile or SamplingProfile(beam_size=4)
         ids = self.model.tokenizer.encode_chat(prompt_messages(prompt, system))
-        return self.run(lambda: beam_search(
-            self.model.model, self.model.tokenizer, ids, beam_size=profile.beam_size,
-            length_penalty=profile.length_penalty, max_tokens=max_tokens or profile.max_tokens or 64,
-            prefill_step=self.prefill_step))
+        self.check_fits(len(ids))
+        request = self.request(profile.model_copy(update={"beam_size": 1}), max_tokens or profile.max_tokens or 64,
+                               stop)
+        accepted = time.perf_counter()
+        return self.run(lambda: beam_search(self.model, request, ids, beam_size=profile.beam_size,
+                                            length_penalty=profile.length_penalty, prefill_step=self.prefill_step,
+                                            cancelled=cancelled, accepted=accepted))
 
     def chat(self, *, system: str | None = None, profile: SamplingProfile | None = None,
              max_kv_size: int | None = None, keep: int = 4,
@@ -303,7 +310,7 @@ class Engine:
                     forced: Forced | None = None,
                     before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Tokens come from `core.generate.generate_step` (or `core.speculative`); the text,
+        and a final Done on `job`. Tokens come from the step loop (`core.generate.StepLoop`, one row); the text,
         stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a
         branch): it is fed to the model after the prompt, and the reply continues from it. `before_done(result)`
         runs just before the Done is emitted."""
@@ -323,17 +330,20 @@ class Engine:
         job.emit(PrefillProgress(reused, len(feed)))
         reason = reply.force(head, forced.traces) if forced else None
         if reason is None:
-            reply.speculative, drafter = plan(req.speculative, cache, self.draft)
-            tokens = decode(
-                m.model, cache.layers, feed[reused:], reply.sample, max_tokens=reply.room, fed=cache.tokens,
-                context=feed, spec=req.speculative, drafter=drafter, stats=reply.speculation,
-                logprobs=req.profile.logprobs, prefill_step=self.prefill_step, cancelled=job.cancelled.is_set,
-                on_prefill=lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed))))
+            draft = self.draft
+            reply.speculative, drafter = plan(req.speculative, cache.layers,
+                                              (lambda: draft.drafter(cache)) if draft is not None else None)
+            row = Row(reply, cache.tokens, logprobs=req.profile.logprobs, context=feed, drafter=drafter,
+                      spec=req.speculative)
             with self._device_practices():
-                reason = reply.follow(tokens)
-                # Let go of the decode loop's arrays and let the step it queued past the reply's end finish before
-                # the result goes out: memory read after a reply is then the cache's, not a step's still in flight.
-                tokens.close()
+                if prefill_all_but_last(m.model, cache.layers, feed[reused:], cache.tokens, self.prefill_step,
+                                        job.cancelled.is_set,
+                                        lambda _: job.emit(PrefillProgress(len(cache.tokens), len(feed)))):
+                    reason = StepLoop(m.model).run(row, cache.layers, feed[-1])
+                else:
+                    reason = "cancelled"
+                # Let the step queued past the reply's end finish before the result goes out: memory read after a
+                # reply is then the cache's, not a step's still in flight.
                 mx.synchronize()
         if clear_cache_after_prefill(len(feed) - reused):
             mx.clear_cache()  # a long prefill leaves large temporary buffers in MLX's cache

@@ -23,7 +23,7 @@ Per token, `Reply.accept` does what the engine's decode loop did before it: no e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -105,6 +105,8 @@ class Reply:
                  rotating: bool = False, kv_window: int | None = None) -> None:
         tok = model.tokenizer
         self._request = request
+        self._again = lambda emit: Reply(model, request, prompt, emit, cancelled, accepted=accepted, context=context,
+                                         rotating=rotating, kv_window=kv_window)
         use, fmt = request.tools, request.profile.response_format
         calling = use is not None and use.calls
         if use is not None and (calling or fmt is None):  # tool_choice "none": text without call markup
@@ -180,6 +182,22 @@ class Reply:
             self._emit(TokenEvent("".join(texts), kept, self.metrics(), (), shown, calls, "".join(thoughts)))
         return "stop" if ends or self._stops.stopped else None
 
+    def fork(self, emit: Callable[[Event], None]) -> "Reply":
+        """Another reply to the same request that has taken the same tokens so far (its sampler's history and
+        constraint, its text and stops; emitted to `emit`, as `force` does): a beam's continuation (core/beam.py)."""
+        other = self._again(emit)
+        other.force(self._ids)
+        return other
+
+    def scores(self, logits: mx.array) -> mx.array:
+        """Every next token's log-probability under this reply's processors and constraint, nothing drawn."""
+        return self._sampler.scores(logits)
+
+    def take(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
+        """`accept` a token chosen outside the sampler (by beam search): the sampler counts it as drawn first."""
+        self._sampler.replay([token])
+        return self.accept(token, logprobs)
+
     def accept(self, token: int, logprobs: mx.array | None = None) -> FinishReason | None:
         """Record one generated token and emit its delta; return why the reply ends here, or None to go on.
         `logprobs` is the step's (vocab,) array, read only when the request asked for logprobs."""
@@ -210,14 +228,6 @@ class Reply:
         if self._cancelled():
             return "cancelled"
         return None
-
-    def follow(self, tokens: Iterable[tuple[int, mx.array]]) -> FinishReason:
-        """Accept the token layer's tokens until the reply ends. A token layer that yields nothing was cancelled
-        during prefill."""
-        for token, logprobs in tokens:
-            if (reason := self.accept(token, logprobs)) is not None:
-                return reason
-        return "cancelled" if self._cancelled() else "length"
 
     def finish(self, reason: FinishReason,
                before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:

@@ -650,6 +650,14 @@ class Sampler:
         token, logprobs, _ = self._chain(logits)
         return token, logprobs
 
+    def scores(self, logits: mx.array) -> mx.array:
+        """Every token's log-probability after the processors (penalties, bias, min-tokens, DRY) and the constraint's
+        mask, with nothing drawn and no state changed: what beam search ranks continuations by (core/beam.py). Lazy."""
+        logits = mx.minimum(self._process(logits.astype(mx.float32)), FLOAT_MAX)
+        if self.constraint is not None:
+            logits = self.constraint(Candidates(logits, None)).logits
+        return log_softmax(logits)
+
     def _process(self, logits: mx.array) -> mx.array:
         """The processors in order, the penalties (the first of them) in one gather and scatter: the same values as
         calling each in turn, as `traced_step` does to record each one's output."""

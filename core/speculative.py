@@ -26,7 +26,10 @@ count) the rows may differ in the last bits, and a draw moves only where two can
 and the ids it holds (`fed`) stay exact. A cache that cannot be trimmed (a rotating window) or whose attention differs
 with the row count (quantized keys and values) does not speculate (`unavailable`).
 
-**When (`Governor`)**: decode runs plainly, pipelined as `generate_step`, and peeks: a guess for the next token is
+The verify passes run in the one step loop (core/generate.py `StepLoop`), for a row that has the model to itself;
+this module holds the settings, the drafters and the governor.
+
+**When (`Governor`)**: decode runs plain pipelined steps and peeks: a guess for the next token is
 checked when the pipeline reads that token, so a wrong guess costs only the lookup; a confirmed one starts verified
 steps, which go on while they keep guesses. `auto` also sizes the guess by acceptance and, when its verified steps
 yield tokens more slowly than plain ones (both timed), stops peeking for a back-off that doubles each time, so
@@ -36,9 +39,8 @@ free-form chat is not slowed.
 from __future__ import annotations
 
 import re
-import time
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, get_args
@@ -46,10 +48,10 @@ from typing import Literal, Protocol, get_args
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
 from . import loader
 from .cache import ConversationCache, prefill
-from .generate import Sample, generate_step, prefill_all_but_last
 from .native_blocks import WHOLE_ATTENTION_QUERIES
 
 Mode = Literal["off", "ngram", "draft", "auto"]
@@ -301,137 +303,24 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-# --- the token layer ----------------------------------------------------------------------------------------------
-
-class _Decoder:
-    """One reply's decode state: the model and cache, the sampler, the context (prompt then accepted tokens, the
-    last one pending: not in the cache yet), and how many tokens are still allowed."""
-
-    def __init__(self, model: nn.Module, layers: list, sample: Sample, context: list[int], fed: list[int],
-                 drafter: Drafter, governor: Governor, stats: SpeculationStats, room: int, logprobs: bool) -> None:
-        self.model, self.layers, self.sample, self.context, self.fed = model, layers, sample, context, fed
-        self.drafter, self.governor, self.stats, self.room, self.logprobs = drafter, governor, stats, room, logprobs
-
-    def _forward(self, token: mx.array | int) -> tuple[mx.array, mx.array]:
-        ids = token.reshape(1) if isinstance(token, mx.array) else mx.array([token])
-        y, lp = self.sample(self.model(ids[None], cache=self.layers)[0, -1])
-        mx.async_eval(y, lp) if self.logprobs else mx.async_eval(y)
-        return y, lp
-
-    def plain(self) -> Iterator[tuple[int, mx.array]]:
-        """Pipelined decode (as `generate_step`) from the pending token until the room is used up or the drafter's
-        guess for a token equals the token drawn. The guess is checked when the token is read, a step after it was
-        made, so checking costs nothing; on a match the token after it (already drawn) is yielded too and left
-        pending (not in the cache) for the verified steps."""
-        g = self.governor
-        y, lp = self._forward(self.context[-1])
-        self.fed.append(self.context[-1])
-        guess: int | None = None
-        began = time.perf_counter()
-        while True:
-            self.room -= 1
-            if self.room:
-                next_y, next_lp = self._forward(y)  # queued before waiting on this token
-            token = y.item()
-            self._take(token)
-            if self.room:
-                self.fed.append(token)  # in the cache (lazily) once the next step is queued
-            now = time.perf_counter()
-            g.plain(now - began)
-            began = now
-            yield token, lp
-            if not self.room:
-                return
-            if guess == token:
-                self.room -= 1
-                token = next_y.item()
-                self._take(token)
-                yield token, next_lp
-                return
-            guess = (self.drafter.propose(self.context, 1) or [None])[0] if g.peek() else None
-            y, lp = next_y, next_lp
-
-    def verify(self) -> Iterator[tuple[int, mx.array]]:
-        """Verified steps from the pending token while their guesses are accepted (and there is room)."""
-        g = self.governor
-        while self.room:
-            began = time.perf_counter()
-            guess = self.drafter.propose(self.context, min(g.k, self.room - 1))
-            if not guess and not g.always:
-                break
-            rows = [self.context[-1], *guess]
-            logits = self.model(mx.array(rows)[None], cache=self.layers)[0]
-            self.fed.extend(rows)
-            self.stats.draft_tokens += len(guess)
-            for i in range(len(rows)):
-                y, lp = self.sample(logits[i])
-                mx.eval(y, lp) if self.logprobs else mx.eval(y)
-                token = y.item()
-                self.room -= 1
-                self._take(token, steps=i == 0)
-                if i < len(guess) and token == guess[i]:
-                    self.stats.accepted_tokens += 1
-                    yield token, lp
-                    continue
-                if rejected := len(guess) - i:  # the rows after this one were computed for guesses that lost
-                    for c in self.layers:
-                        c.trim(rejected)
-                    del self.fed[-rejected:]
-                if guess:
-                    g.verified(len(guess), i, time.perf_counter() - began)
-                yield token, lp
-                break
-            if guess and i == 0 and not g.always:
-                break
-        g.episode_done()
-
-    def _take(self, token: int, steps: bool = True) -> None:
-        self.context.append(token)
-        self.stats.steps += steps
-
-
-def speculative_step(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, context: list[int],
-                     drafter: Drafter, governor: Governor, stats: SpeculationStats, max_tokens: int,
-                     fed: list[int], logprobs: bool = False, prefill_step: int = 512,
-                     on_prefill: Callable[[int], None] | None = None,
-                     cancelled: Callable[[], bool] = lambda: False) -> Generator[tuple[int, mx.array], None, None]:
-    """`core.generate.generate_step` with speculation: yields `(token_id, logprobs)` the same way and keeps `fed`
-    equal to the ids in `layers` whenever it yields. `context` is every id before the reply (the cached prefix,
-    then `prompt`, the ids not in the cache yet); the accepted tokens are appended to it."""
-    if not prompt or max_tokens < 1:
-        raise ValueError(f"speculative_step needs a prompt and max_tokens >= 1, got {len(prompt)} ids, {max_tokens}")
-    if not prefill_all_but_last(model, layers, prompt, fed, prefill_step, cancelled, on_prefill):
-        return
-    d = _Decoder(model, layers, sample, context, fed, drafter, governor, stats, max_tokens, logprobs)
-    while d.room:
-        yield from d.verify()  # the prompt's end may already continue a run of the prompt
-        if d.room:
-            yield from d.plain()
-
-
-def plan(spec: Speculation, cache: ConversationCache, draft: DraftModel | None) -> tuple[str, Drafter | None]:
-    """What a reply into `cache` runs: ("off", None), or the mode and its drafter. A mode asked for by name that
-    cannot run raises (`check`); "auto" is prompt lookup (its guesses are free to check: a draft model's are not),
-    and turns off where speculation cannot run."""
-    check(spec, rotating=cache.rotating, quantized=cache.kv.quantized, draft=draft is not None)
-    if not spec.on or unavailable(cache.rotating, cache.kv.quantized):
+def plan(spec: Speculation, layers: Sequence, draft: Callable[[], Drafter] | None = None, *,
+         strict: bool = True) -> tuple[str, Drafter | None]:
+    """Whether and how a reply into the KV cache `layers` speculates, for every path (the solo path, chat turns, the
+    batch): ("off", None), or the mode and its drafter. The cache's kind is read from its layers' classes, so a
+    model's own sliding-window layers count as rotating. `draft` makes the draft model's drafter (None: no draft
+    model). `strict`: a mode asked for by name that cannot run raises (`check`); otherwise (the server's batch, which
+    has accepted the request) it decodes plainly, as "auto" always does where speculation cannot run. "auto" is
+    prompt lookup: its guesses are free to check, a draft model's are not."""
+    rotating = any(isinstance(c, (RotatingKVCache, BatchRotatingKVCache)) for c in layers)
+    quantized = any(isinstance(c, QuantizedKVCache) for c in layers)
+    if strict:
+        check(spec, rotating=rotating, quantized=quantized, draft=draft is not None)
+    if not spec.on or unavailable(rotating, quantized) or (spec.mode == "draft" and draft is None):
         return "off", None
     if spec.mode == "draft":
-        return spec.mode, draft.drafter(cache)
+        return spec.mode, draft()
     return spec.mode, NgramDrafter(spec.ngram, spec.min_ngram)
 
 
-def decode(model: nn.Module, layers: list, prompt: Sequence[int], sample: Sample, *, max_tokens: int,
-           fed: list[int], context: Sequence[int], spec: Speculation, drafter: Drafter | None,
-           stats: SpeculationStats, **kwargs: object) -> Generator[tuple[int, mx.array], None, None]:
-    """The token layer for one reply: `generate_step`, or `speculative_step` when `drafter` is given."""
-    if drafter is None:
-        return generate_step(model, layers, prompt, sample, max_tokens=max_tokens, fed=fed, **kwargs)
-    return speculative_step(model, layers, prompt, sample, context=list(context), drafter=drafter,
-                            governor=Governor(spec, adaptive=spec.mode == "auto"), stats=stats,
-                            max_tokens=max_tokens, fed=fed, **kwargs)
-
-
 __all__ = ["MAX_ROWS", "MODES", "DraftModel", "Drafter", "EarlyExit", "Governor", "Mode", "ModelDrafter",
-           "NgramDrafter", "Speculation", "SpeculationStats", "check", "decode", "load_draft", "plan",
-           "speculative_step", "unavailable"]
+           "NgramDrafter", "Speculation", "SpeculationStats", "check", "load_draft", "plan", "unavailable"]

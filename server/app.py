@@ -43,6 +43,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     profile: SamplingProfile | None = None
     profiles: dict[str, SamplingProfile] | None = None
+    speculative: str = "off"  # a request's `speculative` when it does not say (`mlxchat serve --speculative`)
 
 
 def _sse(bodies: list[Any]) -> bytes:
@@ -77,7 +78,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
 
     def start(req: protocol.Request, ids: list[int]) -> list[Choice]:
         profiles = [req.profile.model_copy(update={"seed": (req.seed + i) % 2**64}) for i in range(req.n)]
-        return service.start(ids, profiles, req.max_tokens, req.trace, req.tools, req.reasoning)
+        return service.start(ids, profiles, req.max_tokens, req.trace, req.tools, req.reasoning, req.speculative)
 
     def endpoint(fn: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool = True):  # noqa: ANN202
         return service.endpoint(fn, ApiError.body, auth=auth)

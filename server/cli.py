@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="default sampling profile: a preset or a saved profile (default: the "
                                           "chat preset, and Ollama's own defaults on /api/*); "
                                           "requests may name another with \"profile\"")
+    parser.add_argument("--speculative", choices=("off", "ngram", "auto"), default="off",
+                        help="guess tokens by prompt lookup and verify them, same text, while a request has the model "
+                             "to itself (default: off; a request's \"speculative\" field wins)")
     parser.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                         help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
     parser.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default: 4 MiB)")

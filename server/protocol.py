@@ -151,6 +151,7 @@ class Request:
     tools: ToolUse | None = None  # the tools, the choice and parallel_tool_calls (None: no tools given)
     reasoning: Reasoning = Reasoning()  # a thinking model's switch and budget
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs, for the chat template
+    speculative: str | None = None  # "off", "ngram" or "auto" (None: the server's default, `serve --speculative`)
 
 
 def _type_error(e: ValidationError) -> ApiError:
@@ -169,7 +170,9 @@ def profile_error(e: ValidationError) -> ApiError:
 def _refuse_unsupported(body: dict[str, Any], known: set[str]) -> None:
     for name, value in body.items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise ApiError(400, f"{name} is not supported by this server; remove it from the request", name)
+            why = " (beam search does not stream and is not served: the Python API has engine.beam_search)" \
+                if name == "best_of" else ""
+            raise ApiError(400, f"{name} is not supported by this server{why}; remove it from the request", name)
         if name not in known and name not in UNSUPPORTED:
             raise ApiError(400, f"unrecognized request field: {name}", name)
 
@@ -290,7 +293,7 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
         reasoning = Reasoning(reasoning.enable_thinking, reasoning.budget, apart=False)
     return Request(chat, messages, prompt, profile, profile.max_tokens, n, bool(req.stream),
                    bool((req.stream_options or {}).get("include_usage")), seed, trace, tools, reasoning,
-                   {**(req.chat_template_kwargs or {}), **reasoning.template_kwargs()})
+                   {**(req.chat_template_kwargs or {}), **reasoning.template_kwargs()}, req.speculative)
 
 
 # What the server itself passes to the chat template (transformers' apply_chat_template arguments): not a client's.
@@ -333,10 +336,10 @@ def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
 
 
 def check_speculative(mode: str | None) -> None:
-    """The `speculative` field. The server decodes every request in one continuous batch (core/batch.py), which
-    steps each row one token at a time: speculation does not run there, so "ngram" and "auto" are accepted and
-    decode plainly (the text is the same either way), and the response's `timings.speculative` says what ran.
-    "draft" is refused: the server loads no draft model."""
+    """The `speculative` field: "ngram" and "auto" guess tokens by prompt lookup and verify them while the request
+    has the model to itself, and decode plainly in a busy batch (core/generate.py); the text is the same either way,
+    and the response's `timings` say what ran (`draft_n`, `draft_n_accepted`). "draft" is refused: the server loads
+    no draft model."""
     if mode is None or mode in ("off", "ngram", "auto"):
         return
     if mode == "draft":

@@ -50,13 +50,13 @@ class Choice:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], profile: SamplingProfile,
                  max_tokens: int | None, trace: int, wake: asyncio.Event | None = None,
-                 tools: ToolUse | None = None, reasoning: Reasoning = Reasoning()) -> None:
+                 tools: ToolUse | None = None, reasoning: Reasoning = Reasoning(), speculative: str = "off") -> None:
         self._ready: deque = deque()
         self._pending = False  # a wake-up is scheduled on the loop and has not run yet
         self._loop = loop
         self.wake = wake or asyncio.Event()
         self.request = BatchRequest(prompt, profile, self._deliver, max_tokens=max_tokens, trace=trace, tools=tools,
-                                    reasoning=reasoning)
+                                    reasoning=reasoning, speculative=speculative)
 
     def _deliver(self, event: object) -> None:
         """Called on the inference thread: queue the event; wake the loop unless a wake-up is on its way."""
@@ -170,14 +170,18 @@ class Service:
         return ids
 
     def start(self, ids: list[int], profiles: Sequence[SamplingProfile], max_tokens: int | None,
-              trace: int = 0, tools: ToolUse | None = None, reasoning: Reasoning = Reasoning()) -> list[Choice]:
-        """Submit one choice per profile (each may call `tools`); all or none run."""
+              trace: int = 0, tools: ToolUse | None = None, reasoning: Reasoning = Reasoning(),
+              speculative: str | None = None) -> list[Choice]:
+        """Submit one choice per profile (each may call `tools`, each speculates as `speculative` says, by default
+        as the server's `--speculative` unless it has a reasoning budget, which speculation does not combine with
+        yet); all or none run."""
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
         wake = asyncio.Event()  # one for the request: its stream waits on all its choices at once
         try:
             for profile in profiles:
-                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools, reasoning)
+                choice = Choice(loop, ids, profile, max_tokens, trace, wake, tools, reasoning,
+                                speculative or ("off" if reasoning.budget is not None else self.config.speculative))
                 self.scheduler.submit(choice.request)
                 choices.append(choice)
         except QueueFull as e:

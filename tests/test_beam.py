@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.beam import _score
+from mlxchat.core.beam import _score, beam_search
 
 
 def brute_force(model: nn.Module, eos: frozenset[int], prompt: list[int], beam_size: int, horizon: int,
@@ -68,3 +68,26 @@ def test_a_beam_cut_inside_a_character_ends_before_it(engine: Engine):
     assert cut  # the emojis take three tokens each here
     for b in cut:
         assert not b.text.endswith("\ufffd") and b.text == tok.decode(list(b.token_ids)).rstrip("\ufffd")
+
+
+def test_a_beam_is_a_reply_stop_strings_bias_cancel_and_metrics(engine: Engine):
+    """Beams go through the text layer every request has (core/reply.py): a stop string ends a beam before it, the
+    processors (here logit_bias) shape the scores, a cancel ends the live beams, each beam carries the metrics."""
+    ask = "Count from one to ten, separated by commas."
+    plain = engine.beam_search(ask, profile=SamplingProfile(beam_size=2), max_tokens=6)
+    best = plain[0]
+    assert best.text.startswith("123") and best.metrics.completion_tokens == len(best.token_ids) == 6
+    assert best.metrics.prompt_tokens > 10 and best.metrics.decode_steps == 6
+    stopped = engine.beam_search(ask, profile=SamplingProfile(beam_size=2), max_tokens=6, stop=["3"])
+    ended = [b for b in stopped if b.token_ids[:3] == best.token_ids[:3]]
+    assert ended and ended[0].finish_reason == "stop" and ended[0].text == "12"
+    assert all("3" not in b.text for b in stopped)
+    banned = best.token_ids[0]
+    biased = engine.beam_search(ask, profile=SamplingProfile(beam_size=2, logit_bias={banned: -100}), max_tokens=3)
+    assert all(b.token_ids[:1] != (banned,) for b in biased)
+    # Cancelled after two steps (a one-id prompt: nothing to prefill, so the check runs once per step).
+    checks = iter([False, False, True])
+    request = engine.request(SamplingProfile(), 6)
+    cut = engine.run(lambda: beam_search(engine.model, request, best.token_ids[:1], beam_size=2,
+                                         cancelled=lambda: next(checks)))
+    assert {b.finish_reason for b in cut} == {"cancelled"} and {len(b.token_ids) for b in cut} == {2}

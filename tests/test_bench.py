@@ -316,6 +316,11 @@ def test_server_targets_from_figures():
     assert resent["passed"] is False and resent["value"] == pytest.approx(1.6) and "turn-3" in resent["name"]
     assert "4 others" in resent["name"]
     assert server_targets(None)[0]["passed"] is None
+    spec = {"cases": {"1 client ngram, grounded": {"ratio": 1.5, "tok_s": {"off": [40.0], "ngram": [60.0]}},
+                      "4 clients auto": {"ratio": 0.95, "tok_s": {"off": [90.0], "auto": [85.5]}}}}
+    one, four = server_targets({**section, "speculation": spec})[5:]
+    assert (one["passed"], one["threshold"], four["passed"], four["threshold"]) == (True, 1.4, False, 0.97)
+    assert "ngram" in one["name"] and "4 clients auto" in four["name"]
 
 
 def test_speculative_speedup_pairs_each_repeats_adjacent_runs():

@@ -25,6 +25,7 @@ HOST = "127.0.0.1"
 KEY = "test-key-123"
 MODEL = Path(EMBEDDED_FILE).stem  # the name the server serves the embedded model under
 GREEDY = {"temperature": 0}
+FOX = "the quick brown fox jumps over the lazy dog."
 
 
 def _start(*flags: str) -> tuple[subprocess.Popen, str]:
@@ -473,10 +474,14 @@ def test_response_format_and_tool_calls_with_the_openai_client(client: openai.Op
     assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 8
 
 
-def test_speculative_field_is_validated_and_the_timings_say_what_ran(server: str) -> None:
-    body = _chat(server, {"messages": _msgs("Say hello."), "max_tokens": 4, "speculative": "ngram", **GREEDY}).json()
-    t = body["timings"]
-    assert (t["speculative"], t["draft_n"], t["draft_n_accepted"]) == ("off", 0, 0)  # the batch decodes plainly
+def test_the_server_speculates_to_the_same_text_and_the_timings_say_what_ran(server: str) -> None:
+    ask = {"messages": _msgs(f"Repeat exactly: {FOX} {FOX}"), "max_tokens": 16, **GREEDY}
+    plain, spec = (_chat(server, {**ask, "speculative": mode}).json() for mode in ("off", "ngram"))
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    t = spec["timings"]
+    assert t["speculative"] == "ngram" and t["draft_n_accepted"] > 0, t  # alone, the request verified guesses
     for mode, words in (("draft", "needs a draft model"), ("fast", "speculative must be one of off, ngram, auto")):
         err = _chat(server, {"messages": _msgs("hi"), "speculative": mode}).json()["error"]
         assert err["param"] == "speculative" and words in err["message"]
+    err = _chat(server, {"messages": _msgs("hi"), "best_of": 3}).json()["error"]  # beam search: refused, one line
+    assert err["param"] == "best_of" and "beam search" in err["message"]

@@ -52,6 +52,24 @@ def test_seeded_sampling_in_a_batch_equals_alone(engine: Engine) -> None:
     assert [_result(q) for q in qs][1].token_ids == alone.token_ids
 
 
+def test_speculation_alone_and_in_a_batch_changes_no_token(engine: Engine, greedy: SamplingProfile) -> None:
+    """A speculating request verifies guesses while it has the model to itself, decodes plainly while it shares it,
+    and gets its own cache back to verify when the other row leaves; its tokens are the plain ones throughout."""
+    s = BatchScheduler(engine, max_batch=2, prefix_cache_bytes=0)
+    fox = "the quick brown fox jumps over the lazy dog."
+    grounded = f"Repeat exactly: {fox} {fox}"
+    for profile in (greedy, SamplingProfile(temperature=0.7, seed=5)):
+        plain = _result(_submit(s, engine, grounded, profile, max_tokens=14))
+        alone = _result(_submit(s, engine, grounded, profile, max_tokens=14, speculative="ngram"))
+        assert alone.token_ids == plain.token_ids and alone.metrics.accepted_tokens > 0
+        short = _submit(s, engine, PROMPTS[0], greedy, max_tokens=3)  # joins first, leaves after 3 tokens
+        shared = _submit(s, engine, grounded, profile, max_tokens=14, speculative="ngram")
+        _result(short)
+        joined = _result(shared)
+        assert joined.token_ids == plain.token_ids
+        assert joined.metrics.speculative == "ngram" and joined.metrics.accepted_tokens > 0
+
+
 def test_prefix_cache_reuses_a_resent_conversation(engine: Engine, greedy: SamplingProfile) -> None:
     s = BatchScheduler(engine, max_batch=2)
     tok = engine.model.tokenizer

@@ -189,3 +189,53 @@ def test_a_constrained_reply_speculates_to_the_same_text(engine) -> None:  # noq
         plain, guessed = (engine.generate(prompt, profile=p, speculative=mode) for mode in ("off", "ngram"))
         assert guessed.text == plain.text and guessed.finish_reason == plain.finish_reason == "stop"
         assert guessed.metrics.draft_tokens > 0
+
+
+def test_a_row_joining_ends_the_lone_rows_verified_steps(engine) -> None:  # noqa: ANN001
+    """The step loop (core/generate.py): a lone row verifies guesses; a second row joining sends it back to plain
+    batched steps (and its own cache into the batch); both give the tokens they give alone."""
+    import time
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxchat.core.generate import Row, StepLoop, prefill_all_but_last
+    from mlxchat.core.reply import Reply
+
+    m, tok = engine.model, engine.model.tokenizer
+    grounded = tok.encode_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy "
+                                                            "dog. the quick brown fox jumps over the lazy dog."}])
+    other = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    request = engine.request(SamplingProfile(temperature=0), 14, speculative="ngram")
+
+    def row(prompt: list[int], spec: bool) -> tuple[Row, list]:
+        layers = make_prompt_cache(m.model)
+        reply = Reply(m, request, prompt, lambda e: None, lambda: False, accepted=time.perf_counter(),
+                      context=lambda: 0)
+        r = Row(reply, [], context=prompt, drafter=NgramDrafter() if spec else None, spec=request.speculative)
+        prefill_all_but_last(m.model, layers, prompt, r.fed, 512, lambda: False, None)
+        return r, layers
+
+    def alone(prompt: list[int]) -> tuple[int, ...]:
+        r, layers = row(prompt, False)
+        StepLoop(m.model).run(r, layers, prompt[-1])
+        return r.reply.finish(r.reason).token_ids
+
+    def together() -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        loop = StepLoop(m.model)
+        a, layers = row(grounded, True)
+        loop.join(a, layers, grounded[-1])
+        for _ in range(24):
+            if loop._verifying is a:
+                break
+            loop.step()
+        verifying = loop._verifying is a
+        b, layers = row(other, False)
+        loop.join(b, layers, other[-1])
+        while loop.rows:
+            loop.step()
+        return a.reply.finish(a.reason).token_ids, b.reply.finish(b.reason).token_ids, verifying
+
+    ids_a, ids_b = engine.run(lambda: alone(grounded)), engine.run(lambda: alone(other))
+    got_a, got_b, verifying = engine.run(together)
+    assert verifying  # the second row joined during the first one's verified steps
+    assert (got_a, got_b) == (ids_a, ids_b)
