@@ -86,7 +86,8 @@ def beam_search(model: LoadedModel, request: Request, prompt: Sequence[int], *, 
                 slots += 1
         # A parent continued more than once is forked before any continuation takes its token; its last keeps it.
         last_child = {parent: n for n, (parent, _, _) in enumerate(chosen)}
-        replies = [alive[p][0] if last_child[p] == n else alive[p][0].fork(_ignore) for n, (p, _, _) in enumerate(chosen)]
+        replies = [alive[p][0] if last_child[p] == n else alive[p][0].fork(_ignore)
+                   for n, (p, _, _) in enumerate(chosen)]
         next_alive: list[tuple[Reply, tuple[int, ...], float]] = []
         parents: list[int] = []
         for reply, (parent, token, total) in zip(replies, chosen):
