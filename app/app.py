@@ -32,6 +32,7 @@ from .commands import ProfileCommands
 from .config import ConfigError, Settings
 from .conversation import Refused
 from .screens import ChatScreen, Confirm, HelpScreen, ModelPicker, ProfilePicker, ReplayScreen, TextPrompt
+from .screens.chat_host import ChatApp
 from .screens.tools import ToolApproval, ToolsScreen
 from .store import Store, StoreError
 from .widgets import ChatInput, ConversationList, MessageView, TokenInspector, TokenStrip, Transcript
@@ -51,7 +52,7 @@ CONTEXT_POLICY_HELP: dict[ContextPolicy, str] = {
 }
 
 
-class MlxChatApp(App[None]):
+class MlxChatApp(ChatApp):
     CSS_PATH = "app.tcss"
     TITLE = "mlxchat"
     COMMANDS = App.COMMANDS | {ProfileCommands}

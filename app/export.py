@@ -15,7 +15,7 @@ from .turns import first_reply
 if TYPE_CHECKING:
     from mlxchat.core.profile import SamplingProfile
 
-    from .conversation import Turn
+    from .turns import Turn  # from turns.py, where it lives: conversation.py imports this module
 
 
 def slug(text: str) -> str:

@@ -1,5 +1,6 @@
-"""The layers import downward only (docs/architecture.md §1): `lint-imports` checks pyproject.toml's contracts on
-the code, and catches each kind of upward import when one is added to a copy of it."""
+"""The layers import downward only, and app has no import circles (docs/architecture.md §1): `lint-imports` checks
+pyproject.toml's contracts on the code, and catches each kind of upward import, and each circle issue 38 broke, when
+one is added to a copy of it."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def _python_files_only(folder: str, names: list[str]) -> list[str]:
     return [n for n in names if not (Path(folder, n).is_dir() and n != "__pycache__") and not n.endswith(".py")]
 
 
+def _lint_with_line(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """`lint-imports` on a copy of the sources with ``line`` added to ``module``."""
+    # A copy of the sources, found on PYTHONPATH before the editable install. `mlxchat` stays a namespace package
+    # (no __init__.py), as installed: grimp reads each layer as a root only in a namespace.
+    package = tmp_path / "mlxchat"
+    for layer in LAYERS:
+        shutil.copytree(ROOT / layer, package / layer, ignore=_python_files_only)
+    with (package / module).open("a") as f:
+        f.write(f"\n{line}\n")
+    return _lint(tmp_path, {**os.environ, "PYTHONPATH": str(tmp_path)})
+
+
 @pytest.mark.parametrize(("module", "line", "caught"), [
     ("core/engine.py", "from mlxchat.app import formatting", "mlxchat.core.engine -> mlxchat.app.formatting"),
     ("core/events.py", "import textual", "mlxchat.core.events -> textual"),
@@ -41,13 +54,22 @@ def _python_files_only(folder: str, names: list[str]) -> list[str]:
     ("lab/runner.py", "from mlxchat.bench import stats", "mlxchat.lab.runner -> mlxchat.bench.stats"),
 ])
 def test_an_upward_import_is_caught(tmp_path: Path, module: str, line: str, caught: str) -> None:
-    # A copy of the sources, found on PYTHONPATH before the editable install. `mlxchat` stays a namespace package
-    # (no __init__.py), as installed: grimp reads each layer as a root only in a namespace.
-    package = tmp_path / "mlxchat"
-    for layer in LAYERS:
-        shutil.copytree(ROOT / layer, package / layer, ignore=_python_files_only)
-    with (package / module).open("a") as f:
-        f.write(f"\n{line}\n")
-    done = _lint(tmp_path, {**os.environ, "PYTHONPATH": str(tmp_path)})
+    done = _lint_with_line(tmp_path, module, line)
     assert done.returncode == 1, done.stdout + done.stderr
+    assert caught in done.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "caught"), [
+    # The circles issue 38 broke: a chat screen helper typing its screen, export.py typing Turn through
+    # conversation.py, the chat screen typing the app that imports it. Under TYPE_CHECKING they count all the same.
+    ("app/screens/reply_feed.py", "if TYPE_CHECKING: from .chat import ChatScreen",
+     "No cycles are allowed in mlxchat.app.screens."),
+    ("app/screens/chat_dialogs.py", "from .chat import ChatScreen", "No cycles are allowed in mlxchat.app.screens."),
+    ("app/export.py", "if TYPE_CHECKING: from .conversation import Turn", "No cycles are allowed in mlxchat.app."),
+    ("app/screens/chat.py", "if TYPE_CHECKING: from ..app import MlxChatApp", "No cycles are allowed in mlxchat.app."),
+])
+def test_an_import_circle_in_app_is_caught(tmp_path: Path, module: str, line: str, caught: str) -> None:
+    done = _lint_with_line(tmp_path, module, line)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "app has no import circles BROKEN" in done.stdout
     assert caught in done.stdout

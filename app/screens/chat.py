@@ -4,7 +4,8 @@ It composes the widgets and routes messages: what to do with a message, a key or
 :class:`~mlxchat.app.conversation.ChatController` and :class:`~mlxchat.app.inspection.Inspection` (no Textual
 there); the screen shows the outcome through three helpers: reply_feed.py (the transcript, and what the
 :class:`~mlxchat.app.engine_worker.EngineWorker` bridge thread reports, keyed by stream), chat_dialogs.py (the
-dialogs and their answers) and inspection.py (the heat view, the token inspector, branches, replay).
+dialogs and their answers) and inspection.py (the heat view, the token inspector, branches, replay). The helpers
+see the screen only through chat_host.py's ChatHost protocol, so none of them imports this module.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .tools import ToolApproval, ToolsScreen
 if TYPE_CHECKING:
     from mlxchat.core import SamplingProfile
 
-    from ..app import MlxChatApp
+    from .chat_host import ChatApp
 
 
 class ChatScreen(Screen):
@@ -74,7 +75,7 @@ class ChatScreen(Screen):
         source: str
         answer: Callable[[str], None]
 
-    app: "MlxChatApp"
+    app: "ChatApp"  # MlxChatApp's base: app.py imports this module
 
     def __init__(self) -> None:
         super().__init__(id="chat-screen")

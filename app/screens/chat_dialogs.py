@@ -18,7 +18,7 @@ from .profile_picker import ProfilePicker
 if TYPE_CHECKING:
     from mlxchat.core import SamplingProfile
 
-    from .chat import ChatScreen
+    from .chat_host import ChatHost
 
 BUSY = "A reply is still coming: Esc stops it"
 TOAST_COLUMNS = 60  # Textual's toast: 60 columns wide, at most half the screen
@@ -27,7 +27,7 @@ TOAST_COLUMNS = 60  # Textual's toast: 60 columns wide, at most half the screen
 class ChatDialogs:
     """One chat screen's dialogs."""
 
-    def __init__(self, screen: "ChatScreen") -> None:
+    def __init__(self, screen: "ChatHost") -> None:
         self.screen = screen
 
     def clear(self) -> None:

@@ -20,13 +20,13 @@ if TYPE_CHECKING:
     from mlxchat.core.trace import TokenTrace
 
     from ..replay import ReplaySource
-    from .chat import ChatScreen
+    from .chat_host import ChatHost
 
 
 class InspectionPanel:
     """What the heat view and the inspector show, and which reply is being traced, for one chat screen."""
 
-    def __init__(self, screen: "ChatScreen", inspection: Inspection) -> None:
+    def __init__(self, screen: "ChatHost", inspection: Inspection) -> None:
         self.screen = screen
         self.inspection = inspection
         self.inspected: TokenStrip | None = None  # the heat strip whose token the inspector shows

@@ -20,7 +20,7 @@ from ..widgets import MessageView, Notice
 if TYPE_CHECKING:
     from mlxchat.core import Engine
 
-    from .chat import ChatScreen
+    from .chat_host import ChatHost
 
 # Drawing streamed text costs the UI thread CPU that, on a small machine, the decoder would otherwise use. Batches
 # start at 40 ms; when the UI's CPU time per batch would exceed this share of the time between batches, the
@@ -37,7 +37,7 @@ def _placed(label: str, turn: Turn) -> str:
 class ReplyFeed:
     """The transcript and the stats bar of one chat screen, following its controller and its engine worker."""
 
-    def __init__(self, screen: "ChatScreen", worker: EngineWorker) -> None:
+    def __init__(self, screen: "ChatHost", worker: EngineWorker) -> None:
         self.screen = screen
         self.worker = worker
         self._ui_cpu_mark: float | None = None
