@@ -12,7 +12,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -24,26 +23,16 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
+from mlxchat.core import Engine, GenerationResult, TokenEvent
 from mlxchat.core.batch import BatchScheduler
 from mlxchat.core.events import Done
 from mlxchat.core.tools import ToolCall, render_messages
 
 from . import anthropic, ollama, protocol
 from .protocol import ApiError
-from .service import Choice, ErrorShape, Service
+from .service import Choice, ErrorShape, ServerConfig, Service
 
 log = logging.getLogger("mlxchat.server")
-
-
-@dataclass
-class ServerConfig:
-    api_key: str | None = None
-    max_body_bytes: int = 4 * 2**20
-    cors_origins: tuple[str, ...] = ()
-    profile: SamplingProfile | None = None
-    profiles: dict[str, SamplingProfile] | None = None
-    speculative: str = "off"  # a request's `speculative` when it does not say (`mlxchat serve --speculative`)
 
 
 def _sse(bodies: list[Any]) -> bytes:

@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     from mlxchat.core import Engine
     from mlxchat.core.batch import BatchScheduler
 
-    from .app import ServerConfig, create_app
+    from .app import create_app
+    from .service import ServerConfig
     from .service import DEFAULT_PROFILE
 
     # A SIGINT meanwhile leaves at once (mlxchat.app.cli.main's handler).

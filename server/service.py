@@ -15,7 +15,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request as HttpRequest
@@ -32,13 +33,22 @@ from mlxchat.core.tools import Tool, ToolUse
 
 from .protocol import ApiError
 
-if TYPE_CHECKING:
-    from .app import ServerConfig
-
 log = logging.getLogger("mlxchat.server")
 POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_PROFILE = "chat"  # what requests sample with when neither `mlxchat serve --profile` nor the request says
 ErrorShape = Callable[[ApiError], dict[str, Any]]
+
+
+@dataclass
+class ServerConfig:
+    """What `mlxchat serve` was started with (server/cli.py), read by the service and the routes (server/app.py)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    cors_origins: tuple[str, ...] = ()
+    profile: SamplingProfile | None = None
+    profiles: dict[str, SamplingProfile] | None = None
+    speculative: str = "off"  # a request's `speculative` when it does not say (`mlxchat serve --speculative`)
 
 
 class Choice:

@@ -113,7 +113,7 @@ def test_ollama_options_map_onto_the_profile() -> None:
 
 
 def test_requests_that_set_nothing_sample_with_the_chat_preset() -> None:
-    from mlxchat.server.app import ServerConfig
+    from mlxchat.server.service import ServerConfig
     from mlxchat.server.service import Service
 
     assert Service(None, None, ServerConfig()).base == SamplingProfile.preset("chat")  # type: ignore[arg-type]
