@@ -420,3 +420,25 @@ async def test_a_reply_shown_again_mid_stream_keeps_what_came_and_appends_the_re
         assert view.text == "Hello, world! Again."
         await view.finish(view.text, "")
         assert view.query_one(".body", Markdown).source == "Hello, world! Again."
+
+
+@pytest.mark.anyio
+async def test_a_streamed_reply_with_bracketed_text_is_measured_as_the_text_it_shows():
+    """The open block shows its text plain (markup off) and must measure it so: read as markup, "[/b]" raised
+    MarkupError mid-stream and `row["name"]` lost its brackets from the measured width."""
+    from mlxchat.app.widgets.transcript import MessageView, OpenBlock
+
+    class ReplyApp(App):
+        def compose(self) -> ComposeResult:
+            yield MessageView("assistant", "")
+
+    app = ReplyApp()
+    async with app.run_test(size=(40, 30)) as pilot:
+        view = app.query_one(MessageView)
+        await view.write("First.")
+        await pilot.pause()
+        text = 'First. Close a tag: [/b] and index it: print(row["name"], row["age"]) [bold]x'
+        await view.write(text.removeprefix("First."))
+        await pilot.pause()
+        block = view.query_one(OpenBlock)
+        assert str(block.content) == text and block.size.height >= 3

@@ -48,7 +48,8 @@ class OpenBlock(OneLayout, Static):
     def extend(self, text: str) -> None:
         width, height = self.size
         if self.is_mounted and width and height:
-            needed = visualize(self, text).get_height(self.styles, width)
+            # As shown: plain text (the widget has markup off); read as markup, "[/b]" in a reply raised.
+            needed = visualize(self, text, markup=False).get_height(self.styles, width)
             if needed <= height:
                 self.update(text, layout=False)
                 return
