@@ -330,6 +330,19 @@ def test_a_streaming_replys_blocks_close_when_the_next_one_starts() -> None:
     assert text[:closed_length(text)].endswith("| 1 | 2 |\n\n")
 
 
+class ReplyApp(App):
+    """An app showing one assistant reply (with `text` so far), for the streaming tests."""
+
+    def __init__(self, text: str = "") -> None:
+        super().__init__()
+        self.reply_text = text
+
+    def compose(self) -> ComposeResult:
+        from mlxchat.app.widgets.transcript import MessageView
+
+        yield MessageView("assistant", self.reply_text)
+
+
 def _count_layouts(app: App) -> list[int]:
     """A one-item list counting the screen's layout passes from now on (Textual's private hook, for these tests)."""
     layouts = [0]
@@ -353,12 +366,12 @@ async def test_a_rich_reply_streams_without_a_layout_a_batch_and_ends_as_textual
     from mlxchat.app.widgets.transcript import MessageView, OpenBlock
     from mlxchat.bench.cases import MARKDOWN_REPLY
 
-    class ReplyApp(App):
+    class SideBySide(App):
         def compose(self) -> ComposeResult:
             yield MessageView("assistant", "")
             yield Markdown(MARKDOWN_REPLY, id="plain")
 
-    app = ReplyApp()
+    app = SideBySide()
     async with app.run_test(size=(80, 200)) as pilot:
         view = app.query_one(MessageView)
         layouts = _count_layouts(app)
@@ -383,10 +396,6 @@ async def test_a_reply_that_grows_needs_one_layout_not_two():
     """Textual lays the screen out again after a widget's size changes; the reply's widgets do not need it."""
     from mlxchat.app.widgets.transcript import MessageView, OpenBlock
 
-    class ReplyApp(App):
-        def compose(self) -> ComposeResult:
-            yield MessageView("assistant", "")
-
     app = ReplyApp()
     async with app.run_test(size=(60, 30)) as pilot:
         view = app.query_one(MessageView)
@@ -405,11 +414,7 @@ async def test_a_reply_shown_again_mid_stream_keeps_what_came_and_appends_the_re
     """The chat screen rebuilds a streaming reply's view from its text so far, then streams on into it."""
     from mlxchat.app.widgets.transcript import MessageView, OpenBlock
 
-    class ReplyApp(App):
-        def compose(self) -> ComposeResult:
-            yield MessageView("assistant", "Hello")
-
-    app = ReplyApp()
+    app = ReplyApp("Hello")
     async with app.run_test(size=(60, 20)):
         view = app.query_one(MessageView)
         view.start_stream()
@@ -427,10 +432,6 @@ async def test_a_streamed_reply_with_bracketed_text_is_measured_as_the_text_it_s
     """The open block shows its text plain (markup off) and must measure it so: read as markup, "[/b]" raised
     MarkupError mid-stream and `row["name"]` lost its brackets from the measured width."""
     from mlxchat.app.widgets.transcript import MessageView, OpenBlock
-
-    class ReplyApp(App):
-        def compose(self) -> ComposeResult:
-            yield MessageView("assistant", "")
 
     app = ReplyApp()
     async with app.run_test(size=(40, 30)) as pilot:
