@@ -194,9 +194,12 @@ async def _tui_runs(engine: Any, max_tokens: int, repeats: int, markdown: bool =
                     raise RuntimeError("the TUI reply finished without a result")
                 batches = (screen.worker.batches_posted if screen.worker else 0) - posted_before
                 # The UI thread's CPU per token: what drawing the reply costs, a figure the machine's load moves
-                # far less than decode speed.
+                # far less than decode speed; in all (the new chat, the message, the final Markdown) and while it
+                # streamed (its first batch to its last: what competes with decoding).
+                n = max(1, result.metrics.completion_tokens)
                 tui.append({**from_metrics(result.metrics), "wall_s": wall, "ui_batches": batches,
-                            "ui_cpu_ms_per_token": ui_cpu * 1000 / max(1, result.metrics.completion_tokens)})
+                            "ui_cpu_ms_per_token": ui_cpu * 1000 / n,
+                            "streaming_ui_cpu_ms_per_token": screen.feed.streaming_ui_cpu_s * 1000 / n})
     return {"path": "textual App.run_test (app.app.make_app, the real ChatScreen, headless terminal)",
             "headless_samples": headless, "tui_samples": tui}
 

@@ -193,10 +193,13 @@ def summary_text(results: dict[str, Any]) -> str:
         if row:
             h, t = row["headless"], row["tui"]
             ui = [s["ui_cpu_ms_per_token"] for s in row["tui_samples"] if "ui_cpu_ms_per_token" in s]
+            live = [s["streaming_ui_cpu_ms_per_token"] for s in row["tui_samples"]
+                    if "streaming_ui_cpu_ms_per_token" in s]
             out.append(f"TUI vs headless, {row.get('reply', 'prose')} reply ({row['path']}): headless "
                        f"{h['decode_tokens_per_s']:.1f} tok/s, TUI {t['decode_tokens_per_s']:.1f} tok/s "
                        f"({row['slowdown_pct']:+.1f}% slower); TTFT {h['ttft_s'] * 1000:.0f} vs "
-                       f"{t['ttft_s'] * 1000:.0f} ms" + (f"; UI thread {median(ui):.2f} ms CPU/token" if ui else ""))
+                       f"{t['ttft_s'] * 1000:.0f} ms" + (f"; UI thread {median(ui):.2f} ms CPU/token" if ui else "")
+                       + (f" ({median(live):.2f} while it streamed)" if live else ""))
     roof = results.get("roofline")
     if roof:
         bw = roof["bandwidth"]

@@ -392,8 +392,9 @@ async def test_a_rich_reply_streams_without_a_layout_a_batch_and_ends_as_textual
 
 
 @pytest.mark.anyio
-async def test_a_reply_that_grows_needs_one_layout_not_two():
-    """Textual lays the screen out again after a widget's size changes; the reply's widgets do not need it."""
+async def test_a_reply_that_grows_needs_no_layout_in_its_room_and_one_past_it():
+    """Textual lays the screen out again after a widget's size changes (and asked for a second pass after that):
+    a streaming reply keeps room below its text, repaints in place while it fits, and needs one layout past it."""
     from mlxchat.app.widgets.transcript import MessageView, OpenBlock
 
     app = ReplyApp()
@@ -405,8 +406,13 @@ async def test_a_reply_that_grows_needs_one_layout_not_two():
         await view.write(" Then enough words to need a second line and a third one too, in sixty columns.")
         await pilot.pause()
         await pilot.pause()
-        assert layouts[0] == 1 and view.text.startswith("One line. Then")
-        assert view.query_one(OpenBlock).size.height >= 2
+        assert layouts[0] == 0 and view.text.startswith("One line. Then")
+        room = view.query_one(OpenBlock).size.height
+        assert room >= OpenBlock.SLACK
+        await view.write("\nA line of the same paragraph." * room)  # one block: nothing closes
+        await pilot.pause()
+        await pilot.pause()
+        assert layouts[0] == 1 and view.query_one(OpenBlock).size.height > room
 
 
 @pytest.mark.anyio

@@ -41,6 +41,9 @@ class ReplyFeed:
         self.screen = screen
         self.worker = worker
         self._ui_cpu_mark: float | None = None
+        # The UI thread's CPU from the reply's first batch to its last: what drawing it took from decoding (the
+        # bench's TUI rows report it per token).
+        self.streaming_ui_cpu_s = 0.0
 
     # --- the transcript follows the controller's turns -----------------------------------------------------------
 
@@ -59,7 +62,7 @@ class ReplyFeed:
                                    first_reply=first)
             label = f"Assistant · {message.model}" if message.model else "Assistant"
             view = MessageView("assistant", turn.content, label=_placed(label, turn), stats=stats, turn=turn,
-                               reasoning=message.reasoning,
+                               reasoning=message.reasoning, streaming=turn.streaming,
                                thought=thought_line(message.metrics, streaming=turn.streaming))
             if turn.error:
                 view.add_class("failed")
@@ -85,9 +88,6 @@ class ReplyFeed:
         new = [self.view(t, t is first) for t in turns[same:]]
         if new:
             await transcript.mount_all(new)
-            for view in new:
-                if view.turn is not None and view.turn.streaming:
-                    view.start_stream()
         transcript.anchor()
 
     def _reply_view(self, reply: Reply) -> MessageView | None:
@@ -166,6 +166,7 @@ class ReplyFeed:
         self._set_reply_stats(reply, "prefilling…")
         self.screen.stats.show_state("prefill", "▷ prefill", "")
         self._ui_cpu_mark = None
+        self.streaming_ui_cpu_s = 0.0
 
     def prefill(self, event: EngineWorker.Prefill) -> None:
         controller = self.screen.controller
@@ -198,6 +199,7 @@ class ReplyFeed:
         """Set the batch length from the UI thread's CPU time per batch (which includes drawing the last one)."""
         now = time.thread_time()
         if self._ui_cpu_mark is not None:
+            self.streaming_ui_cpu_s += now - self._ui_cpu_mark
             self.worker.batch_s = next_batch_s(self.worker.batch_s, now - self._ui_cpu_mark, UI_CPU_BUDGET)
         self._ui_cpu_mark = now
 

@@ -45,20 +45,18 @@ class OpenBlock(OneLayout, Static):
 
     SLACK = 8
 
-    def extend(self, text: str) -> None:
+    def extend(self, text: str, *, relayout: bool = False) -> None:
+        """Show ``text``. ``relayout``: the screen is laid out again anyway (a closed block was mounted), so the room
+        is set for the new text now, rather than by a layout of its own at the next batch."""
         width, height = self.size
         if self.is_mounted and width and height:
             # As shown: plain text (the widget has markup off); read as markup, "[/b]" in a reply raised.
             needed = visualize(self, text, markup=False).get_height(self.styles, width)
-            if needed <= height:
+            if needed <= height and not relayout:
                 self.update(text, layout=False)
                 return
             self.styles.min_height = needed + self.SLACK
         self.update(text)
-
-    def reset(self) -> None:
-        """Give back the room kept (a block closed: the screen is laid out again anyway)."""
-        self.styles.min_height = None
 
 
 def closed_length(text: str) -> int:
@@ -79,10 +77,14 @@ def closed_length(text: str) -> int:
 COSTLY_BLOCKS = ("fence", "table_open", "code_block")
 
 
+class ClosedText(OneLayout, Static):
+    """Closed blocks shown as their text while the reply streams (see COSTLY_BLOCKS)."""
+
+
 def closed_block(text: str) -> Widget:
     """The widget for closed blocks of a streaming reply: Markdown, or their text where that costs too much now."""
     if any(t.type in COSTLY_BLOCKS for t in _PARSER.parse(text)):
-        return Static(text.rstrip("\n"), classes="closed-block closed-text", markup=False)
+        return ClosedText(text.rstrip("\n"), classes="closed-block closed-text", markup=False)
     return ReplyMarkdown(text, classes="closed-block", open_links=False, parser_factory=_parser)
 
 
@@ -97,12 +99,14 @@ class StreamedReply(OneLayout, Vertical):
     DEFAULT_CSS = "StreamedReply { height: auto; }"
     MIN_LINES = 12  # closed blocks wait for this many lines, then mount together: each mount costs a layout
 
-    def __init__(self) -> None:
+    def __init__(self, text: str = "") -> None:
         super().__init__(classes="streamed")
-        self._open = ""  # the text not yet in a closed block
+        self._open = text  # the text not yet in a closed block
 
     def compose(self) -> ComposeResult:
-        yield OpenBlock("", classes="open-block", markup=False)
+        tail = OpenBlock(self._open.rstrip("\n"), classes="open-block", markup=False)
+        tail.styles.min_height = OpenBlock.SLACK  # the first lines arrive without a layout of the screen
+        yield tail
 
     async def append(self, text: str) -> None:
         self._open += text
@@ -111,8 +115,9 @@ class StreamedReply(OneLayout, Vertical):
         tail = self.query_one(OpenBlock)
         if (cut := closed_length(self._open)) and self._open.count("\n", 0, cut) >= self.MIN_LINES:
             closed, self._open = self._open[:cut], self._open[cut:]
-            tail.reset()
             await self.mount(closed_block(closed), before=tail)
+            tail.extend(self._open.rstrip("\n"), relayout=True)
+            return
         tail.extend(self._open.rstrip("\n"))
 
 
@@ -151,7 +156,7 @@ class ReplyMarkdown(OneLayout, Markdown):
     """A reply's Markdown (a finished reply, or a streaming one's closed blocks): Textual's, laid out once a size."""
 
 
-class FieldsLine(Widget):
+class FieldsLine(OneLayout, Widget):
     """A reply's stats line: its fields (value and unit, e.g. "118 MiB") wrap as wholes, never mid-field, which
     Textual's word wrap would do at any space."""
 
@@ -162,8 +167,12 @@ class FieldsLine(Widget):
         self.text = text
 
     def update(self, text: str) -> None:
+        """Show ``text``: repainted in place while it takes as many lines as before ("prefill 96/512", then
+        "generating…" each batch); the screen is laid out again only when its height changes."""
+        width = self.content_size.width
+        before = self._content(width).get_height(self.styles, width) if width else None
         self.text = text
-        self.refresh(layout=True)
+        self.refresh(layout=before is None or self._content(width).get_height(self.styles, width) != before)
 
     def _content(self, width: int) -> Content:
         return Content("\n".join(wrap_fields(self.text, width)))
@@ -197,15 +206,17 @@ class MessageView(OneLayout, Vertical, can_focus=True):
     _parts: list[str]  # the text, in the pieces it came in since it was last read
 
     def __init__(self, role: str, text: str = "", *, label: str | None = None, stats: str = "",
-                 turn: "Turn | None" = None, reasoning: str = "", thought: str = "") -> None:
-        super().__init__(classes=f"message {role}")
+                 turn: "Turn | None" = None, reasoning: str = "", thought: str = "", streaming: bool = False) -> None:
+        """``streaming``: a reply still coming, shown from the start as it streams (no second layout at its first
+        batch)."""
+        super().__init__(classes=f"message {role}" + (" streaming" if streaming else ""))
         self.role = role
         self.text = text
         self.label = label or {"user": "You", "assistant": "Assistant"}.get(role, role.title())
         self.stats = stats
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
-        self._streaming = False
+        self._streaming = streaming
         self._stream: StreamedReply | None = None  # what shows the reply while it streams
         self._code_index = 0
         self.reasoning, self.thought = reasoning, thought  # a thinking model's reasoning, and its block's title
@@ -216,7 +227,11 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             yield ThinkingBlock(self.reasoning, self.thought or "thought")
         if self.role == "assistant" and self.turn is not None and self.turn.message.tool_calls:
             yield ToolCalls(self.turn.message.tool_calls)
-        if self.role == "assistant":
+        if self.role == "assistant" and self._streaming:
+            yield ReplyMarkdown("", classes="body", open_links=False, parser_factory=_parser)
+            self._stream = StreamedReply(self.text)
+            yield self._stream
+        elif self.role == "assistant":
             yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
             yield Static(self.text, classes="body", markup=False)
@@ -246,10 +261,9 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.add_class("streaming")
 
     async def write(self, text: str) -> None:
-        """Append a batch of the reply. Markdown.append re-parses only from the last top-level block on; it is
-        awaited here, inside the caller's ``App.batch_update``, rather than handed to a MarkdownStream task (another
-        task and queue per reply, and a screen update that could land between the text and the stats line). The
-        bridge thread already coalesces what arrives while the UI is busy, which was MarkdownStream's job."""
+        """Append a batch of the reply to its ``StreamedReply``, made here at the first batch unless the view was
+        made streaming. Awaited inside the caller's ``App.batch_update``, so the text and the stats line change in
+        one screen update; the bridge thread coalesces what arrives while the UI is busy."""
         if not self._streaming:
             self.start_stream()
         if not text:
@@ -405,9 +419,13 @@ class Notice(Vertical):
         self.post_message(self.Action(self, (event.button.id or "").removeprefix("notice-")))
 
 
-class Transcript(VerticalScroll):
+class Transcript(OneLayout, VerticalScroll):
     """The scrolling list of messages; anchored to the bottom while a reply streams. Tab reaches it; ↑/↓ then move
-    the focus from message to message (each one's keys: c, k, [ and ]), page up/down scroll."""
+    the focus from message to message (each one's keys: c, k, [ and ]), page up/down scroll.
+
+    A streaming reply grows its virtual height at every line it adds; the layout that placed the reply already
+    scrolled the anchored list and its scrollbars follow that size on their own (a scrollbar that appears asks for
+    its own layout), so a new virtual size needs no second layout of the screen (``OneLayout``)."""
 
     BINDINGS = [
         Binding("up", "step_message(-1)", "Previous message (focus it)", id="message_previous", show=False),
