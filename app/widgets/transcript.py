@@ -40,10 +40,16 @@ def _parser() -> MarkdownIt:
 class OpenBlock(OneLayout, Static):
     """The block of a streaming reply that is still being written, as its plain text: one lightweight widget that
     each batch extends, parsed as Markdown only once it closes. A layout reflows the whole screen, and a code block
-    or a table grows a line every batch or two: so the widget keeps SLACK lines of room below its text and repaints
-    in place while the text fits (a layout only every few lines)."""
+    or a table grows a line every batch or two: so the widget keeps a few lines of room below its text (``slack``)
+    and repaints in place while the text fits (a layout only every few lines)."""
 
-    SLACK = 8
+    def on_mount(self) -> None:
+        self.styles.min_height = self.slack()  # the first lines arrive without a layout of the screen
+
+    def slack(self) -> int:
+        """Blank lines kept below the text: the room shows at the bottom of a reply that follows its end, so it is a
+        sixth of the terminal's height (4 lines at 24 rows, 8 from 48), never a third of what the user reads."""
+        return max(2, min(8, self.screen.size.height // 6))
 
     def extend(self, text: str, *, relayout: bool = False) -> None:
         """Show ``text``. ``relayout``: the screen is laid out again anyway (a closed block was mounted), so the room
@@ -55,7 +61,7 @@ class OpenBlock(OneLayout, Static):
             if needed <= height and not relayout:
                 self.update(text, layout=False)
                 return
-            self.styles.min_height = needed + self.SLACK
+            self.styles.min_height = needed + self.slack()
         self.update(text)
 
 
@@ -104,9 +110,7 @@ class StreamedReply(OneLayout, Vertical):
         self._open = text  # the text not yet in a closed block
 
     def compose(self) -> ComposeResult:
-        tail = OpenBlock(self._open.rstrip("\n"), classes="open-block", markup=False)
-        tail.styles.min_height = OpenBlock.SLACK  # the first lines arrive without a layout of the screen
-        yield tail
+        yield OpenBlock(self._open.rstrip("\n"), classes="open-block", markup=False)
 
     async def append(self, text: str) -> None:
         self._open += text
