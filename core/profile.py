@@ -40,7 +40,7 @@ from pydantic_core import PydanticCustomError
 from .errors import MlxChatError
 from .locations import config_dir
 from .response_format import ResponseFormat, parse_response_format
-from .sampler_params import DRY_SEQUENCE_BREAKERS, PARAMS, Range, SamplerParam, format_number
+from .sampler_params import PARAMS, Range, SamplerParam, format_number
 
 log = logging.getLogger(__name__)
 
@@ -440,5 +440,5 @@ class ProfileStore:
             raise ProfileError(f"{path}: no such profile") from None
 
 
-__all__ = ["DEFAULT_ORDER", "DRY_SEQUENCE_BREAKERS", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore",
+__all__ = ["DEFAULT_ORDER", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore",
            "SamplingProfile"]
