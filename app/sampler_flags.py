@@ -18,7 +18,8 @@ _DECLARATIONS = "mlxchat.core.sampler_params"
 def _declarations() -> ModuleType:
     """core/sampler_params.py, loaded without core's package: its __init__ loads MLX (about a second), which the
     parser must not (`mlxchat --help` stays fast). The module imports only the standard library. It is registered
-    under its own name, so core, when it loads later in the process, uses this same module."""
+    under its own name, so core, when it loads later in the process, uses this same module (but core's package then
+    has no `sampler_params` attribute: import names from it, as every module does)."""
     if _DECLARATIONS not in sys.modules:
         core = importlib.util.find_spec("mlxchat.core")  # imports `mlxchat` only, not core's __init__
         assert core is not None and core.submodule_search_locations, "mlxchat.core is installed with mlxchat"

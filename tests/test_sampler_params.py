@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mlxchat.app.cli import _sampler_flags, build_parser
-from mlxchat.app.screens.profile_picker import FIELDS, parse_field
+from mlxchat.app.screens.profile_picker import FIELDS, field_text, parse_field
 from mlxchat.core.profile import STEPS, SamplingProfile
 from mlxchat.core.sampler_params import PARAMS, SamplerParam
 from mlxchat.lab.endpoint import request_body
@@ -83,6 +83,8 @@ def test_each_declaration_reaches_every_surface(p: SamplerParam) -> None:
     assert _sampler_flags(args)[p.name] == value
 
     assert p.name in dict(FIELDS) and dict(FIELDS)[p.name] == p.hint
+    shown = field_text(SamplingProfile(**{p.name: value}), p.name)  # the picker's text, read back
+    assert getattr(SamplingProfile(**{p.name: parse_field(p.name, shown)}), p.name) == value
     if p.type is list:
         assert parse_field(p.name, "") == p.defaults()
 
