@@ -92,6 +92,10 @@ def test_each_declaration_reaches_every_surface(p: SamplerParam) -> None:
         body = {"messages": MESSAGES} if chat else {"prompt": "hi"}
         req = protocol.parse({**body, p.name: value}, chat=chat, served="m", base=SamplingProfile(), profiles={})
         assert getattr(req.profile, p.name) == value
+    with pytest.raises(ApiError) as e:  # JSON types are strict: "0.5" is not a number
+        protocol.parse({"messages": MESSAGES, p.name: str(value)}, chat=True, served="m", base=SamplingProfile(),
+                       profiles={})
+    assert e.value.param == p.name
 
     if p.ollama is not None:
         assert getattr(ollama.parse_options({p.ollama: value}, SamplingProfile()).profile, p.name) == value
