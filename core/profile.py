@@ -1,9 +1,9 @@
 """Sampling profiles: one validated parameter object per request, named presets, saved user profiles.
 
-Field names follow OpenAI / vLLM (docs/architecture.md §7). The sampler parameters' fields (type, default, range) come
-from their declarations in ``core.sampler_params``. Every range is checked here, once, at the edge; an invalid value
-raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed range. Nothing here
-imports MLX.
+Field names follow OpenAI / vLLM (docs/architecture.md §7). The sampler parameters' fields (type, default, range) and
+the chain's steps come from their declarations in ``core.sampler_params``. Every range is checked here, once, at the
+edge; an invalid value raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed
+range. Nothing here imports MLX.
 
 Penalty semantics (peers differ, so they are explicit fields):
 
@@ -27,10 +27,8 @@ import re
 import tempfile
 import tomllib
 from importlib.resources.abc import Traversable
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import tomli_w
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model,
@@ -40,7 +38,7 @@ from pydantic_core import PydanticCustomError
 from .errors import MlxChatError
 from .locations import config_dir
 from .response_format import ResponseFormat, parse_response_format
-from .sampler_params import PARAMS, Range, SamplerParam, format_number
+from .sampler_params import PARAMS, STEPS, ChainStep, Range, SamplerParam, format_number
 
 log = logging.getLogger(__name__)
 
@@ -64,78 +62,6 @@ def _range(lo: float | None, hi: float | None, *, lo_open: bool = False, what: s
     return _check(Range(lo, hi, lo_open, what))
 
 
-@dataclass(frozen=True)
-class ChainStep:
-    """One step of the sampler chain, described once: its name (the profile field or ``sampler_order`` entry), whether
-    the profile's setting would change anything, how it prints, and the arguments it is built from: its parameters
-    (``core.sampler_params``, those whose step it is, in their order; a list, DRY's breakers, arrives tokenised), or
-    ``from_profile`` where they are not.
-
-    ``core.sampling`` builds each step's object from ``args(profile)``, and the object prints itself with
-    ``label(*args)``, so the printed chain comes from this one place (llama.cpp's ``common_sampler_print``).
-    Processors always run first, in registry order; transforms run in the profile's ``sampler_order``."""
-
-    name: str
-    kind: Literal["processor", "transform"]
-    active: Callable[["SamplingProfile"], bool]
-    label: Callable[..., str]
-    from_profile: Callable[["SamplingProfile"], tuple] | None = None
-
-    def args(self, profile: "SamplingProfile") -> tuple:
-        if self.from_profile is not None:
-            return self.from_profile(profile)
-        return tuple(getattr(profile, n) for n, p in PARAMS.items() if p.step == self.name and p.type is not list)
-
-    def describe(self, profile: "SamplingProfile") -> str:
-        return self.label(*self.args(profile))
-
-
-_n = format_number
-
-
-def _temperature_label(t: float, spread: float, exponent: float) -> str:
-    if spread > 0:
-        return f"DynaTemp({_n(max(0.0, t - spread))}..{_n(t + spread)}, {_n(exponent)})"
-    return f"Temperature({_n(t)})"
-
-
-STEPS: dict[str, ChainStep] = {s.name: s for s in (
-    ChainStep("repetition_penalty", "processor", lambda p: p.repetition_penalty != 1,
-              lambda r: f"RepetitionPenalty({_n(r)})"),
-    ChainStep("frequency_penalty", "processor", lambda p: p.frequency_penalty != 0,
-              lambda f: f"FrequencyPenalty({_n(f)})"),
-    ChainStep("presence_penalty", "processor", lambda p: p.presence_penalty != 0,
-              lambda v: f"PresencePenalty({_n(v)})"),
-    # DRY ("don't repeat yourself", llama.cpp's port of koboldcpp's): penalises a token that would extend a sequence
-    # already in the history, after the token penalties as in llama.cpp's order. A processor, so greedy sees it too.
-    ChainStep("dry", "processor", lambda p: p.dry_multiplier > 0 and p.dry_penalty_last_n != 0,
-              lambda m, b, n, last: f"DRY({_n(m)}, {_n(b)}, {n}, {last})"),
-    ChainStep("logit_bias", "processor", lambda p: bool(p.logit_bias), lambda b: f"LogitBias({len(b)} tokens)",
-              from_profile=lambda p: (p.logit_bias,)),
-    ChainStep("min_tokens", "processor", lambda p: p.min_tokens > 0, lambda n: f"MinTokens({n})"),
-    # Transforms, in the default order: llama.cpp's common sampler order (penalties, DRY, top_n_sigma, top_k,
-    # typical_p, top_p, min_p, xtc, temperature, then the terminal adaptive-p). Filters cut the untempered
-    # distribution and temperature comes last (as llama.cpp does, and as mlx-lm does for temperature), so a filter's
-    # cut does not move with the temperature.
-    ChainStep("top_n_sigma", "transform", lambda p: p.top_n_sigma > 0, lambda n: f"TopNSigma({_n(n)})"),
-    ChainStep("top_k", "transform", lambda p: p.top_k > 0, lambda k: f"TopK({k})"),
-    ChainStep("typical_p", "transform", lambda p: p.typical_p < 1, lambda v: f"TypicalP({_n(v)})"),
-    ChainStep("top_p", "transform", lambda p: p.top_p < 1, lambda v: f"TopP({_n(v)})"),
-    ChainStep("min_p", "transform", lambda p: p.min_p > 0, lambda v: f"MinP({_n(v)})"),
-    ChainStep("xtc", "transform", lambda p: p.xtc_probability > 0 and p.xtc_threshold <= 0.5,
-              lambda t, q: f"XTC({_n(t)}, {_n(q)})"),
-    # llama.cpp's temp-ext: dynatemp_range > 0 scales the temperature by the candidates' normalised entropy.
-    # (Mirostat's chain takes a plain temperature, as llama.cpp's does.)
-    ChainStep("temperature", "transform",
-              lambda p: p.temperature != 1 or (p.dynatemp_range > 0 and not p.mirostat), _temperature_label,
-              from_profile=lambda p: (p.temperature, 0.0 if p.mirostat else p.dynatemp_range, p.dynatemp_exponent)),
-    # The terminal samplers: adaptive-p reshapes what is left towards a target probability (last by default);
-    # Mirostat replaces the chain (temperature, then Mirostat), as in llama.cpp, so it is in no order.
-    ChainStep("adaptive_p", "transform", lambda p: p.adaptive_p_target >= 0,
-              lambda t, d: f"AdaptiveP({_n(t)}, {_n(d)})"),
-    ChainStep("mirostat", "transform", lambda p: p.mirostat > 0,
-              lambda v, tau, eta: f"Mirostat{'V2' if v == 2 else ''}({_n(tau)}, {_n(eta)})"),
-)}
 PROCESSORS: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "processor")
 DEFAULT_ORDER: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "transform" and n != "mirostat")
 TRANSFORMS = frozenset(DEFAULT_ORDER)

@@ -1,8 +1,10 @@
-"""Every sampler parameter, declared once (issue 38 item 4).
+"""The sampler chain's steps and every sampler parameter, each declared once (issue 38 item 4).
 
-A declaration says what the parameter is (name, type, default, allowed range, the chain step it sets) and how each
-surface shows it (the CLI's flag and help, the TUI's hint, its name in Ollama's options, whether Anthropic's
-Messages API and OpenAI's own API define it). Everything else is derived from :data:`PARAMS`:
+A step (:data:`STEPS`) says whether a profile turns it on and how it prints; its object is a class of
+``core.sampling`` under the same name. A parameter's declaration (:data:`PARAMS`) says what the parameter is (name,
+type, default, allowed range, the chain step it sets) and how each surface shows it (the CLI's flag and help, the
+TUI's hint, its name in Ollama's options, whether Anthropic's Messages API and OpenAI's own API define it).
+Everything else is derived from :data:`PARAMS`:
 
 * ``core.profile.SamplingProfile``: a field per parameter, its type, default and range check (whose error names the
   field, the value and the range);
@@ -13,7 +15,7 @@ Messages API and OpenAI's own API define it). Everything else is derived from :d
   ``options`` on ``/api/*``, the ones marked ``anthropic`` on ``/v1/messages`` (server/);
 * what the lab sends to another server (lab/endpoint.py).
 
-So a new sampler is its declarations here, its step in ``core.profile.STEPS`` and its object in ``core.sampling``.
+So a new sampler is its declarations here (its step and its parameters) and its class in ``core.sampling``.
 Request settings that are not a sampler's (seed, stop, max_tokens, logit_bias, the order, the response format) are
 ``SamplingProfile``'s own fields: each API spells and checks them in its own way.
 
@@ -23,13 +25,17 @@ package, which loads MLX (`mlxchat --help` stays fast; app/cli.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 def format_number(x: float) -> str:
     """How a number prints in the chain and in range errors: 0.9, 40, 1e-05."""
     return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+_n = format_number
 
 
 @dataclass(frozen=True)
@@ -187,4 +193,76 @@ PARAMS: dict[str, SamplerParam] = {p.name: p for p in (
 )}
 
 
-__all__ = ["DRY_SEQUENCE_BREAKERS", "PARAMS", "Range", "SamplerParam", "format_number"]
+@dataclass(frozen=True)
+class ChainStep:
+    """One step of the sampler chain, described once: its name (the profile field or ``sampler_order`` entry), whether
+    a profile's setting would change anything, how it prints, and the arguments it is built from: its parameters
+    (those of :data:`PARAMS` whose step it is, in their order; a list, DRY's breakers, arrives tokenised), or
+    ``from_profile`` where they are not. ``profile`` is a ``core.profile.SamplingProfile``, which is built on this
+    module.
+
+    ``core.sampling`` builds each step's object from ``args(profile)``, and the object prints itself with
+    ``label(*args)``, so the printed chain comes from this one place (llama.cpp's ``common_sampler_print``).
+    Processors always run first, in registry order; transforms run in the profile's ``sampler_order``."""
+
+    name: str
+    kind: Literal["processor", "transform"]
+    active: Callable[[Any], bool]
+    label: Callable[..., str]
+    from_profile: Callable[[Any], tuple] | None = None
+
+    def args(self, profile: Any) -> tuple:
+        if self.from_profile is not None:
+            return self.from_profile(profile)
+        return tuple(getattr(profile, n) for n, p in PARAMS.items() if p.step == self.name and p.type is not list)
+
+    def describe(self, profile: Any) -> str:
+        return self.label(*self.args(profile))
+
+
+def _temperature_label(t: float, spread: float, exponent: float) -> str:
+    if spread > 0:
+        return f"DynaTemp({_n(max(0.0, t - spread))}..{_n(t + spread)}, {_n(exponent)})"
+    return f"Temperature({_n(t)})"
+
+
+STEPS: dict[str, ChainStep] = {s.name: s for s in (
+    ChainStep("repetition_penalty", "processor", lambda p: p.repetition_penalty != 1,
+              lambda r: f"RepetitionPenalty({_n(r)})"),
+    ChainStep("frequency_penalty", "processor", lambda p: p.frequency_penalty != 0,
+              lambda f: f"FrequencyPenalty({_n(f)})"),
+    ChainStep("presence_penalty", "processor", lambda p: p.presence_penalty != 0,
+              lambda v: f"PresencePenalty({_n(v)})"),
+    # DRY ("don't repeat yourself", llama.cpp's port of koboldcpp's): penalises a token that would extend a sequence
+    # already in the history, after the token penalties as in llama.cpp's order. A processor, so greedy sees it too.
+    ChainStep("dry", "processor", lambda p: p.dry_multiplier > 0 and p.dry_penalty_last_n != 0,
+              lambda m, b, n, last: f"DRY({_n(m)}, {_n(b)}, {n}, {last})"),
+    ChainStep("logit_bias", "processor", lambda p: bool(p.logit_bias), lambda b: f"LogitBias({len(b)} tokens)",
+              from_profile=lambda p: (p.logit_bias,)),
+    ChainStep("min_tokens", "processor", lambda p: p.min_tokens > 0, lambda n: f"MinTokens({n})"),
+    # Transforms, in the default order: llama.cpp's common sampler order (penalties, DRY, top_n_sigma, top_k,
+    # typical_p, top_p, min_p, xtc, temperature, then the terminal adaptive-p). Filters cut the untempered
+    # distribution and temperature comes last (as llama.cpp does, and as mlx-lm does for temperature), so a filter's
+    # cut does not move with the temperature.
+    ChainStep("top_n_sigma", "transform", lambda p: p.top_n_sigma > 0, lambda n: f"TopNSigma({_n(n)})"),
+    ChainStep("top_k", "transform", lambda p: p.top_k > 0, lambda k: f"TopK({k})"),
+    ChainStep("typical_p", "transform", lambda p: p.typical_p < 1, lambda v: f"TypicalP({_n(v)})"),
+    ChainStep("top_p", "transform", lambda p: p.top_p < 1, lambda v: f"TopP({_n(v)})"),
+    ChainStep("min_p", "transform", lambda p: p.min_p > 0, lambda v: f"MinP({_n(v)})"),
+    ChainStep("xtc", "transform", lambda p: p.xtc_probability > 0 and p.xtc_threshold <= 0.5,
+              lambda t, q: f"XTC({_n(t)}, {_n(q)})"),
+    # llama.cpp's temp-ext: dynatemp_range > 0 scales the temperature by the candidates' normalised entropy.
+    # (Mirostat's chain takes a plain temperature, as llama.cpp's does.)
+    ChainStep("temperature", "transform",
+              lambda p: p.temperature != 1 or (p.dynatemp_range > 0 and not p.mirostat), _temperature_label,
+              from_profile=lambda p: (p.temperature, 0.0 if p.mirostat else p.dynatemp_range, p.dynatemp_exponent)),
+    # The terminal samplers: adaptive-p reshapes what is left towards a target probability (last by default);
+    # Mirostat replaces the chain (temperature, then Mirostat), as in llama.cpp, so it is in no order.
+    ChainStep("adaptive_p", "transform", lambda p: p.adaptive_p_target >= 0,
+              lambda t, d: f"AdaptiveP({_n(t)}, {_n(d)})"),
+    ChainStep("mirostat", "transform", lambda p: p.mirostat > 0,
+              lambda v, tau, eta: f"Mirostat{'V2' if v == 2 else ''}({_n(tau)}, {_n(eta)})"),
+)}
+
+
+__all__ = ["DRY_SEQUENCE_BREAKERS", "PARAMS", "STEPS", "ChainStep", "Range", "SamplerParam", "format_number"]

@@ -66,7 +66,7 @@ BUILDERS: dict[str, type["ChainObject"]] = {}
 
 
 class ChainObject:
-    """A built chain step. It prints itself through its registry entry (``core.profile.STEPS``), so a profile's
+    """A built chain step. It prints itself through its registry entry (``core.sampler_params.STEPS``), so a profile's
     printed chain and the built sampler's are the same text by construction. A subclass is what its entry builds,
     unless it says ``builds=False``: a base, or a variant that another class's ``from_profile`` builds in its place."""
 
