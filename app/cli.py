@@ -20,6 +20,7 @@ from typing import Any
 
 from .format_flags import add_format_flags, response_format
 from .formatting import fmt_bytes
+from .sampler_flags import add_sampler_flags, sampler_flags
 from .split import add_split_arguments, add_worker_command, check_split, lost_a_peer, run_worker, start_split
 from .tool_flags import add_tool_flags, calls_json, close_servers, show_event, start_with_tools, tool_servers
 
@@ -77,39 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# llama.cpp's samplers (issue 39), by their profile names (the flags are llama.cpp's, with dashes); the ranges are
-# SamplingProfile's, checked when the profile is built. Declared here because importing core (for its field list)
-# would load MLX, which `mlxchat --help` must not.
-LLAMA_SAMPLER_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("dry_multiplier", float, "DRY: penalise extending a repeated sequence (0 = off; llama.cpp suggests 0.8)"),
-    ("dry_base", float, "DRY: the penalty's growth per extra repeated token (> 1, default 1.75)"),
-    ("dry_allowed_length", int, "DRY: repeats this long go unpenalised (default 2)"),
-    ("dry_penalty_last_n", int, "DRY: tokens of history to look at (-1 = all, the default; 0 = off)"),
-    ("top_n_sigma", float, "keep tokens within n standard deviations of the best logit (<= 0 = off)"),
-    ("dynatemp_range", float, "dynamic temperature: temperature ± this, by the entropy (0 = off)"),
-    ("dynatemp_exponent", float, "dynamic temperature's exponent (default 1)"),
-    ("mirostat", int, "Mirostat 1 or 2: steer the surprise to --mirostat-tau (0 = off)"),
-    ("mirostat_tau", float, "Mirostat's target surprise in bits (default 5)"),
-    ("mirostat_eta", float, "Mirostat's learning rate (default 0.1)"),
-    ("adaptive_p_target", float, "adaptive-p: favour tokens near this probability (negative = off)"),
-    ("adaptive_p_decay", float, "adaptive-p: the moving average's decay (0-0.99, default 0.9)"),
-)
-
-
 def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
     """The flags `chat` and `generate` share (mlx_lm.chat's and mlx_lm.generate's): the model, the sampler, the
     system prompt and what a conversation longer than the context does. One definition, so they cannot drift."""
     p.add_argument("--model", help="GGUF file, MLX/HF folder or HF repo id (default: the embedded SmolLM2-135M)")
     p.add_argument("--max-tokens", type=int, help="stop a reply after N tokens (default: end of turn or context)")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default: the profile's)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--min-p", type=float)
-    for name, kind, text in LLAMA_SAMPLER_FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
-    p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append",
-                   help="DRY: a string that ends every repeated sequence (repeatable; replaces the default "
-                        "\\n : \" *)")
+    add_sampler_flags(p)
     p.add_argument("--seed", type=int, help="same seed, same text")
     p.add_argument("--profile",
                    help="a preset (precise, factual, chat, creative, longform, completion) or a saved profile")
@@ -155,11 +129,8 @@ def _check_reply_flags(args: argparse.Namespace) -> None:
 
 
 def _sampler_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampler flags given, by their profile names: they override the profile's settings."""
-    given = [("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p),
-             ("seed", args.seed), ("dry_sequence_breakers", args.dry_sequence_breakers),
-             *((name, getattr(args, name)) for name, _, _ in LLAMA_SAMPLER_FLAGS)]
-    return {k: v for k, v in given if v is not None}
+    """The sampler flags and --seed given, by their profile names: they override the profile's settings."""
+    return sampler_flags(args) | ({"seed": args.seed} if args.seed is not None else {})
 
 
 def _tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

@@ -160,14 +160,16 @@ def wrap_fields(line: str, width: int) -> list[str]:
 
 
 def profile_summary(p: Any) -> str:
-    """A profile's values in one line, e.g. 'temperature 0.8 · top_p 0.9'."""
-    from mlxchat.core.profile import SamplingProfile  # no MLX in core.profile
+    """A profile's values in one line, e.g. 'temperature 0.8 · top_p 0.9': the temperature, then where they differ
+    from the default, each sampler parameter that acts alone (core/sampler_params.py: not one that only goes with
+    another, as dry_base with dry_multiplier) and the request's seed and limits."""
+    from mlxchat.core.profile import SamplingProfile  # core loads MLX: only when a profile is shown
+    from mlxchat.core.sampler_params import PARAMS
 
     default = SamplingProfile()
+    names = [n for n, param in PARAMS.items() if param.goes_with is None] + ["seed", "max_tokens", "stop"]
     shown = []
-    for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "xtc_probability", "top_n_sigma", "dynatemp_range", "dry_multiplier",
-                 "mirostat", "adaptive_p_target", "min_tokens", "seed", "max_tokens", "stop"):
+    for name in names:
         value = getattr(p, name)
         if name == "temperature" or value != getattr(default, name):
             shown.append(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")

@@ -102,12 +102,11 @@ class EngineRunner:
 
     def profile(self, spec: SamplerSpec, max_tokens: int) -> Any:
         from mlxchat.core import SamplingProfile
+        from mlxchat.core.sampler_params import PARAMS
 
-        return SamplingProfile(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
-                               repetition_penalty=spec.repetition_penalty, frequency_penalty=spec.frequency_penalty,
-                               presence_penalty=spec.presence_penalty, seed=spec.seed, min_tokens=max_tokens,
-                               dry_multiplier=spec.dry_multiplier, dry_penalty_last_n=spec.dry_penalty_last_n,
-                               penalize_prompt=spec.penalize_prompt)
+        # The spec's sampler parameters by their profile names (core/sampler_params.py), and no end before max_tokens.
+        settings = {k: v for k, v in spec.as_dict().items() if k in PARAMS}
+        return SamplingProfile(**settings, seed=spec.seed, min_tokens=max_tokens)
 
     def run(self, messages: list[dict[str, str]], ids: list[int], spec: SamplerSpec, max_tokens: int) -> dict:
         result = self.engine.generate(messages, profile=self.profile(spec, max_tokens), max_tokens=max_tokens)

@@ -1,8 +1,9 @@
 """Sampling profiles: one validated parameter object per request, named presets, saved user profiles.
 
-Field names follow OpenAI / vLLM (docs/architecture.md §7). Every range is checked here, once, at the edge; an invalid
-value raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed range. Nothing here
-imports MLX.
+Field names follow OpenAI / vLLM (docs/architecture.md §7). The sampler parameters' fields (type, default, range) and
+the chain's steps come from their declarations in ``core.sampler_params``. Every range is checked here, once, at the
+edge; an invalid value raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed
+range. Nothing here imports MLX.
 
 Penalty semantics (peers differ, so they are explicit fields):
 
@@ -26,46 +27,30 @@ import re
 import tempfile
 import tomllib
 from importlib.resources.abc import Traversable
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import tomli_w
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from .errors import MlxChatError
 from .locations import config_dir
 from .response_format import ResponseFormat, parse_response_format
+from .sampler_params import PARAMS, STEPS, ChainStep, Range, SamplerParam, format_number
 
 log = logging.getLogger(__name__)
 
 # Package data (templates/presets in the repository), so a wheel install has the presets too.
 PRESET_DIR = importlib.resources.files("mlxchat.templates") / "presets"
 
-def format_number(x: float) -> str:
-    """How the chain prints a parameter: 0.9, 40, 1e-05."""
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-def _range(lo: float | None, hi: float | None, *, lo_open: bool = False, what: str = "") -> AfterValidator:
+def _check(allowed: Range) -> AfterValidator:
     """A range check whose error reads "<field> must be <range>, got <value>"."""
-    if lo is not None and hi is not None:
-        text = (f"greater than {format_number(lo)} and at most {format_number(hi)}" if lo_open
-                else f"between {format_number(lo)} and {format_number(hi)}")
-    elif lo is not None:
-        text = f"greater than {format_number(lo)}" if lo_open else f"at least {format_number(lo)}"
-    else:
-        text = f"at most {format_number(hi)}"
-    text += what
+    text = allowed.text()
 
     def check(value: float, info: ValidationInfo) -> float:
-        # Written as "not inside" so that NaN fails every check.
-        inside = ((lo is None or (value > lo if lo_open else value >= lo))
-                  and (hi is None or value <= hi))
-        if not inside:
+        if not allowed.contains(value):
             raise PydanticCustomError("out_of_range", "{field} must be {range}, got {value}",
                                       {"field": info.field_name, "range": text, "value": value})
         return value
@@ -73,78 +58,10 @@ def _range(lo: float | None, hi: float | None, *, lo_open: bool = False, what: s
     return AfterValidator(check)
 
 
-@dataclass(frozen=True)
-class ChainStep:
-    """One step of the sampler chain, described once: its name (the profile field or ``sampler_order`` entry), the
-    arguments it is built from, whether the profile's setting would change anything, and how it prints.
-
-    ``core.sampling`` builds each step's object from ``args(profile)``, and the object prints itself with
-    ``label(*args)``, so the printed chain comes from this one place (llama.cpp's ``common_sampler_print``).
-    Processors always run first, in registry order; transforms run in the profile's ``sampler_order``."""
-
-    name: str
-    kind: Literal["processor", "transform"]
-    args: Callable[["SamplingProfile"], tuple]
-    active: Callable[["SamplingProfile"], bool]
-    label: Callable[..., str]
-
-    def describe(self, profile: "SamplingProfile") -> str:
-        return self.label(*self.args(profile))
+def _range(lo: float | None, hi: float | None, *, lo_open: bool = False, what: str = "") -> AfterValidator:
+    return _check(Range(lo, hi, lo_open, what))
 
 
-_n = format_number
-
-
-def _temperature_label(t: float, spread: float, exponent: float) -> str:
-    if spread > 0:
-        return f"DynaTemp({_n(max(0.0, t - spread))}..{_n(t + spread)}, {_n(exponent)})"
-    return f"Temperature({_n(t)})"
-
-
-STEPS: dict[str, ChainStep] = {s.name: s for s in (
-    ChainStep("repetition_penalty", "processor", lambda p: (p.repetition_penalty,),
-              lambda p: p.repetition_penalty != 1, lambda r: f"RepetitionPenalty({_n(r)})"),
-    ChainStep("frequency_penalty", "processor", lambda p: (p.frequency_penalty,),
-              lambda p: p.frequency_penalty != 0, lambda f: f"FrequencyPenalty({_n(f)})"),
-    ChainStep("presence_penalty", "processor", lambda p: (p.presence_penalty,),
-              lambda p: p.presence_penalty != 0, lambda v: f"PresencePenalty({_n(v)})"),
-    # DRY ("don't repeat yourself", llama.cpp's port of koboldcpp's): penalises a token that would extend a sequence
-    # already in the history, after the token penalties as in llama.cpp's order. A processor, so greedy sees it too.
-    ChainStep("dry", "processor",
-              lambda p: (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n),
-              lambda p: p.dry_multiplier > 0 and p.dry_penalty_last_n != 0,
-              lambda m, b, n, last: f"DRY({_n(m)}, {_n(b)}, {n}, {last})"),
-    ChainStep("logit_bias", "processor", lambda p: (p.logit_bias,),
-              lambda p: bool(p.logit_bias), lambda b: f"LogitBias({len(b)} tokens)"),
-    ChainStep("min_tokens", "processor", lambda p: (p.min_tokens,),
-              lambda p: p.min_tokens > 0, lambda n: f"MinTokens({n})"),
-    # Transforms, in the default order: llama.cpp's common sampler order (penalties, DRY, top_n_sigma, top_k,
-    # typical_p, top_p, min_p, xtc, temperature, then the terminal adaptive-p). Filters cut the untempered
-    # distribution and temperature comes last (as llama.cpp does, and as mlx-lm does for temperature), so a filter's
-    # cut does not move with the temperature.
-    ChainStep("top_n_sigma", "transform", lambda p: (p.top_n_sigma,), lambda p: p.top_n_sigma > 0,
-              lambda n: f"TopNSigma({_n(n)})"),
-    ChainStep("top_k", "transform", lambda p: (p.top_k,), lambda p: p.top_k > 0, lambda k: f"TopK({k})"),
-    ChainStep("typical_p", "transform", lambda p: (p.typical_p,),
-              lambda p: p.typical_p < 1, lambda v: f"TypicalP({_n(v)})"),
-    ChainStep("top_p", "transform", lambda p: (p.top_p,), lambda p: p.top_p < 1, lambda v: f"TopP({_n(v)})"),
-    ChainStep("min_p", "transform", lambda p: (p.min_p,), lambda p: p.min_p > 0, lambda v: f"MinP({_n(v)})"),
-    ChainStep("xtc", "transform", lambda p: (p.xtc_threshold, p.xtc_probability),
-              lambda p: p.xtc_probability > 0 and p.xtc_threshold <= 0.5,
-              lambda t, q: f"XTC({_n(t)}, {_n(q)})"),
-    # llama.cpp's temp-ext: dynatemp_range > 0 scales the temperature by the candidates' normalised entropy.
-    # (Mirostat's chain takes a plain temperature, as llama.cpp's does.)
-    ChainStep("temperature", "transform",
-              lambda p: (p.temperature, 0.0 if p.mirostat else p.dynatemp_range, p.dynatemp_exponent),
-              lambda p: p.temperature != 1 or (p.dynatemp_range > 0 and not p.mirostat), _temperature_label),
-    # The terminal samplers: adaptive-p reshapes what is left towards a target probability (last by default);
-    # Mirostat replaces the chain (temperature, then Mirostat), as in llama.cpp, so it is in no order.
-    ChainStep("adaptive_p", "transform", lambda p: (p.adaptive_p_target, p.adaptive_p_decay),
-              lambda p: p.adaptive_p_target >= 0, lambda t, d: f"AdaptiveP({_n(t)}, {_n(d)})"),
-    ChainStep("mirostat", "transform", lambda p: (p.mirostat, p.mirostat_tau, p.mirostat_eta),
-              lambda p: p.mirostat > 0,
-              lambda v, tau, eta: f"Mirostat{'V2' if v == 2 else ''}({_n(tau)}, {_n(eta)})"),
-)}
 PROCESSORS: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "processor")
 DEFAULT_ORDER: tuple[str, ...] = tuple(n for n, s in STEPS.items() if s.kind == "transform" and n != "mirostat")
 TRANSFORMS = frozenset(DEFAULT_ORDER)
@@ -152,11 +69,6 @@ MIROSTAT_ORDER = ("temperature", "mirostat")
 TRUNCATIONS = ("top_n_sigma", "top_k", "top_p", "min_p", "typical_p")
 
 
-UnitOpen = Annotated[float, _range(0, 1, lo_open=True)]
-# llama.cpp's defaults: DRY breaks repeated sequences at newlines, colons, quotes and asterisks.
-DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
-Unit = Annotated[float, _range(0, 1)]
-Penalty = Annotated[float, _range(-2, 2)]
 NAME_RE = re.compile(r"^\w[\w .-]{0,63}$")
 
 
@@ -164,7 +76,14 @@ class ProfileError(MlxChatError):
     """A profile could not be found, read or written. The message is one line and names the file."""
 
 
-class SamplingProfile(BaseModel):
+def _field(p: SamplerParam) -> tuple[Any, Any]:
+    """A sampler parameter's pydantic field: its type, its range check, its default."""
+    kind: Any = list[str] if p.type is list else p.type
+    annotation = Annotated[kind, _check(p.range)] if p.range is not None else kind
+    return annotation, Field(default_factory=p.defaults) if p.type is list else p.default
+
+
+class _Identity(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     name: str | None = None
@@ -173,49 +92,17 @@ class SamplingProfile(BaseModel):
     # the store writes it as given and never bumps it.
     version: Annotated[int, _range(1, None)] = 1
 
-    temperature: Annotated[float, _range(0, 2, what=" (0 means greedy)")] = 1.0
-    top_k: Annotated[int, _range(0, None, what=" (0 disables)")] = 0
-    top_p: UnitOpen = 1.0
-    min_p: Unit = 0.0
-    typical_p: UnitOpen = 1.0
-    # XTC ("exclude top choices"): with probability xtc_probability, drop every token whose probability is at least
-    # xtc_threshold except the least likely of them. Probability 0 disables; a threshold above 0.5 cannot act.
-    xtc_threshold: Unit = 0.1
-    xtc_probability: Unit = 0.0
 
-    # top-nσ: keep the tokens whose logit is within n standard deviations (of the live logits) of the largest;
-    # a cut in logit space, so the temperature does not move it. ≤ 0 disables (llama.cpp's default is -1).
-    top_n_sigma: Annotated[float, _range(-1, None, what=" (0 or below disables)")] = -1.0
-    # Dynamic temperature (llama.cpp's temp-ext): temperature ± dynatemp_range, scaled by the normalised entropy
-    # raised to dynatemp_exponent. 0 disables.
-    dynatemp_range: Annotated[float, _range(0, 2, what=" (0 disables)")] = 0.0
-    dynatemp_exponent: Annotated[float, _range(0, 10)] = 1.0
-    # Mirostat (1 or 2; 0 disables): replaces the transforms with temperature, then a cut that steers the surprise
-    # of the chosen tokens towards mirostat_tau (bits), learning at rate mirostat_eta.
-    mirostat: Annotated[int, _range(0, 2, what=" (0 disables, 1 or 2 picks the version)")] = 0
-    mirostat_tau: Annotated[float, _range(0, None, lo_open=True)] = 5.0
-    mirostat_eta: Annotated[float, _range(0, 1, lo_open=True)] = 0.1
-    # Adaptive-p (llama.cpp's llama_sampler_init_adaptive_p): favour tokens near a target probability, adapted by
-    # an exponential moving average of the chosen tokens' probabilities. A negative target disables.
-    adaptive_p_target: Annotated[float, _range(-1, 1, what=" (negative disables)")] = -1.0
-    adaptive_p_decay: Annotated[float, _range(0, 0.99)] = 0.9
+# Every sampler parameter is a field, declared in core/sampler_params.py (type, default, range; after the identity
+# fields, so a saved profile's TOML starts with its name).
+_SamplerFields = create_model("_SamplerFields", __base__=_Identity, __module__=__name__,
+                              **{name: _field(p) for name, p in PARAMS.items()})
 
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, _range(0, None, lo_open=True, what=" (1 disables)")] = 1.0
-    # DRY: a token that would extend a sequence of n ≥ dry_allowed_length tokens already in the last
-    # dry_penalty_last_n (-1: all; 0 disables) loses dry_multiplier × dry_base^(n - dry_allowed_length) from its
-    # logit; a sequence breaker (tokenised on the model's vocabulary) ends every sequence.
-    dry_multiplier: Annotated[float, _range(0, None, what=" (0 disables)")] = 0.0
-    dry_base: Annotated[float, _range(1, None, lo_open=True)] = 1.75
-    dry_allowed_length: Annotated[int, _range(1, None)] = 2
-    dry_penalty_last_n: Annotated[int, _range(-1, None, what=" (-1 means the whole context, 0 disables)")] = -1
-    dry_sequence_breakers: list[str] = Field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+
+class SamplingProfile(_SamplerFields):
+    """The sampler parameters of core.sampler_params.PARAMS, and a request's other settings."""
+
     logit_bias: dict[int, float] = Field(default_factory=dict)
-    min_tokens: Annotated[int, _range(0, None)] = 0
-    penalty_window: Annotated[int, _range(0, None, what=" (0 means all generated tokens)")] = 0
-    penalize_prompt: bool = False
-
     seed: Annotated[int, _range(0, 2**64 - 1)] | None = None
     stop: list[str] = Field(default_factory=list)
     max_tokens: Annotated[int, _range(1, None)] | None = None
@@ -479,5 +366,5 @@ class ProfileStore:
             raise ProfileError(f"{path}: no such profile") from None
 
 
-__all__ = ["DEFAULT_ORDER", "DRY_SEQUENCE_BREAKERS", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore",
+__all__ = ["DEFAULT_ORDER", "PROCESSORS", "STEPS", "ChainStep", "ProfileError", "ProfileStore",
            "SamplingProfile"]

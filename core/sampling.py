@@ -61,12 +61,22 @@ from .profile import PROCESSORS, STEPS, SamplingProfile
 FLOAT_MAX = float(np.finfo(np.float32).max)
 
 
+# Each registry entry's implementation, by name: every ChainObject class adds itself (`__init_subclass__`).
+BUILDERS: dict[str, type["ChainObject"]] = {}
+
+
 class ChainObject:
-    """A built chain step. It prints itself through its registry entry (``core.profile.STEPS``), so a profile's
-    printed chain and the built sampler's are the same text by construction."""
+    """A built chain step. It prints itself through its registry entry (``core.sampler_params.STEPS``), so a profile's
+    printed chain and the built sampler's are the same text by construction. A subclass is what its entry builds,
+    unless it says ``builds=False``: a base, or a variant that another class's ``from_profile`` builds in its place."""
 
     name: ClassVar[str]
     args: tuple = ()
+
+    def __init_subclass__(cls, builds: bool = True, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if builds:
+            BUILDERS[cls.name] = cls
 
     @classmethod
     def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "ChainObject":
@@ -213,7 +223,7 @@ class Temperature(ChainObject):
         return STEPS[self.name].label(self.t, 0.0, 1.0)
 
 
-class DynamicTemperature(ChainObject):
+class DynamicTemperature(ChainObject, builds=False):
     """llama.cpp's temp-ext (Zhu et al. 2023's entropy-based dynamic temperature): the temperature runs from
     max(0, t − range) to t + range with the candidates' entropy over its maximum (log of their number), raised to
     ``exponent``: a flat distribution is sampled hotter, a peaked one colder. The candidates are the live tokens
@@ -375,8 +385,7 @@ class TokenHistory:
             self.ids = mx.concatenate([self.ids, token])
             self.held += 1
 
-    def penalize(self, logits: mx.array, penalties: Sequence["RepetitionPenalty | FrequencyPenalty | PresencePenalty"]
-                 ) -> mx.array:
+    def penalize(self, logits: mx.array, penalties: Sequence["_Penalty"]) -> mx.array:
         """`logits` with `penalties` applied in order, computed at the window's ids only (a repeated id gets the same
         value at each of its places). On the CPU, the native op does it in one node, the same bits (the graph below
         was ~20 nodes a step)."""
@@ -391,52 +400,42 @@ class TokenHistory:
         return mx.put_along_axis(logits, self.ids, values, axis=0)
 
 
-class RepetitionPenalty(ChainObject):
+class _Penalty(ChainObject, builds=False):
+    """A token penalty: `shift` moves the logits of the window's ids by their counts; `TokenHistory.penalize` applies
+    the penalties together, at those ids only."""
+
+    needs_history = True
+
+    def __init__(self, value: float) -> None:
+        self.args = (value,)
+        self.value = value
+
+    def shift(self, logits: mx.array, counts: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
+        return h.penalize(logits, [self])
+
+
+class RepetitionPenalty(_Penalty):
     name = "repetition_penalty"
-    needs_history = True
-
-    def __init__(self, r: float) -> None:
-        self.args = (r,)
-        self.r = r
 
     def shift(self, logits: mx.array, counts: mx.array) -> mx.array:
-        return mx.where(counts > 0, mx.where(logits > 0, logits / self.r, logits * self.r), logits)
-
-    def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
-        return h.penalize(logits, [self])
+        return mx.where(counts > 0, mx.where(logits > 0, logits / self.value, logits * self.value), logits)
 
 
-
-class FrequencyPenalty(ChainObject):
+class FrequencyPenalty(_Penalty):
     name = "frequency_penalty"
-    needs_history = True
-
-    def __init__(self, f: float) -> None:
-        self.args = (f,)
-        self.f = f
 
     def shift(self, logits: mx.array, counts: mx.array) -> mx.array:
-        return logits - self.f * counts
-
-    def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
-        return h.penalize(logits, [self])
+        return logits - self.value * counts
 
 
-
-class PresencePenalty(ChainObject):
+class PresencePenalty(_Penalty):
     name = "presence_penalty"
-    needs_history = True
-
-    def __init__(self, p: float) -> None:
-        self.args = (p,)
-        self.p = p
 
     def shift(self, logits: mx.array, counts: mx.array) -> mx.array:
-        return logits - mx.where(counts > 0, self.p, 0.0)
-
-    def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
-        return h.penalize(logits, [self])
-
+        return logits - mx.where(counts > 0, self.value, 0.0)
 
 
 class DRY(ChainObject):
@@ -518,13 +517,6 @@ class MinTokens(ChainObject):
         return mx.put_along_axis(logits, self._eos, mx.array(NEG_INF), axis=0)
 
 
-
-IMPLEMENTATIONS: dict[str, type[ChainObject]] = {cls.name: cls for cls in (
-    RepetitionPenalty, FrequencyPenalty, PresencePenalty, DRY, LogitBias, MinTokens,
-    TopNSigma, TopK, TypicalP, TopP, MinP, XTC, Temperature, AdaptiveP, Mirostat)}
-assert set(IMPLEMENTATIONS) == set(STEPS), "every registry entry needs its implementation"
-
-
 # --- tracing: what each stage did, for the inspector (core/tracing.py turns it into core.trace.TokenTrace) --------
 
 class StepRecord(NamedTuple):
@@ -600,7 +592,7 @@ class Sampler:
         def build(name: str) -> Any:
             if name == "dry":  # the sequence breakers come from the model's tokenizer (core/dry.py)
                 return DRY(*STEPS[name].args(p), dry_breakers, seed_ids)
-            return IMPLEMENTATIONS[name].from_profile(p, vocab_size, eos_ids)
+            return BUILDERS[name].from_profile(p, vocab_size, eos_ids)
 
         self.processors: list[Any] = [build(n) for n in PROCESSORS if p.active(n)]
         self.transforms: list[Any] = [] if p.greedy else [build(t) for t in p.order() if p.active(t)]

@@ -12,18 +12,7 @@ from typing import Any
 import httpx
 
 from mlxchat.core import SamplingProfile
-
-# Sampler fields outside OpenAI's API (vLLM, llama.cpp and mlxchat serve accept them at the top level) and the value
-# that leaves each off: they are sent only when a setting turns them on, since a hosted API refuses a name it does not
-# know. (xtc_threshold goes along with xtc_probability: alone it changes nothing.)
-_EXTRA_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.0, "min_tokens": 0,
-              "xtc_probability": 0.0, "penalty_window": 0, "penalize_prompt": False, "sampler_order": None,
-              "dry_multiplier": 0.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "mirostat": 0,
-              "adaptive_p_target": -1.0}
-# The settings that go along with a sampler that is on (under llama.cpp server's names, which are the profile's).
-_COMPANIONS = {"dry_multiplier": ("dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
-               "dynatemp_range": ("dynatemp_exponent",), "mirostat": ("mirostat_tau", "mirostat_eta"),
-               "adaptive_p_target": ("adaptive_p_decay",)}
+from mlxchat.core.sampler_params import PARAMS
 
 
 class EndpointError(ValueError):
@@ -43,22 +32,26 @@ class Completion:
 def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | None) -> dict[str, Any]:
     """A profile as a chat-completions request: OpenAI's names, plus the extra sampler fields a setting turns on.
     `stop` adds to the profile's stop strings, as it does for the engine (core/reply.py's Request)."""
-    body: dict[str, Any] = {"temperature": profile.temperature, "top_p": profile.top_p,
-                            "frequency_penalty": profile.frequency_penalty,
-                            "presence_penalty": profile.presence_penalty, "max_tokens": max_tokens}
+    body: dict[str, Any] = {**_sampler_fields(profile), "max_tokens": max_tokens}
     if profile.seed is not None:
         body["seed"] = profile.seed
     if stops := [*profile.stop, *(stop or [])]:
         body["stop"] = stops
     if profile.logit_bias:  # token ids of this model's vocabulary: only meaningful for the same tokenizer
         body["logit_bias"] = {str(k): v for k, v in profile.logit_bias.items()}
-    body.update({k: getattr(profile, k) for k, off in _EXTRA_OFF.items() if getattr(profile, k) != off})
-    body.update({c: getattr(profile, c) for k, cs in _COMPANIONS.items() if k in body for c in cs})
-    if profile.xtc_probability:
-        body["xtc_threshold"] = profile.xtc_threshold
+    if profile.sampler_order is not None:
+        body["sampler_order"] = profile.sampler_order
     if profile.response_format is not None:  # a prompt with a schema (lab/prompts.py) asks the server to keep to it
         body["response_format"] = profile.response_format.model_dump(mode="json", exclude_none=True)
     return body
+
+
+def _sampler_fields(profile: SamplingProfile) -> dict[str, Any]:
+    """The sampler parameters to send (core/sampler_params.py): OpenAI's own always; the others (vLLM, llama.cpp and
+    mlxchat serve take them at the top level) only when a setting turns their sampler on, since a hosted API refuses
+    a name it does not know, and then with the parameters that go with it (dry_base with dry_multiplier)."""
+    on = {n for n, p in PARAMS.items() if p.goes_with is None and (p.openai or getattr(profile, n) != p.defaults())}
+    return {n: getattr(profile, n) for n, p in PARAMS.items() if n in on or p.goes_with in on}
 
 
 class Endpoint:

@@ -7,13 +7,14 @@ from pydantic import ValidationError
 
 from mlxchat.core import SamplingProfile
 from mlxchat.core.profile import ProfileStore
+from mlxchat.core.sampler_params import PARAMS
 
 from .runner import RUN_FIELDS, Setting
 
 # Fields a sweep may not change: labels and provenance, per-run fields (max_tokens is --max-tokens), lists and
 # dicts that have no "v1,v2" form, and beam search, which the lab (sampling only) does not run.
 _NOT_SWEEPABLE = {"name", "description", "version", "stop", "logit_bias", "sampler_order", "max_tokens",
-                  "beam_size", "length_penalty", "dry_sequence_breakers"} | RUN_FIELDS
+                  "beam_size", "length_penalty", *(n for n, p in PARAMS.items() if p.type is list)} | RUN_FIELDS
 
 
 def named_profile(name: str) -> SamplingProfile:

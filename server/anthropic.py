@@ -47,11 +47,12 @@ from starlette.routing import Route
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done, Metrics
 from mlxchat.core.reasoning import Reasoning, markers_for
+from mlxchat.core.sampler_params import PARAMS, SamplerParam
 
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
 
-from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, LlamaSamplerTypes, profile_error
+from .protocol import ApiError, profile_error, sampler_settings, sampler_types
 from .service import Choice, GenerationFailed, Service
 
 # Anthropic's error type for each status this server answers.
@@ -64,9 +65,13 @@ def error_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
-class _Types(LlamaSamplerTypes):
-    """JSON types of a Messages request (ranges are SamplingProfile's), llama.cpp's samplers included (the SDK sends
-    them in `extra_body`, as on /v1/chat)."""
+# Anthropic's temperature, top_p and top_k, and llama.cpp's samplers under llama.cpp server's names (the SDK sends
+# them in `extra_body`, as on /v1/chat).
+SAMPLERS: dict[str, SamplerParam] = {p.name: p for p in PARAMS.values() if p.anthropic}
+
+
+class _Types(sampler_types("_AnthropicSamplers", SAMPLERS)):
+    """JSON types of a Messages request (ranges are SamplingProfile's)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -86,9 +91,6 @@ class _Types(LlamaSamplerTypes):
     output_config: dict[str, Any] | None = None  # its effort is a hint for thinking models; format: a schema
     stop_sequences: list[str] | None = None
     stream: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
     seed: int | None = None  # mlxchat's extension (in the SDK's extra_body): Anthropic's API has none
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
@@ -239,8 +241,7 @@ def parse(body: Any, *, served: str, base: SamplingProfile, counting: bool = Fal
     if prefill != prefill.rstrip():
         raise ApiError(400, "messages: the final assistant content cannot end with whitespace")
 
-    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", *LLAMA_SAMPLER_FIELDS)
-              if getattr(req, k) is not None}
+    fields = sampler_settings(req, SAMPLERS)
     if req.stop_sequences:
         fields["stop"] = req.stop_sequences
     if req.max_tokens is not None:

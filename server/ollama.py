@@ -51,9 +51,10 @@ from mlxchat.core.events import Done
 from mlxchat.core.reasoning import EFFORT_BUDGETS, Reasoning, markers_for
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
+from mlxchat.core.sampler_params import PARAMS, SamplerParam
 from mlxchat.core.tools import ToolCall, ToolError, ToolUse
 
-from .protocol import LLAMA_SAMPLER_FIELDS, ApiError, LlamaSamplerTypes, profile_error
+from .protocol import ApiError, profile_error, sampler_settings, sampler_types
 from .service import Choice, GenerationFailed, Service
 
 # Options that tell Ollama how to run a model (threads, GPU layers, memory mapping, batch size): no meaning here.
@@ -62,9 +63,9 @@ IGNORED_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vr
                              "penalize_newline"})
 # Samplers this server does not have, accepted only with the value that turns them off.
 NEUTRAL_OPTIONS = {"tfs_z": 1.0}
-# Ollama's own mirostat options, and llama.cpp's other samplers under llama.cpp's names: the profile's fields.
-SAMPLER_OPTIONS = LLAMA_SAMPLER_FIELDS
-RENAMED_OPTIONS = {"repeat_penalty": "repetition_penalty"}
+# The sampler parameters among Ollama's options, by their Ollama names (Ollama's own, llama.cpp's other samplers
+# under llama.cpp's names); repeat_last_n is the penalties' window with Ollama's values, so `parse_options` maps it.
+SAMPLER_OPTIONS: dict[str, SamplerParam] = {p.ollama: p for p in PARAMS.values() if p.ollama is not None}
 # What Ollama samples with when a request sets nothing: used on /api/* unless `mlxchat serve --profile` names one.
 OLLAMA_DEFAULTS = SamplingProfile(name="ollama", temperature=0.8, top_k=40, top_p=0.9)
 
@@ -84,18 +85,10 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
     raise ApiError(400, f"format must be \"json\" or a JSON schema object, got {fmt!r}", "format")
 
 
-class _Options(LlamaSamplerTypes):  # Ollama's own mirostat options among llama.cpp's
+class _Options(sampler_types("_OllamaSamplers", SAMPLER_OPTIONS)):
     model_config = ConfigDict(strict=True, extra="allow")
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repeat_penalty: float | None = None
     repeat_last_n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     seed: int | None = None
     num_predict: int | None = None
     num_ctx: int | None = None
@@ -161,11 +154,7 @@ def parse_options(raw: dict[str, Any] | None, base: SamplingProfile) -> OptionSe
                                 f"{NEUTRAL_OPTIONS[name]}")
         if name not in NEUTRAL_OPTIONS and name not in IGNORED_OPTIONS:
             raise ApiError(400, f"options.{name} is not a known option")
-    fields: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
-                 "frequency_penalty", *SAMPLER_OPTIONS):
-        if (value := getattr(opts, name)) is not None:
-            fields[RENAMED_OPTIONS.get(name, name)] = value
+    fields = sampler_settings(opts, SAMPLER_OPTIONS)
     if opts.repeat_last_n is not None:
         if opts.repeat_last_n < -1:
             raise ApiError(400, f"options.repeat_last_n must be -1 (all tokens), 0 (off) or more, got "
@@ -186,8 +175,8 @@ def parse_options(raw: dict[str, Any] | None, base: SamplingProfile) -> OptionSe
         profile = SamplingProfile.model_validate({**base.model_dump(), **fields})
     except ValidationError as e:
         err = profile_error(e)
-        for ours, theirs in RENAMED_OPTIONS.items():
-            err.message = err.message.replace(theirs, ours)
+        if err.param in PARAMS and (ollama := PARAMS[err.param].ollama):  # the option's name, as the client sent it
+            err.message = err.message.replace(err.param, ollama)
         raise ApiError(400, f"options.{err.message}") from None
     return OptionSettings(profile, opts.num_predict, opts.num_ctx)
 
@@ -292,10 +281,8 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
 
 def _parameters(profile: SamplingProfile) -> str:
     """The server's profile as Ollama's `parameters` text: one option a line, under Ollama's names."""
-    names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-             "typical_p": "typical_p", "repetition_penalty": "repeat_penalty", "penalty_window": "repeat_last_n",
-             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-             "max_tokens": "num_predict", "stop": "stop", **{o: o for o in SAMPLER_OPTIONS}}
+    names = {**{p.name: option for option, p in SAMPLER_OPTIONS.items()}, "penalty_window": "repeat_last_n",
+             "seed": "seed", "max_tokens": "num_predict", "stop": "stop"}
     lines = []
     for field, value in profile.model_dump(exclude_defaults=True).items():
         if field in names:

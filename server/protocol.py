@@ -15,11 +15,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from mlxchat.core import GenerationResult, SamplingProfile
 from mlxchat.core.events import Metrics, TokenLogprob
 from mlxchat.core.reasoning import Reasoning
+from mlxchat.core.sampler_params import PARAMS, SamplerParam
 from mlxchat.core.tracing import check_trace
 
 from mlxchat.core import tools as tool_calls
@@ -32,31 +33,27 @@ UNSUPPORTED = {
     "store": (False, None), "metadata": (None,), "service_tier": ("auto", "default", None), "suffix": (None,),
     "echo": (False, None), "best_of": (1, None),
 }
-# llama.cpp's samplers (issue 39) under llama.cpp server's names, which are the profile's: every API takes them.
-class LlamaSamplerTypes(BaseModel):
-    """JSON types of llama.cpp's sampler fields (`LLAMA_SAMPLER_FIELDS`), for each API's request model to inherit
-    (ranges are SamplingProfile's)."""
-
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    # Any items: SamplingProfile names a breaker that is not a string, with its value and what is allowed.
-    dry_sequence_breakers: list[Any] | None = None
-    top_n_sigma: float | None = None
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-    adaptive_p_target: float | None = None
-    adaptive_p_decay: float | None = None
+# A sampler parameter's JSON type: strict (no "0.5" for a number); a list's items are Any, so that SamplingProfile
+# names an item that is not a string, with its value and what is allowed. Ranges are SamplingProfile's.
+_JSON_TYPES: dict[type, Any] = {float: float, int: int, bool: bool, list: list[Any]}
 
 
-LLAMA_SAMPLER_FIELDS = tuple(LlamaSamplerTypes.model_fields)
-# The extra sampler fields accepted at the top level (vLLM's `extra_body` convention), by their profile names.
-EXTRA_SAMPLER_FIELDS = ("top_k", "min_p", "typical_p", "repetition_penalty", "xtc_threshold", "xtc_probability",
-                        "min_tokens", "sampler_order", "penalty_window", "penalize_prompt", *LLAMA_SAMPLER_FIELDS)
+def sampler_types(name: str, params: dict[str, SamplerParam]) -> type[BaseModel]:
+    """A model of the JSON types of the sampler parameters an API takes, by its names for them (`params`), for the
+    API's request model to inherit; every field optional."""
+    return create_model(name, **{key: (_JSON_TYPES[p.type] | None, None) for key, p in params.items()})
+
+
+def sampler_settings(req: BaseModel, params: dict[str, SamplerParam]) -> dict[str, Any]:
+    """The sampler parameters a request gave, by their profile names."""
+    return {p.name: value for key, p in params.items() if (value := getattr(req, key)) is not None}
+
+
+# Every sampler parameter, on /v1/chat/completions and /v1/completions, under its profile name: OpenAI's own
+# (temperature, top_p, the penalties) and the rest at the top level (vLLM's `extra_body` convention, and llama.cpp
+# server's names).
+OPENAI_SAMPLERS: dict[str, SamplerParam] = dict(PARAMS)
+_OpenAISamplers = sampler_types("_OpenAISamplers", OPENAI_SAMPLERS)
 
 
 class ApiError(Exception):
@@ -80,7 +77,7 @@ def check_model(wanted: str | None, served: str) -> None:
                        code="model_not_found")
 
 
-class _Types(LlamaSamplerTypes):
+class _Types(_OpenAISamplers):
     """JSON types of the fields both endpoints share (ranges are SamplingProfile's)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -88,10 +85,6 @@ class _Types(LlamaSamplerTypes):
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -100,16 +93,7 @@ class _Types(LlamaSamplerTypes):
     stream_options: dict[str, bool] | None = None
     user: str | None = None
     profile: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
-    xtc_threshold: float | None = None
-    xtc_probability: float | None = None
-    min_tokens: int | None = None
     sampler_order: list[str] | None = None
-    penalty_window: int | None = None
-    penalize_prompt: bool | None = None
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
     response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
     speculative: str | None = None  # mlxchat's extension: "off", "ngram", "auto" (see `check_speculative`)
@@ -230,8 +214,9 @@ def parse(body: Any, *, chat: bool, served: str, base: SamplingProfile,
         if req.profile not in profiles:
             raise ApiError(400, f"unknown profile {req.profile!r}; known: {', '.join(sorted(profiles))}", "profile")
         base = profiles[req.profile]
-    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
-                                           *EXTRA_SAMPLER_FIELDS) if getattr(req, k) is not None}
+    fields = sampler_settings(req, OPENAI_SAMPLERS)
+    if req.sampler_order is not None:
+        fields["sampler_order"] = req.sampler_order
     if req.logit_bias:
         try:
             fields["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}

@@ -18,42 +18,24 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from mlxchat.core.profile import DRY_SEQUENCE_BREAKERS, ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampler_params import PARAMS
 
 from ..formatting import profile_summary
 from .dialogs import TextPrompt
 
-# The fields offered for editing, in the order shown.
+# The fields offered for editing, in the order shown: every sampler parameter with its hint (core/sampler_params.py),
+# then the request's own settings.
 FIELDS: list[tuple[str, str]] = [
-    ("temperature", "0–2, 0 = greedy"),
-    ("top_p", "(0, 1], 1 = off"),
-    ("top_k", "≥ 0, 0 = off"),
-    ("min_p", "0–1, 0 = off"),
-    ("typical_p", "(0, 1], 1 = off"),
-    ("frequency_penalty", "−2…2"),
-    ("presence_penalty", "−2…2"),
-    ("repetition_penalty", "> 0, 1 = off"),
-    ("top_n_sigma", "≤ 0 = off, e.g. 1"),
-    ("dynatemp_range", "0–2, 0 = off"),
-    ("dynatemp_exponent", "0–10"),
-    ("dry_multiplier", "≥ 0, 0 = off, e.g. 0.8"),
-    ("dry_base", "> 1"),
-    ("dry_allowed_length", "≥ 1"),
-    ("dry_penalty_last_n", "-1 = all, 0 = off"),
-    ("dry_sequence_breakers", 'e.g. ["\\n", ":"]'),
-    ("mirostat", "0 = off, 1 or 2"),
-    ("mirostat_tau", "> 0 (bits)"),
-    ("mirostat_eta", "(0, 1]"),
-    ("adaptive_p_target", "-1…1, negative = off"),
-    ("adaptive_p_decay", "0–0.99"),
-    ("min_tokens", "≥ 0"),
+    *((p.name, p.hint) for p in PARAMS.values()),
     ("max_tokens", "empty = no limit"),
     ("seed", "empty = random"),
     ("stop", 'e.g. ["\\n\\n"]'),
     ("response_format", 'JSON, e.g. {"type": "json_object"}; empty = text'),
 ]
 OPTIONAL = {"seed", "max_tokens"}
-LISTS = {"stop", "dry_sequence_breakers"}  # JSON lists of strings (one plain string is a list of one)
+# JSON lists of strings (one plain string is a list of one)
+LISTS = {"stop", *(p.name for p in PARAMS.values() if p.type is list)}
 
 
 @dataclass(frozen=True)
@@ -89,7 +71,7 @@ def parse_field(name: str, text: str) -> Any:
     text = text.strip()
     if name in LISTS:
         if not text:
-            return [] if name == "stop" else list(DRY_SEQUENCE_BREAKERS)
+            return PARAMS[name].defaults() if name in PARAMS else []
         if text.startswith("["):
             try:
                 return json.loads(text)
