@@ -1,17 +1,42 @@
 """mlxchat's engine: model loading, prefill/decode with KV caches, sampling, streaming and metrics.
 
-The optimized BLAS must be loaded before anything imports MLX, so it happens first, here.
+The optimized BLAS must be loaded before anything imports MLX, so it happens first, here. The public names below are
+imported when first used (PEP 562), not with the package: a module that needs no MLX (core/sampler_params.py, which
+the CLI's parser reads for its flags) can be imported without the second that loading MLX takes.
 """
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from . import blas
 
 blas.preload()
 
-from .engine import ChatSession, Engine, Stream  # noqa: E402
-from .errors import ContextLengthError, GenerationError, MlxChatError, ModelLoadError  # noqa: E402
-from .events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent  # noqa: E402
-from .profile import SamplingProfile  # noqa: E402
-from .sampling import final_distribution  # noqa: E402
+# Each public name and the module that defines it.
+_EXPORTS = {
+    "ChatSession": "engine", "Engine": "engine", "Stream": "engine",
+    "ContextLengthError": "errors", "GenerationError": "errors", "MlxChatError": "errors", "ModelLoadError": "errors",
+    "Done": "events", "GenerationResult": "events", "Metrics": "events", "PrefillProgress": "events",
+    "TokenEvent": "events",
+    "SamplingProfile": "profile",
+    "final_distribution": "sampling",
+}
+
+if TYPE_CHECKING:
+    from .engine import ChatSession, Engine, Stream
+    from .errors import ContextLengthError, GenerationError, MlxChatError, ModelLoadError
+    from .events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent
+    from .profile import SamplingProfile
+    from .sampling import final_distribution
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
 
 __all__ = [
     "ChatSession", "ContextLengthError", "Done", "Engine", "GenerationError", "GenerationResult", "Metrics",
