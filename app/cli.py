@@ -18,10 +18,12 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
+from mlxchat.core.distributed.command import (add_split_arguments, add_worker_command, check_split, lost_a_peer,
+                                           run_worker, start_split)
+
 from .format_flags import add_format_flags, response_format
 from .formatting import fmt_bytes
 from .sampler_flags import add_sampler_flags, sampler_flags
-from .split import add_split_arguments, add_worker_command, check_split, lost_a_peer, run_worker, start_split
 from .tool_flags import add_tool_flags, calls_json, close_servers, show_event, start_with_tools, tool_servers
 
 COMMANDS_GROUP = "mlxchat.commands"

@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 
-from mlxchat.app.split import add_split_arguments, check_split, start_split
+from mlxchat.core.distributed.command import add_split_arguments, check_split, start_split
 
 LOOPBACK = "127.0.0.1"
 

@@ -1,9 +1,6 @@
-"""The command line of a model split across machines (core/distributed): the flags `chat`, `generate` and `serve`
-share, their checks, starting rank 0, and `mlxchat worker`. Cheap to import: MLX loads only when a model does.
-
-A public module of the app: the one a tool may import (`mlxchat serve` adds the same flags). It lives here, not in
-core, because importing anything of `mlxchat.core` loads MLX, which the CLI's parser must not. The import contracts
-in pyproject.toml allow exactly `mlxchat.server.cli -> mlxchat.app.split` (docs/architecture.md §1)."""
+"""The command line of a model split across machines: the flags `chat`, `generate` (app/cli.py) and `serve`
+(server/cli.py) share, their checks, starting rank 0, and `mlxchat worker`. Cheap to import: MLX loads only when a
+model does (core's package loads its engine only when asked), so the CLI's parser can build these flags."""
 
 from __future__ import annotations
 
