@@ -19,8 +19,8 @@ So a new sampler is its declarations here (its step and its parameters) and its 
 Request settings that are not a sampler's (seed, stop, max_tokens, logit_bias, the order, the response format) are
 ``SamplingProfile``'s own fields: each API spells and checks them in its own way.
 
-This module imports nothing but the standard library: the CLI builds its parser from it without importing core's
-package, which loads MLX (`mlxchat --help` stays fast; app/cli.py).
+This module imports nothing but the standard library: the CLI builds its parser from it without loading MLX
+(`mlxchat --help` stays fast; core's package loads its engine only when asked; app/sampler_flags.py).
 """
 
 from __future__ import annotations
