@@ -168,7 +168,7 @@ def model_args(h: gguf.GGUFHeader, tied: bool) -> Any:  # noqa: ANN401 - the arc
         hidden_size=hidden, num_hidden_layers=layers, intermediate_size=get("feed_forward_length"),
         num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=get("vocab_size", m.get("tokenizer.ggml.tokens") and len(m["tokenizer.ggml.tokens"])),
+        vocab_size=get("vocab_size", gguf.array_length(m.get("tokenizer.ggml.tokens"))),
         max_position_embeddings=get("context_length", 4096),
     )
     scaling = get("rope.scaling.type", "none")

@@ -166,3 +166,16 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
         assert got.encode(text) == want.encode(text), text
         ids = want.encode(text, add_special_tokens=False)
         assert got.decode(ids) == want.decode(ids)
+
+
+def test_header_drops_the_tokenizer_arrays_once_built():
+    """The loader drops the header's vocabulary and merges (~7 MB of Python strings) before the weights are read;
+    what reads the header after that sees their lengths, as it sees arrays the reader did not keep."""
+    from mlxchat.core import gguf, gguf_archs
+
+    header = gguf.read_header(embedded_model_path())
+    del header.metadata["llama.vocab_size"]  # the vocabulary's length is then the model's vocabulary size
+    header.drop_tokenizer_arrays()
+    assert header.metadata["tokenizer.ggml.tokens"] == header.metadata["tokenizer.ggml.merges"] + 252 == 49152
+    assert gguf_archs.model_args(header, tied=True).vocab_size == 49152
+    assert gguf.array_length([1, 2]) == 2 and gguf.array_length(True) is None
