@@ -331,9 +331,10 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
   mx::array biases(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
   const Out out{w.data<uint8_t>(), scales.data<uint8_t>(), biases.data<uint8_t>(), K, f.group_size, row_out, packed};
 
-  // Pieces of whole tiles of 16 rows, ~256 KB of the file each: a piece is read, decoded and written by one thread.
+  // Pieces of whole tiles of 16 rows, ~64 KB of the file each: a piece is read, decoded and written by one thread.
+  // At 256 KB most of the embedded model's tensors (576 x 576 Q5_0: 228 KB) were one piece, read on one core.
   const int tiles = (N + kPackedTile - 1) / kPackedTile;
-  const int tiles_per_piece = std::max(1, int((256 << 10) / (size_t(row_in) * kPackedTile)));
+  const int tiles_per_piece = std::max(1, int((64 << 10) / (size_t(row_in) * kPackedTile)));
   const int pieces = (tiles + tiles_per_piece - 1) / tiles_per_piece;
   std::atomic<int> failure{0};  // 1: the read failed or ended early; 2: parameters the compact form cannot hold
   parallel_pieces(pieces, [&](int piece) {
