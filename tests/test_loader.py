@@ -140,7 +140,7 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    from mlxchat.core.tokenizer import from_gguf_metadata
+    from mlxchat.core.tokenizer import _END_TOKENS, from_gguf_metadata
     from tests.model_files import embedded_metadata
 
     meta = embedded_metadata() if which == "embedded" else _sentencepiece_metadata()
@@ -157,7 +157,10 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
         eos_token=token("tokenizer.ggml.eos_token_id"), unk_token=token("tokenizer.ggml.unknown_token_id"),
         pad_token=token("tokenizer.ggml.padding_token_id"))
     want.add_bos_token = bool(meta.get("tokenizer.ggml.add_bos_token", fields["tokenizer_type"] == "llama"))
-    got = from_gguf_metadata(meta).hf
+    chat = from_gguf_metadata(meta)
+    got, vocab = chat.hf, want.get_vocab()
+    assert chat.vocab_size == len(vocab)
+    assert chat.eos_ids >= {vocab[t] for t in _END_TOKENS if t in vocab} | {want.eos_token_id}
     assert got.backend_tokenizer.to_str() == want.backend_tokenizer.to_str()
     for attr in ("special_tokens_map", "all_special_ids", "init_kwargs", "chat_template", "vocab_size"):
         assert getattr(got, attr) == getattr(want, attr), attr
