@@ -137,6 +137,8 @@ def _sentencepiece_metadata() -> dict:
 def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
     """from_gguf_metadata wraps transformers' converted backend itself instead of a deep copy of it: the tokenizer
     must be the one `PreTrainedTokenizerFast(tokenizer_object=...)` makes, to the byte of its serialization."""
+    import gc
+
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
@@ -158,6 +160,7 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
         pad_token=token("tokenizer.ggml.padding_token_id"))
     want.add_bos_token = bool(meta.get("tokenizer.ggml.add_bos_token", fields["tokenizer_type"] == "llama"))
     chat = from_gguf_metadata(meta)
+    assert gc.isenabled()  # paused while the vocabulary was built, on again
     got, vocab = chat.hf, want.get_vocab()
     assert chat.vocab_size == len(vocab)
     assert chat.eos_ids >= {vocab[t] for t in _END_TOKENS if t in vocab} | {want.eos_token_id}
