@@ -15,6 +15,7 @@ The loader (core/loader.py) reads the tensors; this module says what they are.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ _NAMES: dict[str, list[tuple[str, str]]] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)  # the loader asks ~4 times per tensor; each answer tries up to 13 patterns
 def mlx_name(arch: str, name: str) -> str | None:
     """The mlx-lm parameter name of GGUF tensor `name` in a model of `arch`, or None for a tensor the model does
     not use."""
