@@ -15,6 +15,7 @@ The loader (core/loader.py) reads the tensors; this module says what they are.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ _NAMES: dict[str, list[tuple[str, str]]] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)  # the loader asks ~4 times per tensor; each answer tries up to 13 patterns
 def mlx_name(arch: str, name: str) -> str | None:
     """The mlx-lm parameter name of GGUF tensor `name` in a model of `arch`, or None for a tensor the model does
     not use."""
@@ -168,7 +170,7 @@ def model_args(h: gguf.GGUFHeader, tied: bool) -> Any:  # noqa: ANN401 - the arc
         hidden_size=hidden, num_hidden_layers=layers, intermediate_size=get("feed_forward_length"),
         num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=get("vocab_size", m.get("tokenizer.ggml.tokens") and len(m["tokenizer.ggml.tokens"])),
+        vocab_size=get("vocab_size", gguf.array_length(m.get("tokenizer.ggml.tokens"))),
         max_position_embeddings=get("context_length", 4096),
     )
     scaling = get("rope.scaling.type", "none")

@@ -268,12 +268,13 @@ def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) 
     tied = not any(t.name == "output.weight" for t in header.tensors)
     # The tokenizer first: a file whose tokenizer is unusable fails before its tensors are read, and the building's
     # temporaries (Python dicts of the vocabulary and merges, ~tens of MB) are gone before the weights take memory,
-    # so they do not add to the load's peak.
+    # so they do not add to the load's peak; so are the header's vocabulary and merges, which the tokenizer now holds.
     try:
         tokenizer = from_gguf_metadata(header.metadata)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: "
                                    f"{_one_line(e)}") from None
+    header.drop_tokenizer_arrays()
     heap.give_back_freed_memory()
     # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held twice.
     names = [t.name for t in header.tensors

@@ -122,3 +122,66 @@ def test_folder_without_weights(tmp_path: Path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
         loader.load(tmp_path)
+
+
+def _sentencepiece_metadata() -> dict:
+    """A tiny "llama" (SentencePiece-style BPE) vocabulary with scores and no merges, as llama.cpp writes one."""
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab", "<0x0A>"]
+    return {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0],
+            "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 1, 6], "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+
+
+@pytest.mark.parametrize("which", ["embedded", "sentencepiece"])
+def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
+    """from_gguf_metadata wraps transformers' converted backend itself instead of a deep copy of it: the tokenizer
+    must be the one `PreTrainedTokenizerFast(tokenizer_object=...)` makes, to the byte of its serialization."""
+    import gc
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    from mlxchat.core.tokenizer import _END_TOKENS, from_gguf_metadata
+    from tests.model_files import embedded_metadata
+
+    meta = embedded_metadata() if which == "embedded" else _sentencepiece_metadata()
+    fields = {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in meta}
+    tokens = fields["tokens"]
+
+    def token(key: str) -> str | None:
+        return tokens[meta[key]] if key in meta else None
+
+    want = PreTrainedTokenizerFast(
+        tokenizer_object=convert_gguf_tokenizer(meta["general.architecture"], fields)[0],
+        chat_template=meta.get("tokenizer.chat_template"), bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_token=token("tokenizer.ggml.eos_token_id"), unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"))
+    want.add_bos_token = bool(meta.get("tokenizer.ggml.add_bos_token", fields["tokenizer_type"] == "llama"))
+    chat = from_gguf_metadata(meta)
+    assert gc.isenabled()  # paused while the vocabulary was built, on again
+    got, vocab = chat.hf, want.get_vocab()
+    assert chat.vocab_size == len(vocab)
+    assert chat.eos_ids >= {vocab[t] for t in _END_TOKENS if t in vocab} | {want.eos_token_id}
+    assert got.backend_tokenizer.to_str() == want.backend_tokenizer.to_str()
+    for attr in ("special_tokens_map", "all_special_ids", "init_kwargs", "chat_template", "vocab_size"):
+        assert getattr(got, attr) == getattr(want, attr), attr
+    assert str(got.added_tokens_decoder) == str(want.added_tokens_decoder) and len(got) == len(want)
+    for text in ("Hello world", " héllo\n\n  wörld 🙂 12345", "<|im_start|>user\nhi<|im_end|>", "<s>ab a</s>"):
+        assert got.encode(text) == want.encode(text), text
+        ids = want.encode(text, add_special_tokens=False)
+        assert got.decode(ids) == want.decode(ids)
+
+
+def test_header_drops_the_tokenizer_arrays_once_built():
+    """The loader drops the header's vocabulary and merges (~7 MB of Python strings) before the weights are read;
+    what reads the header after that sees their lengths, as it sees arrays the reader did not keep."""
+    from mlxchat.core import gguf, gguf_archs
+
+    header = gguf.read_header(embedded_model_path())
+    del header.metadata["llama.vocab_size"]  # the vocabulary's length is then the model's vocabulary size
+    header.drop_tokenizer_arrays()
+    assert header.metadata["tokenizer.ggml.tokens"] == header.metadata["tokenizer.ggml.merges"] + 252 == 49152
+    assert gguf_archs.model_args(header, tied=True).vocab_size == 49152
+    assert gguf.array_length([1, 2]) == 2 and gguf.array_length(True) is None

@@ -71,18 +71,34 @@ uint16_t f16_times_minus_pow2(uint16_t d, int k) {
   return f16_times(d, -float(1 << k));
 }
 
+// Four bytes at p as one little-endian word, and back.
+uint32_t word_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+void put_word(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// The legacy blocks are decoded four codes at a time, one code a byte of a 32-bit word, as put_packed32 reads them:
+// byte stores read back as words stall on store forwarding (Q5_0's fifth bits, set a byte at a time, made its
+// reading ~8x slower per byte than Q4_0's).
+
 // A 32-value ggml block's 4-bit halves: byte j holds value j (low nibble) and value j + 16 (high).
 void nibbles32(const uint8_t* qs, uint8_t* codes) {
-  for (int j = 0; j < 16; ++j) {
-    codes[j] = qs[j] & 0x0F;
-    codes[j + 16] = qs[j] >> 4;
+  for (int u = 0; u < 4; ++u) {
+    const uint32_t w = word_at(qs + 4 * u);
+    put_word(codes + 4 * u, w & 0x0F0F0F0Fu);
+    put_word(codes + 16 + 4 * u, (w >> 4) & 0x0F0F0F0Fu);
   }
 }
-// Q5_0/Q5_1's fifth bits: bit j of the little-endian uint32 belongs to value j.
+// Q5_0/Q5_1's fifth bits: bit j of the little-endian uint32 belongs to value j. Four bits b go to four bytes as
+// b * (1 + 2^7 + 2^14 + 2^21): copy r of b starts at bit 7r, so its bit r lands on bit 8r, no copies overlapping.
 void fifth_bits32(const uint8_t* qh, uint8_t* codes) {
-  uint32_t h;
-  std::memcpy(&h, qh, 4);
-  for (int j = 0; j < 32; ++j) codes[j] |= uint8_t(((h >> j) & 1u) << 4);
+  const uint32_t h = word_at(qh);
+  for (int u = 0; u < 8; ++u) {
+    const uint32_t spread = ((((h >> (4 * u)) & 0xFu) * 0x00204081u) & 0x01010101u) << 4;
+    put_word(codes + 4 * u, word_at(codes + 4 * u) | spread);
+  }
 }
 // Q4_K/Q5_K's 4 runs of 32 bytes: run c holds values 64c .. 64c + 31 (low nibbles) and the next 32 (high).
 void k_nibbles(const uint8_t* qs, uint8_t* codes) {
@@ -135,7 +151,7 @@ bool decode(const uint8_t* b, Block& out) {
       out.bias = u16(b + 2);
       return true;
     case 4:  // Q8_0: d, 32 int8; MLX's codes are unsigned: q + 128, bias -128 d
-      for (int j = 0; j < 32; ++j) q[j] = uint8_t(int(int8_t(b[2 + j])) + 128);
+      for (int u = 0; u < 8; ++u) put_word(q + 4 * u, word_at(b + 2 + 4 * u) ^ 0x80808080u);  // q + 128
       out.scale = u16(b);
       out.bias = f16_times_minus_pow2(out.scale, 7);
       return true;
@@ -199,23 +215,27 @@ void put_plain32(const uint8_t* codes, uint8_t* out) {
 // u = i / 4, place 4 j + i % 4 of a run of 64 bytes: 8 bits take a byte each in runs u; the rest share low-nibble
 // bytes, code m (m < 16) with code m + 16 in its high nibble, in runs m / 4; 5 bits add a byte per place in run 4
 // with code 4u + r's fifth bit at bit u; 6 bits two, runs 4 and 5, with code 4u + r's top two bits at 2 (u % 4).
+// Four codes at a time as one 32-bit word, one code a byte: no code's bits reach its neighbour's byte under the masks
+// and shifts below. (Built a byte at a time in a stack array and read back as a vector, the low-nibble bytes stalled
+// on store forwarding: the reading of a 1.1B Q6_K embedding spent ~14% of its time on that one load.)
 template <int bits>
 void put_packed32(const uint8_t* c, int j, uint8_t* block) {
   if constexpr (bits == 8) {
     for (int u = 0; u < 8; ++u) std::memcpy(block + 64 * u + 4 * j, c + 4 * u, 4);
     return;
   }
-  uint8_t low[16];
-  for (int m = 0; m < 16; ++m) low[m] = uint8_t((c[m] & 0x0F) | ((c[m + 16] & 0x0F) << 4));
-  for (int u = 0; u < 4; ++u) std::memcpy(block + 64 * u + 4 * j, low + 4 * u, 4);
-  if constexpr (bits == 4) return;
-  const int high_bits = bits - 4, per_byte = 8 / high_bits;  // 5 bits: 8 codes a byte; 6 bits: 4
-  for (int h = 0; h < 8 / per_byte; ++h) {
-    uint8_t high[4] = {0, 0, 0, 0};
-    for (int t = 0; t < per_byte; ++t) {
-      for (int r = 0; r < 4; ++r) high[r] |= uint8_t((c[4 * (per_byte * h + t) + r] >> 4) << (high_bits * t));
+  constexpr uint32_t low = 0x0F0F0F0Fu;
+  for (int u = 0; u < 4; ++u) {
+    put_word(block + 64 * u + 4 * j, (word_at(c + 4 * u) & low) | ((word_at(c + 16 + 4 * u) & low) << 4));
+  }
+  if constexpr (bits > 4) {
+    constexpr int high_bits = bits - 4, per_byte = 8 / high_bits;  // 5 bits: 8 codes a byte; 6 bits: 4
+    constexpr uint32_t mask = high_bits == 1 ? 0x01010101u : 0x03030303u;
+    for (int h = 0; h < 8 / per_byte; ++h) {
+      uint32_t high = 0;
+      for (int t = 0; t < per_byte; ++t) high |= ((word_at(c + 4 * (per_byte * h + t)) >> 4) & mask) << (high_bits * t);
+      put_word(block + 256 + 64 * h + 4 * j, high);
     }
-    std::memcpy(block + 256 + 64 * h + 4 * j, high, 4);
   }
 }
 
@@ -331,9 +351,10 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
   mx::array biases(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
   const Out out{w.data<uint8_t>(), scales.data<uint8_t>(), biases.data<uint8_t>(), K, f.group_size, row_out, packed};
 
-  // Pieces of whole tiles of 16 rows, ~256 KB of the file each: a piece is read, decoded and written by one thread.
+  // Pieces of whole tiles of 16 rows, ~64 KB of the file each: a piece is read, decoded and written by one thread.
+  // At 256 KB most of the embedded model's tensors (576 x 576 Q5_0: 228 KB) were one piece, read on one core.
   const int tiles = (N + kPackedTile - 1) / kPackedTile;
-  const int tiles_per_piece = std::max(1, int((256 << 10) / (size_t(row_in) * kPackedTile)));
+  const int tiles_per_piece = std::max(1, int((64 << 10) / (size_t(row_in) * kPackedTile)));
   const int pieces = (tiles + tiles_per_piece - 1) / tiles_per_piece;
   std::atomic<int> failure{0};  // 1: the read failed or ended early; 2: parameters the compact form cannot hold
   parallel_pieces(pieces, [&](int piece) {
