@@ -40,7 +40,9 @@ inline __m512i x4(const int8_t* p) {
 // them to float32 before each piece cost Q4_K 0.34 ms for a 5632 x 2048 matrix against 0.26 read this way).
 template <ScaleType ST>
 inline __m512 tile_params(const void* base, int G, int group_size, int t, int gg) {
-  if constexpr (ST == ScaleType::compact) {
+  if constexpr (ST == ScaleType::symmetric) {
+    return params16<ScaleType::f16>(base, packed_param(G, t * kPackedTile, gg));
+  } else if constexpr (ST == ScaleType::compact) {
     const int P = compact_groups(group_size);
     const uint8_t* sb = static_cast<const uint8_t*>(base) + (size_t(t) * (G / P) + gg / P) * kPackedTile * (2 + P);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
@@ -51,12 +53,26 @@ inline __m512 tile_params(const void* base, int G, int group_size, int t, int gg
   }
 }
 
-// with_format, and compact parameters (which only the packed kernels read as they lie).
+// And a tile's 16 biases of group gg, given its scales sv (a symmetric format's are -2^(BITS - 1) sv, exact).
+template <int BITS, ScaleType ST>
+inline __m512 tile_biases(const void* base, int G, int group_size, int t, int gg, __m512 sv) {
+  if constexpr (ST == ScaleType::symmetric) {
+    return _mm512_mul_ps(sv, _mm512_set1_ps(symmetric_bias_factor(BITS)));
+  } else {
+    return tile_params<ST>(base, G, group_size, t, gg);
+  }
+}
+
+// with_format, and compact and symmetric parameters (which only the packed kernels read as they lie).
 template <typename F>
 void with_packed_format(const PackedMatmulArgs& a, F&& fn) {
-  if (a.scale_type == ScaleType::compact) {
+  if (a.scale_type == ScaleType::compact || a.scale_type == ScaleType::symmetric) {
     with_format(a.bits, ScaleType::f32, a.group_size == 16, [&](auto bits, auto, auto g16) {
-      fn(bits, std::integral_constant<ScaleType, ScaleType::compact>{}, g16);
+      if (a.scale_type == ScaleType::compact) {
+        fn(bits, std::integral_constant<ScaleType, ScaleType::compact>{}, g16);
+      } else {
+        fn(bits, std::integral_constant<ScaleType, ScaleType::symmetric>{}, g16);
+      }
     });
   } else {
     with_format(a.bits, a.scale_type, a.group_size == 16, fn);
@@ -169,7 +185,7 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
       for (int h = 0; h < H; ++h) {
         const int gg = H * g + h;  // the group
         const __m512 sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
-        const __m512 bv = tile_params<ST>(a.biases, G, a.group_size, t, gg);
+        const __m512 bv = tile_biases<BITS, ST>(a.biases, G, a.group_size, t, gg, sv);
         for (int i = 0; i < MT; ++i) {
           out[i] = _mm512_fmadd_ps(group[i][h], sv, out[i]);
           out[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[i][gg]), out[i]);
@@ -507,8 +523,9 @@ void amx_rows(const PackedMatmulArgs& a, int t0, int t1) {
   for (int t = t0; t < t1; ++t) {
     for (int gg = 0; gg < G; ++gg) {
       float* p = params.data() + (size_t(t - t0) * G + gg) * 2 * kPackedTile;
-      _mm512_storeu_ps(p, tile_params<ST>(a.scales, G, a.group_size, t, gg));
-      _mm512_storeu_ps(p + kPackedTile, tile_params<ST>(a.biases, G, a.group_size, t, gg));
+      const __m512 sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
+      _mm512_storeu_ps(p, sv);
+      _mm512_storeu_ps(p + kPackedTile, tile_biases<BITS, ST>(a.biases, G, a.group_size, t, gg, sv));
     }
   }
   int configured = 0;

@@ -55,7 +55,9 @@ void repack(const uint8_t* w, const void* scales, const void* biases, size_t par
       const size_t plain = (size_t(n) * G + g) * param_bytes, packed = packed_param(G, n, g) * param_bytes;
       const size_t from = pack ? plain : packed, to = pack ? packed : plain;
       std::memcpy(static_cast<char*>(scales_out) + to, static_cast<const char*>(scales) + from, param_bytes);
-      std::memcpy(static_cast<char*>(biases_out) + to, static_cast<const char*>(biases) + from, param_bytes);
+      if (biases_out) {
+        std::memcpy(static_cast<char*>(biases_out) + to, static_cast<const char*>(biases) + from, param_bytes);
+      }
     }
   }
 }

@@ -168,16 +168,22 @@ void parallel_chunks(int N, int K, bool packed, const std::function<void(int, in
 
 // ---- argument checks -----------------------------------------------------------------------------------------
 
-ScaleType scale_type(mx::Dtype t) {
+// Whether `biases` stands for a symmetric format's (kernel.h): an empty array of the scales' rows.
+bool symmetric(const mx::array& biases) {
+  return biases.ndim() == 2 && biases.shape(1) == 0;
+}
+
+ScaleType scale_type(const mx::array& scales, const mx::array& biases) {
+  const mx::Dtype t = scales.dtype();
   if (t == mx::float32) return ScaleType::f32;
-  if (t == mx::float16) return ScaleType::f16;
+  if (t == mx::float16) return symmetric(biases) ? ScaleType::symmetric : ScaleType::f16;
   if (t == mx::uint8) return ScaleType::compact;
   return ScaleType::bf16;
 }
 
 // The arguments for units (rows, or tiles of 16 rows where `packed`) [u0, u1) as a view whose units count from 0:
-// weights, parameters and outputs moved to unit u0. Compact parameters are expanded to fp32 for those units, into
-// `params`, which the kernel then reads from cache.
+// weights, parameters and outputs moved to unit u0. Compact and symmetric parameters are expanded to fp32 for those
+// units, into `params`, which the kernel then reads from cache.
 template <typename Args>
 Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& params) {
   const int G = a.K / a.group_size, rows = packed ? kPackedTile : 1;
@@ -190,6 +196,14 @@ Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& 
     expand_compact_avx2(static_cast<const uint8_t*>(a.scales), a.K, a.group_size, packed, u0, u1, params.data());
     expand_compact_avx2(static_cast<const uint8_t*>(a.biases), a.K, a.group_size, packed, u0, u1,
                         params.data() + count);
+    view.scales = params.data();
+    view.biases = params.data() + count;
+    view.scale_type = ScaleType::f32;
+  } else if (a.scale_type == ScaleType::symmetric) {
+    const size_t count = size_t(u1 - u0) * rows * G;
+    params.resize(2 * count);
+    expand_symmetric_avx2(static_cast<const uint16_t*>(a.scales) + first, count, a.bits, params.data(),
+                          params.data() + count);
     view.scales = params.data();
     view.biases = params.data() + count;
     view.scale_type = ScaleType::f32;
@@ -206,20 +220,20 @@ Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& 
   return view;
 }
 
-// Whether a kernel reads compact parameters as they lie (the packed ones on AVX-512: VNNI's and AMX's).
-bool reads_compact(PackedKernel kernel) {
+// Whether a kernel reads compact and symmetric parameters as they lie (the packed ones on AVX-512: VNNI's and AMX's).
+bool reads_params_in_place(PackedKernel kernel) {
   return kernel == &qmm_packed_rows_vnni || kernel == &qmm_packed_rows_amx;
 }
 template <typename Kernel>
-bool reads_compact(const Kernel&) {
+bool reads_params_in_place(const Kernel&) {
   return false;
 }
 
-// kernel(args, u0, u1) over units [u0, u1); with compact parameters that the kernel does not read itself, on
-// units_view's view (their fp32 expansion).
+// kernel(args, u0, u1) over units [u0, u1); with compact or symmetric parameters that the kernel does not read
+// itself, on units_view's view (their fp32 expansion).
 template <typename Args, typename Kernel>
 void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
-  if (a.scale_type != ScaleType::compact || reads_compact(kernel)) {
+  if ((a.scale_type != ScaleType::compact && a.scale_type != ScaleType::symmetric) || reads_params_in_place(kernel)) {
     kernel(a, u0, u1);
     return;
   }
@@ -244,7 +258,12 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
     throw std::invalid_argument("w's rows must hold a multiple of 32 values (" + std::to_string(w.shape(1)) +
                                 " words of " + std::to_string(bits) + "-bit codes do not)");
   }
-  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
+  if (symmetric(biases)) {
+    if (scales.dtype() != mx::float16 || biases.dtype() != mx::float16 || scales.ndim() != 2 ||
+        biases.shape(0) != scales.shape(0)) {
+      throw std::invalid_argument("symmetric parameters (empty biases) need float16 scales of the same rows");
+    }
+  } else if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
     throw std::invalid_argument("scales and biases must be 2-D arrays of the same shape and dtype");
   }
   if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16 &&
@@ -352,7 +371,7 @@ struct PackedRows {
   PackedMatmulArgs args(const mx::array& w, const mx::array& scales, const mx::array& biases, float* y, int M, int N,
                         int K, int group_size, int bits) const {
     return PackedMatmulArgs{xq.get(), xd.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(),
-                            biases.data<void>(), scale_type(scales.dtype()), xform, y, M, N, K, group_size, bits};
+                            biases.data<void>(), scale_type(scales, biases), xform, y, M, N, K, group_size, bits};
   }
 };
 
@@ -389,7 +408,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       std::vector<float> xq, xsum;
       prepare_rows(plain_x(x), M, K, group_size, bits, xq, xsum);
       QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
-                    scale_type(scales.dtype()), out.data<float>(), M, N, K, group_size, bits};
+                    scale_type(scales, biases), out.data<float>(), M, N, K, group_size, bits};
       const RowsKernel kernel = rows_kernel();
       parallel_chunks(N, K, false, [&](int n0, int n1) { run_units(a, n0, n1, false, kernel); });
     });
@@ -431,7 +450,7 @@ class NativeDequantize : public mx::UnaryPrimitive {
                       biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_, bits = bits_, packed = packed_]() mutable {
       KernelTimer timer;
-      DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+      DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales, biases),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
       parallel_chunks(a.N, a.K, packed, [&](int u0, int u1) {
         run_units(a, u0, u1, packed, packed ? &dequant_packed_vnni : &dequant_rows_avx2);
@@ -498,12 +517,18 @@ class NativePackedLookup : public mx::UnaryPrimitive {
             std::fill_n(out.data<float>() + r * K, K, std::numeric_limits<float>::quiet_NaN());
             continue;
           }
-          if constexpr (std::is_same_v<T, uint8_t>) {  // compact: the row's tile's parameters as fp32
+          if constexpr (std::is_same_v<T, void*>) {  // compact or symmetric: the row's tile's parameters as fp32
             const int G = K / group_size, tile = int(id[r]) / kPackedTile;
-            std::vector<float> params(size_t(2) * G * kPackedTile);
-            expand_compact_avx2(scales.data<uint8_t>(), K, group_size, true, tile, tile + 1, params.data());
-            expand_compact_avx2(biases.data<uint8_t>(), K, group_size, true, tile, tile + 1,
-                                params.data() + size_t(G) * kPackedTile);
+            const size_t count = size_t(G) * kPackedTile;
+            std::vector<float> params(2 * count);
+            if (scales.dtype() == mx::uint8) {
+              expand_compact_avx2(scales.data<uint8_t>(), K, group_size, true, tile, tile + 1, params.data());
+              expand_compact_avx2(biases.data<uint8_t>(), K, group_size, true, tile, tile + 1,
+                                  params.data() + count);
+            } else {
+              expand_symmetric_avx2(scales.data<uint16_t>() + tile * count, count, bits, params.data(),
+                                    params.data() + count);
+            }
             packed_row<float>(w.data<uint8_t>(), params.data(), params.data() + size_t(G) * kPackedTile, tile, K,
                               group_size, bits, int(id[r]), out.data<float>() + r * K);
           } else {
@@ -512,8 +537,8 @@ class NativePackedLookup : public mx::UnaryPrimitive {
           }
         }
       };
-      if (scales.dtype() == mx::uint8) {
-        rows(uint8_t{});
+      if (scales.dtype() == mx::uint8 || symmetric(biases)) {
+        rows(static_cast<void*>(nullptr));
       } else if (scales.dtype() == mx::float32) {
         rows(float{});
       } else if (scales.dtype() == mx::float16) {
@@ -606,7 +631,9 @@ std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, con
   auto fresh = [](const mx::array& like) {
     return mx::array(mx::allocator::malloc(like.nbytes()), like.shape(), like.dtype());
   };
-  std::vector<mx::array> out{fresh(wd), fresh(sd), fresh(bd)};
+  // Symmetric parameters' empty biases stay as they are (nothing to reorder).
+  const bool sym = symmetric(bd);
+  std::vector<mx::array> out{fresh(wd), fresh(sd), sym ? bd : fresh(bd)};
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   const size_t param_bytes = sd.dtype() == mx::uint8 ? 0 : mx::size_of(sd.dtype());  // 0: compact (kernel.h)
   // Tiles of 16 rows are independent and each layout keeps a range of them contiguous (a row's bytes times the
@@ -618,9 +645,9 @@ std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, con
   const auto* b_in = bd.data<uint8_t>();
   parallel_pieces((tiles + per_piece - 1) / per_piece, [&](int piece) {
     const int n0 = piece * per_piece * kPackedTile, n1 = std::min(N, n0 + per_piece * kPackedTile);
-    repack(w_in + n0 * row_bytes, s_in + n0 * row_params, b_in + n0 * row_params, param_bytes, n1 - n0, K,
-           group_size, bits, out[0].data<uint8_t>() + n0 * row_bytes, out[1].data<uint8_t>() + n0 * row_params,
-           out[2].data<uint8_t>() + n0 * row_params);
+    repack(w_in + n0 * row_bytes, s_in + n0 * row_params, sym ? nullptr : b_in + n0 * row_params, param_bytes,
+           n1 - n0, K, group_size, bits, out[0].data<uint8_t>() + n0 * row_bytes,
+           out[1].data<uint8_t>() + n0 * row_params, sym ? nullptr : out[2].data<uint8_t>() + n0 * row_params);
   });
   return out;
 }
@@ -704,7 +731,7 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
       job.units = N / kPackedTile;
     } else {
       job.plain = QMatmulArgs{p.xq.data(), p.xsum.data(), t.w->data<uint8_t>(), t.scales->data<void>(),
-                              t.biases->data<void>(), scale_type(t.scales->dtype()), t.y, M, N, K, t.group_size,
+                              t.biases->data<void>(), scale_type(*t.scales, *t.biases), t.y, M, N, K, t.group_size,
                               t.bits};
       job.units = N;
     }
@@ -774,7 +801,7 @@ class NativeDequantizedMatmul : public mx::UnaryPrimitive {
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0), unit = packed ? kPackedTile : 1;
       const std::vector<float> xs = plain_x(x);
-      const DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+      const DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales, biases),
                           nullptr, N, K, group_size, bits};
       const int rows = gemm_rows(K);
       thread_local std::vector<float> weights, params;
