@@ -158,10 +158,14 @@ int chunk_rows(int K) {
   return std::max(16, (rows + 15) / 16 * 16);
 }
 
-// fn(u0, u1) over a weight's N rows [N, K] in chunks of chunk_rows(K) on the pool; for packed weights u counts
-// tiles of 16 rows (chunk_rows is a multiple of 16).
-void parallel_chunks(int N, int K, bool packed, const std::function<void(int, int)>& fn) {
-  const int unit = packed ? kPackedTile : 1, per_chunk = chunk_rows(K) / unit, units = N / unit;
+// fn(u0, u1) over a weight's N rows [N, K] in chunks of chunk_rows(K) on the pool, for M rows of x; for packed
+// weights u counts tiles of 16 rows (chunk_rows is a multiple of 16). A chunk of a prompt's rows is up to 8 times
+// shorter: with M rows each chunk is M times the work, and the embedded model's k/v projections (192 rows) were one
+// chunk, its q (576) a chunk of 464 and one of 112, so a 512-token prefill ran mostly on one of the two threads.
+void parallel_chunks(int N, int K, int M, bool packed, const std::function<void(int, int)>& fn) {
+  const int unit = packed ? kPackedTile : 1, units = N / unit;
+  const int shorter = std::clamp(M / 16, 1, 8);
+  const int per_chunk = std::max(1, (chunk_rows(K) / shorter + kPackedTile - 1) / kPackedTile * kPackedTile / unit);
   parallel_for((units + per_chunk - 1) / per_chunk,
                [&](int c) { fn(c * per_chunk, std::min(units, (c + 1) * per_chunk)); });
 }
@@ -402,7 +406,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
         const PackedRows xr(float_rows(x, copy), M, K, group_size, xform_of(int8));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const PackedKernel kernel = packed_kernel(M);  // VNNI's (or AMX's) for fixed24 (check_weights)
-        parallel_chunks(N, K, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
+        parallel_chunks(N, K, M, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
         return;
       }
       std::vector<float> xq, xsum;
@@ -410,7 +414,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
                     scale_type(scales, biases), out.data<float>(), M, N, K, group_size, bits};
       const RowsKernel kernel = rows_kernel();
-      parallel_chunks(N, K, false, [&](int n0, int n1) { run_units(a, n0, n1, false, kernel); });
+      parallel_chunks(N, K, M, false, [&](int n0, int n1) { run_units(a, n0, n1, false, kernel); });
     });
   }
 
@@ -452,7 +456,7 @@ class NativeDequantize : public mx::UnaryPrimitive {
       KernelTimer timer;
       DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales, biases),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
-      parallel_chunks(a.N, a.K, packed, [&](int u0, int u1) {
+      parallel_chunks(a.N, a.K, 1, packed, [&](int u0, int u1) {
         run_units(a, u0, u1, packed, packed ? &dequant_packed_vnni : &dequant_rows_avx2);
       });
     });
