@@ -156,11 +156,9 @@ def symmetric_biases(scales: mx.array, biases: mx.array, *, bits: int) -> mx.arr
     results are bit for bit those of the stored biases). None where some bias is not (keep them). The biases were a
     ninth of a Q4_0 model: 5 bits a weight against the file's 4.5. Either layout (MLX's or `pack_weights`'s): the
     two arrays share it. MLX's own ops cannot read the empty array: `expand_symmetric` gives the biases back."""
-    if scales.dtype != mx.float16 or biases.dtype != mx.float16 or scales.shape != biases.shape:
-        return None
-    # Compared as float32 bits: the one value each op computes, -0.0 and all.
-    want = mx.view(scales.astype(mx.float32) * symmetric_bias_factor(bits), mx.uint32)
-    if not mx.array_equal(mx.view(biases.astype(mx.float32), mx.uint32), want).item():
+    # Compared as float32 bits (the one value each op computes, -0.0 and all), in C++: with MLX's ops the check
+    # added 0.17 s to a 1.1B Q4_0 file's load.
+    if not _module().biases_symmetric(scales, biases, bits=bits):
         return None
     return mx.zeros((scales.shape[0], 0), dtype=mx.float16)
 

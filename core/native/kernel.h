@@ -57,6 +57,8 @@ void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 // Compact parameters (ScaleType::compact) of units [u0, u1) as fp32, from unit u0 on: rows [u0, u1) of MLX's layout
 // into out [u1 - u0][G], or with `packed` tiles [u0, u1) into out [u1 - u0][G][16] (packed_param's order).
 void expand_compact_avx2(const uint8_t* c, int K, int group_size, bool packed, int u0, int u1, float* out);
+// Whether each of `count` fp16 biases is -2^(bits - 1) times its fp16 scale exactly, as float32 bits (-0.0 too).
+bool biases_symmetric_avx2(const uint16_t* scales, const uint16_t* biases, size_t count, int bits);
 // Symmetric parameters: `count` fp16 scales as fp32 into scales_out, and their biases into biases_out.
 void expand_symmetric_avx2(const uint16_t* scales, size_t count, int bits, float* scales_out, float* biases_out);
 

@@ -945,6 +945,18 @@ std::optional<std::vector<mx::array>> compact_params(const mx::array& scales, co
   return out;
 }
 
+bool biases_symmetric(const mx::array& scales, const mx::array& biases, int bits) {
+  if (scales.dtype() != mx::float16 || biases.dtype() != mx::float16 || scales.shape() != biases.shape() ||
+      (bits != 4 && bits != 5 && bits != 6 && bits != 8)) {
+    return false;
+  }
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  auto s = cpu_stream();
+  std::vector<mx::array> in{dense(scales, s), dense(biases, s)};
+  mx::eval(in);
+  return biases_symmetric_avx2(in[0].data<uint16_t>(), in[1].data<uint16_t>(), in[0].size(), bits);
+}
+
 std::vector<mx::array> expand_params(const mx::array& scales, const mx::array& biases, int group_size, bool packed) {
   if (scales.ndim() != 2 || scales.dtype() != mx::uint8 || biases.shape() != scales.shape() ||
       biases.dtype() != mx::uint8 || (group_size != 16 && group_size != 32) ||
