@@ -29,12 +29,35 @@ from . import native
 WHOLE_ATTENTION_QUERIES = 8
 
 
+# Queries a causal prefill's attention takes at a time: each piece's matmuls stop at the last key its rows see, so a
+# prompt's upper triangle (masked, half its scores) is mostly not computed, and a piece's scores stay in cache.
+# 512 tokens, one thread, CPU ms a layer: the 1.1B shape (32 heads, 4 KV heads, 64 a head) 42.6 whole, 22.3 in
+# pieces of 128 (21.9 of 64, 25.1 of 256); the embedded model's (9 heads, 3 KV heads) 6.7 whole, 6.1 in pieces.
+CAUSAL_PIECE_QUERIES = 128
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool) -> mx.array:
     """Scaled dot-product attention of float32 `queries [B, H, L, D]` over `keys/values [B, H_kv, S, D]` (grouped
     heads when H > H_kv), as `mx.fast.scaled_dot_product_attention` with no mask or mask="causal"."""
-    B, H, L, D = queries.shape
+    L = queries.shape[2]
     if L <= WHOLE_ATTENTION_QUERIES:
         return native.attention(queries, keys, values, scale=scale, causal=causal)
+    if not causal or L <= CAUSAL_PIECE_QUERIES:
+        return _scores_attention(queries, keys, values, scale, causal)
+    # Query i sees keys 0 .. S - L + i (the mask aligned to the last keys): a piece of queries ending at i1 needs the
+    # first S - L + i1, and with those alone the same mask holds for it.
+    S = keys.shape[2]
+    pieces = []
+    for i0 in range(0, L, CAUSAL_PIECE_QUERIES):
+        i1 = min(L, i0 + CAUSAL_PIECE_QUERIES)
+        seen = S - L + i1
+        pieces.append(_scores_attention(queries[:, :, i0:i1], keys[:, :, :seen], values[:, :, :seen], scale, True))
+    return mx.concatenate(pieces, axis=2)
+
+
+def _scores_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool) -> mx.array:
+    """`attention` as two BLAS matmuls around the native softmax."""
+    B, H, L, D = queries.shape
     kv_heads = keys.shape[1]
     if H != kv_heads:  # grouped-query attention: each key/value head serves H / kv_heads query heads
         queries = queries.reshape(B, kv_heads, H // kv_heads, L, D)

@@ -79,6 +79,10 @@ def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool, pa
     if module.packed and not packed:
         weights = native.pack_weights(*weights, group_size=layer.group_size, bits=layer.bits)
     module.weight, module.scales, module.biases = weights
+    # Q4_0/Q5_0/Q8_0's biases are their scales times -2^(bits - 1): the kernels compute them instead of reading them.
+    stand_in = native.symmetric_biases(module.scales, module.biases, bits=layer.bits)
+    if stand_in is not None:
+        module.biases = stand_in
 
 
 # Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's
@@ -113,8 +117,8 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         if self.packed:
             return native.packed_lookup(x, self["weight"], self["scales"], self["biases"],
                                         group_size=self.group_size, bits=self.bits)
-        # MLX's dequantize reads neither groups of 16 (Q6_K) nor compact parameters: the native one takes both.
-        if self.group_size < 32 or native.is_compact(self["scales"]):
+        # MLX's dequantize reads neither groups of 16 (Q6_K) nor compact or symmetric parameters: the native one does.
+        if self.group_size < 32 or native.is_compact(self["scales"]) or native.is_symmetric(self["biases"]):
             rows = x.reshape(-1)
             return native.dequantize(self["weight"][rows], self["scales"][rows], self["biases"][rows],
                                      group_size=self.group_size, bits=self.bits).reshape(*x.shape, self.dims)
@@ -155,12 +159,14 @@ def _submodule(model: nn.Module, path: str) -> nn.Module:
 
 def mlx_weights(module: nn.Module) -> tuple[mx.array, mx.array, mx.array]:
     """A quantized layer's (weight, scales, biases) in MLX's layout, unpacked if it is packed, with float32
-    parameters if they are `native.compact_params`'s."""
+    parameters if they are `native.compact_params`'s and the biases stored if they are `native.symmetric_biases`'s."""
     w, scales, biases = module["weight"], module["scales"], module["biases"]
     if getattr(module, "packed", False):
         w, scales, biases = native.unpack_weights(w, scales, biases, group_size=module.group_size, bits=module.bits)
     if native.is_compact(scales):
         scales, biases = native.expand_params(scales, biases, group_size=module.group_size)
+    if native.is_symmetric(biases):
+        biases = native.expand_symmetric(scales, bits=module.bits)
     return w, scales, biases
 
 

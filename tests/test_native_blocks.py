@@ -65,7 +65,9 @@ def test_bad_arguments_say_what_is_wrong():
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "L", "S"), [(9, 3, 1, 1), (9, 3, 1, 70), (9, 3, 37, 37),
-                                                          (9, 3, 16, 300), (4, 4, 5, 12), (8, 2, 64, 64)])
+                                                          (9, 3, 16, 300), (4, 4, 5, 12), (8, 2, 64, 64),
+                                                          # causal prompts in pieces of queries (the last one short)
+                                                          (4, 2, 300, 300), (4, 2, 140, 400)])
 def test_attention_matches_mlx_fast_sdpa(heads: int, kv_heads: int, L: int, S: int):
     keys = mx.random.split(mx.random.key(heads * L + S), 3)
     q = mx.random.normal((2, heads, L, 64), key=keys[0])

@@ -342,6 +342,76 @@ def test_compact_params_on_the_avx2_kernels_too():
                    for b, g in K_QUANTS])
 
 
+def symmetric_format(n: int, k: int, bits: int, seed: int = 0):
+    """Like `random_format` for ggml's Q4_0, Q5_0 and Q8_0: groups of 32, fp16 scales d and biases -2^(bits - 1) d."""
+    (w, s, _), _ = random_format(n, k, bits, 32, mx.float16, seed)
+    b = s * mx.array(-(2.0 ** (bits - 1)), dtype=mx.float16)
+    return (w, s, b), np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_symmetric_biases_give_every_op_the_same_bits_at_the_files_size(bits: int):
+    (w, s, b), deq = symmetric_format(64, 512, bits, seed=bits)
+    stand_in = native.symmetric_biases(s, b, bits=bits)
+    assert stand_in is not None and native.is_symmetric(stand_in) and stand_in.nbytes == 0
+    assert (w.nbytes + s.nbytes) * 8 / (64 * 512) == bits + 0.5  # the GGUF's bits a weight
+    assert _same_bits(native.expand_symmetric(s, bits=bits), b)
+    fmt = {"group_size": 32, "bits": bits}
+    assert np.array_equal(np.array(native.dequantize(w, s, stand_in, **fmt)), deq)
+    x = mx.random.normal((17, 512), key=mx.random.key(bits))
+    for op in (native.quantized_matmul, native.dequantized_matmul):
+        assert _same_bits(op(x, w, s, stand_in, **fmt), op(x, w, s, b, **fmt))
+    packed_b = native.pack_weights(w, s, b, **fmt)
+    packed = native.pack_weights(w, s, stand_in, **fmt)
+    assert all(_same_bits(u, v) for u, v in zip(native.unpack_weights(*packed, **fmt), (w, s, stand_in)))
+    ids = mx.array([[3, 63], [16, 0]])
+    assert _same_bits(native.packed_lookup(ids, *packed, **fmt), native.packed_lookup(ids, *packed_b, **fmt))
+    for how in [{"int8": True}] + ([{}] if native.packs_exact() else []):
+        for rows in (x[:1], x):  # one row, and 17 (AMX's tiles where they run)
+            assert _same_bits(native.quantized_matmul(rows, *packed, packed=True, **fmt, **how),
+                              native.quantized_matmul(rows, *packed_b, packed=True, **fmt, **how))
+    if native.packs_exact():
+        assert np.array_equal(np.array(native.dequantize(*packed, packed=True, **fmt)), deq)
+        assert _same_bits(native.dequantized_matmul(x, *packed, packed=True, **fmt),
+                          native.dequantized_matmul(x, *packed_b, packed=True, **fmt))
+
+
+@needs_native
+def test_symmetric_biases_are_refused_where_they_would_not_be_exact():
+    (w, s, b), _ = symmetric_format(16, 256, 4)
+    assert native.symmetric_biases(s, b, bits=5) is None  # -16 d is not Q4_0's bias
+    assert native.symmetric_biases(s, b + 1e-3, bits=4) is None
+    assert native.symmetric_biases(s.astype(mx.float32), b.astype(mx.float32), bits=4) is None
+
+
+@needs_native
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_q4_0_layer_holds_no_biases_and_gives_them_back(pack: bool):
+    if pack and not native.packs_exact():
+        pytest.skip("the native path packs where fixed24 x runs (AVX512-VNNI)")
+    (w, s, b), deq = symmetric_format(64, 256, 4)
+    layer = nn.QuantizedEmbedding(64, 256, group_size=32, bits=4)
+    layer.weight, layer.scales, layer.biases = w, s, b
+    embedding = native_linear.NativeQuantizedEmbedding(layer, pack)
+    assert native.is_symmetric(embedding["biases"]) and embedding.packed == pack
+    ids = mx.array([[0, 63, 17], [5, 5, 40]])
+    assert np.array_equal(np.array(embedding(ids)), deq[np.array(ids)])
+    x = mx.random.normal((3, 256))
+    _assert_within_fp32_bound(embedding.as_linear(x), np.array(x), deq)
+    assert all(_same_bits(u, v) for u, v in zip(native_linear.mlx_weights(embedding), (w, s, b)))
+
+
+@needs_native
+def test_symmetric_biases_on_the_avx2_kernels_too():
+    if native.kernel_name() == "avx2" and native.int8_kernel_name() == "avx2":
+        pytest.skip("this CPU runs the AVX2 kernels: the tests above check them")
+    run_on_avx2("assert native.kernel_name() == 'avx2'",
+                ["import tests.test_native_formats as t"]
+                + [f"t.test_symmetric_biases_give_every_op_the_same_bits_at_the_files_size({b})" for b in (4, 5, 8)]
+                + ["t.test_a_q4_0_layer_holds_no_biases_and_gives_them_back(False)"])
+
+
 @needs_native
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("compact", [False, True])

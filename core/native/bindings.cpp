@@ -30,6 +30,8 @@ NB_MODULE(_ext, m) {
         "float32 K-quant scales and biases in the compact two-level form (uint8 arrays), or None if not exact.");
   m.def("expand_params", &mlxchat::expand_params, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a,
         "packed"_a = false, "compact_params's arrays back as float32 [N, G] in MLX's layout.");
+  m.def("biases_symmetric", &mlxchat::biases_symmetric, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a,
+        "Whether every float16 bias is -2^(bits - 1) times its scale, exactly in float32.");
   m.def("read_ggml", &mlxchat::read_ggml, "path"_a, "offset"_a, "type"_a, "N"_a, "K"_a, nb::kw_only(), "packed"_a,
         "A ggml-quantized tensor read from a GGUF file as [w, scales, biases] (packed: pack_weights's tiles).");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);

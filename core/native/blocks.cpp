@@ -1,15 +1,31 @@
 #include "blocks.h"
 
+#include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <vector>
 
 #include "graph.h"
 #include "kernel.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "qmm.h"
 
 namespace mlxchat {
 
 namespace {
+
+// Elements a piece of the elementwise ops below hands the pool: a prompt's softmax (a 512-token layer's scores are
+// millions) and SwiGLU ran on one thread while the other core waited for the next matmul.
+constexpr size_t kPieceElements = size_t(1) << 17;
+
+// fn(0) .. fn(pieces - 1): on the pool where there are several (one alone is not worth a hand-off).
+void in_pieces(size_t pieces, const std::function<void(int)>& fn) {
+  if (pieces <= 1) {
+    fn(0);
+  } else {
+    parallel_pieces(int(pieces), fn);
+  }
+}
 
 class NativeSoftmax : public CpuOp {
  public:
@@ -27,7 +43,13 @@ class NativeSoftmax : public CpuOp {
       std::vector<float> copy;
       const float* in = rows_of(x, copy);
       const int S = x.shape(-1), L = x.ndim() >= 2 ? x.shape(-2) : 1;
-      softmax_rows_avx2(in, out.data<float>(), x.size() / S, S, L, scale, causal);
+      // Pieces of whole [L, S] matrices: the causal mask counts rows within one.
+      const size_t matrices = x.size() / (size_t(S) * L);
+      const size_t per_piece = std::max<size_t>(1, kPieceElements / (size_t(S) * L));
+      in_pieces((matrices + per_piece - 1) / per_piece, [&](int p) {
+        const size_t m0 = p * per_piece, m1 = std::min(matrices, m0 + per_piece), at = m0 * L * S;
+        softmax_rows_avx2(in + at, out.data<float>() + at, (m1 - m0) * L, S, L, scale, causal);
+      });
     });
   }
 
@@ -58,7 +80,12 @@ class NativeSwiglu : public CpuOp {
     encoder.dispatch([gate = mx::array::unsafe_weak_copy(gate), up = mx::array::unsafe_weak_copy(up),
                       out = mx::array::unsafe_weak_copy(out)]() mutable {
       std::vector<float> gate_copy, up_copy;
-      swiglu_avx2(rows_of(gate, gate_copy), rows_of(up, up_copy), out.data<float>(), out.size());
+      const float* g = rows_of(gate, gate_copy);
+      const float* u = rows_of(up, up_copy);
+      in_pieces((out.size() + kPieceElements - 1) / kPieceElements, [&](int p) {
+        const size_t i0 = p * kPieceElements, n = std::min(out.size() - i0, kPieceElements);
+        swiglu_avx2(g + i0, u + i0, out.data<float>() + i0, n);
+      });
     });
   }
 

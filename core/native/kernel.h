@@ -15,7 +15,13 @@ namespace mlxchat {
 // (pack_weights) [N / 16][K / 256][16 D's, then for each of the P groups the 16 rows' q]. The packed kernels on
 // AVX-512 (VNNI, AMX) read it as it lies; for the others each piece of rows has its parameters expanded to fp32 first
 // (expand_compact_avx2), in cache.
-enum class ScaleType { f32, f16, bf16, compact };
+// symmetric: ggml's Q4_0, Q5_0 and Q8_0, whose bias is always -2^(bits - 1) times the fp16 scale (-8 d for Q4_0):
+// fp16 scales, and no biases stored (an empty array stands for them), each bias -2^(bits - 1) * float(scale), exact
+// in fp32. Stored, they were a ninth of a Q4_0 model (5 bits a weight against the file's 4.5). Read like compact: in
+// registers by the packed kernels on AVX-512, expanded per piece (expand_symmetric_avx2) for the others.
+enum class ScaleType { f32, f16, bf16, compact, symmetric };
+// The bias a symmetric format's scale is multiplied by.
+inline float symmetric_bias_factor(int bits) { return -float(1 << (bits - 1)); }
 // A compact super-block's bytes (one row) and groups.
 inline int compact_groups(int group_size) { return 256 / group_size; }
 inline int compact_bytes(int group_size) { return 2 + compact_groups(group_size); }
@@ -51,6 +57,10 @@ void dequant_rows_avx2(const DequantArgs& a, int n0, int n1);
 // Compact parameters (ScaleType::compact) of units [u0, u1) as fp32, from unit u0 on: rows [u0, u1) of MLX's layout
 // into out [u1 - u0][G], or with `packed` tiles [u0, u1) into out [u1 - u0][G][16] (packed_param's order).
 void expand_compact_avx2(const uint8_t* c, int K, int group_size, bool packed, int u0, int u1, float* out);
+// Whether each of `count` fp16 biases is -2^(bits - 1) times its fp16 scale exactly, as float32 bits (-0.0 too).
+bool biases_symmetric_avx2(const uint16_t* scales, const uint16_t* biases, size_t count, int bits);
+// Symmetric parameters: `count` fp16 scales as fp32 into scales_out, and their biases into biases_out.
+void expand_symmetric_avx2(const uint16_t* scales, size_t count, int bits, float* scales_out, float* biases_out);
 
 // The packed matmul: the weights repacked into tiles of kPackedTile output rows (`pack_weights`) so that one integer
 // dot instruction (VPDPBUSD: 4 unsigned weight bytes times 4 signed bytes of x, into 16 int32 lanes) serves 16
@@ -98,7 +108,8 @@ void dequant_packed_t_vnni(const DequantArgs& a, int t0, int t1, float* wt, size
 // 64 bytes, k-step u's two high bits at bits 2 (u % 4) and 2 (u % 4) + 1 of run u / 4. The kernels then make a
 // k-step's whole codes with a shift, a mask and an OR per 64 bytes. 8 bits: 8 runs of 64 bytes. Parameters:
 // [N / 16][G][16].
-// param_bytes 0: compact parameters (ScaleType::compact), repacked per super-block.
+// param_bytes 0: compact parameters (ScaleType::compact), repacked per super-block. biases and biases_out null:
+// symmetric parameters (no biases stored).
 void pack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
                   int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
 // Code (n, k) of MLX's layout: bits [k * bits, (k + 1) * bits) of row n's little-endian bit stream.
@@ -146,8 +157,17 @@ inline size_t compact_place(int K, int group_size, int n, int s, int i, bool pac
 // Its inverse: the packed layout back to MLX's.
 void unpack_weights(const uint8_t* w, const void* scales, const void* biases, size_t param_bytes, int N, int K,
                     int group_size, int bits, uint8_t* w_out, void* scales_out, void* biases_out);
-// Rows of x [M, K] for the packed matmul: xq, xd and xsum as PackedMatmulArgs describes them.
+// Rows of x [M, K] for the packed matmul: xq, xd and xsum as PackedMatmulArgs describes them. fixed24 needs
+// AVX512-VNNI (it runs only where the VNNI kernel does).
 void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int8_t* xq, float* xd, float* xsum);
+// One block of 32 values as fixed24: x = 2^e m with m an integer, 2^e the smallest power of two that puts the
+// block's max |x| within kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits,
+// 23 when the top digit would overflow). Scaling by a power of two is exact: rounding to an integer is the only step
+// that loses bits, and only bits below 2^e. The digits of m go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2), the
+// sums of m over each half block to half_sums; returns 2^e (0 for a block of zeros, NaN where a value is NaN or
+// infinite, with digits and sums 0). AVX-512: a prompt's rows are quantized for every projection, and in scalar
+// code (a serial max, products in double) that was 4.7 ms of a 512-row, K = 2048 matmul.
+float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2]);
 // out = softmax(scale * x) over rows of length S (out may be x). With `causal`, row r is query r % L of L queries
 // whose keys are the last L of S (MLX's lower-right causal mask): it sees its first S - L + r % L + 1 entries, and the
 // rest are 0.

@@ -390,6 +390,36 @@ void expand_compact_avx2(const uint8_t* c, int K, int group_size, bool packed, i
   }
 }
 
+bool biases_symmetric_avx2(const uint16_t* scales, const uint16_t* biases, size_t count, int bits) {
+  const __m256 factor = _mm256_set1_ps(symmetric_bias_factor(bits));
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + i)));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(biases + i)));
+    const __m256i same = _mm256_cmpeq_epi32(_mm256_castps_si256(b), _mm256_castps_si256(_mm256_mul_ps(s, factor)));
+    if (_mm256_movemask_epi8(same) != -1) return false;
+  }
+  for (; i < count; ++i) {
+    const float b = _cvtsh_ss(biases[i]), want = _cvtsh_ss(scales[i]) * symmetric_bias_factor(bits);
+    if (std::memcmp(&b, &want, sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
+void expand_symmetric_avx2(const uint16_t* scales, size_t count, int bits, float* scales_out, float* biases_out) {
+  const __m256 factor = _mm256_set1_ps(symmetric_bias_factor(bits));
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + i)));
+    _mm256_storeu_ps(scales_out + i, s);
+    _mm256_storeu_ps(biases_out + i, _mm256_mul_ps(s, factor));
+  }
+  for (; i < count; ++i) {
+    scales_out[i] = _cvtsh_ss(scales[i]);
+    biases_out[i] = scales_out[i] * symmetric_bias_factor(bits);
+  }
+}
+
 void softmax_rows_avx2(const float* x, float* out, size_t rows, int S, int L, float scale, bool causal) {
   for (size_t r = 0; r < rows; ++r) {
     const int valid = causal ? std::min(S, S - L + int(r % size_t(L)) + 1) : S;

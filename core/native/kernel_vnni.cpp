@@ -9,8 +9,10 @@
 // "repack" CPU kernels do the same.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -38,7 +40,9 @@ inline __m512i x4(const int8_t* p) {
 // them to float32 before each piece cost Q4_K 0.34 ms for a 5632 x 2048 matrix against 0.26 read this way).
 template <ScaleType ST>
 inline __m512 tile_params(const void* base, int G, int group_size, int t, int gg) {
-  if constexpr (ST == ScaleType::compact) {
+  if constexpr (ST == ScaleType::symmetric) {
+    return params16<ScaleType::f16>(base, packed_param(G, t * kPackedTile, gg));
+  } else if constexpr (ST == ScaleType::compact) {
     const int P = compact_groups(group_size);
     const uint8_t* sb = static_cast<const uint8_t*>(base) + (size_t(t) * (G / P) + gg / P) * kPackedTile * (2 + P);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
@@ -49,12 +53,26 @@ inline __m512 tile_params(const void* base, int G, int group_size, int t, int gg
   }
 }
 
-// with_format, and compact parameters (which only the packed kernels read as they lie).
+// And a tile's 16 biases of group gg, given its scales sv (a symmetric format's are -2^(BITS - 1) sv, exact).
+template <int BITS, ScaleType ST>
+inline __m512 tile_biases(const void* base, int G, int group_size, int t, int gg, __m512 sv) {
+  if constexpr (ST == ScaleType::symmetric) {
+    return _mm512_mul_ps(sv, _mm512_set1_ps(symmetric_bias_factor(BITS)));
+  } else {
+    return tile_params<ST>(base, G, group_size, t, gg);
+  }
+}
+
+// with_format, and compact and symmetric parameters (which only the packed kernels read as they lie).
 template <typename F>
 void with_packed_format(const PackedMatmulArgs& a, F&& fn) {
-  if (a.scale_type == ScaleType::compact) {
+  if (a.scale_type == ScaleType::compact || a.scale_type == ScaleType::symmetric) {
     with_format(a.bits, ScaleType::f32, a.group_size == 16, [&](auto bits, auto, auto g16) {
-      fn(bits, std::integral_constant<ScaleType, ScaleType::compact>{}, g16);
+      if (a.scale_type == ScaleType::compact) {
+        fn(bits, std::integral_constant<ScaleType, ScaleType::compact>{}, g16);
+      } else {
+        fn(bits, std::integral_constant<ScaleType, ScaleType::symmetric>{}, g16);
+      }
     });
   } else {
     with_format(a.bits, a.scale_type, a.group_size == 16, fn);
@@ -167,7 +185,7 @@ void packed_tile(const PackedMatmulArgs& a, int t0, int t1, int m0) {
       for (int h = 0; h < H; ++h) {
         const int gg = H * g + h;  // the group
         const __m512 sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
-        const __m512 bv = tile_params<ST>(a.biases, G, a.group_size, t, gg);
+        const __m512 bv = tile_biases<BITS, ST>(a.biases, G, a.group_size, t, gg, sv);
         for (int i = 0; i < MT; ++i) {
           out[i] = _mm512_fmadd_ps(group[i][h], sv, out[i]);
           out[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[i][gg]), out[i]);
@@ -279,6 +297,52 @@ void dequant_packed_t(const DequantArgs& a, int t0, int t1, float* wt, size_t ld
 
 }  // namespace
 
+namespace {
+
+// The largest integer a fixed24 block holds: three signed bytes m = d0 + 256 d1 + 65536 d2, d0 and d1 balanced
+// remainders in [-128, 127], reach 127 * 65536 + 127 * 256 + 127 at most (the top digit would be 128 above it).
+constexpr double kFixed24Max = 127.0 * 65536 + 127 * 256 + 127;
+
+// e of 2^e for a block whose max |x| is amax (finite, not 0).
+int fixed24_exponent(float amax) {
+  int e2;
+  std::frexp(amax, &e2);  // amax = f * 2^e2, f in [0.5, 1)
+  const int e = e2 - 23;
+  return std::ldexp(double(amax), -e) > kFixed24Max ? e + 1 : e;
+}
+
+}  // namespace
+
+float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2]) {
+  half_sums[0] = half_sums[1] = 0;
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+  if (nan || !std::isfinite(amax) || amax == 0.0f) {
+    std::memset(q, 0, 96);
+    return amax == 0.0f && !nan ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const int e = fixed24_exponent(amax);
+  // m = round(x / 2^e), ties to even as nearbyint: x * 2^-e is exact in float (|m| < 2^23, and a value that would
+  // be subnormal rounds to 0 either way), so this is a product in double rounded, bit for bit.
+  const __m512 scale = _mm512_set1_ps(float(-e));
+  const __m512i bias = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i m = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(h == 0 ? x0 : x1, scale),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // Balanced base-256 digits: d0, d1 in [-128, 127], then the rest (arithmetic shifts, as the reference).
+    const __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(m, bias), low), bias);
+    const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(m, d0), 8);
+    const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, bias), low), bias);
+    const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(r, d1), 8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(d0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 + 16 * h), _mm512_cvtepi32_epi8(d1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 64 + 16 * h), _mm512_cvtepi32_epi8(d2));
+    half_sums[h] = _mm512_reduce_add_epi32(m);  // |m| <= 2^23, 16 of them: exact in int32
+  }
+  return float(std::ldexp(1.0, e));
+}
+
 void dequant_packed_t_vnni(const DequantArgs& a, int t0, int t1, float* wt, size_t ld) {
   with_format(a.bits, a.scale_type, false,
               [&](auto bits, auto st, auto) { dequant_packed_t<bits(), st()>(a, t0, t1, wt, ld); });
@@ -365,9 +429,10 @@ inline void tile_products(const int8_t* x, size_t x_stride, const uint8_t* codes
 #undef MLXCHAT_TILE_PRODUCTS
 
 // Rows m0 .. m0 + r - 1 of x (R = r, or 0 for a count known at run time) against tiles [t0, t1), whose codes are
-// `codes` (amx_rows). Each product's sums become floats while the next product runs on the tiles.
-template <int BITS, ScaleType ST, int DIGITS, bool G16, int R>
-void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const uint8_t* codes) {
+// `codes` and parameters `params` (amx_rows). Each product's sums become floats while the next product runs on the
+// tiles.
+template <int BITS, int DIGITS, bool G16, int R>
+void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const uint8_t* codes, const float* params) {
   const int rows = R ? R : r;
   const int K = a.K, G = K / a.group_size, blocks = K / 32, blocks_per_group = G16 ? 1 : a.group_size / 32;
   constexpr int H = G16 ? 2 : 1, KX = 32 / H;
@@ -402,8 +467,9 @@ void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const u
       const int gg = G16 ? 2 * blk + h : blk / blocks_per_group;
       __m512 sv = _mm512_setzero_ps(), bv = sv;
       if (whole) {
-        sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
-        bv = tile_params<ST>(a.biases, G, a.group_size, t, gg);
+        const float* p = params + (size_t(t - t0) * G + gg) * 2 * kPackedTile;
+        sv = _mm512_loadu_ps(p);
+        bv = _mm512_loadu_ps(p + kPackedTile);
       }
 #pragma GCC unroll 16
       for (int i = 0; i < rows; ++i) {
@@ -449,6 +515,19 @@ void amx_rows(const PackedMatmulArgs& a, int t0, int t1) {
       }
     }
   }
+  // And their parameters as fp32, [tile][group][scales, then biases][16]: each chunk of 16 rows of x reads them
+  // again, and made in place (an fp16 conversion; compact's D times q) they were 5% of a Q4_K matmul at 512 rows.
+  const int G = a.K / a.group_size;
+  thread_local std::vector<float> params;
+  params.resize(size_t(t1 - t0) * G * 2 * kPackedTile);
+  for (int t = t0; t < t1; ++t) {
+    for (int gg = 0; gg < G; ++gg) {
+      float* p = params.data() + (size_t(t - t0) * G + gg) * 2 * kPackedTile;
+      const __m512 sv = tile_params<ST>(a.scales, G, a.group_size, t, gg);
+      _mm512_storeu_ps(p, sv);
+      _mm512_storeu_ps(p + kPackedTile, tile_biases<BITS, ST>(a.biases, G, a.group_size, t, gg, sv));
+    }
+  }
   int configured = 0;
   for (int m0 = 0; m0 < a.M; m0 += 16) {
     const int r = a.M - m0 < 16 ? a.M - m0 : 16;
@@ -458,9 +537,9 @@ void amx_rows(const PackedMatmulArgs& a, int t0, int t1) {
     }
     // Whole chunks of 16 rows with the row count known, so that the rows' accumulators stay in registers.
     if (r == 16) {
-      amx_chunk<BITS, ST, DIGITS, G16, 16>(a, t0, t1, m0, 16, codes.data());
+      amx_chunk<BITS, DIGITS, G16, 16>(a, t0, t1, m0, 16, codes.data(), params.data());
     } else {
-      amx_chunk<BITS, ST, DIGITS, G16, 0>(a, t0, t1, m0, r, codes.data());
+      amx_chunk<BITS, DIGITS, G16, 0>(a, t0, t1, m0, r, codes.data(), params.data());
     }
   }
   _tile_release();  // no tile state kept between calls: a thread switch then has none to save

@@ -55,7 +55,9 @@ void repack(const uint8_t* w, const void* scales, const void* biases, size_t par
       const size_t plain = (size_t(n) * G + g) * param_bytes, packed = packed_param(G, n, g) * param_bytes;
       const size_t from = pack ? plain : packed, to = pack ? packed : plain;
       std::memcpy(static_cast<char*>(scales_out) + to, static_cast<const char*>(scales) + from, param_bytes);
-      std::memcpy(static_cast<char*>(biases_out) + to, static_cast<const char*>(biases) + from, param_bytes);
+      if (biases_out) {
+        std::memcpy(static_cast<char*>(biases_out) + to, static_cast<const char*>(biases) + from, param_bytes);
+      }
     }
   }
 }
@@ -97,39 +99,6 @@ void int8_block(const float* xb, float amax, int8_t* q, float& d, int64_t (&half
   }
 }
 
-// The largest integer a fixed24 block holds: three signed bytes m = d0 + 256 d1 + 65536 d2, d0 and d1 balanced
-// remainders in [-128, 127], reach 127 * 65536 + 127 * 256 + 127 at most (the top digit would be 128 above it).
-constexpr double kFixed24Max = 127.0 * 65536 + 127 * 256 + 127;
-
-// fixed24: x = 2^e * m with m an integer, 2^e the smallest power of two that puts the block's max |x| (amax,
-// finite) within kFixed24Max (so that |m| of the largest value is 2^22 .. 2^23: fp32's 24 significant bits, 23 when
-// the top digit would overflow). Scaling by a power of two is exact: rounding to an integer is the only step that
-// loses bits, and only bits below 2^e. The digits go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2). Sets the
-// sums of the two halves' integers m (the rounded x is d times them).
-void fixed24_block(const float* xb, float amax, int8_t* q, float& d, int64_t (&half_sums)[2]) {
-  half_sums[0] = half_sums[1] = 0;
-  if (amax == 0.0f) {
-    std::memset(q, 0, 96);
-    d = 0.0f;
-    return;
-  }
-  int e2;
-  std::frexp(amax, &e2);  // amax = f * 2^e2, f in [0.5, 1)
-  int e = e2 - 23;
-  if (std::ldexp(double(amax), -e) > kFixed24Max) ++e;
-  const double inv = std::ldexp(1.0, -e);
-  for (int k = 0; k < 32; ++k) {
-    const int32_t m = int32_t(std::nearbyint(double(xb[k]) * inv));
-    const int32_t d0 = ((m + 128) & 255) - 128, r = (m - d0) >> 8;
-    const int32_t d1 = ((r + 128) & 255) - 128, d2 = (r - d1) >> 8;
-    q[k] = int8_t(d0);
-    q[32 + k] = int8_t(d1);
-    q[64 + k] = int8_t(d2);
-    half_sums[k / 16] += m;
-  }
-  d = float(std::ldexp(1.0, e));
-}
-
 }  // namespace
 
 void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int8_t* xq, float* xd, float* xsum) {
@@ -143,15 +112,16 @@ void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int
     for (int b = 0; b < blocks; ++b) {
       int8_t* q = xq + size_t(m) * digits * K + size_t(b) * 32 * digits;
       float& d = xd[size_t(m) * blocks + b];
-      const float amax = block_amax(xr + 32 * b);
       int64_t h[2] = {0, 0};
-      if (!std::isfinite(amax)) {  // NaN or inf in: a NaN scale, so NaN out (as the fp32 kernel's sums give)
-        std::memset(q, 0, size_t(32) * digits);
+      if (form == XForm::fixed24) {
+        // fixed24 runs only where the VNNI kernel does (qmm.cpp's fixed24_runs), so its AVX-512 block can.
+        d = fixed24_block_vnni(xr + 32 * b, q, h);
+      } else if (const float amax = block_amax(xr + 32 * b); !std::isfinite(amax)) {
+        // NaN or inf in: a NaN scale, so NaN out (as the fp32 kernel's sums give)
+        std::memset(q, 0, 32);
         d = std::numeric_limits<float>::quiet_NaN();
-      } else if (form == XForm::int8) {
-        int8_block(xr + 32 * b, amax, q, d, h);
       } else {
-        fixed24_block(xr + 32 * b, amax, q, d, h);
+        int8_block(xr + 32 * b, amax, q, d, h);
       }
       // The rounded x is d times the integers: int8 rounds that product to float (d * sum, as llama.cpp does),
       // fixed24's is exact in double (d is a power of two).

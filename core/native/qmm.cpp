@@ -158,26 +158,36 @@ int chunk_rows(int K) {
   return std::max(16, (rows + 15) / 16 * 16);
 }
 
-// fn(u0, u1) over a weight's N rows [N, K] in chunks of chunk_rows(K) on the pool; for packed weights u counts
-// tiles of 16 rows (chunk_rows is a multiple of 16).
-void parallel_chunks(int N, int K, bool packed, const std::function<void(int, int)>& fn) {
-  const int unit = packed ? kPackedTile : 1, per_chunk = chunk_rows(K) / unit, units = N / unit;
+// fn(u0, u1) over a weight's N rows [N, K] in chunks of chunk_rows(K) on the pool, for M rows of x; for packed
+// weights u counts tiles of 16 rows (chunk_rows is a multiple of 16). A chunk of a prompt's rows is up to 8 times
+// shorter: with M rows each chunk is M times the work, and the embedded model's k/v projections (192 rows) were one
+// chunk, its q (576) a chunk of 464 and one of 112, so a 512-token prefill ran mostly on one of the two threads.
+void parallel_chunks(int N, int K, int M, bool packed, const std::function<void(int, int)>& fn) {
+  const int unit = packed ? kPackedTile : 1, units = N / unit;
+  const int shorter = std::clamp(M / 16, 1, 8);
+  const int per_chunk = std::max(1, (chunk_rows(K) / shorter + kPackedTile - 1) / kPackedTile * kPackedTile / unit);
   parallel_for((units + per_chunk - 1) / per_chunk,
                [&](int c) { fn(c * per_chunk, std::min(units, (c + 1) * per_chunk)); });
 }
 
 // ---- argument checks -----------------------------------------------------------------------------------------
 
-ScaleType scale_type(mx::Dtype t) {
+// Whether `biases` stands for a symmetric format's (kernel.h): an empty array of the scales' rows.
+bool symmetric(const mx::array& biases) {
+  return biases.ndim() == 2 && biases.shape(1) == 0;
+}
+
+ScaleType scale_type(const mx::array& scales, const mx::array& biases) {
+  const mx::Dtype t = scales.dtype();
   if (t == mx::float32) return ScaleType::f32;
-  if (t == mx::float16) return ScaleType::f16;
+  if (t == mx::float16) return symmetric(biases) ? ScaleType::symmetric : ScaleType::f16;
   if (t == mx::uint8) return ScaleType::compact;
   return ScaleType::bf16;
 }
 
 // The arguments for units (rows, or tiles of 16 rows where `packed`) [u0, u1) as a view whose units count from 0:
-// weights, parameters and outputs moved to unit u0. Compact parameters are expanded to fp32 for those units, into
-// `params`, which the kernel then reads from cache.
+// weights, parameters and outputs moved to unit u0. Compact and symmetric parameters are expanded to fp32 for those
+// units, into `params`, which the kernel then reads from cache.
 template <typename Args>
 Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& params) {
   const int G = a.K / a.group_size, rows = packed ? kPackedTile : 1;
@@ -190,6 +200,14 @@ Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& 
     expand_compact_avx2(static_cast<const uint8_t*>(a.scales), a.K, a.group_size, packed, u0, u1, params.data());
     expand_compact_avx2(static_cast<const uint8_t*>(a.biases), a.K, a.group_size, packed, u0, u1,
                         params.data() + count);
+    view.scales = params.data();
+    view.biases = params.data() + count;
+    view.scale_type = ScaleType::f32;
+  } else if (a.scale_type == ScaleType::symmetric) {
+    const size_t count = size_t(u1 - u0) * rows * G;
+    params.resize(2 * count);
+    expand_symmetric_avx2(static_cast<const uint16_t*>(a.scales) + first, count, a.bits, params.data(),
+                          params.data() + count);
     view.scales = params.data();
     view.biases = params.data() + count;
     view.scale_type = ScaleType::f32;
@@ -206,20 +224,20 @@ Args units_view(const Args& a, int u0, int u1, bool packed, std::vector<float>& 
   return view;
 }
 
-// Whether a kernel reads compact parameters as they lie (the packed ones on AVX-512: VNNI's and AMX's).
-bool reads_compact(PackedKernel kernel) {
+// Whether a kernel reads compact and symmetric parameters as they lie (the packed ones on AVX-512: VNNI's and AMX's).
+bool reads_params_in_place(PackedKernel kernel) {
   return kernel == &qmm_packed_rows_vnni || kernel == &qmm_packed_rows_amx;
 }
 template <typename Kernel>
-bool reads_compact(const Kernel&) {
+bool reads_params_in_place(const Kernel&) {
   return false;
 }
 
-// kernel(args, u0, u1) over units [u0, u1); with compact parameters that the kernel does not read itself, on
-// units_view's view (their fp32 expansion).
+// kernel(args, u0, u1) over units [u0, u1); with compact or symmetric parameters that the kernel does not read
+// itself, on units_view's view (their fp32 expansion).
 template <typename Args, typename Kernel>
 void run_units(const Args& a, int u0, int u1, bool packed, Kernel&& kernel) {
-  if (a.scale_type != ScaleType::compact || reads_compact(kernel)) {
+  if ((a.scale_type != ScaleType::compact && a.scale_type != ScaleType::symmetric) || reads_params_in_place(kernel)) {
     kernel(a, u0, u1);
     return;
   }
@@ -244,7 +262,12 @@ void check_weights(const mx::array& w, const mx::array& scales, const mx::array&
     throw std::invalid_argument("w's rows must hold a multiple of 32 values (" + std::to_string(w.shape(1)) +
                                 " words of " + std::to_string(bits) + "-bit codes do not)");
   }
-  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
+  if (symmetric(biases)) {
+    if (scales.dtype() != mx::float16 || biases.dtype() != mx::float16 || scales.ndim() != 2 ||
+        biases.shape(0) != scales.shape(0)) {
+      throw std::invalid_argument("symmetric parameters (empty biases) need float16 scales of the same rows");
+    }
+  } else if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
     throw std::invalid_argument("scales and biases must be 2-D arrays of the same shape and dtype");
   }
   if (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16 &&
@@ -315,20 +338,44 @@ std::vector<float> plain_x(const mx::array& x) {
   return plain;
 }
 
+// Rows of x quantized a piece (a piece of a prompt's rows each thread claims).
+constexpr int kQuantizeRows = 32;
+
+// x's rows as dense fp32: x itself where it is so, else a copy in `copy`.
+const float* float_rows(const mx::array& x, std::vector<float>& copy) {
+  if (x.dtype() == mx::float32) return rows_of(x, copy);
+  copy = plain_x(x);
+  return copy.data();
+}
+
 // x as the packed matmul takes it (PackedMatmulArgs's xq, xd, xsum), int8 or fixed24.
 struct PackedRows {
   XForm xform;
-  std::vector<int8_t> xq;
+  // Left uninitialized (every byte is written): zeroing a prompt's 3 MB of digits cost as much as a tenth of making
+  // them.
+  std::unique_ptr<int8_t[]> xq;
   std::vector<float> xd, xsum;
   PackedRows(const float* x, int M, int K, int group_size, XForm form)
-      : xform(form), xq(size_t(M) * K * digits_of(form)), xd(size_t(M) * (K / 32)),
+      : xform(form), xq(new int8_t[size_t(M) * K * digits_of(form)]), xd(size_t(M) * (K / 32)),
         xsum(size_t(M) * (K / group_size)) {
-    quantize_rows(x, M, K, group_size, form, xq.data(), xd.data(), xsum.data());
+    // Rows are independent: a prompt's are quantized on every thread (this runs before each projection's matmul,
+    // and alone it was 4.7 ms of a 512-row, K = 2048 one on one thread).
+    const int G = K / group_size, pieces = (M + kQuantizeRows - 1) / kQuantizeRows;
+    auto piece = [&](int p) {
+      const int m0 = p * kQuantizeRows, rows = std::min(M - m0, kQuantizeRows);
+      quantize_rows(x + size_t(m0) * K, rows, K, group_size, form, xq.get() + size_t(m0) * K * digits_of(form),
+                    xd.data() + size_t(m0) * (K / 32), xsum.data() + size_t(m0) * G);
+    };
+    if (pieces == 1) {
+      piece(0);
+    } else {
+      parallel_for(pieces, piece);
+    }
   }
   PackedMatmulArgs args(const mx::array& w, const mx::array& scales, const mx::array& biases, float* y, int M, int N,
                         int K, int group_size, int bits) const {
-    return PackedMatmulArgs{xq.data(), xd.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(),
-                            biases.data<void>(), scale_type(scales.dtype()), xform, y, M, N, K, group_size, bits};
+    return PackedMatmulArgs{xq.get(), xd.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(),
+                            biases.data<void>(), scale_type(scales, biases), xform, y, M, N, K, group_size, bits};
   }
 };
 
@@ -355,18 +402,19 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0);
       if (packed) {
-        const PackedRows xr(plain_x(x).data(), M, K, group_size, xform_of(int8));
+        std::vector<float> copy;
+        const PackedRows xr(float_rows(x, copy), M, K, group_size, xform_of(int8));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const PackedKernel kernel = packed_kernel(M);  // VNNI's (or AMX's) for fixed24 (check_weights)
-        parallel_chunks(N, K, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
+        parallel_chunks(N, K, M, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
         return;
       }
       std::vector<float> xq, xsum;
       prepare_rows(plain_x(x), M, K, group_size, bits, xq, xsum);
       QMatmulArgs a{xq.data(), xsum.data(), w.data<uint8_t>(), scales.data<void>(), biases.data<void>(),
-                    scale_type(scales.dtype()), out.data<float>(), M, N, K, group_size, bits};
+                    scale_type(scales, biases), out.data<float>(), M, N, K, group_size, bits};
       const RowsKernel kernel = rows_kernel();
-      parallel_chunks(N, K, false, [&](int n0, int n1) { run_units(a, n0, n1, false, kernel); });
+      parallel_chunks(N, K, M, false, [&](int n0, int n1) { run_units(a, n0, n1, false, kernel); });
     });
   }
 
@@ -406,9 +454,9 @@ class NativeDequantize : public mx::UnaryPrimitive {
                       biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_, bits = bits_, packed = packed_]() mutable {
       KernelTimer timer;
-      DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+      DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales, biases),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
-      parallel_chunks(a.N, a.K, packed, [&](int u0, int u1) {
+      parallel_chunks(a.N, a.K, 1, packed, [&](int u0, int u1) {
         run_units(a, u0, u1, packed, packed ? &dequant_packed_vnni : &dequant_rows_avx2);
       });
     });
@@ -473,12 +521,18 @@ class NativePackedLookup : public mx::UnaryPrimitive {
             std::fill_n(out.data<float>() + r * K, K, std::numeric_limits<float>::quiet_NaN());
             continue;
           }
-          if constexpr (std::is_same_v<T, uint8_t>) {  // compact: the row's tile's parameters as fp32
+          if constexpr (std::is_same_v<T, void*>) {  // compact or symmetric: the row's tile's parameters as fp32
             const int G = K / group_size, tile = int(id[r]) / kPackedTile;
-            std::vector<float> params(size_t(2) * G * kPackedTile);
-            expand_compact_avx2(scales.data<uint8_t>(), K, group_size, true, tile, tile + 1, params.data());
-            expand_compact_avx2(biases.data<uint8_t>(), K, group_size, true, tile, tile + 1,
-                                params.data() + size_t(G) * kPackedTile);
+            const size_t count = size_t(G) * kPackedTile;
+            std::vector<float> params(2 * count);
+            if (scales.dtype() == mx::uint8) {
+              expand_compact_avx2(scales.data<uint8_t>(), K, group_size, true, tile, tile + 1, params.data());
+              expand_compact_avx2(biases.data<uint8_t>(), K, group_size, true, tile, tile + 1,
+                                  params.data() + count);
+            } else {
+              expand_symmetric_avx2(scales.data<uint16_t>() + tile * count, count, bits, params.data(),
+                                    params.data() + count);
+            }
             packed_row<float>(w.data<uint8_t>(), params.data(), params.data() + size_t(G) * kPackedTile, tile, K,
                               group_size, bits, int(id[r]), out.data<float>() + r * K);
           } else {
@@ -487,8 +541,8 @@ class NativePackedLookup : public mx::UnaryPrimitive {
           }
         }
       };
-      if (scales.dtype() == mx::uint8) {
-        rows(uint8_t{});
+      if (scales.dtype() == mx::uint8 || symmetric(biases)) {
+        rows(static_cast<void*>(nullptr));
       } else if (scales.dtype() == mx::float32) {
         rows(float{});
       } else if (scales.dtype() == mx::float16) {
@@ -581,7 +635,9 @@ std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, con
   auto fresh = [](const mx::array& like) {
     return mx::array(mx::allocator::malloc(like.nbytes()), like.shape(), like.dtype());
   };
-  std::vector<mx::array> out{fresh(wd), fresh(sd), fresh(bd)};
+  // Symmetric parameters' empty biases stay as they are (nothing to reorder).
+  const bool sym = symmetric(bd);
+  std::vector<mx::array> out{fresh(wd), fresh(sd), sym ? bd : fresh(bd)};
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   const size_t param_bytes = sd.dtype() == mx::uint8 ? 0 : mx::size_of(sd.dtype());  // 0: compact (kernel.h)
   // Tiles of 16 rows are independent and each layout keeps a range of them contiguous (a row's bytes times the
@@ -593,9 +649,9 @@ std::vector<mx::array> repacked(const mx::array& w, const mx::array& scales, con
   const auto* b_in = bd.data<uint8_t>();
   parallel_pieces((tiles + per_piece - 1) / per_piece, [&](int piece) {
     const int n0 = piece * per_piece * kPackedTile, n1 = std::min(N, n0 + per_piece * kPackedTile);
-    repack(w_in + n0 * row_bytes, s_in + n0 * row_params, b_in + n0 * row_params, param_bytes, n1 - n0, K,
-           group_size, bits, out[0].data<uint8_t>() + n0 * row_bytes, out[1].data<uint8_t>() + n0 * row_params,
-           out[2].data<uint8_t>() + n0 * row_params);
+    repack(w_in + n0 * row_bytes, s_in + n0 * row_params, sym ? nullptr : b_in + n0 * row_params, param_bytes,
+           n1 - n0, K, group_size, bits, out[0].data<uint8_t>() + n0 * row_bytes,
+           out[1].data<uint8_t>() + n0 * row_params, sym ? nullptr : out[2].data<uint8_t>() + n0 * row_params);
   });
   return out;
 }
@@ -679,7 +735,7 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
       job.units = N / kPackedTile;
     } else {
       job.plain = QMatmulArgs{p.xq.data(), p.xsum.data(), t.w->data<uint8_t>(), t.scales->data<void>(),
-                              t.biases->data<void>(), scale_type(t.scales->dtype()), t.y, M, N, K, t.group_size,
+                              t.biases->data<void>(), scale_type(*t.scales, *t.biases), t.y, M, N, K, t.group_size,
                               t.bits};
       job.units = N;
     }
@@ -749,7 +805,7 @@ class NativeDequantizedMatmul : public mx::UnaryPrimitive {
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0), unit = packed ? kPackedTile : 1;
       const std::vector<float> xs = plain_x(x);
-      const DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales.dtype()),
+      const DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales, biases),
                           nullptr, N, K, group_size, bits};
       const int rows = gemm_rows(K);
       thread_local std::vector<float> weights, params;
@@ -887,6 +943,18 @@ std::optional<std::vector<mx::array>> compact_params(const mx::array& scales, co
     out.push_back(std::move(c));
   }
   return out;
+}
+
+bool biases_symmetric(const mx::array& scales, const mx::array& biases, int bits) {
+  if (scales.dtype() != mx::float16 || biases.dtype() != mx::float16 || scales.shape() != biases.shape() ||
+      (bits != 4 && bits != 5 && bits != 6 && bits != 8)) {
+    return false;
+  }
+  if (!cpu_supported()) throw std::runtime_error(cpu_unsupported_reason());
+  auto s = cpu_stream();
+  std::vector<mx::array> in{dense(scales, s), dense(biases, s)};
+  mx::eval(in);
+  return biases_symmetric_avx2(in[0].data<uint16_t>(), in[1].data<uint16_t>(), in[0].size(), bits);
 }
 
 std::vector<mx::array> expand_params(const mx::array& scales, const mx::array& biases, int group_size, bool packed) {

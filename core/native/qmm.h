@@ -81,6 +81,9 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 // op (with MLX's layout of w, or pack_weights's); every op computes with the same float32 values. Computed now.
 std::optional<std::vector<mx::array>> compact_params(const mx::array& scales, const mx::array& biases,
                                                      int group_size);
+// Whether float16 scales and biases of one shape are a symmetric format's (kernel.h): every bias -2^(bits - 1) times
+// its scale, exactly in float32. Evaluates its inputs; false for other dtypes or shapes.
+bool biases_symmetric(const mx::array& scales, const mx::array& biases, int bits);
 // The inverse: compact parameters (MLX's layout, or pack_weights's with `packed`) as float32 [N, G] in MLX's layout.
 std::vector<mx::array> expand_params(const mx::array& scales, const mx::array& biases, int group_size, bool packed);
 
