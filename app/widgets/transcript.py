@@ -87,6 +87,10 @@ class ClosedText(OneLayout, Static):
     """Closed blocks shown as their text while the reply streams (see COSTLY_BLOCKS)."""
 
 
+class MessageText(OneLayout, Static):
+    """A message's label, or a user's text: plain text that grows only with its content (no second layout)."""
+
+
 def closed_block(text: str) -> Widget:
     """The widget for closed blocks of a streaming reply: Markdown, or their text where that costs too much now."""
     if any(t.type in COSTLY_BLOCKS for t in _PARSER.parse(text)):
@@ -103,7 +107,9 @@ class StreamedReply(OneLayout, Vertical):
     once, in full, by its ``ReplyMarkdown``."""
 
     DEFAULT_CSS = "StreamedReply { height: auto; }"
-    MIN_LINES = 12  # closed blocks wait for this many lines, then mount together: each mount costs a layout
+    # Closed blocks wait for this many lines, then mount together: each mount costs two layouts of the screen (the
+    # block, then Textual's Markdown mounts its own blocks), where repainting the open block's lines costs ~1 ms.
+    MIN_LINES = 24
 
     def __init__(self, text: str = "") -> None:
         super().__init__(classes="streamed")
@@ -226,7 +232,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.reasoning, self.thought = reasoning, thought  # a thinking model's reasoning, and its block's title
 
     def compose(self) -> ComposeResult:
-        yield Static(self.label, classes="role", markup=False)
+        yield MessageText(self.label, classes="role", markup=False)
         if self.reasoning:
             yield ThinkingBlock(self.reasoning, self.thought or "thought")
         if self.role == "assistant" and self.turn is not None and self.turn.message.tool_calls:
@@ -238,7 +244,7 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         elif self.role == "assistant":
             yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
-            yield Static(self.text, classes="body", markup=False)
+            yield MessageText(self.text, classes="body", markup=False)
         yield FieldsLine(self.stats, classes="stats")
 
     @property
