@@ -340,7 +340,7 @@ class ReplyApp(App):
     def compose(self) -> ComposeResult:
         from mlxchat.app.widgets.transcript import MessageView
 
-        yield MessageView("assistant", self.reply_text)
+        yield MessageView("assistant", self.reply_text, streaming=True)
 
 
 def _count_layouts(app: App) -> list[int]:
@@ -368,7 +368,7 @@ async def test_a_rich_reply_streams_without_a_layout_a_batch_and_ends_as_textual
 
     class SideBySide(App):
         def compose(self) -> ComposeResult:
-            yield MessageView("assistant", "")
+            yield MessageView("assistant", "", streaming=True)
             yield Markdown(MARKDOWN_REPLY, id="plain")
 
     app = SideBySide()
@@ -423,7 +423,6 @@ async def test_a_reply_shown_again_mid_stream_keeps_what_came_and_appends_the_re
     app = ReplyApp("Hello")
     async with app.run_test(size=(60, 20)):
         view = app.query_one(MessageView)
-        view.start_stream()
         for batch in (",", " world", "!"):
             await view.write(batch)
         assert view.text == "Hello, world!" == str(view.query_one(OpenBlock).content)

@@ -226,8 +226,8 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.stats = stats
         self.turn = turn  # the controller's turn it shows
         self.finish_reason: str | None = None
-        self._streaming = streaming
-        self._stream: StreamedReply | None = None  # what shows the reply while it streams
+        # What shows the reply while it streams (its text so far, then each batch); None once it is final.
+        self._stream = StreamedReply(text) if streaming else None
         self._code_index = 0
         self.reasoning, self.thought = reasoning, thought  # a thinking model's reasoning, and its block's title
 
@@ -237,19 +237,14 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             yield ThinkingBlock(self.reasoning, self.thought or "thought")
         if self.role == "assistant" and self.turn is not None and self.turn.message.tool_calls:
             yield ToolCalls(self.turn.message.tool_calls)
-        if self.role == "assistant" and self._streaming:
+        if self.role == "assistant" and self._stream is not None:
             yield ReplyMarkdown("", classes="body", open_links=False, parser_factory=_parser)
-            self._stream = StreamedReply(self.text)
             yield self._stream
         elif self.role == "assistant":
             yield ReplyMarkdown(self.text, classes="body", open_links=False, parser_factory=_parser)
         else:
             yield MessageText(self.text, classes="body", markup=False)
         yield FieldsLine(self.stats, classes="stats")
-
-    @property
-    def streaming(self) -> bool:
-        return self._streaming
 
     @property
     def text(self) -> str:
@@ -265,28 +260,15 @@ class MessageView(OneLayout, Vertical, can_focus=True):
 
     # --- streaming -----------------------------------------------------------------------------------------------
 
-    def start_stream(self) -> None:
-        """Batches now append to the text this view shows (a reply shown again mid-stream keeps what came)."""
-        self._streaming = True
-        self.add_class("streaming")
-
     async def write(self, text: str) -> None:
-        """Append a batch of the reply to its ``StreamedReply``, made here at the first batch unless the view was
-        made streaming. Awaited inside the caller's ``App.batch_update``, so the text and the stats line change in
-        one screen update; the bridge thread coalesces what arrives while the UI is busy."""
-        if not self._streaming:
-            self.start_stream()
+        """Append a batch of the reply (the view was made ``streaming``) to its ``StreamedReply``. Awaited inside the
+        caller's ``App.batch_update``, so the text and the stats line change in one screen update; the bridge thread
+        coalesces what arrives while the UI is busy."""
+        assert self._stream is not None, "a reply streams into a view made with streaming=True, until it finishes"
         if not text:
             return
         self._parts.append(text)
-        if not self.is_attached:  # the app is quitting: the reply is saved from its parts, nothing more is drawn
-            return
-        if self._stream is None:  # the first batch: the reply streams on in a StreamedReply, from what came so far
-            self._stream = StreamedReply()
-            await self.query_one(".body", Markdown).update("")
-            await self.mount(self._stream, after=self.query_one(".body"))
-            await self._stream.append(self.text)
-        else:
+        if self.is_attached:  # else the app is quitting: the reply is saved from its parts, nothing more is drawn
             await self._stream.append(text)
 
     @property
@@ -312,7 +294,6 @@ class MessageView(OneLayout, Vertical, can_focus=True):
 
     async def finish(self, text: str, stats: str, finish_reason: str | None = None) -> None:
         """End the stream and parse the final text once, in full."""
-        self._streaming = False
         self.remove_class("streaming")
         self.text = text
         self.finish_reason = finish_reason
