@@ -138,6 +138,35 @@ def from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
         return _from_gguf_metadata(metadata)
 
 
+def _byte_level_backend(architecture: str, fields: dict[str, Any]) -> Any:  # noqa: ANN401 - a tokenizers.Tokenizer
+    """transformers' conversion of a byte-level (GPT-2 style) GGUF vocabulary, built the same way in a third of the
+    time, or None for any other kind (transformers converts those itself). The same steps as its
+    `convert_gguf_tokenizer` (tests/test_loader.py holds the two to the byte of their serialization); two of them cost
+    most of the embedded model's load: it checks each of the 49k tokens' spelling in a Python loop (one pass over
+    their concatenation here when all are spelled in the byte alphabet, as every file llama.cpp writes is), and it
+    builds a dict of the whole vocabulary (~20 ms) to look up USER_DEFINED tokens where a file has none."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    if mapping.select_tokenizer_builder(architecture, fields.get("tokenizer_type")) is not mapping.byte_level_tokenizer:
+        return None
+    tokens, types = fields["tokens"], fields.get("token_type") or ()
+    alphabet = frozenset(bytes_to_unicode().values())
+    if not alphabet.issuperset("".join(tokens)):
+        return None  # a token spelled outside the byte alphabet: transformers respells it
+    tokenizer = mapping.GPT2Tokenizer(vocab=dict(zip(tokens, range(len(tokens)))), merges=mapping.get_merges(fields))
+    control = [AddedToken(token, normalized=False, special=True)
+               for token, kind in zip(tokens, types) if kind == 3 and alphabet.issuperset(token)]  # 3: CONTROL
+    if control:
+        tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
+    if 4 in types:  # USER_DEFINED, e.g. <think>: added whole but not special, where the vocabulary has them
+        vocab = tokenizer.get_vocab()
+        tokenizer.add_tokens([AddedToken(token, normalized=False, special=False)
+                              for token, kind in zip(tokens, types) if kind == 4 and token in vocab])
+    return mapping.set_split_regex(tokenizer, fields).backend_tokenizer
+
+
 def _from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
@@ -145,7 +174,8 @@ def _from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
     fields = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
               if f"tokenizer.{key}" in metadata}
     tokens = fields["tokens"]
-    backend, _ = convert_gguf_tokenizer(metadata.get("general.architecture", "llama"), fields)
+    architecture = metadata.get("general.architecture", "llama")
+    backend = _byte_level_backend(architecture, fields) or convert_gguf_tokenizer(architecture, fields)[0]
 
     def token(key: str) -> str | None:
         i = metadata.get(f"tokenizer.ggml.{key}")

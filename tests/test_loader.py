@@ -133,10 +133,28 @@ def _sentencepiece_metadata() -> dict:
             "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
 
 
-@pytest.mark.parametrize("which", ["embedded", "sentencepiece"])
+def _byte_level_variant(which: str) -> dict:
+    """The embedded (byte-level BPE) metadata changed where core/tokenizer.py's own byte-level build branches."""
+    from tests.model_files import embedded_metadata
+
+    meta = embedded_metadata()
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    if which == "user-defined":  # added whole but not special (a thinking model's <think>)
+        for i in (300, 301, 49151):
+            types[i] = 4
+    elif which == "unspelled":  # a token outside the byte alphabet: transformers respells it
+        tokens.append("plain é space")
+        types.append(1)
+    elif which == "llama-bpe":  # a pre-tokenizer transformers knows: its split regex
+        meta["tokenizer.ggml.pre"] = "llama-bpe"
+    return meta | {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+
+
+@pytest.mark.parametrize("which", ["embedded", "sentencepiece", "user-defined", "unspelled", "llama-bpe"])
 def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
-    """from_gguf_metadata wraps transformers' converted backend itself instead of a deep copy of it: the tokenizer
-    must be the one `PreTrainedTokenizerFast(tokenizer_object=...)` makes, to the byte of its serialization."""
+    """from_gguf_metadata builds what transformers' own conversion builds (a byte-level vocabulary by its own
+    quicker steps) and wraps it without a deep copy: the tokenizer must be the one
+    `PreTrainedTokenizerFast(tokenizer_object=convert_gguf_tokenizer(...))` makes, to the byte of its serialization."""
     import gc
 
     from transformers import PreTrainedTokenizerFast
@@ -145,7 +163,8 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
     from mlxchat.core.tokenizer import _END_TOKENS, from_gguf_metadata
     from tests.model_files import embedded_metadata
 
-    meta = embedded_metadata() if which == "embedded" else _sentencepiece_metadata()
+    meta = {"embedded": embedded_metadata, "sentencepiece": _sentencepiece_metadata}.get(
+        which, lambda: _byte_level_variant(which))()
     fields = {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
               if f"tokenizer.{key}" in meta}
     tokens = fields["tokens"]
