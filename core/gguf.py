@@ -2,8 +2,9 @@
 
 `mx.load` reads GGUF tensors fast, but a truncated or malformed file can take the process down or fail
 with a message that does not name the problem. This reader walks the header, the metadata and the
-tensor table in pure Python, bounds-checks every length against the file size, and raises a
-`ModelLoadError` with one line naming the file and the cause. Only then are tensors loaded.
+tensor table in Python (its long string arrays natively where the loader asks), bounds-checks every
+length against the file size, and raises a `ModelLoadError` with one line naming the file and the
+cause. Only then are tensors loaded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -101,9 +103,16 @@ class GGUFHeader:
         return f"{kind}: {mix}"
 
 
+# A native reader of string arrays (core/native's `gguf_strings`): (path, offset, count) -> (strings, the byte after
+# the last one read, "" or why it stopped early). The loader passes it; everything else reads in Python.
+StringsReader = Callable[[str, int, int], tuple[list[str], int, str]]
+# Arrays shorter than this are read in Python: a native call maps the file, which only pays off on a vocabulary.
+_NATIVE_STRINGS = 256
+
+
 class _Reader:
-    def __init__(self, f: BinaryIO, size: int, path: Path) -> None:
-        self.f, self.size, self.pos, self.path = f, size, 0, path
+    def __init__(self, f: BinaryIO, size: int, path: Path, native: StringsReader | None = None) -> None:
+        self.f, self.size, self.pos, self.path, self.native = f, size, 0, path, native
         self.float64 = False  # whether any metadata value is a float64 (see check_loadable)
 
     def fail(self, what: str) -> ModelLoadError:
@@ -126,7 +135,15 @@ class _Reader:
     def strings(self, count: int) -> list[str]:
         """`count` strings (each a uint64 length and its UTF-8 bytes) in one loop: a vocabulary and its merges are
         ~100k of them, where a call chain per string was most of a header's parsing time."""
-        read, pos, out = self.f.read, self.pos, []
+        out: list[str] = []
+        if self.native is not None and count >= _NATIVE_STRINGS:
+            out, end, problem = self.native(str(self.path), self.pos, count)
+            self.pos = end
+            self.f.seek(end)
+            if not problem:
+                return out
+            count -= len(out)  # the loop below reads the bad string again, and says what is wrong with it
+        read, pos = self.f.read, self.pos
         try:
             for _ in range(count):
                 if pos + 8 > self.size:
@@ -171,15 +188,16 @@ class _Reader:
         raise self.fail(f"unknown metadata value type {vtype}")
 
 
-def read_header(path: str | Path) -> GGUFHeader:
-    """Parse and bounds-check a GGUF file's header, metadata and tensor table."""
+def read_header(path: str | Path, strings: StringsReader | None = None) -> GGUFHeader:
+    """Parse and bounds-check a GGUF file's header, metadata and tensor table; `strings` reads the long string arrays
+    (the vocabulary and merges) where given."""
     path = Path(path)
     try:
         with open(path, "rb", buffering=1 << 20) as f:
             size = os.fstat(f.fileno()).st_size
             if size < len(GGUF_MAGIC):
                 raise ModelLoadError(path, f"file is {size} bytes, too short to be a GGUF model")
-            return _parse(_Reader(f, size, path))
+            return _parse(_Reader(f, size, path, strings))
     except OSError as e:
         raise ModelLoadError(path, e.strerror or str(e)) from None
 

@@ -79,10 +79,12 @@ def _set_weights(module: nn.Module, layer: nn.Module, pack: bool, int8: bool, pa
     if module.packed and not packed:
         weights = native.pack_weights(*weights, group_size=layer.group_size, bits=layer.bits)
     module.weight, module.scales, module.biases = weights
-    # Q4_0/Q5_0/Q8_0's biases are their scales times -2^(bits - 1): the kernels compute them instead of reading them.
-    stand_in = native.symmetric_biases(module.scales, module.biases, bits=layer.bits)
-    if stand_in is not None:
-        module.biases = stand_in
+    # Q4_0/Q5_0/Q8_0's biases are their scales times -2^(bits - 1): the kernels compute them instead of reading them
+    # (`native.read_ggml` gives the stand-in already).
+    if not native.is_symmetric(module.biases):
+        stand_in = native.symmetric_biases(module.scales, module.biases, bits=layer.bits)
+        if stand_in is not None:
+            module.biases = stand_in
 
 
 # Subclasses of MLX's quantized layers, so code that looks for quantized layers (mlx-lm's utilities, the bench's
@@ -138,15 +140,21 @@ def use_native(model: nn.Module, int8: bool = False, packed: Collection[str] = (
     (`native.read_ggml` read them so), which are taken as they are."""
     pack = int8 or native.packs_exact()
     paths = [path for path, module in model.named_modules() if supports(module)]
+    as_they_are = []  # layers that take the arrays they were given: swapped in together, at the end
     for path in paths:
-        # One at a time, each evaluated and swapped in before the next is packed: the old arrays go as the new ones
-        # come, so a model is never held twice (a 1.1B model's load peaked at twice its weights).
         module = _submodule(model, path)
         cls = NativeQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) else NativeQuantizedLinear
         new = cls(module, pack, int8, path in packed)
+        if new["weight"] is module["weight"]:
+            as_they_are.append((path, new))
+            continue
+        # Repacked: one at a time, each evaluated and swapped in before the next is packed, so the old arrays go as
+        # the new ones come and a model is never held twice (a 1.1B model's load peaked at twice its weights).
         mx.eval(new.parameters())
         model.update_modules(tree_unflatten([(path, new)]))
         heap.give_back_freed_memory()
+    if as_they_are:
+        model.update_modules(tree_unflatten(as_they_are))
     return len(paths)
 
 

@@ -247,3 +247,43 @@ def test_extreme_logits_give_a_valid_unmasked_token(data) -> None:
     for _ in range(2):
         token = s.step(mx.array(x))[0].item()
         assert 0 <= token < x.size and np.isfinite(x[token]), f"token {token} for {x} with {s.describe()}"
+
+
+def _outcome(path: Path, strings: gguf.StringsReader | None) -> object:
+    try:
+        header = gguf.read_header(path, strings)
+    except ModelLoadError as e:
+        return str(e)
+    return header.metadata, header.tensors, header.data_start
+
+
+@pytest.fixture()
+def native_strings(monkeypatch: pytest.MonkeyPatch) -> gguf.StringsReader:
+    from mlxchat.core import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    monkeypatch.setattr(gguf, "_NATIVE_STRINGS", 1)  # every string array natively, the seed's short ones too
+    return native.gguf_strings
+
+
+def test_the_native_string_reader_parses_every_truncation_as_python_does(scratch: Path,
+                                                                         native_strings: gguf.StringsReader) -> None:
+    """The loader reads a vocabulary's strings natively (core/native's gguf_strings): the same header, or the same
+    one-line error, as the Python reader, for every prefix of the seed file and a bad UTF-8 byte in a string."""
+    for cut in range(len(SEED) + 1):
+        scratch.write_bytes(SEED[:cut])
+        assert _outcome(scratch, native_strings) == _outcome(scratch, None), cut
+    at = SEED.index(b"ab") if b"ab" in SEED else None
+    assert at is not None
+    scratch.write_bytes(SEED[:at] + b"\xff" + SEED[at + 1:])
+    message = _outcome(scratch, native_strings)
+    assert message == _outcome(scratch, None) and "not valid UTF-8" in str(message)
+
+
+@given(st.randoms(use_true_random=False))
+@settings(FUZZ, max_examples=100)
+def test_the_native_string_reader_parses_mutants_as_python_does(scratch: Path, native_strings: gguf.StringsReader,
+                                                                rng: random.Random) -> None:
+    scratch.write_bytes(fz.mutate(rng, SEED, FIELDS))
+    assert _outcome(scratch, native_strings) == _outcome(scratch, None)

@@ -182,6 +182,8 @@ def test_the_native_reader_gives_the_numpy_conversions_values_in_each_layout(tmp
     offset = header.data_start + header.tensors[0].offset
 
     def as_f32(s: mx.array, b: mx.array, packed: bool) -> tuple[np.ndarray, np.ndarray]:
+        if native.is_symmetric(b):  # Q4_0/Q5_0/Q8_0: the stand-in, in the scales' layout
+            b = native.expand_symmetric(s, bits=fmt.bits)
         if native.is_compact(s):
             s, b = native.expand_params(s, b, group_size=fmt.group_size, packed=packed)
         elif packed:  # f16 parameters in tiles: back to MLX's layout through the reference unpacking
@@ -194,6 +196,7 @@ def test_the_native_reader_gives_the_numpy_conversions_values_in_each_layout(tmp
         got_w, got_s, got_b = got
         assert got_w.dtype == mx.uint32 and got_w.shape == w.shape
         assert native.is_compact(got_s) == type_name.endswith("_K")
+        assert native.is_symmetric(got_b) == (type_name in ("Q4_0", "Q5_0", "Q8_0"))
         want_w = native.pack_weights(w, scales, biases, group_size=fmt.group_size, bits=fmt.bits)[0] if packed else w
         assert np.array_equal(np.array(got_w), np.array(want_w)), packed
         # Every parameter bit for bit, signs of zero included (float32 bits compared).
@@ -204,6 +207,29 @@ def test_the_native_reader_gives_the_numpy_conversions_values_in_each_layout(tmp
         dense = native.dequantize(got_w, got_s, got_b, group_size=fmt.group_size, bits=fmt.bits, packed=packed)
         assert np.array_equal(np.array(dense), _reference(bytes(np.fromfile(header.path, np.uint8)[offset:]
                                                                [:header.tensors[0].nbytes]), type_name, rows))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q8_0"])
+def test_the_native_reader_stores_symmetric_biases_only_where_the_product_overflows(tmp_path: Path,
+                                                                                   type_name: str) -> None:
+    """A block whose d * -2^(bits - 1) is no f16 (it overflows) keeps stored biases, the f16 product as the NumPy
+    conversion computes it; the loader's layers then run on them (`symmetric_biases` finds them not symmetric)."""
+    native = loader.native
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    rows, cols = 16, 64
+    raw = np.frombuffer(random_blocks(type_name, rows * cols, np.random.default_rng(5)), np.uint8).copy()
+    blocks = raw.reshape(rows * cols // 32, -1)
+    blocks[3, 0:2] = np.array([30000], np.float16).view(np.uint8)  # d * -8 and beyond: -inf as an f16
+    header = _one_tensor_file(tmp_path / "t.gguf", type_name, (rows, cols), blocks.tobytes())
+    want = gguf_tensors.read_tensors(header, ["t.weight"]).arrays["t.biases"]
+    for packed in (False, True):
+        w, s, b = native.read_ggml(str(header.path), header.data_start + header.tensors[0].offset, type_name, rows,
+                                   cols, packed=packed)
+        assert not native.is_symmetric(b) and native.symmetric_biases(s, b, bits=int(type_name[1])) is None
+        if packed:
+            _, _, b = native.unpack_weights(w, s, b, group_size=32, bits=int(type_name[1]))
+        assert np.array_equal(np.array(b).view(np.uint16), np.array(want).view(np.uint16)), packed
 
 
 def test_the_native_reader_refuses_what_does_not_fit(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@
 
 #include "blocks.h"
 #include "convert.h"
+#include "gguf_strings.h"
 #include "layer.h"
 #include "nucleus.h"
 #include "qmm.h"
@@ -32,8 +33,12 @@ NB_MODULE(_ext, m) {
         "packed"_a = false, "compact_params's arrays back as float32 [N, G] in MLX's layout.");
   m.def("biases_symmetric", &mlxchat::biases_symmetric, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a,
         "Whether every float16 bias is -2^(bits - 1) times its scale, exactly in float32.");
+  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/loader.py).
   m.def("read_ggml", &mlxchat::read_ggml, "path"_a, "offset"_a, "type"_a, "N"_a, "K"_a, nb::kw_only(), "packed"_a,
+        nb::call_guard<nb::gil_scoped_release>(),
         "A ggml-quantized tensor read from a GGUF file as [w, scales, biases] (packed: pack_weights's tiles).");
+  m.def("gguf_strings", &mlxchat::gguf_strings, "path"_a, "offset"_a, "count"_a,
+        "count GGUF metadata strings from byte offset: (list, end, '' or where it went wrong: 'ends', 'utf-8').");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);
   m.def("packs_exact", &mlxchat::packs_exact);
   m.def("packs_on_amx", &mlxchat::packs_on_amx);

@@ -13,6 +13,7 @@
 
 #include "kernel.h"
 #include "mlx/allocator.h"
+#include "mlx/ops.h"
 #include "mlx/types/half_types.h"
 #include "qmm.h"
 
@@ -24,16 +25,17 @@ namespace {
 struct Format {
   const char* name;
   int block_values, block_bytes, bits, group_size;
-  bool k_quant;  // parameters in the compact form (two levels, as the file has them)
+  bool k_quant;    // parameters in the compact form (two levels, as the file has them)
+  bool symmetric;  // each bias is -2^(bits - 1) times its scale: native.symmetric_biases' stand-in takes their place
 };
-constexpr std::array<Format, 8> kFormats{{{"Q4_0", 32, 18, 4, 32, false},
-                                          {"Q4_1", 32, 20, 4, 32, false},
-                                          {"Q5_0", 32, 22, 5, 32, false},
-                                          {"Q5_1", 32, 24, 5, 32, false},
-                                          {"Q8_0", 32, 34, 8, 32, false},
-                                          {"Q4_K", 256, 144, 4, 32, true},
-                                          {"Q5_K", 256, 176, 5, 32, true},
-                                          {"Q6_K", 256, 210, 6, 16, true}}};
+constexpr std::array<Format, 8> kFormats{{{"Q4_0", 32, 18, 4, 32, false, true},
+                                          {"Q4_1", 32, 20, 4, 32, false, false},
+                                          {"Q5_0", 32, 22, 5, 32, false, true},
+                                          {"Q5_1", 32, 24, 5, 32, false, false},
+                                          {"Q8_0", 32, 34, 8, 32, false, true},
+                                          {"Q4_K", 256, 144, 4, 32, true, false},
+                                          {"Q5_K", 256, 176, 5, 32, true, false},
+                                          {"Q6_K", 256, 210, 6, 16, true, false}}};
 
 // One block: its values' codes (MLX's, unsigned) and its parameters. A legacy block is one group: f16 bits of its
 // scale and bias. A K-quant block is one compact super-block: D's f16 bits and the groups' multipliers, for the
@@ -239,7 +241,16 @@ void put_packed32(const uint8_t* c, int j, uint8_t* block) {
   }
 }
 
-// The tensor's output arrays, and what places a row's values in them.
+// Whether a legacy symmetric type's bias (d * -2^(bits - 1) as an f16) is that product in float32 too, bit for bit:
+// then the kernels compute it from the scale (native.symmetric_biases' stand-in) and it is never stored. Only an f16
+// product that overflows is not.
+bool bias_is_symmetric(uint16_t scale, uint16_t bias, int bits) {
+  const float got = f16_value(bias), want = f16_value(scale) * symmetric_bias_factor(bits);
+  return std::memcmp(&got, &want, sizeof(float)) == 0;
+}
+
+// The tensor's output arrays, and what places a row's values in them. `biases` is null for a symmetric type
+// (Q4_0, Q5_0, Q8_0) until a block is found whose bias is not symmetric.
 struct Out {
   uint8_t *w, *scales, *biases;
   int K, group_size;
@@ -248,9 +259,10 @@ struct Out {
 };
 
 // Rows [n0, n1) of kFormats[T] from their file bytes `in` into `out`; false where a block's parameters do not fit
-// the compact form.
+// the compact form. A symmetric type's biases are written only where `out.biases` is given; `asymmetric` is set
+// where a block's bias is not symmetric.
 template <int T>
-bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out) {
+bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out, std::atomic<bool>& asymmetric) {
   constexpr Format f = kFormats[T];
   constexpr int bits = f.bits, values = f.block_values;
   const int K = out.K, blocks = K / values, G = K / f.group_size;
@@ -274,7 +286,11 @@ bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out) {
       if constexpr (!f.k_quant) {
         const size_t at = out.packed ? packed_param(G, n, b) : size_t(n) * G + b;
         s16[at] = block.scale;
-        b16[at] = block.bias;
+        if constexpr (f.symmetric) {
+          if (!bias_is_symmetric(block.scale, block.bias, bits)) asymmetric.store(true, std::memory_order_relaxed);
+        } else {
+          b16[at] = block.bias;
+        }
       } else {
         for (int i = 0; i < 2; ++i) {
           const size_t at = compact_place(K, f.group_size, n, b, i, out.packed);
@@ -292,16 +308,16 @@ bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out) {
   return true;
 }
 
-bool convert(int type, const uint8_t* in, int n0, int n1, const Out& out) {
+bool convert(int type, const uint8_t* in, int n0, int n1, const Out& out, std::atomic<bool>& asymmetric) {
   switch (type) {
-    case 0: return convert_rows<0>(in, n0, n1, out);
-    case 1: return convert_rows<1>(in, n0, n1, out);
-    case 2: return convert_rows<2>(in, n0, n1, out);
-    case 3: return convert_rows<3>(in, n0, n1, out);
-    case 4: return convert_rows<4>(in, n0, n1, out);
-    case 5: return convert_rows<5>(in, n0, n1, out);
-    case 6: return convert_rows<6>(in, n0, n1, out);
-    case 7: return convert_rows<7>(in, n0, n1, out);
+    case 0: return convert_rows<0>(in, n0, n1, out, asymmetric);
+    case 1: return convert_rows<1>(in, n0, n1, out, asymmetric);
+    case 2: return convert_rows<2>(in, n0, n1, out, asymmetric);
+    case 3: return convert_rows<3>(in, n0, n1, out, asymmetric);
+    case 4: return convert_rows<4>(in, n0, n1, out, asymmetric);
+    case 5: return convert_rows<5>(in, n0, n1, out, asymmetric);
+    case 6: return convert_rows<6>(in, n0, n1, out, asymmetric);
+    case 7: return convert_rows<7>(in, n0, n1, out, asymmetric);
   }
   return false;
 }
@@ -348,8 +364,13 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
   const mx::Dtype param_type = f.k_quant ? mx::uint8 : mx::float16;
   const size_t param_bytes = size_t(N) * param_cols * mx::size_of(param_type);
   mx::array scales(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
-  mx::array biases(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
-  const Out out{w.data<uint8_t>(), scales.data<uint8_t>(), biases.data<uint8_t>(), K, f.group_size, row_out, packed};
+  // A symmetric type's biases are made only if some block's is not symmetric (then from the scales, after): the
+  // stand-in takes their place, and storing them first cost the load's peak a ninth of a Q4_0 file's size.
+  mx::array biases = f.symmetric ? mx::zeros({N, 0}, mx::float16)
+                                 : mx::array(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
+  const Out out{w.data<uint8_t>(), scales.data<uint8_t>(), f.symmetric ? nullptr : biases.data<uint8_t>(), K,
+                f.group_size, row_out, packed};
+  std::atomic<bool> asymmetric{false};
 
   // Pieces of whole tiles of 16 rows, ~64 KB of the file each: a piece is read, decoded and written by one thread.
   // At 256 KB most of the embedded model's tensors (576 x 576 Q5_0: 228 KB) were one piece, read on one core.
@@ -366,10 +387,16 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
       failure = 1;
       return;
     }
-    if (!convert(type_index, in.data(), n0, n1, out)) failure = 2;
+    if (!convert(type_index, in.data(), n0, n1, out, asymmetric)) failure = 2;
   });
   if (failure == 1) throw std::runtime_error("the tensor ends past the end of the file (it is truncated)");
   if (failure == 2) return std::nullopt;
+  if (asymmetric) {  // each bias d * -2^(bits - 1) as decode computes it, in the scales' places (either layout)
+    biases = mx::array(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
+    const auto* s16 = scales.data<uint16_t>();
+    auto* b16 = biases.data<uint16_t>();
+    for (size_t i = 0; i < size_t(N) * param_cols; ++i) b16[i] = f16_times_minus_pow2(s16[i], f.bits - 1);
+  }
   return std::vector<mx::array>{std::move(w), std::move(scales), std::move(biases)};
 }
 

@@ -17,6 +17,8 @@ namespace mx = mlx::core;
 // whose blocks start at byte `offset` of the file at `path`, as [w, scales, biases] in MLX's affine form, each
 // value exactly llama.cpp's dequantization (gguf_tensors.py's table): w uint32 [N, K * bits / 32]; scales and
 // biases float16 [N, K / 32], or for the K-quants kernel.h's compact form uint8 [N, K / 256 * (2 + 256 / group)].
+// Q4_0/Q5_0/Q8_0's biases (-2^(bits - 1) times each scale) are native.symmetric_biases' stand-in, float16 [N, 0],
+// unless some block's is not that product in float32 (an f16 overflow): then they are stored.
 // `packed`: in pack_weights's tiles of 16 rows (N a multiple of 16), else MLX's layout. Nothing where a K-quant's
 // parameters do not fit the compact form (an fp16 d whose -32 d overflows fp16): the caller converts that tensor
 // another way. Throws std::invalid_argument for an unknown type or shape, std::runtime_error for a read that fails
