@@ -378,6 +378,8 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
   const int tiles_per_piece = std::max(1, int((64 << 10) / (size_t(row_in) * kPackedTile)));
   const int pieces = (tiles + tiles_per_piece - 1) / tiles_per_piece;
   std::atomic<int> failure{0};  // 1: the read failed or ended early; 2: parameters the compact form cannot hold
+  // No lingering after: the loader builds the tokenizer on another thread meanwhile, which a polling helper's core
+  // would not run (one tensor's pieces to the next's is Python work on this thread, well over a fused layer's gaps).
   parallel_pieces(pieces, [&](int piece) {
     if (failure.load(std::memory_order_relaxed)) return;
     const int n0 = piece * tiles_per_piece * kPackedTile, n1 = std::min(N, n0 + tiles_per_piece * kPackedTile);
@@ -388,7 +390,7 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
       return;
     }
     if (!convert(type_index, in.data(), n0, n1, out, asymmetric)) failure = 2;
-  });
+  }, /*linger=*/false);
   if (failure == 1) throw std::runtime_error("the tensor ends past the end of the file (it is truncated)");
   if (failure == 2) return std::nullopt;
   if (asymmetric) {  // each bias d * -2^(bits - 1) as decode computes it, in the scales' places (either layout)

@@ -765,11 +765,11 @@ void layer_attention(const AttentionArgs& a) {
   }
 }
 
-void parallel_pieces(int pieces, const std::function<void(int)>& fn) {
+void parallel_pieces(int pieces, const std::function<void(int)>& fn, bool linger) {
   // The helper lingers between jobs: a layer's jobs come ~0.1 ms apart, and waking a sleeping helper for each cost
   // more than the second thread saved (measured on the embedded model, 2 threads: 13.0 ms a token with no linger,
   // 10.6-12.0 with 100-300 us).
-  parallel_for(pieces, fn, std::chrono::microseconds(200));
+  parallel_for(pieces, fn, std::chrono::microseconds(linger ? 200 : 0));
 }
 
 namespace {

@@ -64,8 +64,9 @@ struct AttentionArgs;
 void layer_attention(const AttentionArgs& a);
 
 // fn(0) .. fn(pieces - 1) on the calling thread and the pool, for the other parts of a fused layer's task; the
-// helpers linger between such jobs as between the layer's matmuls.
-void parallel_pieces(int pieces, const std::function<void(int)>& fn);
+// helpers linger between such jobs as between the layer's matmuls, unless `linger` is false (a job whose next one
+// is far off, while another thread of the process has work for that core).
+void parallel_pieces(int pieces, const std::function<void(int)>& fn, bool linger = true);
 // Throws std::invalid_argument (or runtime_error where the CPU cannot) naming what does not fit.
 void check_weights(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                    bool packed = false, bool int8 = false);
