@@ -15,13 +15,24 @@ is read). The stage keeps step n's token as the lazy array the chain drew (`acce
 n+1 needs its mask: it first queues step n+1's forward pass (`mx.async_eval` of the logits it was given), then waits
 for token n (already computed: it is the forward pass's input), advances the matcher and computes the mask on the
 host while the device runs the forward pass. `mask_s` is that host time, reported as `Metrics.constraint_mask_s`.
+
+**Compiled off the inference thread.** `prepare` compiles a format's grammar on a small pool of its own (llguidance
+drops the GIL while it compiles) and caches it per model tokenizer by the grammar's text (`GRAMMAR_CACHE` most
+recently used); each request's `Constraint` takes a deep copy of the cached matcher. The batch scheduler admits a
+constrained request only once its grammar has compiled, so the rows decoding never wait for it. The llguidance
+tokenizer is the one slow part (~0.5 s for 49k tokens, with the GIL held all along): the server builds it as it
+starts (`warm`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance.hf
 import mlx.core as mx
@@ -33,21 +44,95 @@ from .candidates import NEG_INF, Candidates
 from .response_format import ResponseFormat
 from .tokenizer import ChatTokenizer
 
-# Building an llguidance tokenizer walks the whole vocabulary (~0.6 s for 49k tokens): once per model's tokenizer.
-_TOKENIZERS: weakref.WeakKeyDictionary[ChatTokenizer, LLTokenizer] = weakref.WeakKeyDictionary()
+# Grammars compile here, never on the inference thread: a small pool of its own. Compiling (`LLMatcher(...)`) drops
+# the GIL, so a batch decodes on while a newcomer's grammar compiles.
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxchat-grammar")
+# Compiled grammars kept per model tokenizer (least recently used out): a server's clients resend the same schemas.
+GRAMMAR_CACHE = 64
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A grammar compiled on a model's tokenizer: a pristine matcher (each request takes a `deep_copy`, ~1 µs) and
+    how long the compile took, or llguidance's error for a grammar that does not compile on this tokenizer."""
+
+    matcher: LLMatcher | None
+    error: str
+    compile_s: float
+
+
+class _ModelGrammars:
+    """One model tokenizer's llguidance state: its LLTokenizer (built once) and its compiled grammars (an LRU)."""
+
+    def __init__(self) -> None:
+        self.build_lock = threading.Lock()  # held while the tokenizer builds (~0.5 s)
+        self.tokenizer: LLTokenizer | None = None
+        self.lock = threading.Lock()  # the grammar cache's
+        self.grammars: OrderedDict[tuple[int, str], Future[Compiled]] = OrderedDict()
+
+
+_MODELS: weakref.WeakKeyDictionary[ChatTokenizer, _ModelGrammars] = weakref.WeakKeyDictionary()
+_MODELS_LOCK = threading.Lock()
+
+
+def _state(tokenizer: ChatTokenizer) -> _ModelGrammars:
+    with _MODELS_LOCK:
+        state = _MODELS.get(tokenizer)
+        if state is None:
+            state = _MODELS[tokenizer] = _ModelGrammars()
+        return state
 
 
 def llg_tokenizer(tokenizer: ChatTokenizer, vocab_size: int) -> LLTokenizer:
     """The llguidance tokenizer of a model's tokenizer, masks `vocab_size` long (the logits' length), with every
-    end-of-turn id as an end of sequence. Cached per tokenizer."""
-    cached = _TOKENIZERS.get(tokenizer)
-    if cached is None or cached.vocab_size != vocab_size:
-        try:
-            cached = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_ids))
-        except ValueError as e:  # a slow (Python) tokenizer: llguidance reads the fast one's vocabulary
-            raise ValueError(f"response_format needs a fast Hugging Face tokenizer: {e}") from None
-        _TOKENIZERS[tokenizer] = cached
-    return cached
+    end-of-turn id as an end of sequence. Built once per tokenizer (any thread; the others wait for it).
+
+    Building it walks the whole vocabulary (~0.5 s for 49k tokens) and holds the GIL all along (tokenizers'
+    `to_str` ~0.12 s, `LLTokenizer(...)` ~0.36 s, measured): built on another thread it still stalls the inference
+    thread's Python, so the server builds it when it starts (`warm`), before any request decodes."""
+    state = _state(tokenizer)
+    with state.build_lock:
+        cached = state.tokenizer
+        if cached is None or cached.vocab_size != vocab_size:
+            try:
+                cached = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
+                                                      eos_token=sorted(tokenizer.eos_ids))
+            except ValueError as e:  # a slow (Python) tokenizer: llguidance reads the fast one's vocabulary
+                raise ValueError(f"response_format needs a fast Hugging Face tokenizer: {e}") from None
+            state.tokenizer = cached
+        return cached
+
+
+def warm(tokenizer: ChatTokenizer, vocab_size: int) -> Future[LLTokenizer]:
+    """Build the model's llguidance tokenizer on the grammar pool now (a server calls it as it starts), so that no
+    constrained request waits for it later."""
+    return _POOL.submit(llg_tokenizer, tokenizer, vocab_size)
+
+
+def _compile(tokenizer: ChatTokenizer, vocab_size: int, grammar: str) -> Compiled:
+    llt = llg_tokenizer(tokenizer, vocab_size)
+    started = time.perf_counter()
+    matcher = LLMatcher(llt, grammar, log_level=0)  # errors are kept, not logged
+    took = time.perf_counter() - started
+    if matcher.is_error():  # the profile validated it; a tokenizer-specific failure lands here
+        return Compiled(None, matcher.get_error(), took)
+    return Compiled(matcher, "", took)
+
+
+def prepare(fmt: ResponseFormat, tokenizer: ChatTokenizer, vocab_size: int) -> Future[Compiled]:
+    """`fmt`'s grammar compiled on this model, on the grammar pool (the llguidance tokenizer first if it is not
+    built yet): a future, done at once when the same grammar was compiled before (cached per tokenizer and logits'
+    length, the `GRAMMAR_CACHE` most recently used). Never blocks the caller on the compile."""
+    state, key = _state(tokenizer), (vocab_size, fmt.llg_grammar())
+    with state.lock:
+        future = state.grammars.get(key)
+        if future is not None:
+            state.grammars.move_to_end(key)
+            return future
+        future = state.grammars[key] = _POOL.submit(_compile, tokenizer, vocab_size, key[1])
+        while len(state.grammars) > GRAMMAR_CACHE:
+            state.grammars.popitem(last=False)
+        return future
 
 
 class Constraint:
@@ -55,15 +140,20 @@ class Constraint:
     tell it each drawn token (`accept`, lazily) or forced token (`replay`)."""
 
     def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int],
-                 ends: Callable[[bytes], bool] | None = None) -> None:
+                 ends: Callable[[bytes], bool] | None = None, compiled: Compiled | None = None) -> None:
         """`ends`, given each taken token's bytes, may end the reply where the grammar would go on (True: only an
         end-of-turn id is allowed from then on): the rule a grammar cannot say, e.g. core/tools.py's "no call
-        twice"."""
-        started = time.perf_counter()
-        self._matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)  # errors are raised, not logged
-        self.compile_s = time.perf_counter() - started
-        if self._matcher.is_error():  # the profile validated it; a tokenizer-specific failure lands here
-            raise ValueError(f"{fmt.field_name()}: {self._matcher.get_error()}")
+        twice". `compiled`: the grammar already compiled on `tokenizer` (`prepare`); without it, it compiles here.
+        `compile_s` is the compile's own time, wherever and whenever it ran (a cached grammar reports its first)."""
+        if compiled is None:
+            started = time.perf_counter()
+            matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)
+            took = time.perf_counter() - started
+            compiled = Compiled(None, matcher.get_error(), took) if matcher.is_error() else Compiled(matcher, "", took)
+        if compiled.matcher is None:
+            raise ValueError(f"{fmt.field_name()}: {compiled.error}")
+        self._matcher = compiled.matcher.deep_copy()  # the cached one stays pristine
+        self.compile_s = compiled.compile_s
         self._label = fmt.label()
         self._tokenizer, self._ends = tokenizer, ends
         self._vocab = tokenizer.vocab_size
@@ -137,7 +227,8 @@ def constraint_for(fmt: ResponseFormat | None, tokenizer: ChatTokenizer, vocab_s
     one."""
     if fmt is None:
         return None
-    return Constraint(fmt, llg_tokenizer(tokenizer, vocab_size), tokenizer.eos_ids, ends)
+    compiled = prepare(fmt, tokenizer, vocab_size).result()  # at once when prepared; else compiled on the pool
+    return Constraint(fmt, llg_tokenizer(tokenizer, vocab_size), tokenizer.eos_ids, ends, compiled)
 
 
-__all__ = ["Constraint", "constraint_for", "llg_tokenizer"]
+__all__ = ["GRAMMAR_CACHE", "Compiled", "Constraint", "constraint_for", "llg_tokenizer", "prepare", "warm"]

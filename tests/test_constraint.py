@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import queue
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -17,8 +19,11 @@ from pydantic import ValidationError
 
 from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core import constraint
+from mlxchat.core.batch import BatchRequest, BatchScheduler
 from mlxchat.core.candidates import Candidates
 from mlxchat.core.constraint import constraint_for
+from mlxchat.core.events import Done, TokenEvent
 from mlxchat.core.profile import ProfileError, ProfileStore
 from mlxchat.core.sampling import Sampler
 
@@ -221,3 +226,74 @@ def test_the_bench_section_reports_its_targets() -> None:
     assert valid["passed"] is True and valid["detail"] == "2/2"
     assert tpot["passed"] is False and tpot["detail"] == "median 1.20x, best 1.05x, CPU time per token 1.04x"
     assert CD.targets(None)[0]["passed"] is None and "2/2 'stop' outputs valid" in CD.summary_lines(c)[0]
+
+
+# --- compiled off the inference thread, cached by grammar ---------------------------------------------------------
+
+def test_a_grammar_compiles_once_per_model_and_each_request_gets_its_own_matcher(engine: Engine, monkeypatch) -> None:
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    fmt = SamplingProfile(response_format={"type": "regex", "regex": "(yes|no|maybe)"}).response_format
+    first = constraint.prepare(fmt, tok, vocab)
+    assert constraint.prepare(fmt, tok, vocab) is first and first.result().matcher is not None
+    # Two requests under the same cached grammar: each its own matcher (a deep copy), the cached one untouched.
+    a, b = constraint_for(fmt, tok, vocab), constraint_for(fmt, tok, vocab)
+    a.replay(tok.encode("yes"))
+    zeros = Candidates(mx.zeros(vocab), None)
+    assert set(np.flatnonzero(np.asarray(a(zeros).logits) == 0)) == set(tok.eos_ids)
+    assert not np.asarray(b(zeros).logits == 0)[sorted(tok.eos_ids)].any()
+    assert not first.result().matcher.is_stopped()
+    # The cache keeps the most recently used grammars.
+    monkeypatch.setattr(constraint, "GRAMMAR_CACHE", 2)
+    others = [SamplingProfile(response_format={"type": "regex", "regex": r}).response_format for r in ("a+", "b+")]
+    a_plus = constraint.prepare(others[0], tok, vocab)
+    a_plus.result()
+    assert constraint.prepare(fmt, tok, vocab) is first  # used again: now the most recent
+    constraint.prepare(others[1], tok, vocab).result()  # evicts "a+", the least recently used
+    assert constraint.prepare(fmt, tok, vocab) is first and constraint.prepare(others[0], tok, vocab) is not a_plus
+    # A grammar that does not compile on this tokenizer fails its request, with the field named, not the compile.
+    monkeypatch.setattr(constraint, "_compile", lambda *a: constraint.Compiled(None, "boom", 0.0))
+    bad = SamplingProfile(response_format={"type": "regex", "regex": "(never|compiled)"}).response_format
+    with pytest.raises(ValueError, match=r"^response_format.regex: boom$"):
+        constraint_for(bad, tok, vocab)
+
+
+def test_a_batch_decodes_on_while_a_newcomer_grammar_compiles(engine: Engine, monkeypatch) -> None:
+    """The newcomer's grammar compiles on the grammar pool (slowed to 1 s here) and the request is admitted only
+    once it has: the row already decoding keeps producing tokens all along. (Before, the compile, and the first
+    constrained request's llguidance tokenizer, ~0.5 s, ran at admission on the inference thread: every row
+    waited.)"""
+    compile_ = constraint._compile
+    monkeypatch.setattr(constraint, "_compile", lambda *a: (time.sleep(1.0), compile_(*a))[1])
+    tok = engine.model.tokenizer
+    s = BatchScheduler(engine, max_batch=4, prefix_cache_bytes=0)
+    stamps: list[float] = []
+    events: queue.Queue = queue.Queue()
+
+    def emit(event) -> None:
+        if isinstance(event, TokenEvent):
+            stamps.append(time.perf_counter())
+        events.put(event)
+
+    chat = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    story = s.submit(BatchRequest(chat("Write a long story about the sea."),
+                                  SamplingProfile(temperature=0, min_tokens=400), emit, max_tokens=400))
+    while len(stamps) < 3:
+        time.sleep(0.01)
+    schema = {"type": "object", "required": ["fresh_name"], "properties": {"fresh_name": {"type": "string",
+                                                                                          "maxLength": 8}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "fresh", "schema": schema}}
+    answers: queue.Queue = queue.Queue()
+    submitted = time.perf_counter()
+    s.submit(BatchRequest(chat("Reply with JSON."), SamplingProfile(temperature=0, response_format=fmt), answers.put,
+                          max_tokens=30))
+    assert s.load == (1, 1)  # it waits (compiling), outside the batch
+    done = next(e for e in iter(lambda: answers.get(timeout=120), None) if isinstance(e, (Done, BaseException)))
+    assert isinstance(done, Done) and done.result.finish_reason == "stop"
+    jsonschema.validate(json.loads(done.result.text), schema)
+    assert done.result.metrics.ttft_s >= 1.0  # it was admitted after its compile
+    window = [t for t in stamps if submitted <= t <= submitted + 1.0]
+    gaps = np.diff([t for t in stamps if submitted - 0.5 <= t <= submitted + 1.0])
+    assert len(window) >= 10 and gaps.max() < 0.5, (len(window), gaps.max())
+    story.cancel()
+    assert next(e for e in iter(lambda: events.get(timeout=120), None) if isinstance(e, Done)).result.finish_reason \
+        == "cancelled"
