@@ -15,6 +15,8 @@ is read). The stage keeps step n's token as the lazy array the chain drew (`acce
 n+1 needs its mask: it first queues step n+1's forward pass (`mx.async_eval` of the logits it was given), then waits
 for token n (already computed: it is the forward pass's input), advances the matcher and computes the mask on the
 host while the device runs the forward pass. `mask_s` is that host time, reported as `Metrics.constraint_mask_s`.
+Where the sampler's lazy order is exact (core/sampling.py, `Sampler.lazy`) the chain draws first and the stage only
+checks the token (`allows`); a batch's rows that mask every step get their masks from one call (`fill_masks`).
 
 **Compiled off the inference thread.** `prepare` compiles a format's grammar on a small pool of its own (llguidance
 drops the GIL while it compiles) and caches it per model tokenizer by the grammar's text (`GRAMMAR_CACHE` most
@@ -37,8 +39,8 @@ from dataclasses import dataclass
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from .candidates import NEG_INF, Candidates
 from .response_format import ResponseFormat
@@ -149,7 +151,8 @@ class Constraint:
             started = time.perf_counter()
             matcher = LLMatcher(tokenizer, fmt.llg_grammar(), log_level=0)
             took = time.perf_counter() - started
-            compiled = Compiled(None, matcher.get_error(), took) if matcher.is_error() else Compiled(matcher, "", took)
+            error = matcher.get_error() if matcher.is_error() else ""
+            compiled = Compiled(None if error else matcher, error, took)
         if compiled.matcher is None:
             raise ValueError(f"{fmt.field_name()}: {compiled.error}")
         self._matcher = compiled.matcher.deep_copy()  # the cached one stays pristine
@@ -166,8 +169,10 @@ class Constraint:
         self._ended_logits = mx.array(ended)
         self._ended = False  # an end-of-turn id was drawn, or `ends` ended the reply: nothing follows
         self._pending: mx.array | None = None  # the last drawn token, not yet read back
+        self._ready: np.ndarray | None = None  # this step's mask, filled with the batch's (`fill_masks`)
         self.mask_s = 0.0
-        self.masks = 0
+        self.masks = 0  # steps the stage decided (a full mask, or a check of the drawn token)
+        self.checks = 0  # of those, decided by the check alone (`allows`)
 
     def __repr__(self) -> str:
         return self._label
@@ -186,8 +191,32 @@ class Constraint:
         self._take_pending()
         self._pending = token
 
+    def allows(self, token: mx.array) -> bool:
+        """The lazy order: whether `token`, drawn from the chain without the mask, is allowed, in which case it is
+        also what the masked chain draws (`core.sampling.Sampler` uses this only where that holds: greedy, or a plain
+        temperature >= 1 and the seeded draw). Reads the token, so this step's forward pass is waited for. False
+        means "mask and draw again": also at an end-of-turn id and once the grammar has ended, decided by the mask.
+        (`validate_tokens` alone is not the mask: in forced text it takes "n" where the mask allows only "name".)"""
+        mx.async_eval(token)  # this step's forward pass and the unmasked draw
+        self._take_pending()
+        drawn = token.item()
+        started = time.perf_counter()
+        allowed = False
+        if not (drawn in self._eos or self._done()):
+            # Where the grammar forces bytes (a key, a separator) the mask allows only their canonical first token
+            # (`compute_ff_tokens()[0]`), though the grammar would take other splits of them; elsewhere a token is in
+            # the mask exactly when the matcher takes it (tests/test_constraint.py checks both on every token).
+            forced = self._matcher.compute_ff_tokens()
+            allowed = drawn == forced[0] if forced else self._matcher.validate_tokens([drawn]) == 1
+        self.mask_s += time.perf_counter() - started
+        if allowed:
+            self.masks += 1
+            self.checks += 1
+        return allowed
+
     def replay(self, token_ids: Sequence[int]) -> None:
         """Tokens chosen outside the chain (a branch's forced tokens): the matcher takes them now."""
+        self._ready = None
         self._take_pending()
         for token in token_ids:
             self._consume(token)
@@ -211,14 +240,50 @@ class Constraint:
     def _next_mask(self) -> np.ndarray | None:
         """The allowed tokens of the next step, or None when only an end-of-turn id may follow."""
         self._take_pending()
+        ready, self._ready = self._ready, None
         started = time.perf_counter()
         allowed = None
-        if not (self._ended or self._matcher.is_stopped()):
+        if ready is not None:
+            allowed = ready
+        elif not self._done():
             fill_next_token_bitmask(self._matcher, self._bits)
-            allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self._vocab].view(bool)
+            allowed = _unpack(self._bits[0], self._vocab)
         self.mask_s += time.perf_counter() - started
         self.masks += 1
         return allowed
+
+    def _done(self) -> bool:
+        """Whether the reply may only end now (an end-of-turn id was drawn, or the grammar or `ends` ended it)."""
+        return self._ended or self._matcher.is_stopped()
+
+
+_EXECUTOR: LLExecutor | None = None
+
+
+def _unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].view(bool)
+
+
+def fill_masks(constraints: Sequence[Constraint], logits: mx.array) -> None:
+    """The next masks of several rows of a batch (`logits`: the step's, queued first), in one llguidance call that
+    fills a 2-D bitmask (`fill_next_token_bitmask_par`, its own threads, no GIL), instead of one call per row; each
+    row's stage then takes its mask when the chain runs. The time is shared out among the rows' `mask_s`."""
+    global _EXECUTOR
+    mx.async_eval(logits)
+    for c in constraints:
+        c._take_pending()
+    started = time.perf_counter()
+    live = [c for c in constraints if not c._done()]
+    if live:
+        if _EXECUTOR is None:
+            _EXECUTOR = LLExecutor()
+        bits = allocate_token_bitmask(len(live), live[0]._vocab)
+        fill_next_token_bitmask_par(_EXECUTOR, [(c._matcher, i) for i, c in enumerate(live)], bits)
+        for c, row in zip(live, bits):
+            c._ready = _unpack(row, c._vocab)
+    share = (time.perf_counter() - started) / len(constraints)
+    for c in constraints:
+        c.mask_s += share
 
 
 def constraint_for(fmt: ResponseFormat | None, tokenizer: ChatTokenizer, vocab_size: int,
@@ -231,4 +296,5 @@ def constraint_for(fmt: ResponseFormat | None, tokenizer: ChatTokenizer, vocab_s
     return Constraint(fmt, llg_tokenizer(tokenizer, vocab_size), tokenizer.eos_ids, ends, compiled)
 
 
-__all__ = ["GRAMMAR_CACHE", "Compiled", "Constraint", "constraint_for", "llg_tokenizer", "prepare", "warm"]
+__all__ = ["GRAMMAR_CACHE", "Compiled", "Constraint", "constraint_for", "fill_masks", "llg_tokenizer", "prepare",
+           "warm"]

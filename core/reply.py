@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
 from . import dry
-from .constraint import constraint_for
+from .constraint import Constraint, constraint_for
 from .generate import Sample
 from .loader import LoadedModel
 from .profile import SamplingProfile
@@ -156,6 +156,13 @@ class Reply:
         # Filled by the token layer when the reply speculates (core/speculative.py); "off" otherwise.
         self.speculative = "off"
         self.speculation = SpeculationStats()
+
+    @property
+    def full_mask(self) -> Constraint | None:
+        """The constraint, when its stage computes a full mask every step (not the sampler's lazy order, or a traced
+        reply): the batch fills such rows' masks together (`core.constraint.fill_masks`)."""
+        c = self._constraint
+        return c if c is not None and (self._tracer is not None or not self._sampler.lazy) else None
 
     @property
     def room(self) -> int:
@@ -298,6 +305,7 @@ class Reply:
             peak_memory_bytes=mx.get_peak_memory(),
             context_tokens=self._context(), context_limit=self._limit, kv_window=self._window,
             **({"constraint_mask_s": self._constraint.mask_s, "constraint_masks": self._constraint.masks,
+                "constraint_checks": self._constraint.checks,
                 "constraint_compile_s": self._constraint.compile_s} if self._constraint is not None else {}),
             speculative=self.speculative, draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens,
             decode_steps=spec.steps if self.speculative != "off" else n,
