@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from . import constraint
 from .cache import prefill_chunk
 from .engine import Engine
 from .generate import Row, StepLoop
@@ -133,10 +134,16 @@ class BatchScheduler:
         self._waiting: deque[BatchRequest] = deque()
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
         self._active = 0  # admitted and not yet done
+        # Requests whose grammar compiles on the grammar pool (core/constraint.py): they wait there, not in the
+        # batch, and join `_waiting` once compiled, so the rows decoding never wait for a newcomer's compile.
+        self._compiling: list[BatchRequest] = []
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
         self._loop = StepLoop(engine.model.model, self._ended)
         self._decoding: dict[Row, _Sequence] = {}  # the loop's rows' sequences
+        # The llguidance tokenizer holds the GIL while it builds (~0.5 s, core/constraint.py): built now, as the
+        # server starts, not when the first constrained request arrives and others decode.
+        constraint.warm(engine.model.tokenizer, engine.model.vocab_size)
 
     # --- any thread ----------------------------------------------------------------------------------------
 
@@ -146,26 +153,44 @@ class BatchScheduler:
         limit = self.engine.context_length
         if len(req.prompt) >= limit:
             raise ContextLengthError(len(req.prompt), limit, self.engine.name)
+        fmt = req.request.response_format()
+        compiled = None if fmt is None else constraint.prepare(fmt, self.engine.model.tokenizer,
+                                                               self.engine.model.vocab_size)
         with self._lock:
-            if self._active + len(self._waiting) >= self.max_batch + self.max_queue:
-                raise QueueFull(f"{self.max_batch} requests are running and {len(self._waiting)} waiting")
-            self._waiting.append(req)
-            if not self._running:
-                self._running = True
-                self.engine.submit(self._run)
+            waiting = len(self._waiting) + len(self._compiling)
+            if self._active + waiting >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{self.max_batch} requests are running and {waiting} waiting")
+            if compiled is None or compiled.done():
+                self._enqueue(req)
+                return req
+            self._compiling.append(req)
+        compiled.add_done_callback(lambda _: self._compiled(req))  # on the pool's thread (or here, if done by now)
         return req
+
+    def _compiled(self, req: BatchRequest) -> None:
+        """A request's grammar has compiled (or failed to: its admission then fails it alone): it waits its turn."""
+        with self._lock:
+            self._compiling[:] = [r for r in self._compiling if r is not req]
+            self._enqueue(req)
+
+    def _enqueue(self, req: BatchRequest) -> None:
+        """With the lock held: `req` waits for admission, and the scheduler job runs."""
+        self._waiting.append(req)
+        if not self._running:
+            self._running = True
+            self.engine.submit(self._run)
 
     @property
     def load(self) -> tuple[int, int]:
-        """(running, waiting) right now."""
+        """(running, waiting) right now; waiting counts the requests whose grammar is compiling."""
         with self._lock:
-            return self._active, len(self._waiting)
+            return self._active, len(self._waiting) + len(self._compiling)
 
     @property
     def idle(self) -> bool:
         """Whether the scheduler's loop has ended: nothing runs or waits, and the last rows' caches are stored."""
         with self._lock:
-            return not self._running
+            return not self._running and not self._compiling
 
     def memory(self) -> dict[str, int]:
         """Bytes now: MLX's active memory (weights, KV caches, the prefix cache), the prefix cache's share of it
@@ -295,7 +320,8 @@ class BatchScheduler:
 
     def _cancel_all(self) -> None:
         with self._lock:
-            requests = [*self._waiting, *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
+            requests = [*self._waiting, *self._compiling,
+                        *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
         for req in requests:
             req.cancel()
 

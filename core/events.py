@@ -27,9 +27,11 @@ class Metrics:
     context_tokens: int = 0  # tokens in the KV cache after this step
     context_limit: int = 0
     kv_window: int | None = None  # rotating window size, when the session uses one
-    # With a response_format (core/constraint.py): the host time spent on token masks, how many, and the compile.
+    # With a response_format (core/constraint.py): the host time spent on token masks, how many steps the stage
+    # decided, how many of those by checking the drawn token alone (the lazy order, no mask), and the compile.
     constraint_mask_s: float = 0.0
     constraint_masks: int = 0
+    constraint_checks: int = 0
     constraint_compile_s: float = 0.0
     # Speculative decoding (core/speculative.py): what ran ("off", "ngram", "draft", "auto"), the tokens guessed,
     # the guesses kept, and the decode forward passes (completion_tokens / decode_steps = tokens per step).

@@ -41,6 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import prefill
+from .constraint import fill_masks
 from .speculative import Drafter, Governor, Speculation
 
 if TYPE_CHECKING:
@@ -178,6 +179,9 @@ class StepLoop:
     def _forward(self, rows: list[Row], inputs: mx.array) -> tuple[mx.array, list[mx.array | None]]:
         """One step over `rows` (their input ids `(rows,)`), sampled row by row and queued; lazy until read."""
         logits = self.model(inputs[:, None], cache=self.layers)[:, -1, :]
+        masked = [c for row in rows if (c := row.reply.full_mask) is not None]
+        if len(masked) > 1:  # the constrained rows' masks in one call, not one per row
+            fill_masks(masked, logits)
         tokens, lps = [], []
         for i, row in enumerate(rows):
             token, lp = row.reply.sample(logits[i])

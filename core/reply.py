@@ -30,11 +30,12 @@ import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
 from . import dry
-from .constraint import constraint_for
+from .constraint import Constraint, constraint_for
 from .generate import Sample
 from .loader import LoadedModel
 from .profile import SamplingProfile
 from .reasoning import Reasoning, ReplyReasoning, peek_text
+from .response_format import ResponseFormat
 from .sampling import Sampler
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
@@ -91,6 +92,14 @@ class Request:
                              "speculative \"off\" with a budget")
         return cls(profile, cap, [*profile.stop, *(stop or [])], trace, spec, tools, reasoning)
 
+    def response_format(self) -> ResponseFormat | None:
+        """What constrains the reply (the sampler's constraint stage): the tools' grammar when they may be called,
+        or the profile's format (tool_choice "none" without one: text without call markup), else None."""
+        use, fmt = self.tools, self.profile.response_format
+        if use is not None and (use.calls or fmt is None):
+            return use.response_format()
+        return fmt
+
 
 class Reply:
     """One request's state while it runs, on the inference thread: sampler, text, stops, clock, logprobs, traces.
@@ -107,11 +116,9 @@ class Reply:
         self._request = request
         self._again = lambda emit: Reply(model, request, prompt, emit, cancelled, accepted=accepted, context=context,
                                          rotating=rotating, kv_window=kv_window)
-        use, fmt = request.tools, request.profile.response_format
-        calling = use is not None and use.calls
-        if use is not None and (calling or fmt is None):  # tool_choice "none": text without call markup
-            fmt = use.response_format()
-        self._constraint = constraint_for(fmt, tok, model.vocab_size, RepeatedCall() if calling else None)
+        calling = request.tools is not None and request.tools.calls
+        self._constraint = constraint_for(request.response_format(), tok, model.vocab_size,
+                                          RepeatedCall() if calling else None)
         self._calls = CallStream() if calling else None
         profile = request.profile
         # DRY's sequence breakers are strings, found on the model's vocabulary once per tokenizer (core/dry.py).
@@ -149,6 +156,13 @@ class Reply:
         # Filled by the token layer when the reply speculates (core/speculative.py); "off" otherwise.
         self.speculative = "off"
         self.speculation = SpeculationStats()
+
+    @property
+    def full_mask(self) -> Constraint | None:
+        """The constraint, when its stage computes a full mask every step (not the sampler's lazy order, or a traced
+        reply): the batch fills such rows' masks together (`core.constraint.fill_masks`)."""
+        c = self._constraint
+        return c if c is not None and (self._tracer is not None or not self._sampler.lazy) else None
 
     @property
     def room(self) -> int:
@@ -291,6 +305,7 @@ class Reply:
             peak_memory_bytes=mx.get_peak_memory(),
             context_tokens=self._context(), context_limit=self._limit, kv_window=self._window,
             **({"constraint_mask_s": self._constraint.mask_s, "constraint_masks": self._constraint.masks,
+                "constraint_checks": self._constraint.checks,
                 "constraint_compile_s": self._constraint.compile_s} if self._constraint is not None else {}),
             speculative=self.speculative, draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens,
             decode_steps=spec.steps if self.speculative != "off" else n,

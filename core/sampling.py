@@ -59,6 +59,9 @@ from .draw import gumbel_argmax, step_words, uniform_at
 from .profile import PROCESSORS, STEPS, SamplingProfile
 
 FLOAT_MAX = float(np.finfo(np.float32).max)
+# The constraint's lazy order where it is exact (`Sampler.lazy`); off, every step masks the whole vocabulary (the
+# tests' reference, and the bench's before).
+LAZY_CONSTRAINT = True
 
 
 # Each registry entry's implementation, by name: every ChainObject class adds itself (`__init_subclass__`).
@@ -602,6 +605,14 @@ class Sampler:
         self._updating = [s for s in self.transforms if hasattr(s, "update")]
         # The profile's response format, built on the model's tokenizer by the caller (core/constraint.py).
         self.constraint = constraint
+        # The lazy order (llama.cpp's): draw without the mask, check the token, mask and draw again only when it is
+        # not allowed. Exact where the masked chain's draw is the unmasked one's whenever that one is allowed: the
+        # argmax, and the seeded Gumbel-max over logits scaled by a plain temperature >= 1 (no truncation, which
+        # would cut a different set; no shift by the maximum, whose rounding differs with the mask). The check reads
+        # the drawn token, waiting for the forward pass, so only where the host waits for it anyway: the CPU
+        # backend (core/generate.py's step); on a GPU the mask overlaps the forward pass.
+        self.lazy = LAZY_CONSTRAINT and constraint is not None and mx.default_device() == mx.cpu and (
+            p.greedy or all(type(t) is Temperature and t._scale <= 1 for t in self.transforms))
         track = any(getattr(proc, "needs_history", False) for proc in self.processors)
         # The penalties run first (core.profile.PROCESSORS' order): `_process` applies them in one scatter.
         self._penalties = next((i for i, proc in enumerate(self.processors)
@@ -662,7 +673,8 @@ class Sampler:
 
     def _distribution(self, logits: mx.array, outputs: list[mx.array] | None = None,
                       stages: list[Candidates] | None = None,
-                      aux_words: mx.array | None = None) -> tuple[Candidates, mx.array, mx.array]:
+                      aux_words: mx.array | None = None,
+                      constrain: bool = True) -> tuple[Candidates, mx.array, mx.array]:
         """The chain up to the draw: the last stage's candidates, the log-probabilities and the processed logits the
         transforms saw. Given lists, it also keeps the logits before and after each processor (`outputs`) and each
         transform's candidates (`stages`): references to arrays the chain builds anyway, no extra ops."""
@@ -680,7 +692,7 @@ class Sampler:
         logits = mx.minimum(logits, FLOAT_MAX)
         logprobs = log_softmax(logits)
         c = Candidates(logits, None)
-        if self.constraint is not None:
+        if self.constraint is not None and constrain:
             c = self.constraint(c)
             if stages is not None:
                 stages.append(c)
@@ -696,7 +708,9 @@ class Sampler:
                stages: list[Candidates] | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The chain and the draw, for `step` and `traced_step` alike (so both draw the same token for a seed): the
         token, the log-probabilities and the processed logits the transforms saw (`_distribution`)."""
-        if self.profile.greedy:
+        if self.lazy and outputs is None and stages is None:
+            token, logprobs, logits = self._lazy_draw(logits)
+        elif self.profile.greedy:
             c, logprobs, logits = self._distribution(logits, outputs, stages)
             token = mx.argmax(c.logits)
         else:
@@ -704,6 +718,27 @@ class Sampler:
             c, logprobs, logits = self._distribution(logits, outputs, stages, aux_words)
             token = gumbel_argmax(c, draw_words, self._vocab_ids)
         token = token.astype(mx.int32)
+        self._accept(token)
+        return token, logprobs, logits
+
+    def _lazy_draw(self, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The lazy order (see `lazy`): the unmasked chain's token when the constraint allows it, else the masked
+        chain's. Same token as `_chain`'s masked path, always."""
+        words = None if self.profile.greedy else self.step_keys()
+        c, logprobs, logits = self._distribution(logits, aux_words=None if words is None else words[1],
+                                                 constrain=False)
+        token = self._draw(c, words)
+        if not self.constraint.allows(token):
+            c = self.constraint(Candidates(logits, None))
+            for transform in self.transforms:
+                c = transform(c, words[1])
+            token = self._draw(c, words)
+        return token, logprobs, logits
+
+    def _draw(self, c: Candidates, words: tuple[mx.array, mx.array] | None) -> mx.array:
+        return mx.argmax(c.logits) if words is None else gumbel_argmax(c, words[0], self._vocab_ids)
+
+    def _accept(self, token: mx.array) -> None:
         self.history.accept(token)
         for s in self._accepting:
             s.accept(token)
@@ -711,7 +746,6 @@ class Sampler:
             s.update(token)
         if self.constraint is not None:
             self.constraint.accept(token)
-        return token, logprobs, logits
 
     def traced_step(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array, StepRecord]:
         """`step`, also recording what every stage of the chain did to the `k` candidates worth showing.

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import queue
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -17,8 +19,11 @@ from pydantic import ValidationError
 
 from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core import constraint
+from mlxchat.core.batch import BatchRequest, BatchScheduler
 from mlxchat.core.candidates import Candidates
 from mlxchat.core.constraint import constraint_for
+from mlxchat.core.events import Done, TokenEvent
 from mlxchat.core.profile import ProfileError, ProfileStore
 from mlxchat.core.sampling import Sampler
 
@@ -221,3 +226,193 @@ def test_the_bench_section_reports_its_targets() -> None:
     assert valid["passed"] is True and valid["detail"] == "2/2"
     assert tpot["passed"] is False and tpot["detail"] == "median 1.20x, best 1.05x, CPU time per token 1.04x"
     assert CD.targets(None)[0]["passed"] is None and "2/2 'stop' outputs valid" in CD.summary_lines(c)[0]
+
+
+# --- compiled off the inference thread, cached by grammar ---------------------------------------------------------
+
+def test_a_grammar_compiles_once_per_model_and_each_request_gets_its_own_matcher(engine: Engine, monkeypatch) -> None:
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    fmt = SamplingProfile(response_format={"type": "regex", "regex": "(yes|no|maybe)"}).response_format
+    first = constraint.prepare(fmt, tok, vocab)
+    assert constraint.prepare(fmt, tok, vocab) is first and first.result().matcher is not None
+    # Two requests under the same cached grammar: each its own matcher (a deep copy), the cached one untouched.
+    a, b = constraint_for(fmt, tok, vocab), constraint_for(fmt, tok, vocab)
+    a.replay(tok.encode("yes"))
+    zeros = Candidates(mx.zeros(vocab), None)
+    assert set(np.flatnonzero(np.asarray(a(zeros).logits) == 0)) == set(tok.eos_ids)
+    assert not np.asarray(b(zeros).logits == 0)[sorted(tok.eos_ids)].any()
+    assert not first.result().matcher.is_stopped()
+    # The cache keeps the most recently used grammars.
+    monkeypatch.setattr(constraint, "GRAMMAR_CACHE", 2)
+    others = [SamplingProfile(response_format={"type": "regex", "regex": r}).response_format for r in ("a+", "b+")]
+    a_plus = constraint.prepare(others[0], tok, vocab)
+    a_plus.result()
+    assert constraint.prepare(fmt, tok, vocab) is first  # used again: now the most recent
+    constraint.prepare(others[1], tok, vocab).result()  # evicts "a+", the least recently used
+    assert constraint.prepare(fmt, tok, vocab) is first and constraint.prepare(others[0], tok, vocab) is not a_plus
+    # A grammar that does not compile on this tokenizer fails its request, with the field named, not the compile.
+    monkeypatch.setattr(constraint, "_compile", lambda *a: constraint.Compiled(None, "boom", 0.0))
+    bad = SamplingProfile(response_format={"type": "regex", "regex": "(never|compiled)"}).response_format
+    with pytest.raises(ValueError, match=r"^response_format.regex: boom$"):
+        constraint_for(bad, tok, vocab)
+
+
+def test_a_batch_decodes_on_while_a_newcomer_grammar_compiles(engine: Engine, monkeypatch) -> None:
+    """The newcomer's grammar compiles on the grammar pool (slowed to 1 s here) and the request is admitted only
+    once it has: the row already decoding keeps producing tokens all along. (Before, the compile, and the first
+    constrained request's llguidance tokenizer, ~0.5 s, ran at admission on the inference thread: every row
+    waited.)"""
+    compile_ = constraint._compile
+    monkeypatch.setattr(constraint, "_compile", lambda *a: (time.sleep(1.0), compile_(*a))[1])
+    tok = engine.model.tokenizer
+    s = BatchScheduler(engine, max_batch=4, prefix_cache_bytes=0)
+    stamps: list[float] = []
+    events: queue.Queue = queue.Queue()
+
+    def emit(event) -> None:
+        if isinstance(event, TokenEvent):
+            stamps.append(time.perf_counter())
+        events.put(event)
+
+    chat = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    story = s.submit(BatchRequest(chat("Write a long story about the sea."),
+                                  SamplingProfile(temperature=0, min_tokens=400), emit, max_tokens=400))
+    while len(stamps) < 3:
+        time.sleep(0.01)
+    schema = {"type": "object", "required": ["fresh_name"], "properties": {"fresh_name": {"type": "string",
+                                                                                          "maxLength": 8}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "fresh", "schema": schema}}
+    answers: queue.Queue = queue.Queue()
+    submitted = time.perf_counter()
+    s.submit(BatchRequest(chat("Reply with JSON."), SamplingProfile(temperature=0, response_format=fmt), answers.put,
+                          max_tokens=30))
+    assert s.load == (1, 1)  # it waits (compiling), outside the batch
+    done = next(e for e in iter(lambda: answers.get(timeout=120), None) if isinstance(e, (Done, BaseException)))
+    assert isinstance(done, Done) and done.result.finish_reason == "stop"
+    jsonschema.validate(json.loads(done.result.text), schema)
+    assert done.result.metrics.ttft_s >= 1.0  # it was admitted after its compile
+    window = [t for t in stamps if submitted <= t <= submitted + 1.0]
+    gaps = np.diff([t for t in stamps if submitted - 0.5 <= t <= submitted + 1.0])
+    assert len(window) >= 10 and gaps.max() < 0.5, (len(window), gaps.max())
+    story.cancel()
+    assert next(e for e in iter(lambda: events.get(timeout=120), None) if isinstance(e, Done)).result.finish_reason \
+        == "cancelled"
+
+
+# --- the lazy order and the batch's masks ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("settings", [{"temperature": 0}, {"temperature": 1.0, "seed": 3},
+                                      {"temperature": 1.5, "seed": 5, "presence_penalty": 0.5}],
+                         ids=["greedy", "t1", "t1.5-penalty"])
+def test_the_lazy_order_draws_what_the_full_mask_draws(engine: Engine, monkeypatch, settings: dict) -> None:
+    """Draw unmasked, check the token, mask only when it is refused: the same tokens as masking every step, on the
+    model's replies (the check decides most steps) and on random logits (the mask decides most)."""
+    from mlxchat.core import sampling
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    profile = SamplingProfile(**settings, response_format=PERSON_FORMAT)
+    lazy = engine.generate("Describe a person as JSON.", profile=profile, max_tokens=40)
+    logits = [mx.array(np.random.default_rng(i).normal(0, 3, vocab).astype(np.float32)) for i in range(30)]
+
+    def draws() -> tuple[list[int], Sampler]:
+        s = Sampler(profile, vocab_size=vocab, eos_ids=tok.eos_ids,
+                    constraint=constraint_for(profile.response_format, tok, vocab))
+        ids = []
+        for x in logits:
+            ids.append(s.step(x)[0].item())
+            if ids[-1] in tok.eos_ids:
+                break
+        return ids, s
+
+    lazy_ids, s = draws()
+    assert s.lazy and s.constraint.checks < s.constraint.masks  # random logits: mostly refused, masked
+    assert 0 < lazy.metrics.constraint_checks <= lazy.metrics.constraint_masks
+    monkeypatch.setattr(sampling, "LAZY_CONSTRAINT", False)
+    full = engine.generate("Describe a person as JSON.", profile=profile, max_tokens=40)
+    full_ids, s = draws()
+    assert not s.lazy and s.constraint.checks == 0 and full.metrics.constraint_checks == 0
+    assert lazy.token_ids == full.token_ids and lazy.text == full.text and lazy_ids == full_ids
+    jsonschema.validate(json.loads(lazy.text), PERSON) if lazy.finish_reason == "stop" else None
+
+
+def test_the_lazy_order_is_off_where_a_filter_would_cut_another_set(engine: Engine) -> None:
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    for settings, lazy in (({"temperature": 0}, True), ({"temperature": 1.2}, True), ({"temperature": 0.7}, False),
+                           ({"top_p": 0.9}, False), ({"min_p": 0.1}, False), ({"top_k": 40}, False)):
+        profile = SamplingProfile(**settings, response_format=PERSON_FORMAT)
+        s = Sampler(profile, vocab_size=vocab, eos_ids=tok.eos_ids,
+                    constraint=constraint_for(profile.response_format, tok, vocab))
+        assert s.lazy == lazy, profile
+
+
+def test_the_check_of_one_token_agrees_with_the_mask(engine: Engine) -> None:
+    """The lazy order's check against the full mask, on every token of the vocabulary, along replies of a JSON
+    schema (forced keys and separators, free strings and numbers), a regex and the tools' "auto" grammar (text or
+    calls, llguidance's lexeme negation)."""
+    from mlxchat.core.tools import ToolUse
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    eos = sorted(tok.eos_ids)
+    use = ToolUse.make([{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}], "auto", None)
+    cases = [(SamplingProfile(response_format=PERSON_FORMAT).response_format,
+              '{"name": "Ann Lee", "age": 31, "pets": ["cat", "dog"]}'),
+             (SamplingProfile(response_format={"type": "regex", "regex": r"[a-z]+ \d{2,4}"}).response_format,
+              "hello 123"),
+             (use.response_format(), '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'),
+             (use.response_format(), "It is sunny.")]
+    rng = np.random.default_rng(0)
+    for fmt, text in cases:
+        reply = tok.encode(text)
+        c = constraint_for(fmt, tok, vocab)
+        for n in range(len(reply) + 1):
+            allowed = np.asarray(c(Candidates(mx.zeros(vocab), None)).logits) == 0
+            if not c._done():
+                probe = constraint_for(fmt, tok, vocab)
+                probe.replay(reply[:n])
+                # The check's rule on every token (`Constraint.allows` without reading an MLX array per token), and
+                # `allows` itself on a sample.
+                m, forced = probe._matcher, probe._matcher.compute_ff_tokens()
+                checked = np.zeros(vocab, bool)
+                if forced:
+                    checked[forced[0]] = True
+                else:
+                    checked[:] = [m.validate_tokens([t]) == 1 for t in range(vocab)]
+                checked[eos] = False
+                sample = rng.choice(vocab, 40).tolist() + np.flatnonzero(allowed)[:10].tolist()
+                assert [probe.allows(mx.array(t)) for t in sample] == checked[sample].tolist()
+                # Every token the check lets through is in the mask; at an end-of-turn id the mask decides.
+                assert not (checked & ~allowed).any(), (text, n, np.flatnonzero(checked & ~allowed)[:5])
+                missed = np.flatnonzero(allowed & ~checked)
+                assert set(missed) <= set(eos) if not forced else allowed.sum() - len(missed) == 1, (text, n)
+            if n < len(reply):
+                c.replay([reply[n]])
+
+
+def test_a_batch_fills_its_constrained_rows_masks_at_once(engine: Engine) -> None:
+    tok, vocab = engine.model.tokenizer, engine.model.vocab_size
+    fmt = SamplingProfile(response_format=PERSON_FORMAT).response_format
+    prefixes = [tok.encode(t) for t in ('{"name": "A', '{"name": "Bo", "age": 3', '')]
+    rows = [constraint_for(fmt, tok, vocab) for _ in prefixes]
+    for c, p in zip(rows, prefixes):
+        c.replay(p)
+    constraint.fill_masks(rows, mx.zeros((3, vocab)))
+    zeros = Candidates(mx.zeros(vocab), None)
+    for c, p in zip(rows, prefixes):
+        alone = constraint_for(fmt, tok, vocab)
+        alone.replay(p)
+        assert np.array_equal(np.asarray(c(zeros).logits), np.asarray(alone(zeros).logits))
+    # In the scheduler: three rows sampled with top-p (no lazy order) give the tokens each gives alone.
+    s = BatchScheduler(engine, max_batch=3, prefix_cache_bytes=0)
+    chat = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    profiles = [SamplingProfile(top_p=0.9, seed=i, response_format=PERSON_FORMAT) for i in range(3)]
+
+    def run(p: SamplingProfile) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        s.submit(BatchRequest(chat("Describe a person as JSON."), p, q.put, max_tokens=24))
+        return q
+
+    def result(q: queue.Queue):
+        return next(e for e in iter(lambda: q.get(timeout=120), None) if isinstance(e, Done)).result
+
+    alone = [result(run(p)) for p in profiles]
+    together = [result(q) for q in [run(p) for p in profiles]]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
