@@ -232,6 +232,43 @@ def test_the_native_reader_stores_symmetric_biases_only_where_the_product_overfl
         assert np.array_equal(np.array(b).view(np.uint16), np.array(want).view(np.uint16)), packed
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q8_0"])
+def test_the_native_reader_tells_symmetric_blocks_as_the_float32_check_does_for_every_f16_scale(
+        tmp_path: Path, type_name: str) -> None:
+    """read_ggml decides from d's exponent alone whether a block's bias is the stand-in's product; that must agree with
+    `native.symmetric_biases` (float32 bits compared) on the NumPy conversion's biases, for each of the 65536 f16
+    values of d, one block each: every symmetric finite d together gives the stand-in, and every other alone
+    stores."""
+    native = loader.native
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    bits = int(type_name[1])
+    d = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(all="ignore"):
+        want = np.float32(d.view(np.float16)) * np.float32(-(2 ** (bits - 1)))
+        got = np.float32(want.astype(np.float16))
+    # Infinite and NaN d (exponent 31) are not worth the stand-in: they keep stored biases (exact either way).
+    symmetric = (got.view(np.uint32) == want.view(np.uint32)) & ((d & 0x7C00) != 0x7C00)
+
+    def read(scales: np.ndarray, name: str) -> tuple[mx.array, mx.array, mx.array]:
+        blocks = np.frombuffer(random_blocks(type_name, 32 * len(scales), np.random.default_rng(2)),
+                               np.uint8).copy().reshape(len(scales), -1)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
+        header = _one_tensor_file(tmp_path / name, type_name, (len(scales), 32), blocks.tobytes())
+        return native.read_ggml(str(header.path), header.data_start + header.tensors[0].offset, type_name,
+                                len(scales), 32, packed=False)
+
+    _, s, b = read(d[symmetric], "all.gguf")
+    assert native.is_symmetric(b)
+    assert np.array_equal(np.array(native.expand_symmetric(s, bits=bits)).view(np.uint16).ravel(),
+                          want[symmetric].astype(np.float16).view(np.uint16))
+    others = d[~symmetric]
+    assert len(others) > 1000  # overflowing products, infinities, NaNs
+    for one in others[np.random.default_rng(3).choice(len(others), 24, replace=False)].tolist() + [others[0]]:
+        _, s, b = read(np.array([one], np.uint16), "one.gguf")
+        assert not native.is_symmetric(b), hex(one)
+
+
 def test_the_native_reader_refuses_what_does_not_fit(tmp_path: Path) -> None:
     native = loader.native
     if not native.available():
