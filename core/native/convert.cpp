@@ -251,6 +251,23 @@ bool bias_is_symmetric(uint16_t scale, int k) {
   return e == 0 || e + k < 31;
 }
 
+// A Q4_0, Q4_1, Q5_0 or Q5_1 block (kFormats[T], T < 4) straight into row j of its 16 x 32 block of pack_weights'
+// layout, with no codes between: the packed layout pairs value m with value m + 16 in a byte's nibbles, as ggml's
+// blocks do, so its four low-nibble words are the block's own bytes; a 5-bit block's fifth bits make one word more,
+// whose byte r holds bits r, r + 4, ..., r + 28 of qh (put_packed32's places). Decoded to codes first, the
+// embedded model's Q5_0 tensors took ~32 ms of a core to read.
+template <int T>
+void put_packed_legacy(const uint8_t* b, int j, uint8_t* block) {
+  constexpr int qs = T == 0 ? 2 : T == 1 ? 4 : T == 2 ? 6 : 8;
+  for (int u = 0; u < 4; ++u) put_word(block + 64 * u + 4 * j, word_at(b + qs + 4 * u));
+  if constexpr (T == 2 || T == 3) {
+    const uint32_t h = word_at(b + (T == 2 ? 2 : 4));
+    uint32_t high = 0;
+    for (int t = 0; t < 8; ++t) high |= ((((h >> (4 * t)) & 0xFu) * 0x00204081u) & 0x01010101u) << t;
+    put_word(block + 256 + 4 * j, high);
+  }
+}
+
 // The tensor's output arrays, and what places a row's values in them. `biases` is null for a symmetric type
 // (Q4_0, Q5_0, Q8_0) until a block is found whose bias is not symmetric.
 struct Out {
@@ -275,7 +292,21 @@ bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out, std::atomic
   for (int n = n0; n < n1; ++n) {
     const uint8_t* row = in + size_t(n - n0) * row_in;
     for (int b = 0; b < blocks; ++b) {
-      if (!decode<T>(row + size_t(b) * f.block_bytes, block)) return false;
+      const uint8_t* src = row + size_t(b) * f.block_bytes;
+      if constexpr (T < 4) {
+        if (out.packed) {
+          put_packed_legacy<T>(src, n % kPackedTile, out.w + (size_t(n / kPackedTile) * (K / 32) + b) * tile_block);
+          const size_t at = packed_param(G, n, b);
+          s16[at] = u16(src);
+          if constexpr (f.symmetric) {
+            if (!bias_is_symmetric(u16(src), bits - 1)) asymmetric.store(true, std::memory_order_relaxed);
+          } else {
+            b16[at] = u16(src + 2);
+          }
+          continue;
+        }
+      }
+      if (!decode<T>(src, block)) return false;
       for (int c = 0; c < values / 32; ++c) {
         const int kb = b * (values / 32) + c;  // the 32-value block along K
         if (out.packed) {
