@@ -92,12 +92,17 @@ class NativeUniform : public CpuOp {
     encoder.set_output_array(out);
     encoder.dispatch([ids = mx::array::unsafe_weak_copy(ids), words = mx::array::unsafe_weak_copy(words),
                       out = mx::array::unsafe_weak_copy(out)]() mutable {
-      const uint32_t* id = ids.data<uint32_t>();
-      const uint32_t w0 = words.data<uint32_t>()[0], w1 = words.data<uint32_t>()[1];
-      float* u = out.data<float>();
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const uint32_t h = fmix32(fmix32(id[i] ^ w0) ^ w1);
-        u[i] = (float(h >> 9) + 0.5f) * (1.0f / float(1 << 23));
+      // One pair of words per row of the output; ids of one row are shared by every row.
+      const size_t rows = words.size() / 2, n = out.size() / rows;
+      const bool shared = ids.size() == n;
+      for (size_t r = 0; r < rows; ++r) {
+        const uint32_t* id = ids.data<uint32_t>() + (shared ? 0 : r * n);
+        const uint32_t w0 = words.data<uint32_t>()[2 * r], w1 = words.data<uint32_t>()[2 * r + 1];
+        float* u = out.data<float>() + r * n;
+        for (size_t i = 0; i < n; ++i) {
+          const uint32_t h = fmix32(fmix32(id[i] ^ w0) ^ w1);
+          u[i] = (float(h >> 9) + 0.5f) * (1.0f / float(1 << 23));
+        }
       }
     });
   }
@@ -313,11 +318,21 @@ mx::array penalties(const mx::array& logits, const mx::array& ids, const mx::arr
 }
 
 mx::array uniform_at(const mx::array& ids, const mx::array& words) {
-  if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || words.shape() != mx::Shape{2}) {
-    throw std::invalid_argument("uniform_at needs uint32 ids and two uint32 words");
+  if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || words.ndim() < 1 || words.ndim() > 2 ||
+      words.shape(-1) != 2) {
+    throw std::invalid_argument("uniform_at needs uint32 ids and two uint32 words (or [rows, 2])");
+  }
+  mx::Shape shape = ids.shape();
+  if (words.ndim() == 2) {  // a batch's rows, each keyed by its own words
+    const int rows = words.shape(0);
+    if (ids.ndim() == 1) {
+      shape = {rows, ids.shape(0)};
+    } else if (ids.ndim() != 2 || ids.shape(0) != rows) {
+      throw std::invalid_argument("uniform_at with words [rows, 2] needs ids [n] or [rows, n]");
+    }
   }
   auto s = cpu_stream();
-  return mx::array(ids.shape(), mx::float32, std::make_shared<NativeUniform>(s), {dense(ids, s), dense(words, s)});
+  return mx::array(shape, mx::float32, std::make_shared<NativeUniform>(s), {dense(ids, s), dense(words, s)});
 }
 
 mx::array top_k_index(const mx::array& logits, int k) {
