@@ -64,9 +64,17 @@ def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
     return ((h >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+def gumbel_positions(logits: mx.array, ids: mx.array, words: mx.array) -> mx.array:
+    """The positions of argmax(logit - log(-log(u))) along the last axis, u = `uniform_at(ids, words)` (words [2], or
+    [rows, 2] for a batch's rows). On the CPU with the native extension, one op with the same bits that makes no noise
+    for masked tokens (after a top-p, ~0.6 ms of hashing and logs over a 49k vocabulary, most of the chain's cost)."""
+    if mx.default_device() == mx.cpu and native.available() and logits.dtype == mx.float32:
+        return native.gumbel_argmax(logits, ids, words)
+    return mx.argmax(logits - mx.log(-mx.log(uniform_at(ids, words))), axis=-1)
+
+
 def gumbel_argmax(c: Candidates, words: mx.array, vocab_ids: mx.array) -> mx.array:
     """The Gumbel-max draw from softmax(c.logits): argmax(logit + Gumbel noise), the noise of each candidate taken
     from its token id, so the result does not depend on the candidates' order or on which stage narrowed them."""
-    ids = vocab_ids if c.ids is None else c.ids.astype(mx.uint32)
-    best = mx.argmax(c.logits - mx.log(-mx.log(uniform_at(ids, words))))
+    best = gumbel_positions(c.logits, vocab_ids if c.ids is None else c.ids.astype(mx.uint32), words)
     return best if c.ids is None else c.ids[best]

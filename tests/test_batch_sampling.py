@@ -37,6 +37,7 @@ SHAPES = {
     "top_k": [dict(top_k=20, temperature=t) for t in (0.5, 0.8, 1.2, 2.0)],
     "top_p": [dict(top_p=p, temperature=t) for p, t in ((0.5, 0.7), (0.9, 0.8), (0.95, 1.2), (0.99, 1.5))],
     "min_p": [dict(min_p=p, temperature=0.9) for p in (0.01, 0.05, 0.1, 0.3)],
+    "hot": [dict(min_p=0.02, temperature=t) for t in (1.2, 1.5, 1.8, 2.0)],
     "chain": [dict(top_k=40, top_p=p, min_p=m, temperature=t)
               for p, m, t in ((0.9, 0.05, 0.8), (0.95, 0.02, 1.1), (0.8, 0.1, 0.6), (0.99, 0.01, 1.3))],
     "order": [dict(sampler_order=["temperature", "min_p", "top_p", "top_k"], top_k=50, top_p=p, min_p=0.02,

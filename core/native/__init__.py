@@ -267,6 +267,13 @@ def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
     return _module().uniform_at(ids, words)
 
 
+def gumbel_argmax(logits: mx.array, ids: mx.array, words: mx.array) -> mx.array:
+    """core/draw.py's Gumbel-max draw along the last axis of float32 ``logits [..., n]``: the positions (uint32
+    [...]) of argmax(logit - log(-log(uniform_at(ids, words)))), bit for bit, as one op that makes no noise for -inf
+    logits. ``ids`` [n] or one row per row; ``words`` [2] or one pair per row."""
+    return _module().gumbel_argmax(logits, ids, words)
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` for float32 arrays of one shape (the gated MLP of llama-style models)."""
     return _module().swiglu(gate, up)

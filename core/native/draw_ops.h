@@ -23,6 +23,11 @@ mx::array top_k_index(const mx::array& logits, int k);
 // batch, with ids [n] (shared: the vocabulary) or [rows, n], giving [rows, n].
 mx::array uniform_at(const mx::array& ids, const mx::array& words);
 
+// core/draw.py's Gumbel-max draw along the last axis of float32 logits [..., n]: the position (uint32 [...]) of
+// argmax(logit - log(-log(uniform_at(id, words)))), MLX's ops to the bit, with no noise made for -inf logits. ids:
+// uint32 [n] (shared) or one row per logits row; words: [2] (shared) or one pair per row.
+mx::array gumbel_argmax(const mx::array& logits, const mx::array& ids, const mx::array& words);
+
 // DRY's sequence breakers on one vocabulary (llama.cpp's processed breakers): each head token maps to the token
 // sequences that must follow it for the breaker to be complete (empty: the head alone is one). Built once per
 // (tokenizer, breakers) by core/dry.py; shared by every op that uses it.
