@@ -13,6 +13,9 @@ n+1's keys and values into the cache in place; it would copy the whole cache. Em
 context: 32 ms a token queued before, 16.7 queued after (as fast as no pipelining); at 32 tokens 9.0 against 6.9.
 Hence a row's token is already in its cache when the row takes it (and in the row's `fed`), unless no step was queued
 after it: the last token its reply allows, when it is the only row.
+A step's rows are sampled by their own `Reply.sample`, except the rows whose chains share their steps (the same
+`Reply.batch_key`, two or more): those are sampled as one set of ops over their rows (core/batch_sampling.py), each
+row drawing the token it draws alone.
 
 **Rows and caches.** One row decodes on its own cache, whatever its kind (plain, rotating, quantized). A second row
 joining merges both into mlx-lm's `BatchKVCache` (left-padded, a per-row mask); a joining row's first token comes
