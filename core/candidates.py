@@ -14,8 +14,8 @@ among them, else the whole set is sorted; that check is one host sync per step, 
 for each step's forward pass before building the next. Each path takes one exp over the candidates. Sums over the
 vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32 sum moved the cut by ~1e-4 of the
 mass. ``MinP`` and ``XTC`` are thresholds and need no order. The draw (``core.draw``) hashes noise for every candidate
-left: after a top-k that is nothing measurable; after a top-p over the whole vocabulary (a masked set of 49k) it is
-~0.65 ms here, most of that chain's cost.
+left: after a top-k that is nothing measurable; after a top-p over the whole vocabulary (a masked set of 49k) it was
+~0.65 ms here, most of that chain's cost, until the native draw skipped the masked tokens.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ n+1's keys and values into the cache in place; it would copy the whole cache. Em
 context: 32 ms a token queued before, 16.7 queued after (as fast as no pipelining); at 32 tokens 9.0 against 6.9.
 Hence a row's token is already in its cache when the row takes it (and in the row's `fed`), unless no step was queued
 after it: the last token its reply allows, when it is the only row.
+A step's rows are sampled by their own `Reply.sample`, except the rows whose chains share their steps (the same
+`Reply.batch_key`, two or more): those are sampled as one set of ops over their rows (core/batch_sampling.py), each
+row drawing the token it draws alone.
 
 **Rows and caches.** One row decodes on its own cache, whatever its kind (plain, rotating, quantized). A second row
 joining merges both into mlx-lm's `BatchKVCache` (left-padded, a per-row mask); a joining row's first token comes
@@ -40,7 +43,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
+from .batch_sampling import sample_rows
 from .cache import prefill
+from .candidates import log_softmax
 from .constraint import fill_masks
 from .speculative import Drafter, Governor, Speculation
 
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
     from .reply import Reply
 
 Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
+# Rows whose chains allow it are sampled as one op over the batch (core/batch_sampling.py); off, every row samples
+# alone (the tests' reference, and the bench's before).
+BATCH_SAMPLING = True
 
 
 def prefill_all_but_last(model: nn.Module, layers: list, prompt: Sequence[int], fed: list[int], prefill_step: int,
@@ -177,17 +185,43 @@ class StepLoop:
     # --- plain steps ----------------------------------------------------------------------------------------
 
     def _forward(self, rows: list[Row], inputs: mx.array) -> tuple[mx.array, list[mx.array | None]]:
-        """One step over `rows` (their input ids `(rows,)`), sampled row by row and queued; lazy until read."""
+        """One step over `rows` (their input ids `(rows,)`), sampled and queued; lazy until read. Rows with the same
+        batch key (two or more) are sampled as one op over their rows; the others row by row."""
         logits = self.model(inputs[:, None], cache=self.layers)[:, -1, :]
         masked = [c for row in rows if (c := row.reply.full_mask) is not None]
         if len(masked) > 1:  # the constrained rows' masks in one call, not one per row
             fill_masks(masked, logits)
-        tokens, lps = [], []
-        for i, row in enumerate(rows):
-            token, lp = row.reply.sample(logits[i])
-            tokens.append(token)
-            lps.append(lp if row.logprobs else None)
-        return mx.stack(tokens), lps
+        groups: dict[tuple, list[int]] = {}
+        if BATCH_SAMPLING and len(rows) > 1:
+            for i, row in enumerate(rows):
+                if row.reply.batch_key is not None:
+                    groups.setdefault(row.reply.batch_key, []).append(i)
+        pieces, order = [], []  # token arrays, and the rows they hold in that order
+        lps: list[mx.array | None] = [None] * len(rows)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            tokens, before = sample_rows([rows[i].reply.sampler for i in group],
+                                         logits if len(group) == len(rows) else logits[mx.array(group)])
+            pieces.append(tokens)
+            order += group
+            for j, i in enumerate(group):
+                if rows[i].logprobs:
+                    lps[i] = log_softmax(before[j])
+        grouped = set(order)
+        alone = [i for i in range(len(rows)) if i not in grouped]
+        for i in alone:
+            token, lp = rows[i].reply.sample(logits[i])
+            pieces.append(token[None])
+            lps[i] = lp if rows[i].logprobs else None
+        order += alone
+        tokens = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+        if order != list(range(len(rows))):  # back in the rows' order
+            place = [0] * len(order)
+            for at, i in enumerate(order):
+                place[i] = at
+            tokens = tokens[mx.array(place)]
+        return tokens, lps
 
     def _queue_alone(self, row: Row, last: int) -> None:
         """Queue the first plain step of a row that is alone, from `last` (known, so it is in `fed` at once)."""

@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
 from . import dry
+from .batch_sampling import chain_key
 from .constraint import Constraint, constraint_for
 from .generate import Sample
 from .loader import LoadedModel
@@ -143,6 +144,9 @@ class Reply:
         self._thinking: list[str] = []
         if self._reasoning is not None:
             self.sample = self._reasoning.wrap(self.sample, self._sampler, peek_text(self._detok))
+        # Rows that sample with the plain `Sampler.step` and share this key are sampled as one op (the batch's step,
+        # core/batch_sampling.py); a traced reply or one whose reasoning budget may force tokens samples alone.
+        self.batch_key = chain_key(self._sampler) if self.sample == self._sampler.step else None
         self._stops = StopStringFilter(request.stop)
         self._top = request.profile.top_logprobs if request.profile.logprobs else None
         self._cap = request.max_tokens if rotating else min(request.max_tokens, model.context_length - len(prompt))
@@ -156,6 +160,10 @@ class Reply:
         # Filled by the token layer when the reply speculates (core/speculative.py); "off" otherwise.
         self.speculative = "off"
         self.speculation = SpeculationStats()
+
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
 
     @property
     def full_mask(self) -> Constraint | None:

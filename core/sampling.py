@@ -738,6 +738,10 @@ class Sampler:
     def _draw(self, c: Candidates, words: tuple[mx.array, mx.array] | None) -> mx.array:
         return mx.argmax(c.logits) if words is None else gumbel_argmax(c, words[0], self._vocab_ids)
 
+    def drawn(self, token: mx.array) -> None:
+        """Take a token this sampler's chain drew outside `step` (a batch's rows, core/batch_sampling.py) as drawn."""
+        self._accept(token)
+
     def _accept(self, token: mx.array) -> None:
         self.history.accept(token)
         for s in self._accepting:

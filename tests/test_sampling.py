@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from mlxchat.core import native
 from mlxchat.core.profile import SamplingProfile
 from mlxchat.core.candidates import CANDIDATES, Candidates, log_softmax, top_index
-from mlxchat.core.draw import gumbel_argmax, step_words, uniform_at
+from mlxchat.core.draw import gumbel_argmax, gumbel_positions, step_pair, step_words, uniform_at
 from mlxchat.core.sampling import (
     FLOAT_MAX, XTC, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
     Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP,
@@ -131,6 +131,30 @@ def test_native_uniform_numbers_are_the_mlx_ops_bits(monkeypatch: pytest.MonkeyP
             m.setenv("MLXCHAT_NATIVE", "0")
             composed = uniform_at(ids, words)
         assert mx.array_equal(fast, composed).item()
+
+
+def test_native_draw_is_the_mlx_ops_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native Gumbel-max draw (`draw.gumbel_positions`: no noise for masked tokens) picks the position MLX's
+    composed ops pick, and a batch's per-row words give each row its own draw: rows of the vocabulary's size with
+    ties, masked tokens, a fully masked row and a NaN, vocabulary ids shared or candidate ids per row."""
+    if not native.available():
+        pytest.skip(f"native extension unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 2, (4, 49152)).astype(np.float32)
+    x[:, ::3] = np.round(x[:, ::3])
+    x[rng.random(x.shape) < 0.9] = -np.inf
+    x[1] = -np.inf
+    x[2, 77] = np.nan
+    ids = [mx.arange(49152, dtype=mx.uint32), mx.array(rng.permutation(4 * 49152).reshape(4, -1).astype(np.uint32))]
+    words = mx.array([step_pair(3, p, 0) for p in range(4)], mx.uint32)
+    for i in ids:
+        fast = gumbel_positions(mx.array(x), i, words)
+        alone = [gumbel_positions(mx.array(x[r]), i if i.ndim == 1 else i[r], words[r]).item() for r in range(4)]
+        with monkeypatch.context() as m:
+            m.setenv("MLXCHAT_NATIVE", "0")
+            composed = gumbel_positions(mx.array(x), i, words)
+        assert fast.tolist() == composed.tolist() == alone
+        assert fast[1].item() == 0 and fast[2].item() == 77
 
 
 def test_native_top_k_takes_the_lowest_positions_of_a_tie() -> None:

@@ -52,6 +52,30 @@ def test_seeded_sampling_in_a_batch_equals_alone(engine: Engine) -> None:
     assert [_result(q) for q in qs][1].token_ids == alone.token_ids
 
 
+def test_rows_sampled_as_one_op_draw_what_each_samples_alone(engine: Engine, greedy: SamplingProfile,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of mixed profiles: the two top-p rows (each its own seed, temperature and p) are sampled as one op over
+    the batch (core/batch_sampling.py), the greedy and the penalised rows alone; every row's tokens are those of the
+    row-by-row sampling."""
+    from mlxchat.core import generate
+    grouped: list[int] = []
+    sample_rows = generate.sample_rows
+    monkeypatch.setattr(generate, "sample_rows", lambda ss, x: grouped.append(len(ss)) or sample_rows(ss, x))
+    profiles = [SamplingProfile(temperature=0.8, top_p=0.9, seed=1), greedy,
+                SamplingProfile(temperature=1.1, top_p=0.95, seed=2),
+                SamplingProfile(temperature=0.7, frequency_penalty=0.5, seed=3)]
+
+    def run() -> list[tuple[int, ...]]:
+        s = BatchScheduler(engine, max_batch=4, prefix_cache_bytes=0)
+        qs = [_submit(s, engine, p, profile, max_tokens=12) for p, profile in zip(PROMPTS, profiles)]
+        return [_result(q).token_ids for q in qs]
+
+    batched = run()
+    assert grouped and max(grouped) == 2
+    monkeypatch.setattr(generate, "BATCH_SAMPLING", False)
+    assert batched == run()
+
+
 def test_speculation_alone_and_in_a_batch_changes_no_token(engine: Engine, greedy: SamplingProfile) -> None:
     """A speculating request verifies guesses while it has the model to itself, decodes plainly while it shares it,
     and gets its own cache back to verify when the other row leaves; its tokens are the plain ones throughout."""

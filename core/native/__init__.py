@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import mlx.core as mx  # first: loads libmlx and registers mx.array with nanobind, which _ext's signatures use
@@ -262,8 +263,15 @@ def penalties(logits: mx.array, ids: mx.array, counts: mx.array, *, repetition: 
 
 def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
     """core/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit for
-    bit, as one op."""
+    bit, as one op. With words [rows, 2] (a batch's rows, each its own key) and ids [n] or [rows, n]: [rows, n]."""
     return _module().uniform_at(ids, words)
+
+
+def gumbel_argmax(logits: mx.array, ids: mx.array, words: mx.array) -> mx.array:
+    """core/draw.py's Gumbel-max draw along the last axis of float32 ``logits [..., n]``: the positions (uint32
+    [...]) of argmax(logit - log(-log(uniform_at(ids, words)))), bit for bit, as one op that makes no noise for -inf
+    logits. ``ids`` [n] or one row per row; ``words`` [2] or one pair per row."""
+    return _module().gumbel_argmax(logits, ids, words)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -271,13 +279,13 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return _module().swiglu(gate, up)
 
 
-def nucleus(logits: mx.array, p: float, *, typical: bool = False) -> mx.array:
+def nucleus(logits: mx.array, p: float | Sequence[float], *, typical: bool = False) -> mx.array:
     """Top-p (or, with ``typical``, typical-p) along the last axis of float32 ``logits [..., V]``: the logits of the
     kept tokens, -inf elsewhere. Kept: the smallest set of the best-ranked finite tokens whose probability reaches
     ``p`` (at least one; tokens ranked equal to the last kept one too), ranked by logit or by |surprisal - entropy|.
     Lazy and exact, with sums in double: it selects (no full sort unless nearly the whole row is needed), so a
-    sampler can run it every decode step without waiting on the device."""
-    return _module().nucleus(logits, p, typical=typical)
+    sampler can run it every decode step without waiting on the device. ``p`` may be one per row (a batch's rows)."""
+    return _module().nucleus(logits, [p] if isinstance(p, (int, float)) else list(p), typical=typical)
 
 
 def layer_shape(*, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float, rope_dims: int,

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -92,12 +93,17 @@ class NativeUniform : public CpuOp {
     encoder.set_output_array(out);
     encoder.dispatch([ids = mx::array::unsafe_weak_copy(ids), words = mx::array::unsafe_weak_copy(words),
                       out = mx::array::unsafe_weak_copy(out)]() mutable {
-      const uint32_t* id = ids.data<uint32_t>();
-      const uint32_t w0 = words.data<uint32_t>()[0], w1 = words.data<uint32_t>()[1];
-      float* u = out.data<float>();
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const uint32_t h = fmix32(fmix32(id[i] ^ w0) ^ w1);
-        u[i] = (float(h >> 9) + 0.5f) * (1.0f / float(1 << 23));
+      // One pair of words per row of the output; ids of one row are shared by every row.
+      const size_t rows = words.size() / 2, n = out.size() / rows;
+      const bool shared = ids.size() == n;
+      for (size_t r = 0; r < rows; ++r) {
+        const uint32_t* id = ids.data<uint32_t>() + (shared ? 0 : r * n);
+        const uint32_t w0 = words.data<uint32_t>()[2 * r], w1 = words.data<uint32_t>()[2 * r + 1];
+        float* u = out.data<float>() + r * n;
+        for (size_t i = 0; i < n; ++i) {
+          const uint32_t h = fmix32(fmix32(id[i] ^ w0) ^ w1);
+          u[i] = (float(h >> 9) + 0.5f) * (1.0f / float(1 << 23));
+        }
       }
     });
   }
@@ -105,6 +111,59 @@ class NativeUniform : public CpuOp {
   const char* name() const override { return "MlxchatUniform"; }
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+// core/draw.py's Gumbel-max draw, argmax(logit - log(-log(u))) along each row, in one pass: the noise of a masked
+// (-inf) token is never made, since its score is -inf whatever the noise (after top-p, nearly the whole vocabulary).
+// The ops are MLX's on this backend (its CPU log is std::log in float, glibc's logf, the same function this calls; an
+// exact subtraction; MLX's argmax: the first maximum, a NaN before anything), so the position is MLX's to the bit
+// (tests/test_native.py compares it with MLX's graph).
+class NativeGumbel : public CpuOp {
+ public:
+  using CpuOp::CpuOp;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto &x = inputs[0], &ids = inputs[1], &words = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), ids = mx::array::unsafe_weak_copy(ids),
+                      words = mx::array::unsafe_weak_copy(words), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      thread_local std::vector<float> copy;
+      const float* in = rows_of(x, copy);
+      const size_t n = x.shape(-1), rows = x.size() / n;
+      const bool shared_ids = ids.size() == n, shared_words = words.size() == 2;
+      for (size_t r = 0; r < rows; ++r) {
+        const float* row = in + r * n;
+        const uint32_t* id = ids.data<uint32_t>() + (shared_ids ? 0 : r * n);
+        const uint32_t* w = words.data<uint32_t>() + (shared_words ? 0 : 2 * r);
+        float best = -std::numeric_limits<float>::infinity();
+        uint32_t at = 0;
+        for (size_t i = 0; i < n; ++i) {
+          if (row[i] == -std::numeric_limits<float>::infinity()) continue;
+          const uint32_t h = fmix32(fmix32(id[i] ^ w[0]) ^ w[1]);
+          const float u = (float(h >> 9) + 0.5f) * (1.0f / float(1 << 23));
+          const float score = row[i] - std::log(-std::log(u));
+          if (score > best || (std::isnan(score) && !std::isnan(best))) {
+            best = score;
+            at = uint32_t(i);
+          }
+        }
+        out.data<uint32_t>()[r] = at;
+      }
+    });
+  }
+
+  const char* name() const override { return "MlxchatGumbel"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.pop_back();
+    return {shape};
+  }
 };
 
 // The repeat length that emitting each token would extend (llama.cpp's llama_sampler_dry_apply, steps 1-3, on a
@@ -313,11 +372,37 @@ mx::array penalties(const mx::array& logits, const mx::array& ids, const mx::arr
 }
 
 mx::array uniform_at(const mx::array& ids, const mx::array& words) {
-  if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || words.shape() != mx::Shape{2}) {
-    throw std::invalid_argument("uniform_at needs uint32 ids and two uint32 words");
+  if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || words.ndim() < 1 || words.ndim() > 2 ||
+      words.shape(-1) != 2) {
+    throw std::invalid_argument("uniform_at needs uint32 ids and two uint32 words (or [rows, 2])");
+  }
+  mx::Shape shape = ids.shape();
+  if (words.ndim() == 2) {  // a batch's rows, each keyed by its own words
+    const int rows = words.shape(0);
+    if (ids.ndim() == 1) {
+      shape = {rows, ids.shape(0)};
+    } else if (ids.ndim() != 2 || ids.shape(0) != rows) {
+      throw std::invalid_argument("uniform_at with words [rows, 2] needs ids [n] or [rows, n]");
+    }
   }
   auto s = cpu_stream();
-  return mx::array(ids.shape(), mx::float32, std::make_shared<NativeUniform>(s), {dense(ids, s), dense(words, s)});
+  return mx::array(shape, mx::float32, std::make_shared<NativeUniform>(s), {dense(ids, s), dense(words, s)});
+}
+
+mx::array gumbel_argmax(const mx::array& logits, const mx::array& ids, const mx::array& words) {
+  check_float32(logits, "logits");
+  if (logits.ndim() < 1 || logits.shape(-1) < 1) throw std::invalid_argument("logits must have a non-empty last axis");
+  const size_t n = logits.shape(-1), rows = logits.size() / n;
+  if (ids.dtype() != mx::uint32 || words.dtype() != mx::uint32 || (ids.size() != n && ids.size() != rows * n) ||
+      (words.size() != 2 && words.size() != 2 * rows)) {
+    throw std::invalid_argument("gumbel_argmax needs uint32 ids [n] or one row per logits row, and uint32 words [2] "
+                                "or [rows, 2]");
+  }
+  mx::Shape shape = logits.shape();
+  shape.pop_back();
+  auto s = cpu_stream();
+  return mx::array(shape, mx::uint32, std::make_shared<NativeGumbel>(s), {dense(logits, s), dense(ids, s),
+                                                                          dense(words, s)});
 }
 
 mx::array top_k_index(const mx::array& logits, int k) {

@@ -138,7 +138,8 @@ void nucleus_row(const float* x, float* out, size_t n, double p, bool typical, R
 
 class NativeNucleus : public CpuOp {
  public:
-  NativeNucleus(mx::Stream stream, double p, bool typical) : CpuOp(stream), p_(p), typical_(typical) {}
+  NativeNucleus(mx::Stream stream, std::vector<double> p, bool typical)
+      : CpuOp(stream), p_(std::move(p)), typical_(typical) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -152,7 +153,7 @@ class NativeNucleus : public CpuOp {
       const float* in = rows_of(x, scratch.copy);
       const size_t V = x.shape(-1);
       for (size_t r = 0; r < x.size() / V; ++r) {
-        nucleus_row(in + r * V, out.data<float>() + r * V, V, p, typical, scratch);
+        nucleus_row(in + r * V, out.data<float>() + r * V, V, p.size() == 1 ? p[0] : p[r], typical, scratch);
       }
     });
   }
@@ -165,16 +166,20 @@ class NativeNucleus : public CpuOp {
   }
 
  private:
-  double p_;
+  std::vector<double> p_;  // one for every row, or one per row
   bool typical_;
 };
 
 }  // namespace
 
-mx::array nucleus(const mx::array& logits, double p, bool typical) {
+mx::array nucleus(const mx::array& logits, const std::vector<double>& p, bool typical) {
   check_float32(logits, "logits");
   if (logits.ndim() < 1 || logits.shape(-1) < 1) throw std::invalid_argument("logits must have a non-empty last axis");
-  if (!(p >= 0.0)) throw std::invalid_argument("p must be a number >= 0");
+  const size_t rows = logits.size() / logits.shape(-1);
+  if (p.size() != 1 && p.size() != rows) throw std::invalid_argument("p must be one number, or one per row");
+  for (double q : p) {
+    if (!(q >= 0.0)) throw std::invalid_argument("p must be a number >= 0");
+  }
   return mx::array(logits.shape(), mx::float32, std::make_shared<NativeNucleus>(cpu_stream(), p, typical), {logits});
 }
 
