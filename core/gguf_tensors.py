@@ -59,6 +59,12 @@ class Tensors:
     formats: dict[str, QuantFormat] = field(default_factory=dict)
     packed: set[str] = field(default_factory=set)  # NAMEs read in the native kernel's packed layout
 
+    def add(self, other: "Tensors") -> None:
+        """Take `other`'s tensors too (another part of the same file's)."""
+        self.arrays |= other.arrays
+        self.formats |= other.formats
+        self.packed |= other.packed
+
 
 @dataclass(frozen=True)
 class Place:
@@ -73,30 +79,35 @@ class Place:
 # (codes [blocks, values], scales [blocks, groups], biases [blocks, groups]) of an array of whole blocks.
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
 KeepQuantized = Callable[[QuantFormat], bool]
-# The native path's reader of a kept tensor: (weight, scales, biases, packed) straight from the file, in the native
-# kernel's own form (core/native's `read_ggml`), or None to have it converted here.
-NativeRead = Callable[[QuantFormat, Place], tuple[mx.array, mx.array, mx.array, bool] | None]
+# The native path's reader of kept tensors, all of a file's at once: for each (format, place), (weight, scales,
+# biases, packed) straight from the file in the native kernel's own form (core/native's `read_ggml_many`), or None
+# to have it converted here. At once: the native reader holds no GIL for the whole file, while the loader builds the
+# tokenizer on another thread (one call a tensor waited each time to take the GIL back from that thread).
+NativeRead = Callable[[list[tuple[QuantFormat, Place]]], list[tuple[mx.array, mx.array, mx.array, bool] | None]]
 _FLOATS = {"F32": np.float32, "F16": np.float16}
 
 
 def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized = lambda f: True,
                  native: NativeRead | None = None) -> Tensors:
     """The named tensors (GGUF names, e.g. ``blk.3.attn_q.weight``). A quantized tensor whose format `keep` refuses
-    comes back dense in float32 (llama.cpp's dequantization, exactly); a kept one is read by `native` where it is
-    given and takes it, else converted here to MLX's layout."""
+    comes back dense in float32 (llama.cpp's dequantization, exactly); the kept ones are read by `native` where it is
+    given and takes them, else converted here to MLX's layout."""
     infos = {t.name: t for t in header.tensors}
-    out = Tensors()
     size = os.path.getsize(header.path)
+    todo = []
+    for name in names:
+        info = infos[name]
+        if header.data_start + info.offset + info.nbytes > size:
+            raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
+        todo.append(info)
+    out = Tensors()
+    if native is not None:
+        todo = _read_native(header, todo, keep, native, out)
     # NumPy lets go of the GIL in its array work: a tensor converts on each core while the next one is read.
     workers = os.cpu_count() or 1
     with open(header.path, "rb") as f, ThreadPoolExecutor(workers) as pool:
         pending = []
-        for name in names:
-            info = infos[name]
-            if header.data_start + info.offset + info.nbytes > size:
-                raise ModelLoadError(header.path, f"tensor {name!r} ends past the end of the file; it is truncated")
-            if native is not None and _read_native(header, info, keep, native, out):
-                continue
+        for info in todo:
             f.seek(header.data_start + info.offset)
             raw = np.fromfile(f, dtype=np.uint8, count=info.nbytes)
             if len(pending) >= workers:
@@ -108,26 +119,33 @@ def read_tensors(header: GGUFHeader, names: Iterable[str], keep: KeepQuantized =
     return out
 
 
-def _read_native(header: GGUFHeader, info: TensorInfo, keep: KeepQuantized, native: NativeRead,
-                 out: Tensors) -> bool:
-    """Whether `native` read the tensor (a kept quantized one) into `out`."""
-    quant = _QUANTS.get(info.type_name)
-    if quant is None or not keep(quant[1]):
-        return False
-    fmt = quant[1]
-    rows, cols = info.shape[:-1], info.shape[-1]
-    read = native(fmt, Place(str(header.path), header.data_start + info.offset, int(np.prod(rows)), cols))
-    if read is None:
-        return False
-    weight, scales, biases, packed = read
-    base = info.name.removesuffix(".weight")
-    out.arrays[f"{base}.weight"] = weight.reshape(*rows, weight.shape[-1])
-    out.arrays[f"{base}.scales"] = scales.reshape(*rows, scales.shape[-1])
-    out.arrays[f"{base}.biases"] = biases.reshape(*rows, biases.shape[-1])
-    out.formats[base] = fmt
-    if packed:
-        out.packed.add(base)
-    return True
+def _read_native(header: GGUFHeader, infos: list[TensorInfo], keep: KeepQuantized, native: NativeRead,
+                 out: Tensors) -> list[TensorInfo]:
+    """Read the kept quantized tensors of `infos` with `native` into `out`; the tensors left to convert here."""
+    asked: list[tuple[TensorInfo, QuantFormat, Place]] = []
+    rest = []
+    for info in infos:
+        quant = _QUANTS.get(info.type_name)
+        if quant is None or not keep(quant[1]):
+            rest.append(info)
+            continue
+        rows, cols = info.shape[:-1], info.shape[-1]
+        asked.append((info, quant[1], Place(str(header.path), header.data_start + info.offset, int(np.prod(rows)),
+                                            cols)))
+    for (info, fmt, _), read in zip(asked, native([(fmt, place) for _, fmt, place in asked])):
+        if read is None:
+            rest.append(info)
+            continue
+        weight, scales, biases, packed = read
+        rows = info.shape[:-1]
+        base = info.name.removesuffix(".weight")
+        out.arrays[f"{base}.weight"] = weight.reshape(*rows, weight.shape[-1])
+        out.arrays[f"{base}.scales"] = scales.reshape(*rows, scales.shape[-1])
+        out.arrays[f"{base}.biases"] = biases.reshape(*rows, biases.shape[-1])
+        out.formats[base] = fmt
+        if packed:
+            out.packed.add(base)
+    return rest
 
 
 def _convert(header: GGUFHeader, info: TensorInfo, raw: np.ndarray, keep: KeepQuantized, out: Tensors) -> None:

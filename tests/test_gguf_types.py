@@ -269,6 +269,33 @@ def test_the_native_reader_tells_symmetric_blocks_as_the_float32_check_does_for_
         assert not native.is_symmetric(b), hex(one)
 
 
+def test_the_native_reader_reads_a_files_tensors_in_one_call_as_one_by_one(tmp_path: Path) -> None:
+    """`read_ggml_many` (the loader's: one call without the GIL for the file) gives what `read_ggml` gives for each
+    tensor, None where that does, and fails as it does on a tensor that runs past the end."""
+    native = loader.native
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    tensors = [(f"t{i}.weight", t, (32, 256), random_blocks(t, 32 * 256, np.random.default_rng(i)))
+               for i, t in enumerate(["Q4_0", "Q6_K", "Q5_0", "Q4_K", "Q8_0"])]
+    big = np.frombuffer(tensors[1][3], np.uint8).copy().reshape(-1, 210)
+    big[:, 208:210] = np.full(len(big), 4096, np.float16).view(np.uint8).reshape(-1, 2)  # not the compact form
+    tensors.append(("big.weight", "Q6_K", (32, 256), big.tobytes()))
+    path = tmp_path / "many.gguf"
+    write_gguf(path, {"general.architecture": "llama"}, tensors)
+    header = gguf.read_header(path)
+    places = [(header.data_start + t.offset, t.type_name, 32, 256, packed)
+              for t, packed in zip(header.tensors, [True, False, True, True, False, True])]
+    many = native.read_ggml_many(str(path), places)
+    assert many[-1] is None and len(many) == len(places)
+    for got, (offset, type_name, rows, cols, packed) in zip(many, places):
+        want = native.read_ggml(str(path), offset, type_name, rows, cols, packed=packed)
+        assert (got is None) == (want is None)
+        for a, b in zip(got or (), want or ()):
+            assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
+    with pytest.raises(RuntimeError, match="truncated"):
+        native.read_ggml_many(str(path), [*places[:2], (places[-1][0], "Q4_K", 64, 256, False)])
+
+
 def test_the_native_reader_refuses_what_does_not_fit(tmp_path: Path) -> None:
     native = loader.native
     if not native.available():

@@ -143,6 +143,15 @@ def read_ggml(path: str, offset: int, ggml_type: str, rows: int, cols: int, *,
     return None if out is None else (out[0], out[1], out[2])
 
 
+def read_ggml_many(path: str, places: list[tuple[int, str, int, int, bool]]
+                   ) -> list[tuple[mx.array, mx.array, mx.array] | None]:
+    """`read_ggml` on each ``(offset, ggml_type, rows, cols, packed)`` of one file, in order, in one call that holds
+    no GIL throughout (the loader builds the tokenizer on another thread meanwhile). Raises as `read_ggml` does."""
+    ext = _module()
+    out = ext.read_ggml_many(path, [ext.GgmlPlace(*p) for p in places])
+    return [None if arrays is None else (arrays[0], arrays[1], arrays[2]) for arrays in out]
+
+
 def gguf_strings(path: str, offset: int, count: int) -> tuple[list[str], int, str]:
     """``count`` GGUF metadata strings (each a uint64 byte length and its UTF-8 bytes) from byte ``offset`` of the
     file: ``(strings, the byte after the last, "")``, or where the file ends inside one or one is not UTF-8, the

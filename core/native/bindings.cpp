@@ -37,6 +37,10 @@ NB_MODULE(_ext, m) {
   m.def("read_ggml", &mlxchat::read_ggml, "path"_a, "offset"_a, "type"_a, "N"_a, "K"_a, nb::kw_only(), "packed"_a,
         nb::call_guard<nb::gil_scoped_release>(),
         "A ggml-quantized tensor read from a GGUF file as [w, scales, biases] (packed: pack_weights's tiles).");
+  nb::class_<mlxchat::GgmlPlace>(m, "GgmlPlace")
+      .def(nb::init<int64_t, std::string, int, int, bool>(), "offset"_a, "type"_a, "N"_a, "K"_a, "packed"_a);
+  m.def("read_ggml_many", &mlxchat::read_ggml_many, "path"_a, "places"_a, nb::call_guard<nb::gil_scoped_release>(),
+        "read_ggml on each GgmlPlace of one file, in one call without the GIL.");
   m.def("gguf_strings", &mlxchat::gguf_strings, "path"_a, "offset"_a, "count"_a,
         "count GGUF metadata strings from byte offset: (list, end, '' or where it went wrong: 'ends', 'utf-8').");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);

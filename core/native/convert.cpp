@@ -376,10 +376,29 @@ struct File {
   ~File() { ::close(fd); }
 };
 
+std::optional<std::vector<mx::array>> read_tensor(const File& file, int64_t offset, const std::string& type, int N,
+                                                  int K, bool packed);
+
 }  // namespace
 
 std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t offset, const std::string& type,
                                                 int N, int K, bool packed) {
+  return read_tensor(File(path), offset, type, N, K, packed);
+}
+
+std::vector<std::optional<std::vector<mx::array>>> read_ggml_many(const std::string& path,
+                                                                 const std::vector<GgmlPlace>& places) {
+  const File file(path);
+  std::vector<std::optional<std::vector<mx::array>>> out;
+  out.reserve(places.size());
+  for (const GgmlPlace& p : places) out.push_back(read_tensor(file, p.offset, p.type, p.N, p.K, p.packed));
+  return out;
+}
+
+namespace {
+
+std::optional<std::vector<mx::array>> read_tensor(const File& file, int64_t offset, const std::string& type, int N,
+                                                  int K, bool packed) {
   const auto it = std::find_if(kFormats.begin(), kFormats.end(), [&](const Format& f) { return type == f.name; });
   if (it == kFormats.end()) throw std::invalid_argument("read_ggml cannot read tensor type " + type);
   const Format f = *it;
@@ -389,7 +408,6 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
                                 std::to_string(K) + " values does not fit its blocks" +
                                 (packed ? " or tiles of 16 rows" : ""));
   }
-  File file(path);
   const int row_in = K / f.block_values * f.block_bytes;
   const size_t row_out = size_t(K) * f.bits / 8;
   const int param_cols = f.k_quant ? K / 256 * compact_bytes(f.group_size) : K / f.group_size;
@@ -412,7 +430,7 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
   const int pieces = (tiles + tiles_per_piece - 1) / tiles_per_piece;
   std::atomic<int> failure{0};  // 1: the read failed or ended early; 2: parameters the compact form cannot hold
   // No lingering after: the loader builds the tokenizer on another thread meanwhile, which a polling helper's core
-  // would not run (one tensor's pieces to the next's is Python work on this thread, well over a fused layer's gaps).
+  // would not run.
   parallel_pieces(pieces, [&](int piece) {
     if (failure.load(std::memory_order_relaxed)) return;
     const int n0 = piece * tiles_per_piece * kPackedTile, n1 = std::min(N, n0 + tiles_per_piece * kPackedTile);
@@ -434,5 +452,7 @@ std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t
   }
   return std::vector<mx::array>{std::move(w), std::move(scales), std::move(biases)};
 }
+
+}  // namespace
 
 }  // namespace mlxchat

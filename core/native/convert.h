@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/array.h"
@@ -25,5 +26,21 @@ namespace mx = mlx::core;
 // or ends early.
 std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t offset, const std::string& type,
                                                 int N, int K, bool packed);
+
+// One tensor of read_ggml_many: read_ggml's arguments but the file's.
+struct GgmlPlace {
+  int64_t offset;
+  std::string type;
+  int N, K;
+  bool packed;
+  GgmlPlace(int64_t offset, std::string type, int N, int K, bool packed)
+      : offset(offset), type(std::move(type)), N(N), K(K), packed(packed) {}
+};
+
+// read_ggml on each place of one file, in order, in one call: the loader lets go of the GIL for the whole file, so
+// its tokenizer thread runs meanwhile (a call per tensor took the GIL back 270 times, each time waiting on that
+// thread). Throws as read_ggml does at the first tensor that fails.
+std::vector<std::optional<std::vector<mx::array>>> read_ggml_many(const std::string& path,
+                                                                 const std::vector<GgmlPlace>& places);
 
 }  // namespace mlxchat
