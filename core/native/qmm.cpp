@@ -175,7 +175,18 @@ void parallel_chunks(int N, int K, int M, bool packed, const std::function<void(
     // the tile loads waited on it. Chunks of ~512 KB of codes (kept in L2 with a 16-row slice of x): one 5632 x 2048
     // Q4_K matmul at 512 rows, one thread, CPU time, 70 -> 50 ms (Q4_0 alike). At least 4 chunks, for the second
     // thread.
-    per_chunk = std::clamp(kAmxChunkCodes / (K / 32 * 512), 1, std::max(1, units / 4));
+    // Guided: the last chunks shrink (a quarter of what is left over the threads, down to one tile), so a thread
+    // that finds no chunk left waits on the other's last one for a short time: with equal chunks it spun in
+    // Pool::run for ~half a chunk per matmul (8% of the prefill's samples on the main thread).
+    const int most = std::clamp(kAmxChunkCodes / (K / 32 * 512), 1, units);
+    const int helpers = std::max(1, threads());
+    std::vector<int> starts{0};
+    for (int u = 0; u < units;) {
+      u += std::clamp((units - u) / (2 * helpers), 1, most);
+      starts.push_back(std::min(u, units));
+    }
+    parallel_for(int(starts.size()) - 1, [&](int c) { fn(starts[c], starts[c + 1]); });
+    return;
   }
   parallel_for((units + per_chunk - 1) / per_chunk,
                [&](int c) { fn(c * per_chunk, std::min(units, (c + 1) * per_chunk)); });
