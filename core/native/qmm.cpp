@@ -378,14 +378,14 @@ struct PackedRows {
   std::unique_ptr<int8_t[]> xq;
   std::vector<float> xd, xsum;
   PackedRows(const float* x, int M, int K, int group_size, XForm form)
-      : xform(form), xq(new int8_t[size_t(M) * K * digits_of(form)]), xd(size_t(M) * (K / 32)),
+      : xform(form), xq(new int8_t[size_t(M) * x_row_bytes(K, form)]), xd(size_t(M) * (K / 32)),
         xsum(size_t(M) * (K / group_size)) {
     // Rows are independent: a prompt's are quantized on every thread (this runs before each projection's matmul,
     // and alone it was 4.7 ms of a 512-row, K = 2048 one on one thread).
     const int G = K / group_size, pieces = (M + kQuantizeRows - 1) / kQuantizeRows;
     auto piece = [&](int p) {
       const int m0 = p * kQuantizeRows, rows = std::min(M - m0, kQuantizeRows);
-      quantize_rows(x + size_t(m0) * K, rows, K, group_size, form, xq.get() + size_t(m0) * K * digits_of(form),
+      quantize_rows(x + size_t(m0) * K, rows, K, group_size, form, xq.get() + size_t(m0) * x_row_bytes(K, form),
                     xd.data() + size_t(m0) * (K / 32), xsum.data() + size_t(m0) * G);
     };
     if (pieces == 1) {
@@ -401,8 +401,12 @@ struct PackedRows {
   }
 };
 
-XForm xform_of(bool int8) {
-  return int8 ? XForm::int8 : XForm::fixed24;
+// x's form for M rows on 4-bit codes or others (`bits`, `group_size`): fixed24_nibbles where AMX takes the rows
+// (two tile products a block on 4-bit codes instead of three: kernel.h), else int8 or fixed24.
+XForm xform_of(bool int8, int M = 1, int bits = 0, int group_size = 32) {
+  if (int8) return XForm::int8;
+  return bits == 4 && group_size != 16 && packed_kernel(M) == &qmm_packed_rows_amx ? XForm::fixed24_nibbles
+                                                                                   : XForm::fixed24;
 }
 
 // ---- primitives ----------------------------------------------------------------------------------------------
@@ -425,7 +429,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0);
       if (packed) {
         std::vector<float> copy;
-        const PackedRows xr(float_rows(x, copy), M, K, group_size, xform_of(int8));
+        const PackedRows xr(float_rows(x, copy), M, K, group_size, xform_of(int8, M, bits, group_size));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const PackedKernel kernel = packed_kernel(M);  // VNNI's (or AMX's) for fixed24 (check_weights)
         parallel_chunks(N, K, M, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
@@ -710,21 +714,22 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
   // more bits.
   struct Prepared {
     int group_size, bits;
-    bool packed, int8;
+    bool packed;
+    XForm form;
     std::vector<float> xq, xsum;
     std::unique_ptr<PackedRows> integers;
   };
   std::vector<Prepared> prepared;
   auto prepared_for = [&](const RowsTarget& t) -> const Prepared& {
+    const XForm form = xform_of(t.int8, M, t.bits, t.group_size);
     for (const auto& p : prepared) {
-      if (p.group_size == t.group_size && p.packed == t.packed &&
-          (t.packed ? p.int8 == t.int8 : p.bits == t.bits)) {
+      if (p.group_size == t.group_size && p.packed == t.packed && (t.packed ? p.form == form : p.bits == t.bits)) {
         return p;
       }
     }
-    auto& p = prepared.emplace_back(Prepared{t.group_size, t.bits, t.packed, t.int8, {}, {}, nullptr});
+    auto& p = prepared.emplace_back(Prepared{t.group_size, t.bits, t.packed, form, {}, {}, nullptr});
     if (t.packed) {
-      p.integers = std::make_unique<PackedRows>(x, M, K, t.group_size, xform_of(t.int8));
+      p.integers = std::make_unique<PackedRows>(x, M, K, t.group_size, form);
     } else {
       prepare_rows(std::vector<float>(x, x + size_t(M) * K), M, K, t.group_size, t.bits, p.xq, p.xsum);
     }
