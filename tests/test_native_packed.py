@@ -172,6 +172,38 @@ def test_prompt_rows_equal_single_rows_bit_for_bit(bits: int, group_size: int, p
         np.testing.assert_array_equal(together[i:i + 1], np.array(native.quantized_matmul(x[i:i + 1], *packed, **fmt)))
 
 
+@needs_fixed24
+@pytest.mark.parametrize("group_size, params", [(32, mx.float16), (64, mx.float32), (32, "compact")])
+def test_prompt_rows_on_4_bit_codes_equal_single_rows_at_every_digit_extreme(group_size: int, params):
+    # Where AMX runs prompts, 4-bit codes take x as fixed24_nibbles (m = e0 + 16 e1 + 4096 (e2 + 16 e3), two tile
+    # products a block) while a single row takes the three base-256 digits on VNNI: the same integer sums, rounded
+    # once each. Blocks whose largest |x| sits at the top of its binade (the top digits at their limits, either
+    # sign), tiny and subnormal blocks, and zero blocks, all equal bit for bit.
+    from tests.test_native_formats import kquant_format
+
+    if params == "compact":
+        (w, s, b), _ = kquant_format(32, 256, 4, group_size, seed=5)
+        s, b = native.compact_params(s, b, group_size=group_size)
+        packed = native.pack_weights(w, s, b, group_size=group_size, bits=4)
+    else:
+        _, packed = _packed(32, 256, group_size, 4, params, seed=5)
+    rng = np.random.default_rng(5)
+    top = 127 * 65536 + 127 * 256 + 127
+    x = (rng.standard_normal((40, 256)) * np.exp(2 * rng.standard_normal((40, 256)))).astype(np.float32)
+    for i in range(40):
+        m = [top, top + 1, 2**23 - 1, top - 1, 2**22, 65535, 4095][i % 7]
+        for blk in range(8):
+            v = np.float32(m * 2.0 ** (blk - 30 - 20 * (i % 3)))
+            x[i, 32 * blk + (i + blk) % 32] = v if (i + blk) % 2 else -v
+    x[3, :64] = 0.0
+    x[4, 32:64] = np.float32(1e-41)  # subnormal
+    fmt = {"group_size": group_size, "bits": 4, "packed": True}
+    together = np.array(native.quantized_matmul(mx.array(x), *packed, **fmt))
+    for i in range(40):
+        np.testing.assert_array_equal(together[i:i + 1],
+                                      np.array(native.quantized_matmul(mx.array(x[i:i + 1]), *packed, **fmt)))
+
+
 @needs_native
 def test_the_avx2_int8_kernel_too_where_vnni_runs():
     """CPUs without AVX512-VNNI run the AVX2 kernel (chosen once per process): checked in a process of its own."""

@@ -68,13 +68,22 @@ void expand_symmetric_avx2(const uint16_t* scales, size_t count, int bits, float
 // - int8 (weights="native-int8", opt-in): round(x / d), d = max|x| / 127, as llama.cpp rounds activations;
 // - fixed24 (the native path's default where VNNI runs): x / 2^e rounded to an integer of 24 bits with 2^e a power of
 //   two chosen per block, held as three signed bytes (x = 2^e * (d0 + 256 d1 + 65536 d2)), so the block's largest
-//   values keep fp32's precision (23-24 significant bits) and the integer dot products are exact.
+//   values keep fp32's precision (23-24 significant bits) and the integer dot products are exact;
+// - fixed24_nibbles: the same m of each value in four signed bytes, m = e0 + 16 e1 + 4096 (e2 + 16 e3) with e0, e2
+//   in [0, 15] and e1, e3 in [-128, 127], for AMX's products on 4-bit codes (kernel_vnni.cpp): a block's codes
+//   beside the codes times 16 (at most 240, still a byte) make one product of 64 k that sums e0 + 16 e1, so two
+//   products a block make m's sums where the three digits take three. Only AMX reads it (M >= 16, 4 bits).
 // y[m, n] = sum over groups of scale * (sum over the group's blocks of xd * (q . xq)) + bias * xsum.
 constexpr int kPackedTile = 16;
-enum class XForm { int8, fixed24 };
-inline constexpr int digits_of(XForm f) { return f == XForm::int8 ? 1 : 3; }
+enum class XForm { int8, fixed24, fixed24_nibbles };
+inline constexpr int digits_of(XForm f) { return f == XForm::int8 ? 1 : f == XForm::fixed24 ? 3 : 4; }
+// Bytes from one row of x's integers to the next: K * digits, and for fixed24_nibbles a line more, so that the 16
+// rows of an AMX tile (K * 4 bytes apart: a multiple of 4 KB at K = 2048) do not all fall in one set of L1.
+inline constexpr size_t x_row_bytes(int K, XForm f) {
+  return size_t(K) * digits_of(f) + (f == XForm::fixed24_nibbles ? 64 : 0);
+}
 struct PackedMatmulArgs {
-  const int8_t* xq;   // [M, K / 32, digits, 32]: a block's digits (int8: round(x / xd) in [-127, 127])
+  const int8_t* xq;   // [M, K / 32, digits, 32], rows x_row_bytes apart: a block's digits (int8: round(x / xd))
   const float* xd;    // [M, K / 32]: each block's scale (int8: max |x| / 127; fixed24: 2^e)
   const float* xsum;  // [M, K / group_size]: the sum of the rounded x over each group (the bias term)
   const uint8_t* w;   // [N / 16][K / 32][16 * 32 * bits / 8] (pack_weights)
@@ -166,8 +175,9 @@ void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int
 // that loses bits, and only bits below 2^e. The digits of m go to q[0..31] (d0), q[32..63] (d1), q[64..95] (d2), the
 // sums of m over each half block to half_sums; returns 2^e (0 for a block of zeros, NaN where a value is NaN or
 // infinite, with digits and sums 0). AVX-512: a prompt's rows are quantized for every projection, and in scalar
-// code (a serial max, products in double) that was 4.7 ms of a 512-row, K = 2048 matmul.
-float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2]);
+// code (a serial max, products in double) that was 4.7 ms of a 512-row, K = 2048 matmul. `nibbles`: m as
+// fixed24_nibbles's four bytes instead (q[0..127]: e0, e1, e2, e3), the same m, 2^e and sums.
+float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2], bool nibbles = false);
 // out = softmax(scale * x) over rows of length S (out may be x). With `causal`, row r is query r % L of L queries
 // whose keys are the last L of S (MLX's lower-right causal mask): it sees its first S - L + r % L + 1 entries, and the
 // rest are 0.

@@ -313,13 +313,13 @@ int fixed24_exponent(float amax) {
 
 }  // namespace
 
-float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2]) {
+float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2], bool nibbles) {
   half_sums[0] = half_sums[1] = 0;
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
   if (nan || !std::isfinite(amax) || amax == 0.0f) {
-    std::memset(q, 0, 96);
+    std::memset(q, 0, nibbles ? 128 : 96);
     return amax == 0.0f && !nan ? 0.0f : std::numeric_limits<float>::quiet_NaN();
   }
   const int e = fixed24_exponent(amax);
@@ -330,6 +330,21 @@ float fixed24_block_vnni(const float* xb, int8_t* q, int64_t (&half_sums)[2]) {
   for (int h = 0; h < 2; ++h) {
     const __m512i m = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(h == 0 ? x0 : x1, scale),
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (nibbles) {
+      // m = e0 + 16 (e1 + 256 r2), r2 = e2 + 16 e3: e0 = m mod 16 and e2 = r2 mod 16 in [0, 15], e1 balanced in
+      // [-128, 127], e3 the floor of r2 / 16 (|r2| <= 2041 since |m| <= kFixed24Max: within [-128, 127]).
+      const __m512i nib = _mm512_set1_epi32(15);
+      const __m512i e0 = _mm512_and_si512(m, nib), r = _mm512_srai_epi32(m, 4);
+      const __m512i e1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, bias), low), bias);
+      const __m512i r2 = _mm512_srai_epi32(_mm512_sub_epi32(r, e1), 8);
+      const __m512i e2 = _mm512_and_si512(r2, nib), e3 = _mm512_srai_epi32(r2, 4);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(e0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 + 16 * h), _mm512_cvtepi32_epi8(e1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 64 + 16 * h), _mm512_cvtepi32_epi8(e2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 96 + 16 * h), _mm512_cvtepi32_epi8(e3));
+      half_sums[h] = _mm512_reduce_add_epi32(m);
+      continue;
+    }
     // Balanced base-256 digits: d0, d1 in [-128, 127], then the rest (arithmetic shifts, as the reference).
     const __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(m, bias), low), bias);
     const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(m, d0), 8);
@@ -418,15 +433,38 @@ void configure_tiles(int r, int kx) {
     _tile_stored(C1, sums[1], 64);                        \
     _tile_stored(C2, sums[2], 64);                        \
   }
+// fixed24_nibbles on 4-bit codes: two products of 64 k, x's (e0, e1) and (e2, e3) against the block's codes beside
+// the codes times 16 (B: 16 k-steps), into sums 0 and 1; the second digit pair in its own A tile (2, or 5).
+#define MLXCHAT_TILE_PAIRS(C0, C1, A1)                    \
+  _tile_loadd(7, codes, 64);                              \
+  _tile_zero(C0);                                         \
+  _tile_loadd(6, x, x_stride);                            \
+  _tile_dpbsud(C0, 6, 7);                                 \
+  _tile_zero(C1);                                         \
+  _tile_loadd(A1, x + 64, x_stride);                      \
+  _tile_dpbsud(C1, A1, 7);                                \
+  _tile_stored(C0, sums[0], 64);                          \
+  _tile_stored(C1, sums[1], 64);
 template <int SET, int DIGITS>
 inline void tile_products(const int8_t* x, size_t x_stride, const uint8_t* codes, int32_t (*sums)[16][16]) {
-  if constexpr (SET == 0) {
+  if constexpr (DIGITS == 4) {
+    if constexpr (SET == 0) {
+      MLXCHAT_TILE_PAIRS(0, 1, 2)
+    } else {
+      MLXCHAT_TILE_PAIRS(3, 4, 5)
+    }
+  } else if constexpr (SET == 0) {
     MLXCHAT_TILE_PRODUCTS(0, 1, 2)
   } else {
     MLXCHAT_TILE_PRODUCTS(3, 4, 5)
   }
 }
 #undef MLXCHAT_TILE_PRODUCTS
+#undef MLXCHAT_TILE_PAIRS
+
+// Bytes of whole codes a block (amx_rows): its 8 k-steps, and for fixed24_nibbles the same times 16 after them.
+template <int DIGITS>
+constexpr int kBlockCodes = DIGITS == 4 ? 1024 : 512;
 
 // Rows m0 .. m0 + r - 1 of x (R = r, or 0 for a count known at run time) against tiles [t0, t1), whose codes are
 // `codes` and parameters `params` (amx_rows). Each product's sums become floats while the next product runs on the
@@ -436,18 +474,20 @@ void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const u
   const int rows = R ? R : r;
   const int K = a.K, G = K / a.group_size, blocks = K / 32, blocks_per_group = G16 ? 1 : a.group_size / 32;
   constexpr int H = G16 ? 2 : 1, KX = 32 / H;
-  const size_t x_stride = size_t(K) * DIGITS;
+  const size_t x_stride =
+      x_row_bytes(K, DIGITS == 4 ? XForm::fixed24_nibbles : DIGITS == 3 ? XForm::fixed24 : XForm::int8);
   const int units = blocks * H;  // products a tile: unit u is block u / H, half u % H
+  constexpr int block_codes = kBlockCodes<DIGITS>;
   alignas(64) int32_t sums[2][3][16][16];
   const int8_t* x = a.xq + size_t(m0) * x_stride;
   const float* xd = a.xd + size_t(m0) * blocks;
   const float* xs = a.xsum + size_t(m0) * G;
   for (int t = t0; t < t1; ++t) {
-    const uint8_t* tile_codes = codes + size_t(t - t0) * blocks * 512;
+    const uint8_t* tile_codes = codes + size_t(t - t0) * blocks * block_codes;
     auto issue = [&](int u) {
       const int blk = u / H, h = u % H;
       const int8_t* xb = x + size_t(blk) * 32 * DIGITS + KX * h;
-      const uint8_t* cb = tile_codes + size_t(blk) * 512 + 16 * KX * h;
+      const uint8_t* cb = tile_codes + size_t(blk) * block_codes + 16 * KX * h;
       if (u % 2 == 0) {
         tile_products<0, DIGITS>(xb, x_stride, cb, sums[0]);
       } else {
@@ -476,6 +516,12 @@ void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const u
         __m512 f;
         if constexpr (DIGITS == 1) {
           f = _mm512_cvtepi32_ps(_mm512_load_si512(s[0][i]));
+        } else if constexpr (DIGITS == 4) {
+          // m's sum is s0 + 4096 s1, both exact as floats (|s| < 2^21): one FMA rounds it once. The three digits'
+          // (S0 + 256 S1) + 65536 S2 is the same integer and, for 4-bit codes, S0 + 256 S1 < 2^24 is exact too,
+          // so both kernels round the same exact sum once: the same float.
+          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s[1][i])), _mm512_set1_ps(4096.0f),
+                              _mm512_cvtepi32_ps(_mm512_load_si512(s[0][i])));
         } else {
           const __m512i low = _mm512_add_epi32(_mm512_load_si512(s[0][i]),
                                                _mm512_slli_epi32(_mm512_load_si512(s[1][i]), 8));
@@ -497,21 +543,27 @@ void amx_chunk(const PackedMatmulArgs& a, int t0, int t1, int m0, int r, const u
 template <int BITS, ScaleType ST, int DIGITS, bool G16>
 void amx_rows(const PackedMatmulArgs& a, int t0, int t1) {
   const int blocks = a.K / 32;
-  constexpr int block_bytes = kPackedTile * 32 * BITS / 8, KX = G16 ? 16 : 32;
+  static_assert(DIGITS != 4 || (BITS == 4 && !G16), "fixed24_nibbles: 4-bit codes in groups of 32 or more");
+  constexpr int block_bytes = kPackedTile * 32 * BITS / 8, KX = DIGITS == 4 ? 64 : G16 ? 16 : 32;
+  constexpr int block_codes = kBlockCodes<DIGITS>;
   const size_t tile_bytes = size_t(blocks) * block_bytes;
-  // The codes of tiles [t0, t1), whole (one byte each, a block's 8 k-steps in order: 512 bytes): made once, then
-  // read from cache by every row of x.
+  // The codes of tiles [t0, t1), whole (one byte each, a block's 8 k-steps in order: 512 bytes, and for
+  // fixed24_nibbles the same times 16 after them): made once, then read from cache by every row of x.
   thread_local std::vector<uint8_t> codes;
-  codes.resize(size_t(t1 - t0) * blocks * 512);
+  codes.resize(size_t(t1 - t0) * blocks * block_codes);
   for (int t = t0; t < t1; ++t) {
     for (int blk = 0; blk < blocks; ++blk) {
       const uint8_t* wb = a.w + size_t(t) * tile_bytes + size_t(blk) * block_bytes;
-      uint8_t* out = codes.data() + (size_t(t - t0) * blocks + blk) * 512;
+      uint8_t* out = codes.data() + (size_t(t - t0) * blocks + blk) * block_codes;
       for (int s = 0; s < 4; ++s) {
         __m512i wl, wh;
         step_codes<BITS>(wb, s, wl, wh);
         _mm512_storeu_si512(out + 64 * s, wl);
         _mm512_storeu_si512(out + 256 + 64 * s, wh);
+        if constexpr (DIGITS == 4) {  // codes <= 15: times 16 stays in each byte
+          _mm512_storeu_si512(out + 512 + 64 * s, _mm512_slli_epi16(wl, 4));
+          _mm512_storeu_si512(out + 768 + 64 * s, _mm512_slli_epi16(wh, 4));
+        }
       }
     }
   }
@@ -562,6 +614,8 @@ void qmm_packed_rows_amx(const PackedMatmulArgs& a, int t0, int t1) {
   with_packed_format(a, [&](auto bits, auto st, auto g16) {
     if (a.xform == XForm::int8) {
       amx_rows<bits(), st(), 1, g16()>(a, t0, t1);
+    } else if (a.xform == XForm::fixed24_nibbles) {
+      if constexpr (bits() == 4 && !g16()) amx_rows<bits(), st(), 4, false>(a, t0, t1);
     } else {
       amx_rows<bits(), st(), 3, g16()>(a, t0, t1);
     }

@@ -110,12 +110,12 @@ void quantize_rows(const float* x, int M, int K, int group_size, XForm form, int
   for (int m = 0; m < M; ++m) {
     const float* xr = x + size_t(m) * K;
     for (int b = 0; b < blocks; ++b) {
-      int8_t* q = xq + size_t(m) * digits * K + size_t(b) * 32 * digits;
+      int8_t* q = xq + size_t(m) * x_row_bytes(K, form) + size_t(b) * 32 * digits;
       float& d = xd[size_t(m) * blocks + b];
       int64_t h[2] = {0, 0};
-      if (form == XForm::fixed24) {
+      if (form != XForm::int8) {
         // fixed24 runs only where the VNNI kernel does (qmm.cpp's fixed24_runs), so its AVX-512 block can.
-        d = fixed24_block_vnni(xr + 32 * b, q, h);
+        d = fixed24_block_vnni(xr + 32 * b, q, h, form == XForm::fixed24_nibbles);
       } else if (const float amax = block_amax(xr + 32 * b); !std::isfinite(amax)) {
         // NaN or inf in: a NaN scale, so NaN out (as the fp32 kernel's sums give)
         std::memset(q, 0, 32);

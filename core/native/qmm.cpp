@@ -162,10 +162,32 @@ int chunk_rows(int K) {
 // weights u counts tiles of 16 rows (chunk_rows is a multiple of 16). A chunk of a prompt's rows is up to 8 times
 // shorter: with M rows each chunk is M times the work, and the embedded model's k/v projections (192 rows) were one
 // chunk, its q (576) a chunk of 464 and one of 112, so a 512-token prefill ran mostly on one of the two threads.
+// Bytes of whole codes (amx_rows: 512 a block) in one chunk of a prompt's tiles on AMX.
+constexpr int kAmxChunkCodes = 512 * 1024;
+
 void parallel_chunks(int N, int K, int M, bool packed, const std::function<void(int, int)>& fn) {
   const int unit = packed ? kPackedTile : 1, units = N / unit;
   const int shorter = std::clamp(M / 16, 1, 8);
-  const int per_chunk = std::max(1, (chunk_rows(K) / shorter + kPackedTile - 1) / kPackedTile * kPackedTile / unit);
+  int per_chunk = std::max(1, (chunk_rows(K) / shorter + kPackedTile - 1) / kPackedTile * kPackedTile / unit);
+  if (packed && packed_kernel(M) == &qmm_packed_rows_amx) {
+    // AMX passes every row of x (16 at a time) over the chunk's tiles, so each chunk reads all of x once: at one
+    // tile a chunk (the grain above at 512 rows) a 5632 x 2048 matmul read its 3 MB of x 352 times, from L3, and
+    // the tile loads waited on it. Chunks of ~512 KB of codes (kept in L2 with a 16-row slice of x): one 5632 x 2048
+    // Q4_K matmul at 512 rows, one thread, CPU time, 70 -> 50 ms (Q4_0 alike). At least 4 chunks, for the second
+    // thread.
+    // Guided: the last chunks shrink (a quarter of what is left over the threads, down to one tile), so a thread
+    // that finds no chunk left waits on the other's last one for a short time: with equal chunks it spun in
+    // Pool::run for ~half a chunk per matmul (8% of the prefill's samples on the main thread).
+    const int most = std::clamp(kAmxChunkCodes / (K / 32 * 512), 1, units);
+    const int helpers = std::max(1, threads());
+    std::vector<int> starts{0};
+    for (int u = 0; u < units;) {
+      u += std::clamp((units - u) / (2 * helpers), 1, most);
+      starts.push_back(std::min(u, units));
+    }
+    parallel_for(int(starts.size()) - 1, [&](int c) { fn(starts[c], starts[c + 1]); });
+    return;
+  }
   parallel_for((units + per_chunk - 1) / per_chunk,
                [&](int c) { fn(c * per_chunk, std::min(units, (c + 1) * per_chunk)); });
 }
@@ -356,14 +378,14 @@ struct PackedRows {
   std::unique_ptr<int8_t[]> xq;
   std::vector<float> xd, xsum;
   PackedRows(const float* x, int M, int K, int group_size, XForm form)
-      : xform(form), xq(new int8_t[size_t(M) * K * digits_of(form)]), xd(size_t(M) * (K / 32)),
+      : xform(form), xq(new int8_t[size_t(M) * x_row_bytes(K, form)]), xd(size_t(M) * (K / 32)),
         xsum(size_t(M) * (K / group_size)) {
     // Rows are independent: a prompt's are quantized on every thread (this runs before each projection's matmul,
     // and alone it was 4.7 ms of a 512-row, K = 2048 one on one thread).
     const int G = K / group_size, pieces = (M + kQuantizeRows - 1) / kQuantizeRows;
     auto piece = [&](int p) {
       const int m0 = p * kQuantizeRows, rows = std::min(M - m0, kQuantizeRows);
-      quantize_rows(x + size_t(m0) * K, rows, K, group_size, form, xq.get() + size_t(m0) * K * digits_of(form),
+      quantize_rows(x + size_t(m0) * K, rows, K, group_size, form, xq.get() + size_t(m0) * x_row_bytes(K, form),
                     xd.data() + size_t(m0) * (K / 32), xsum.data() + size_t(m0) * G);
     };
     if (pieces == 1) {
@@ -379,8 +401,12 @@ struct PackedRows {
   }
 };
 
-XForm xform_of(bool int8) {
-  return int8 ? XForm::int8 : XForm::fixed24;
+// x's form for M rows on 4-bit codes or others (`bits`, `group_size`): fixed24_nibbles where AMX takes the rows
+// (two tile products a block on 4-bit codes instead of three: kernel.h), else int8 or fixed24.
+XForm xform_of(bool int8, int M = 1, int bits = 0, int group_size = 32) {
+  if (int8) return XForm::int8;
+  return bits == 4 && group_size != 16 && packed_kernel(M) == &qmm_packed_rows_amx ? XForm::fixed24_nibbles
+                                                                                   : XForm::fixed24;
 }
 
 // ---- primitives ----------------------------------------------------------------------------------------------
@@ -403,7 +429,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0);
       if (packed) {
         std::vector<float> copy;
-        const PackedRows xr(float_rows(x, copy), M, K, group_size, xform_of(int8));
+        const PackedRows xr(float_rows(x, copy), M, K, group_size, xform_of(int8, M, bits, group_size));
         const PackedMatmulArgs a = xr.args(w, scales, biases, out.data<float>(), M, N, K, group_size, bits);
         const PackedKernel kernel = packed_kernel(M);  // VNNI's (or AMX's) for fixed24 (check_weights)
         parallel_chunks(N, K, M, true, [&](int t0, int t1) { run_units(a, t0, t1, true, kernel); });
@@ -688,21 +714,22 @@ void quantized_matmul_rows(const float* x, int M, const std::vector<RowsTarget>&
   // more bits.
   struct Prepared {
     int group_size, bits;
-    bool packed, int8;
+    bool packed;
+    XForm form;
     std::vector<float> xq, xsum;
     std::unique_ptr<PackedRows> integers;
   };
   std::vector<Prepared> prepared;
   auto prepared_for = [&](const RowsTarget& t) -> const Prepared& {
+    const XForm form = xform_of(t.int8, M, t.bits, t.group_size);
     for (const auto& p : prepared) {
-      if (p.group_size == t.group_size && p.packed == t.packed &&
-          (t.packed ? p.int8 == t.int8 : p.bits == t.bits)) {
+      if (p.group_size == t.group_size && p.packed == t.packed && (t.packed ? p.form == form : p.bits == t.bits)) {
         return p;
       }
     }
-    auto& p = prepared.emplace_back(Prepared{t.group_size, t.bits, t.packed, t.int8, {}, {}, nullptr});
+    auto& p = prepared.emplace_back(Prepared{t.group_size, t.bits, t.packed, form, {}, {}, nullptr});
     if (t.packed) {
-      p.integers = std::make_unique<PackedRows>(x, M, K, t.group_size, xform_of(t.int8));
+      p.integers = std::make_unique<PackedRows>(x, M, K, t.group_size, form);
     } else {
       prepare_rows(std::vector<float>(x, x + size_t(M) * K), M, K, t.group_size, t.bits, p.xq, p.xsum);
     }
