@@ -282,6 +282,11 @@ def _check_gguf(header: gguf.GGUFHeader) -> None:
 
 
 def load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
+    with heap.collector_paused():
+        return _load_gguf(path, policy, stage)
+
+
+def _load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None) -> LoadedModel:
     header = gguf.read_header(path, native.gguf_strings if native.available() else None)
     _check_gguf(header)
     arch = header.architecture

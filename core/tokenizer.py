@@ -7,10 +7,10 @@ vocabularies), so we hand it our parsed metadata instead of rewriting BPE.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from .heap import collector_paused
 
 # Names models use for "end of turn"; any of these present in the vocabulary stops generation.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|eom_id|>",
@@ -118,23 +118,9 @@ def _check_unicode(text: str) -> None:
                          f"{e.start}; decode the text strictly (or with errors='replace')") from None
 
 
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a while. Building a vocabulary makes ~100k tuples and dict entries,
-    which ran the collector again and again, each time over every tracked object of the process (~90k after the
-    imports): 0.045 s of the embedded model's 0.14 s tokenizer build. They form no cycles; refcounting frees them."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def from_gguf_metadata(metadata: dict[str, Any]) -> ChatTokenizer:
     """The tokenizer a GGUF's metadata describes, as transformers converts it, with its chat template and end ids."""
-    with _collector_paused():
+    with collector_paused():
         return _from_gguf_metadata(metadata)
 
 
