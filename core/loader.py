@@ -14,7 +14,6 @@ measures the drift).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
@@ -295,36 +294,34 @@ def _load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None)
              if (n := gguf_archs.mlx_name(arch, t.name)) and (stage is None or stage.keeps(n, tied))]
     # The tokenizer is built in Python (holding the GIL) while the first half of the tensors' bytes is read natively
     # (without it): on the embedded model each took ~60-80 ms of a ~0.3 s load, one after the other. The rest is
-    # read once it is built: its temporaries (dicts and tuples of
-    # the vocabulary and merges) and the header's vocabulary and merges (~10 MB of strings, which it then holds)
-    # are gone before the second half of the weights arrives, so they do not raise the load's peak (beside all of
-    # the weights they made it 1.39x the file, 1.22x so).
+    # read once it is built: its temporaries (dicts and tuples of the vocabulary and merges) and the header's
+    # vocabulary and merges (~10 MB of strings, which it then holds) are gone before the second half of the weights
+    # arrives, so they do not raise the load's peak (beside all of the weights they made it 1.39x the file, 1.22x so).
     def build_tokenizer() -> ChatTokenizer:
         built = from_gguf_metadata(header.metadata)
         header.drop_tokenizer_arrays()
         heap.give_back_freed_memory()
         return built
 
-    first, second = _halves(header, names)
-    read = functools.partial(gguf_tensors.read_tensors, header, keep=_keeps_quantized(policy),
-                             native=_native_reader(policy))
-    with ThreadPoolExecutor(1, thread_name_prefix="mlxchat-tokenizer") as pool:
-        building = pool.submit(build_tokenizer)
-        # Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the whole file is never held
-        # twice.
+    keep, native_read = _keeps_quantized(policy), _native_reader(policy)
+
+    def read(part: list[str]) -> gguf_tensors.Tensors:
+        """Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the file is never held twice."""
         try:
-            tensors = read(first)
+            return gguf_tensors.read_tensors(header, part, keep, native_read)
         except (RuntimeError, ValueError) as e:
             raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
+
+    first, second = _halves(header, names)
+    with ThreadPoolExecutor(1, thread_name_prefix="mlxchat-tokenizer") as pool:
+        building = pool.submit(build_tokenizer)
+        tensors = read(first)
         try:
             tokenizer = building.result()
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ModelLoadError(path, f"its tokenizer metadata is not usable: {type(e).__name__}: "
                                        f"{_one_line(e)}") from None
-    try:
-        tensors.add(read(second))
-    except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(path, f"its tensors could not be read: {e}") from None
+    tensors.add(read(second))
     weights = {gguf_archs.mlx_name(arch, name): value for name, value in tensors.arrays.items()}
 
     def layer(name: str) -> str:  # a quantized tensor's GGUF NAME (less `.weight`) as its mlx-lm layer's path

@@ -139,14 +139,14 @@ def read_ggml(path: str, offset: int, ggml_type: str, rows: int, cols: int, *,
     stands for them (every block but one whose -2^(bits - 1) d overflows an f16). ``packed``: in `pack_weights`'s
     layout (``rows`` a multiple of 16), else MLX's. None where a K-quant's parameters do not fit the compact form
     (then convert it another way). Raises RuntimeError when the file cannot be read or ends inside the tensor."""
-    out = _module().read_ggml(path, offset, ggml_type, rows, cols, packed=packed)
-    return None if out is None else (out[0], out[1], out[2])
+    return read_ggml_many(path, [(offset, ggml_type, rows, cols, packed)])[0]
 
 
 def read_ggml_many(path: str, places: list[tuple[int, str, int, int, bool]]
                    ) -> list[tuple[mx.array, mx.array, mx.array] | None]:
     """`read_ggml` on each ``(offset, ggml_type, rows, cols, packed)`` of one file, in order, in one call that holds
-    no GIL throughout (the loader builds the tokenizer on another thread meanwhile). Raises as `read_ggml` does."""
+    no GIL throughout (the loader builds the tokenizer on another thread meanwhile). Raises as `read_ggml` does, at
+    the first tensor that fails."""
     ext = _module()
     out = ext.read_ggml_many(path, [ext.GgmlPlace(*p) for p in places])
     return [None if arrays is None else (arrays[0], arrays[1], arrays[2]) for arrays in out]

@@ -33,14 +33,11 @@ NB_MODULE(_ext, m) {
         "packed"_a = false, "compact_params's arrays back as float32 [N, G] in MLX's layout.");
   m.def("biases_symmetric", &mlxchat::biases_symmetric, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a,
         "Whether every float16 bias is -2^(bits - 1) times its scale, exactly in float32.");
-  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/loader.py).
-  m.def("read_ggml", &mlxchat::read_ggml, "path"_a, "offset"_a, "type"_a, "N"_a, "K"_a, nb::kw_only(), "packed"_a,
-        nb::call_guard<nb::gil_scoped_release>(),
-        "A ggml-quantized tensor read from a GGUF file as [w, scales, biases] (packed: pack_weights's tiles).");
   nb::class_<mlxchat::GgmlPlace>(m, "GgmlPlace")
       .def(nb::init<int64_t, std::string, int, int, bool>(), "offset"_a, "type"_a, "N"_a, "K"_a, "packed"_a);
+  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/loader.py).
   m.def("read_ggml_many", &mlxchat::read_ggml_many, "path"_a, "places"_a, nb::call_guard<nb::gil_scoped_release>(),
-        "read_ggml on each GgmlPlace of one file, in one call without the GIL.");
+        "Each GgmlPlace's ggml-quantized tensor of one GGUF file as [w, scales, biases] or None, in one call.");
   m.def("gguf_strings", &mlxchat::gguf_strings, "path"_a, "offset"_a, "count"_a,
         "count GGUF metadata strings from byte offset: (list, end, '' or where it went wrong: 'ends', 'utf-8').");
   m.def("int8_kernel_name", &mlxchat::int8_kernel_name);

@@ -37,9 +37,9 @@ constexpr std::array<Format, 8> kFormats{{{"Q4_0", 32, 18, 4, 32, false, true},
                                           {"Q5_K", 256, 176, 5, 32, true, false},
                                           {"Q6_K", 256, 210, 6, 16, true, false}}};
 
-// One block: its values' codes (MLX's, unsigned) and its parameters. A legacy block is one group: f16 bits of its
-// scale and bias. A K-quant block is one compact super-block: D's f16 bits and the groups' multipliers, for the
-// scales and for the biases.
+// One block: its values' codes (MLX's, unsigned) and, for a K-quant (one compact super-block), its parameters: D's
+// f16 bits and the groups' multipliers, for the scales and for the biases. (A legacy block is one group, its f16
+// scale and bias its first bytes.)
 struct Block {
   uint8_t codes[256];
   uint16_t scale, bias;
@@ -93,14 +93,13 @@ void nibbles32(const uint8_t* qs, uint8_t* codes) {
     put_word(codes + 16 + 4 * u, (w >> 4) & 0x0F0F0F0Fu);
   }
 }
-// Q5_0/Q5_1's fifth bits: bit j of the little-endian uint32 belongs to value j. Four bits b go to four bytes as
-// b * (1 + 2^7 + 2^14 + 2^21): copy r of b starts at bit 7r, so its bit r lands on bit 8r, no copies overlapping.
+// Bit r of a 4-bit `nibble` on bit 0 of byte r, as nibble * (1 + 2^7 + 2^14 + 2^21): copy r of it starts at bit
+// 7r, so its bit r lands on bit 8r, no copies overlapping.
+uint32_t spread4(uint32_t nibble) { return (nibble * 0x00204081u) & 0x01010101u; }
+// Q5_0/Q5_1's fifth bits: bit j of the little-endian uint32 belongs to value j.
 void fifth_bits32(const uint8_t* qh, uint8_t* codes) {
   const uint32_t h = word_at(qh);
-  for (int u = 0; u < 8; ++u) {
-    const uint32_t spread = ((((h >> (4 * u)) & 0xFu) * 0x00204081u) & 0x01010101u) << 4;
-    put_word(codes + 4 * u, word_at(codes + 4 * u) | spread);
-  }
+  for (int u = 0; u < 8; ++u) put_word(codes + 4 * u, word_at(codes + 4 * u) | (spread4((h >> (4 * u)) & 0xFu) << 4));
 }
 // Q4_K/Q5_K's 4 runs of 32 bytes: run c holds values 64c .. 64c + 31 (low nibbles) and the next 32 (high).
 void k_nibbles(const uint8_t* qs, uint8_t* codes) {
@@ -125,37 +124,28 @@ void k_params(const uint8_t* b, Block& out) {
   out.bias = u16(b + 2) ^ 0x8000;
 }
 
-// Decodes block `b` of type kFormats[T]; false where its parameters do not fit the compact form.
+// Decodes block `b` of type kFormats[T]: its codes, and a K-quant's parameters (a legacy block's, its first bytes,
+// convert_rows reads itself); false where they do not fit the compact form.
 template <int T>
 bool decode(const uint8_t* b, Block& out) {
   uint8_t* q = out.codes;
   switch (T) {
     case 0:  // Q4_0: d, 16 bytes of nibbles; w = d * (q - 8)
       nibbles32(b + 2, q);
-      out.scale = u16(b);
-      out.bias = f16_times_minus_pow2(out.scale, 3);
       return true;
     case 1:  // Q4_1: d, m, nibbles; w = d * q + m
       nibbles32(b + 4, q);
-      out.scale = u16(b);
-      out.bias = u16(b + 2);
       return true;
     case 2:  // Q5_0: d, qh, nibbles; w = d * (q - 16)
       nibbles32(b + 6, q);
       fifth_bits32(b + 2, q);
-      out.scale = u16(b);
-      out.bias = f16_times_minus_pow2(out.scale, 4);
       return true;
     case 3:  // Q5_1: d, m, qh, nibbles
       nibbles32(b + 8, q);
       fifth_bits32(b + 4, q);
-      out.scale = u16(b);
-      out.bias = u16(b + 2);
       return true;
     case 4:  // Q8_0: d, 32 int8; MLX's codes are unsigned: q + 128, bias -128 d
       for (int u = 0; u < 8; ++u) put_word(q + 4 * u, word_at(b + 2 + 4 * u) ^ 0x80808080u);  // q + 128
-      out.scale = u16(b);
-      out.bias = f16_times_minus_pow2(out.scale, 7);
       return true;
     case 5:  // Q4_K: d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles
       k_nibbles(b + 16, q);
@@ -263,13 +253,13 @@ void put_packed_legacy(const uint8_t* b, int j, uint8_t* block) {
   if constexpr (T == 2 || T == 3) {
     const uint32_t h = word_at(b + (T == 2 ? 2 : 4));
     uint32_t high = 0;
-    for (int t = 0; t < 8; ++t) high |= ((((h >> (4 * t)) & 0xFu) * 0x00204081u) & 0x01010101u) << t;
+    for (int t = 0; t < 8; ++t) high |= spread4((h >> (4 * t)) & 0xFu) << t;
     put_word(block + 256 + 4 * j, high);
   }
 }
 
 // The tensor's output arrays, and what places a row's values in them. `biases` is null for a symmetric type
-// (Q4_0, Q5_0, Q8_0) until a block is found whose bias is not symmetric.
+// (Q4_0, Q5_0, Q8_0): read_ggml makes them from the scales, after, where some block's bias is not symmetric.
 struct Out {
   uint8_t *w, *scales, *biases;
   int K, group_size;
@@ -278,8 +268,8 @@ struct Out {
 };
 
 // Rows [n0, n1) of kFormats[T] from their file bytes `in` into `out`; false where a block's parameters do not fit
-// the compact form. A symmetric type's biases are written only where `out.biases` is given; `asymmetric` is set
-// where a block's bias is not symmetric.
+// the compact form. A symmetric type's biases are not written: `asymmetric` is set where a block's is not
+// symmetric.
 template <int T>
 bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out, std::atomic<bool>& asymmetric) {
   constexpr Format f = kFormats[T];
@@ -293,36 +283,32 @@ bool convert_rows(const uint8_t* in, int n0, int n1, const Out& out, std::atomic
     const uint8_t* row = in + size_t(n - n0) * row_in;
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* src = row + size_t(b) * f.block_bytes;
+      bool placed = false;  // Q4_0 .. Q5_1 in the packed layout: the block's own bytes, no codes between
       if constexpr (T < 4) {
         if (out.packed) {
           put_packed_legacy<T>(src, n % kPackedTile, out.w + (size_t(n / kPackedTile) * (K / 32) + b) * tile_block);
-          const size_t at = packed_param(G, n, b);
-          s16[at] = u16(src);
-          if constexpr (f.symmetric) {
-            if (!bias_is_symmetric(u16(src), bits - 1)) asymmetric.store(true, std::memory_order_relaxed);
+          placed = true;
+        }
+      }
+      if (!placed) {
+        if (!decode<T>(src, block)) return false;
+        for (int c = 0; c < values / 32; ++c) {
+          const int kb = b * (values / 32) + c;  // the 32-value block along K
+          if (out.packed) {
+            put_packed32<bits>(block.codes + 32 * c, n % kPackedTile,
+                               out.w + (size_t(n / kPackedTile) * (K / 32) + kb) * tile_block);
           } else {
-            b16[at] = u16(src + 2);
+            put_plain32<bits>(block.codes + 32 * c, out.w + size_t(n) * out.row_out + size_t(kb) * 4 * bits);
           }
-          continue;
         }
       }
-      if (!decode<T>(src, block)) return false;
-      for (int c = 0; c < values / 32; ++c) {
-        const int kb = b * (values / 32) + c;  // the 32-value block along K
-        if (out.packed) {
-          put_packed32<bits>(block.codes + 32 * c, n % kPackedTile,
-                             out.w + (size_t(n / kPackedTile) * (K / 32) + kb) * tile_block);
-        } else {
-          put_plain32<bits>(block.codes + 32 * c, out.w + size_t(n) * out.row_out + size_t(kb) * 4 * bits);
-        }
-      }
-      if constexpr (!f.k_quant) {
+      if constexpr (!f.k_quant) {  // a legacy block starts with d, then (Q4_1, Q5_1) m
         const size_t at = out.packed ? packed_param(G, n, b) : size_t(n) * G + b;
-        s16[at] = block.scale;
+        s16[at] = u16(src);
         if constexpr (f.symmetric) {
-          if (!bias_is_symmetric(block.scale, bits - 1)) asymmetric.store(true, std::memory_order_relaxed);
+          if (!bias_is_symmetric(u16(src), bits - 1)) asymmetric.store(true, std::memory_order_relaxed);
         } else {
-          b16[at] = block.bias;
+          b16[at] = u16(src + 2);
         }
       } else {
         for (int i = 0; i < 2; ++i) {
@@ -376,27 +362,7 @@ struct File {
   ~File() { ::close(fd); }
 };
 
-std::optional<std::vector<mx::array>> read_tensor(const File& file, int64_t offset, const std::string& type, int N,
-                                                  int K, bool packed);
-
-}  // namespace
-
-std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t offset, const std::string& type,
-                                                int N, int K, bool packed) {
-  return read_tensor(File(path), offset, type, N, K, packed);
-}
-
-std::vector<std::optional<std::vector<mx::array>>> read_ggml_many(const std::string& path,
-                                                                 const std::vector<GgmlPlace>& places) {
-  const File file(path);
-  std::vector<std::optional<std::vector<mx::array>>> out;
-  out.reserve(places.size());
-  for (const GgmlPlace& p : places) out.push_back(read_tensor(file, p.offset, p.type, p.N, p.K, p.packed));
-  return out;
-}
-
-namespace {
-
+// One place of read_ggml_many (convert.h) from the open file.
 std::optional<std::vector<mx::array>> read_tensor(const File& file, int64_t offset, const std::string& type, int N,
                                                   int K, bool packed) {
   const auto it = std::find_if(kFormats.begin(), kFormats.end(), [&](const Format& f) { return type == f.name; });
@@ -444,7 +410,7 @@ std::optional<std::vector<mx::array>> read_tensor(const File& file, int64_t offs
   }, /*linger=*/false);
   if (failure == 1) throw std::runtime_error("the tensor ends past the end of the file (it is truncated)");
   if (failure == 2) return std::nullopt;
-  if (asymmetric) {  // each bias d * -2^(bits - 1) as decode computes it, in the scales' places (either layout)
+  if (asymmetric) {  // each bias d * -2^(bits - 1) as an f16, in the scales' places (either layout)
     biases = mx::array(mx::allocator::malloc(param_bytes), {N, param_cols}, param_type);
     const auto* s16 = scales.data<uint16_t>();
     auto* b16 = biases.data<uint16_t>();
@@ -454,5 +420,14 @@ std::optional<std::vector<mx::array>> read_tensor(const File& file, int64_t offs
 }
 
 }  // namespace
+
+std::vector<std::optional<std::vector<mx::array>>> read_ggml_many(const std::string& path,
+                                                                 const std::vector<GgmlPlace>& places) {
+  const File file(path);
+  std::vector<std::optional<std::vector<mx::array>>> out;
+  out.reserve(places.size());
+  for (const GgmlPlace& p : places) out.push_back(read_tensor(file, p.offset, p.type, p.N, p.K, p.packed));
+  return out;
+}
 
 }  // namespace mlxchat

@@ -14,20 +14,9 @@ namespace mlxchat {
 
 namespace mx = mlx::core;
 
-// The tensor of `type` ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K" or "Q6_K") with N rows of K values,
-// whose blocks start at byte `offset` of the file at `path`, as [w, scales, biases] in MLX's affine form, each
-// value exactly llama.cpp's dequantization (gguf_tensors.py's table): w uint32 [N, K * bits / 32]; scales and
-// biases float16 [N, K / 32], or for the K-quants kernel.h's compact form uint8 [N, K / 256 * (2 + 256 / group)].
-// Q4_0/Q5_0/Q8_0's biases (-2^(bits - 1) times each scale) are native.symmetric_biases' stand-in, float16 [N, 0],
-// unless some block's is not that product in float32 (an f16 overflow): then they are stored.
-// `packed`: in pack_weights's tiles of 16 rows (N a multiple of 16), else MLX's layout. Nothing where a K-quant's
-// parameters do not fit the compact form (an fp16 d whose -32 d overflows fp16): the caller converts that tensor
-// another way. Throws std::invalid_argument for an unknown type or shape, std::runtime_error for a read that fails
-// or ends early.
-std::optional<std::vector<mx::array>> read_ggml(const std::string& path, int64_t offset, const std::string& type,
-                                                int N, int K, bool packed);
-
-// One tensor of read_ggml_many: read_ggml's arguments but the file's.
+// Where a tensor is: `type` ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K" or "Q6_K"), N rows of K values,
+// its blocks at byte `offset` of the file; `packed`: wanted in pack_weights's tiles of 16 rows (N a multiple of 16),
+// else in MLX's layout.
 struct GgmlPlace {
   int64_t offset;
   std::string type;
@@ -37,9 +26,16 @@ struct GgmlPlace {
       : offset(offset), type(std::move(type)), N(N), K(K), packed(packed) {}
 };
 
-// read_ggml on each place of one file, in order, in one call: the loader lets go of the GIL for the whole file, so
-// its tokenizer thread runs meanwhile (a call per tensor took the GIL back 270 times, each time waiting on that
-// thread). Throws as read_ggml does at the first tensor that fails.
+// Each place's tensor of the file at `path`, in order, as [w, scales, biases] in MLX's affine form, each value
+// exactly llama.cpp's dequantization (gguf_tensors.py's table): w uint32 [N, K * bits / 32]; scales and biases
+// float16 [N, K / 32], or for the K-quants kernel.h's compact form uint8 [N, K / 256 * (2 + 256 / group)].
+// Q4_0/Q5_0/Q8_0's biases (-2^(bits - 1) times each scale) are native.symmetric_biases' stand-in, float16 [N, 0],
+// unless some block's is not that product in float32 (an f16 overflow): then they are stored. Nothing where a
+// K-quant's parameters do not fit the compact form (an fp16 d whose -32 d overflows fp16): the caller converts that
+// tensor another way. All in one call: the loader lets go of the GIL for the whole file, so its tokenizer thread
+// runs meanwhile (a call per tensor took the GIL back 270 times, each time waiting on that thread). Throws
+// std::invalid_argument for an unknown type or shape, std::runtime_error for a read that fails or ends early, at
+// the first tensor that does.
 std::vector<std::optional<std::vector<mx::array>>> read_ggml_many(const std::string& path,
                                                                  const std::vector<GgmlPlace>& places);
 
