@@ -49,7 +49,7 @@ def _column(values: Sequence[float]) -> mx.array:
 
 def _bias(samplers: Sequence[Sampler], vocab: int) -> mx.array | None:
     """The rows' logit biases as [rows, V] (zeros for a row without one), or None when no row has one."""
-    dense = [next((p._dense for p in s.processors), None) for s in samplers]
+    dense = [next((p.dense_bias for p in s.processors), None) for s in samplers]
     if all(d is None for d in dense):
         return None
     zeros = mx.zeros((vocab,), mx.float32)
@@ -58,16 +58,16 @@ def _bias(samplers: Sequence[Sampler], vocab: int) -> mx.array | None:
 
 def apply_temperature(logits: mx.array, ts: Sequence[Temperature]) -> mx.array:
     """`Temperature` per row: below 1, measured from the row's maximum first (see there), then scaled."""
-    shift = [t._scale > 1 for t in ts]
+    shift = [t.scale > 1 for t in ts]
     if any(shift):  # (a select only for a mix: each op over [rows, V] is ~0.1 ms here)
         shifted = logits - mx.max(logits, axis=-1, keepdims=True)
         logits = shifted if all(shift) else mx.where(mx.array(shift)[:, None], shifted, logits)
-    return logits * _column([t._scale for t in ts])
+    return logits * _column([t.scale for t in ts])
 
 
 def apply_min_p(logits: mx.array, ts: Sequence[MinP]) -> mx.array:
     """`MinP` per row: keep logit >= the row's max + log p."""
-    cut = mx.max(logits, axis=-1, keepdims=True) + _column([t._log_p for t in ts])
+    cut = mx.max(logits, axis=-1, keepdims=True) + _column([t.log_p for t in ts])
     return mx.where(logits >= cut, logits, NEG_INF)
 
 
@@ -124,7 +124,7 @@ def sample_rows(samplers: Sequence[Sampler], logits: mx.array) -> tuple[mx.array
                 x = apply_min_p(x, column)
             else:
                 x = apply_temperature(x, column)
-        tokens = gumbel_argmax_rows(x, ids, words, s0._vocab_ids)
+        tokens = gumbel_argmax_rows(x, ids, words, s0.vocab_ids)
     tokens = tokens.astype(mx.int32)
     for i, s in enumerate(samplers):
         s.drawn(tokens[i])

@@ -152,11 +152,11 @@ class MinP(ChainObject):
     def __init__(self, p: float) -> None:
         self.args = (p,)
         self.p = p
-        self._log_p = math.log(p) if p > 0 else -math.inf
+        self.log_p = math.log(p) if p > 0 else -math.inf
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
         # prob ≥ p × max prob  ⇔  logit ≥ max logit + log p: no softmax needed.
-        return Candidates(mx.where(c.logits >= mx.max(c.logits) + self._log_p, c.logits, NEG_INF), c.ids)
+        return Candidates(mx.where(c.logits >= mx.max(c.logits) + self.log_p, c.logits, NEG_INF), c.ids)
 
 
 
@@ -207,15 +207,15 @@ class Temperature(ChainObject):
     def __init__(self, t: float) -> None:
         self.args = (t,)
         self.t = t
-        self._scale = min(1 / t, 1e30)
+        self.scale = min(1 / t, 1e30)
 
     def __call__(self, c: Candidates, key: mx.array) -> Candidates:
         logits = c.logits
-        if self._scale > 1:
+        if self.scale > 1:
             # Temperature below 1: scaling raw logits can overflow to ±inf (-3e38 / 0.01 is -inf, masking a live
             # token; 0 × inf is NaN); measured from the maximum, the best token stays at 0 and the rest sink.
             logits = logits - mx.max(logits)
-        return Candidates(logits * self._scale, c.ids)
+        return Candidates(logits * self.scale, c.ids)
 
     @classmethod
     def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> ChainObject:
@@ -490,14 +490,14 @@ class LogitBias(ChainObject):
         dense = np.zeros(vocab_size, np.float32)
         dense[list(bias)] = list(bias.values())
         self.bias = bias
-        self._dense = mx.array(dense)
+        self.dense_bias = mx.array(dense)
 
     @classmethod
     def from_profile(cls, profile: SamplingProfile, vocab_size: int, eos_ids: Iterable[int]) -> "LogitBias":
         return cls(profile.logit_bias, vocab_size)
 
     def __call__(self, logits: mx.array, h: TokenHistory) -> mx.array:
-        return logits + self._dense
+        return logits + self.dense_bias
 
 
 
@@ -587,7 +587,7 @@ class Sampler:
         self.profile = profile
         self.vocab_size = vocab_size
         self.seed: int = profile.seed if profile.seed is not None else secrets.randbits(64)
-        self._vocab_ids = mx.arange(vocab_size, dtype=mx.uint32)
+        self.vocab_ids = mx.arange(vocab_size, dtype=mx.uint32)
 
         p = profile
         seed_ids = list(prompt_ids or []) if p.penalize_prompt else []
@@ -612,7 +612,7 @@ class Sampler:
         # the drawn token, waiting for the forward pass, so only where the host waits for it anyway: the CPU
         # backend (core/generate.py's step); on a GPU the mask overlaps the forward pass.
         self.lazy = LAZY_CONSTRAINT and constraint is not None and mx.default_device() == mx.cpu and (
-            p.greedy or all(type(t) is Temperature and t._scale <= 1 for t in self.transforms))
+            p.greedy or all(type(t) is Temperature and t.scale <= 1 for t in self.transforms))
         track = any(getattr(proc, "needs_history", False) for proc in self.processors)
         # The penalties run first (core.profile.PROCESSORS' order): `_process` applies them in one scatter.
         self._penalties = next((i for i, proc in enumerate(self.processors)
@@ -716,7 +716,7 @@ class Sampler:
         else:
             draw_words, aux_words = self.step_keys()
             c, logprobs, logits = self._distribution(logits, outputs, stages, aux_words)
-            token = gumbel_argmax(c, draw_words, self._vocab_ids)
+            token = gumbel_argmax(c, draw_words, self.vocab_ids)
         token = token.astype(mx.int32)
         self._accept(token)
         return token, logprobs, logits
@@ -736,7 +736,7 @@ class Sampler:
         return token, logprobs, logits
 
     def _draw(self, c: Candidates, words: tuple[mx.array, mx.array] | None) -> mx.array:
-        return mx.argmax(c.logits) if words is None else gumbel_argmax(c, words[0], self._vocab_ids)
+        return mx.argmax(c.logits) if words is None else gumbel_argmax(c, words[0], self.vocab_ids)
 
     def drawn(self, token: mx.array) -> None:
         """Take a token this sampler's chain drew outside `step` (a batch's rows, core/batch_sampling.py) as drawn."""
