@@ -382,7 +382,7 @@ async def test_a_rich_reply_streams_without_a_layout_a_batch_and_ends_as_textual
         assert layouts[0] < len(batches) / 3, (layouts[0], len(batches))
         closed = [w for w in view.query(".closed-block")]
         assert closed and any("closed-text" in w.classes for w in closed)  # a code block, as its text for now
-        assert view.text == MARKDOWN_REPLY and MARKDOWN_REPLY.endswith(str(view.query_one(OpenBlock).content))
+        assert view.text == MARKDOWN_REPLY and MARKDOWN_REPLY.endswith(view.query_one(OpenBlock).text)
         await view.finish(MARKDOWN_REPLY, "stats")
         await pilot.pause()
         assert not view.query(OpenBlock) and not view.query(".closed-block")
@@ -416,6 +416,53 @@ async def test_a_reply_that_grows_needs_no_layout_in_its_room_and_one_past_it():
 
 
 @pytest.mark.anyio
+async def test_a_reply_streams_below_its_question_without_moving_the_screen_and_keeps_it_still_at_the_end():
+    """Every line a reply added at the end of the transcript scrolled the screen: a layout and a full repaint, ~10 ms
+    of the UI thread that decoding loses. Now the reply takes the screen below its question at once (the question
+    at the top), fills it with no layout, and keeps that room after its end until the next message is sent."""
+    from mlxchat.app.widgets.transcript import MessageView, OpenBlock, Transcript
+
+    class Chat(App):
+        CSS_PATH = "../app/app.tcss"
+
+        def compose(self) -> ComposeResult:
+            yield Transcript(id="transcript")
+
+    app = Chat()
+    async with app.run_test(size=(60, 24)) as pilot:
+        transcript = app.query_one(Transcript)
+        for n in range(6):  # an earlier exchange, taller than the screen
+            await transcript.add(MessageView("user" if n % 2 == 0 else "assistant", f"Message {n}.\n" * 3))
+        question = MessageView("user", "A question?")
+        reply = MessageView("assistant", "", streaming=True)
+        await transcript.append(question, reply)
+        await pilot.pause()
+        await pilot.pause()
+        viewport = transcript.scrollable_content_region
+        assert question.region.y == viewport.y  # the question at the top, the reply below it to the bottom
+        assert reply.region.bottom <= viewport.bottom
+        layouts = _count_layouts(app)
+        lines = viewport.height - question.outer_size.height - 4  # fits below the question
+        for n in range(lines):
+            await reply.write(f"Line {n} of the reply.\n")
+            await pilot.pause()
+        assert layouts[0] == 0 and question.region.y == viewport.y
+        block = reply.query_one(OpenBlock)
+        assert block.text == reply.text and len(reply.text.splitlines()) == lines
+        for n in range(viewport.height):  # past the screen: a layout per third of the screen, not per line
+            await reply.write(f"More {n}.\n")
+            await pilot.pause()
+        assert 1 <= layouts[0] <= 4
+        height = reply.outer_size.height
+        await reply.finish("Short at the end.", "stats")
+        await pilot.pause()
+        assert reply.outer_size.height == height  # the screen stays still when the reply ends
+        await transcript.add(MessageView("user", "Next."))
+        await pilot.pause()
+        assert reply.outer_size.height < height  # the next message takes the room back
+
+
+@pytest.mark.anyio
 async def test_a_reply_shown_again_mid_stream_keeps_what_came_and_appends_the_rest():
     """The chat screen rebuilds a streaming reply's view from its text so far, then streams on into it."""
     from mlxchat.app.widgets.transcript import MessageView, OpenBlock
@@ -425,7 +472,7 @@ async def test_a_reply_shown_again_mid_stream_keeps_what_came_and_appends_the_re
         view = app.query_one(MessageView)
         for batch in (",", " world", "!"):
             await view.write(batch)
-        assert view.text == "Hello, world!" == str(view.query_one(OpenBlock).content)
+        assert view.text == "Hello, world!" == view.query_one(OpenBlock).text
         await view.write(" Again.")
         assert view.text == "Hello, world! Again."
         await view.finish(view.text, "")
@@ -447,4 +494,4 @@ async def test_a_streamed_reply_with_bracketed_text_is_measured_as_the_text_it_s
         await view.write(text.removeprefix("First."))
         await pilot.pause()
         block = view.query_one(OpenBlock)
-        assert str(block.content) == text and block.size.height >= 3
+        assert block.text == text and block.size.height >= 3

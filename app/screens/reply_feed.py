@@ -87,7 +87,7 @@ class ReplyFeed:
         first = first_reply(turns)
         new = [self.view(t, t is first) for t in turns[same:]]
         if new:
-            await transcript.mount_all(new)
+            await transcript.append(*new)
         transcript.anchor()
 
     def _reply_view(self, reply: Reply) -> MessageView | None:

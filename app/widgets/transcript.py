@@ -11,10 +11,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Markdown, Static
-from textual.visual import visualize
+from textual.strip import Strip
+from textual.style import Style
+from textual.visual import RenderOptions
 from textual.widget import Widget
 from textual.widgets.markdown import MarkdownFence
 
@@ -37,32 +39,118 @@ def _parser() -> MarkdownIt:
     return _PARSER
 
 
-class OpenBlock(OneLayout, Static):
+class OpenBlock(OneLayout, Widget):
     """The block of a streaming reply that is still being written, as its plain text: one lightweight widget that
-    each batch extends, parsed as Markdown only once it closes. A layout reflows the whole screen, and a code block
-    or a table grows a line every batch or two: so the widget keeps a few lines of room below its text (``slack``)
-    and repaints in place while the text fits (a layout only every few lines)."""
+    each batch extends, parsed as Markdown only once it closes.
 
-    def on_mount(self) -> None:
-        self.styles.min_height = self.slack()  # the first lines arrive without a layout of the screen
+    Drawn with Textual's line API: a batch wraps again only the text's last line and repaints only the rows it
+    changed (a ``Static`` wrapped and repainted its whole text every batch). A layout reflows and repaints the whole
+    screen, so the block keeps rows of ``room`` for its text: from its first layout, enough that the reply fills the
+    transcript below the message it answers (the question stays at the top of the screen, the reply streams in
+    below it, nothing scrolls); past that, a third of the screen more at a time. Growing the room is the only
+    layout a streaming reply asks for."""
+
+    DEFAULT_CSS = "OpenBlock { height: auto; }"
+
+    def __init__(self, text: str = "", *, classes: str | None = None) -> None:
+        super().__init__(classes=classes)
+        self.text = text
+        self.room = 0  # rows kept for the text (its height is the largest of the text, the room and the slack)
+        self._filled = False  # the room was set from the screen (see fill_room)
+        self._width = 0  # what _rows were wrapped to
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the rows: the text, its width or its style changed."""
+        self._rows: list[Strip] = []
+        self._whole = 0  # text[:_whole] is whole lines (up to a newline), wrapped into _rows[:_whole_rows]
+        self._whole_rows = 0
+        self._wrapped = -1  # the length of the text _rows show
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._forget()  # another theme: the rows' colours
 
     def slack(self) -> int:
-        """Blank lines kept below the text: the room shows at the bottom of a reply that follows its end, so it is a
-        sixth of the terminal's height (4 lines at 24 rows, 8 from 48), never a third of what the user reads."""
+        """The least room below the text: a sixth of the terminal's height (4 lines at 24 rows, 8 from 48)."""
         return max(2, min(8, self.screen.size.height // 6))
 
-    def extend(self, text: str, *, relayout: bool = False) -> None:
-        """Show ``text``. ``relayout``: the screen is laid out again anyway (a closed block was mounted), so the room
-        is set for the new text now, rather than by a layout of its own at the next batch."""
-        width, height = self.size
-        if self.is_mounted and width and height:
-            # As shown: plain text (the widget has markup off); read as markup, "[/b]" in a reply raised.
-            needed = visualize(self, text, markup=False).get_height(self.styles, width)
-            if needed <= height and not relayout:
-                self.update(text, layout=False)
-                return
-            self.styles.min_height = needed + self.slack()
-        self.update(text)
+    def on_resize(self) -> None:
+        if not self._filled:  # the first layout placed the reply: fill the screen below its question, once
+            self._filled = True
+            self.call_after_refresh(self.fill_room)  # once its message has been placed too
+
+    def fill_room(self) -> None:
+        """Room enough that the message before this reply sits at the top of the transcript's viewport and the reply
+        ends at its bottom (at least ``slack``): what a layout placed is measured, so margins and labels count."""
+        transcript = next((a for a in self.ancestors if isinstance(a, Transcript)), None)
+        reply = next((a for a in self.ancestors if isinstance(a, MessageView)), None)
+        if transcript is None or reply is None or reply not in transcript.children:
+            return
+        views = transcript.messages
+        at = views.index(reply)
+        # In the transcript's own coordinates: where it is scrolled to may lag the layout that placed the reply.
+        top = (views[at - 1] if at else reply).virtual_region.y
+        shown = reply.virtual_region_with_margin.bottom - top
+        room = max(self.slack(), self.size.height + transcript.scrollable_content_region.height - shown)
+        if room != self.room:
+            self.room = room
+            self.refresh(layout=True)
+
+    def extend(self, text: str) -> None:
+        """Append ``text``: its rows are wrapped and repainted; a layout only when they outgrow the room."""
+        start = self._whole_rows
+        self.text += text
+        self._wrap(self._width)
+        self._repaint(start)
+
+    def replace(self, text: str) -> None:
+        """Show ``text`` in place of what the block had (its start went into a closed block): the rows below the
+        text stay as many as they were, so the reply keeps its height across the screen's layout for the new block."""
+        below = max(0, self.room - len(self._rows))
+        self.text = text
+        self._forget()
+        self._wrap(self._width)
+        self.room = max(self.slack(), len(self._rows) + below)
+        self.refresh(layout=True)
+
+    def _repaint(self, start: int) -> None:
+        if len(self._rows) > max(self.room, self.slack()):
+            self.room = len(self._rows) + max(self.slack(), self.screen.size.height // 3)
+            self.refresh(layout=True)
+        elif self._width:
+            self.refresh(Region(0, start, self._width, len(self._rows) - start))
+
+    def _wrap(self, width: int) -> None:
+        """Bring ``_rows`` up to the text at ``width``: whole lines are wrapped once, the last line every time."""
+        if width != self._width:
+            self._width = width
+            self._forget()
+        if not width or self._wrapped == len(self.text):
+            return
+        self._wrapped = len(self.text)
+        cut = self.text.rfind("\n") + 1
+        del self._rows[self._whole_rows:]
+        if cut > self._whole:
+            self._rows += self._strips(self.text[self._whole:cut - 1], width)
+            self._whole, self._whole_rows = cut, len(self._rows)
+        if cut < len(self.text):
+            self._rows += self._strips(self.text[cut:], width)
+
+    def _strips(self, text: str, width: int) -> list[Strip]:
+        # As shown: plain text (never read as markup: "[/b]" in a reply raised), wrapped as a Static wraps it. Plain
+        # text has no named styles to look up, so Style.parse is never called.
+        return Content(text).render_strips(width, None, self.visual_style, RenderOptions(Style.parse, self.styles))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        self._wrap(width)
+        return max(len(self._rows), self.room, self.slack())
+
+    def render_line(self, y: int) -> Strip:
+        self._wrap(self.size.width)
+        if y < len(self._rows):
+            return self._rows[y]
+        return Strip.blank(self.size.width, self.visual_style.rich_style)
 
 
 def closed_length(text: str) -> int:
@@ -116,19 +204,22 @@ class StreamedReply(OneLayout, Vertical):
         self._open = text  # the text not yet in a closed block
 
     def compose(self) -> ComposeResult:
-        yield OpenBlock(self._open.rstrip("\n"), classes="open-block", markup=False)
+        yield OpenBlock(self._open, classes="open-block")
 
     async def append(self, text: str) -> None:
         self._open += text
         if not self.is_attached:  # removed (the app quits) while a batch was on its way: nothing left to draw
             return
         tail = self.query_one(OpenBlock)
-        if (cut := closed_length(self._open)) and self._open.count("\n", 0, cut) >= self.MIN_LINES:
+        # Closed blocks of MIN_LINES lines need that many newlines in the open text: no parse before that, or for a
+        # batch that ends no line.
+        if ("\n" in text and self._open.count("\n") >= self.MIN_LINES and (cut := closed_length(self._open))
+                and self._open.count("\n", 0, cut) >= self.MIN_LINES):
             closed, self._open = self._open[:cut], self._open[cut:]
             await self.mount(closed_block(closed), before=tail)
-            tail.extend(self._open.rstrip("\n"), relayout=True)
+            tail.replace(self._open)
             return
-        tail.extend(self._open.rstrip("\n"))
+        tail.extend(text)
 
 
 class ThinkingBlock(Collapsible):
@@ -298,6 +389,9 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.text = text
         self.finish_reason = finish_reason
         if self._stream is not None:
+            # The reply keeps the screen's room it streamed into until the next message: the screen stays still
+            # when the reply ends, rather than sliding the conversation down under a short reply.
+            self.styles.min_height = self.outer_size.height
             await self._stream.remove()
             self._stream = None
         await self.query_one(".body", Markdown).update(text)
@@ -441,9 +535,15 @@ class Transcript(OneLayout, VerticalScroll):
             messages[target].focus()  # Textual scrolls a focused widget into view
 
     async def add(self, view: MessageView | Notice) -> MessageView | Notice:
-        await self.mount(view)
-        self.anchor()
+        await self.append(view)
         return view
+
+    async def append(self, *views: MessageView | Notice) -> None:
+        """Mount ``views`` at the end (the last reply gives back the room it kept) and follow the end."""
+        for message in self.messages[-1:]:
+            message.styles.min_height = None
+        await self.mount_all(views)
+        self.anchor()
 
     async def clear(self) -> None:
         await self.remove_children()
