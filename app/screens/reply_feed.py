@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
     from .chat_host import ChatHost
 
-# Drawing streamed text costs the UI thread CPU that, on a small machine, the decoder would otherwise use. Batches
-# start at 40 ms; when the UI's CPU time per batch would exceed this share of the time between batches, the
-# batches grow (up to MAX_BATCH_S), so streaming into the TUI costs at most about this much decode speed.
-UI_CPU_BUDGET = 0.04
+# Drawing streamed text costs the UI thread CPU that, on a small machine, the decoder would otherwise use: on 2
+# cores the decoder's pool keeps both busy, so a millisecond of drawing is about a millisecond of decoding lost.
+# Batches start at 40 ms; when the UI's CPU time per batch would exceed this share of the time between batches, the
+# batches grow (up to MAX_BATCH_S). A batch costs ~2.5 ms (its handler, then one screen update, which Textual spends
+# mostly repainting every widget of the columns it touches), so at this share a reply is drawn ~10 times a second.
+UI_CPU_BUDGET = 0.025
 
 
 def _placed(label: str, turn: Turn) -> str:
@@ -163,6 +165,7 @@ class ReplyFeed:
     def _follow(self, reply: Reply) -> None:
         assert reply.stream is not None
         self.worker.follow(reply.stream)
+        self.screen.input.cursor_blink = False  # each blink is a screen update, twice a second, that decoding pays for
         self._set_reply_stats(reply, "prefilling…")
         self.screen.stats.show_state("prefill", "▷ prefill", "")
         self._ui_cpu_mark = None
@@ -206,6 +209,7 @@ class ReplyFeed:
     async def finished(self, event: EngineWorker.Finished) -> None:
         # The view is made final first: the reply counts as in flight until its view and its record are final.
         screen, controller = self.screen, self.screen.controller
+        screen.input.cursor_blink = True
         reply, result = controller.reply_for(event.stream), event.result
         if reply is None:
             return
@@ -254,6 +258,7 @@ class ReplyFeed:
 
     async def failed(self, event: EngineWorker.Failed) -> None:
         screen, controller = self.screen, self.screen.controller
+        screen.input.cursor_blink = True
         reply = controller.reply_for(event.stream)
         if reply is None:
             return
