@@ -33,15 +33,13 @@ BATCH_S = 0.040  # the shortest batch; the UI may ask for longer ones (see ``bat
 MAX_BATCH_S = 0.5
 
 
-def next_batch_s(current: float, ui_cpu_s: float, budget: float) -> float:
-    """The batch length that keeps drawing a batch (``ui_cpu_s`` of the UI thread's CPU) within ``budget`` of the
-    time between batches. Over budget, it grows to what is needed at once: a reply is short, and easing towards it
-    (as it did, 30% a batch) spent its first second or so drawing every 40-100 ms at several times the budget, decode
-    speed lost while the batches grew. Under budget it shrinks gradually, so one cheap batch does not bring back
-    frequent, costly ones. Clamped to [BATCH_S, MAX_BATCH_S]."""
-    needed = ui_cpu_s / budget
-    nxt = needed if needed > current else 0.7 * current + 0.3 * needed
-    return min(MAX_BATCH_S, max(BATCH_S, nxt))
+def next_batch_s(ui_cpu_s: float, budget: float) -> float:
+    """The time until the next batch that pays for drawing the last one (``ui_cpu_s`` of the UI thread's CPU) at
+    ``budget`` of the UI thread's time: each batch pays for its own drawing, so the budget holds on average whatever
+    the batches cost, and a costly one (a layout of the screen) slows only the batch after it. (Easing towards the
+    needed length kept one layout's cost for seconds: 2 updates a second for the rest of a reply and the next.)
+    Clamped to [BATCH_S, MAX_BATCH_S]."""
+    return min(MAX_BATCH_S, max(BATCH_S, ui_cpu_s / budget))
 
 
 class Target(Protocol):

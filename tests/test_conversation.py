@@ -387,17 +387,15 @@ def test_a_replay_of_a_branch_replays_the_branch_shown(make, engine):
 
 # --- the bridge's batch pacing (plain logic; the screen feeds it the UI thread's CPU time per batch) --------------
 
-def test_batches_grow_at_once_when_drawing_is_over_budget_and_shrink_gradually():
+def test_each_batch_pays_for_drawing_the_last_one_within_the_budget():
     from mlxchat.app.engine_worker import BATCH_S, MAX_BATCH_S, next_batch_s
 
-    # 10 ms of drawing a batch at a 4% budget needs 0.25 s batches: from 40 ms it gets there in one step.
-    assert next_batch_s(BATCH_S, 0.010, 0.04) == pytest.approx(0.25)
-    # Cheaper batches bring it down a step at a time, never below the shortest batch.
-    shorter = next_batch_s(0.25, 0.002, 0.04)
-    assert 0.05 < shorter < 0.25 and shorter == pytest.approx(0.7 * 0.25 + 0.3 * 0.05)
-    assert next_batch_s(BATCH_S, 0.0, 0.04) == BATCH_S
-    # Never longer than the longest batch, however slow the drawing.
-    assert next_batch_s(0.1, 1.0, 0.04) == MAX_BATCH_S
+    # 10 ms of drawing a batch at a 4% budget needs 0.25 s until the next one.
+    assert next_batch_s(0.010, 0.04) == pytest.approx(0.25)
+    # A cheap batch after a costly one (a layout) brings the short batches back at once: each pays for its own.
+    assert next_batch_s(0.002, 0.04) == pytest.approx(0.05)
+    assert next_batch_s(0.0, 0.04) == BATCH_S  # never below the shortest batch
+    assert next_batch_s(1.0, 0.04) == MAX_BATCH_S  # nor longer than the longest, however slow the drawing
 
 
 def test_the_transcripts_arrows_step_through_its_messages_and_stop_at_either_end() -> None:

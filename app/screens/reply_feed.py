@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..conversation import Reply, Turn, keeps
-from ..engine_worker import EngineWorker, next_batch_s
+from ..engine_worker import BATCH_S, EngineWorker, next_batch_s
 from ..formatting import DONE, stats_line, thought_line
 from ..inspection import Inspection
 from ..models import to_remember
@@ -169,6 +169,7 @@ class ReplyFeed:
         self._set_reply_stats(reply, "prefilling…")
         self.screen.stats.show_state("prefill", "▷ prefill", "")
         self._ui_cpu_mark = None
+        self.worker.batch_s = BATCH_S  # what the last reply's drawing cost says nothing about this one's
         self.streaming_ui_cpu_s = 0.0
 
     def prefill(self, event: EngineWorker.Prefill) -> None:
@@ -203,7 +204,7 @@ class ReplyFeed:
         now = time.thread_time()
         if self._ui_cpu_mark is not None:
             self.streaming_ui_cpu_s += now - self._ui_cpu_mark
-            self.worker.batch_s = next_batch_s(self.worker.batch_s, now - self._ui_cpu_mark, UI_CPU_BUDGET)
+            self.worker.batch_s = next_batch_s(now - self._ui_cpu_mark, UI_CPU_BUDGET)
         self._ui_cpu_mark = now
 
     async def finished(self, event: EngineWorker.Finished) -> None:
