@@ -397,7 +397,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from mlxchat.core import hub
+    from mlxchat.core.model import hub
 
     snapshot = hub.pull(args.repo_id)  # huggingface_hub's own progress bars, on stderr
     model = hub.find(args.repo_id)
@@ -410,8 +410,8 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from mlxchat.core import hub
-    from mlxchat.core.loader import inspect
+    from mlxchat.core.model import hub
+    from mlxchat.core.model.loader import inspect
     from mlxchat.core.locations import Locations
 
     from .models import local_models, saved_models
@@ -444,7 +444,7 @@ def _when(seconds: float | None) -> str:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    from mlxchat.core import hub
+    from mlxchat.core.model import hub
 
     model = hub.find(args.repo_id)
     if model is None:

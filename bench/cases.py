@@ -313,7 +313,7 @@ def memory_bandwidth(engine: Any, nbytes: int = 1 << 30, repeats: int = 5) -> di
 def gguf_bytes_per_token(path: str) -> int | None:
     """The bytes of the GGUF's weights one token reads (the embedding table once, as the tied output head)."""
     try:
-        from mlxchat.core import gguf
+        from mlxchat.core.model import gguf
 
         header = gguf.read_header(__import__("pathlib").Path(path))
     except Exception:  # noqa: BLE001 - not a GGUF: no figure
@@ -348,7 +348,7 @@ def _matrices(model: Any) -> list[Any]:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear, mlx_weights
+    from mlxchat.core.model.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear, mlx_weights
 
     out = []
     tied = not hasattr(model, "lm_head")

@@ -126,7 +126,7 @@ class EngineRunner:
 
 
 def vocab_size(m: Any) -> int:
-    """The length of the model's logits (``core.loader.LoadedModel``)."""
+    """The length of the model's logits (``core.model.loader.LoadedModel``)."""
     v = getattr(m, "vocab_size", None)
     if isinstance(v, int) and v > 0:
         return v

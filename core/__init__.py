@@ -8,7 +8,7 @@ the CLI's parser reads for its flags) can be imported without the second that lo
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from . import blas
+from .model import blas
 
 blas.preload()
 

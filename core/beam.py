@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from .cache import prefill
 from .events import Metrics
-from .loader import LoadedModel
+from .model.loader import LoadedModel
 from .reply import Reply, Request
 
 

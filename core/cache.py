@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from .backend import KVOptions, kv_options
+from .model.backend import KVOptions, kv_options
 
 
 class ConversationCache:
@@ -97,7 +97,7 @@ class ConversationCache:
 # (on the embedded model here a 32-id chunk ran at ~190 tok/s, a 512-id one at ~300-350), while a cancel waits for
 # one layer of one chunk at most: 11-71 ms measured with 2,000 ids of context. A model whose layer takes longer than
 # LAYER_BUDGET_S gets shorter chunks, sized from the chunk before, never below MIN_CHUNK (where the quantized layers
-# switch from one batched GEMM to per-row kernels; core/native_linear.py).
+# switch from one batched GEMM to per-row kernels; core/model/native_linear.py).
 LAYER_BUDGET_S = 0.25
 MIN_CHUNK = 32
 

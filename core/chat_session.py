@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, get_args
 
-from .backend import KVOptions
+from .model.backend import KVOptions
 from .cache import ConversationCache
 from .errors import ContextLengthError
 from .events import GenerationResult

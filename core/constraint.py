@@ -44,7 +44,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fi
 
 from .candidates import NEG_INF, Candidates
 from .response_format import ResponseFormat
-from .tokenizer import ChatTokenizer
+from .model.tokenizer import ChatTokenizer
 
 # Grammars compile here, never on the inference thread: a small pool of its own. Compiling (`LLMatcher(...)`) drops
 # the GIL, so a batch decodes on while a newcomer's grammar compiles.

@@ -90,7 +90,8 @@ _CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], Breakers]]" = weak
 
 
 def breakers_for(tokenizer: Any, strings: Sequence[str]) -> Breakers:
-    """`strings` as breakers on `tokenizer`'s vocabulary (a ``core.tokenizer.ChatTokenizer``), cached per tokenizer."""
+    """`strings` as breakers on `tokenizer`'s vocabulary, a ``core.model.tokenizer.ChatTokenizer`` (cached per
+    tokenizer)."""
     known = _CACHE.setdefault(tokenizer, {})
     key = tuple(strings)
     if key not in known:

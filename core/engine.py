@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from . import loader, native_decoder
-from .backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
+from .model import loader, native_decoder
+from .model.backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
                       wants_generation_stream, wants_wired_limit)
 from .beam import Beam, beam_search
 from .cache import ConversationCache
@@ -351,7 +351,7 @@ class Engine:
 
     @contextlib.contextmanager
     def _device_practices(self) -> Iterator[None]:
-        """mlx-lm's practices on a GPU, as core/backend.py decides them: a generation stream of its own, and the
+        """mlx-lm's practices on a GPU, as core/model/backend.py decides them: a generation stream of its own, and the
         wired-memory limit raised to the recommended working set (mlx-lm's own `wired_limit`). Nothing on the CPU."""
         if not wants_generation_stream(self.backend):
             yield

@@ -36,7 +36,7 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from .sampling import Sampler
     from .streaming import IncrementalDetokenizer
-    from .tokenizer import ChatTokenizer
+    from .model.tokenizer import ChatTokenizer
 
 # OpenAI's reasoning_effort as a budget of reasoning tokens (documented in README and docs/architecture.md).
 EFFORT_BUDGETS: dict[str, int] = {"minimal": 0, "low": 512, "medium": 2048, "high": 8192}

@@ -33,7 +33,7 @@ from . import dry
 from .batch_sampling import chain_key
 from .constraint import Constraint, constraint_for
 from .generate import Sample
-from .loader import LoadedModel
+from .model.loader import LoadedModel
 from .profile import SamplingProfile
 from .reasoning import Reasoning, ReplyReasoning, peek_text
 from .response_format import ResponseFormat

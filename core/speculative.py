@@ -50,9 +50,9 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
-from . import loader
+from .model import loader
 from .cache import ConversationCache, prefill
-from .native_blocks import WHOLE_ATTENTION_QUERIES
+from .model.native_blocks import WHOLE_ATTENTION_QUERIES
 
 Mode = Literal["off", "ngram", "draft", "auto"]
 MODES: tuple[str, ...] = get_args(Mode)

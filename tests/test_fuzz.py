@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from mlxchat.core import ModelLoadError
-from mlxchat.core import gguf
+from mlxchat.core.model import gguf
 from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
 from mlxchat.core.sampling import Sampler
 

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.backend import KVOptions
+from mlxchat.core.model.backend import KVOptions
 from mlxchat.core.kv_store import KVStore, fingerprint
 
 SYSTEM = "You are terse."

@@ -362,8 +362,8 @@ def llama() -> tuple[LlamaChain, Any]:
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it is never a dependency)")
     from model_files import embedded_metadata
 
-    from mlxchat.core.loader import embedded_model_path
-    from mlxchat.core.tokenizer import from_gguf_metadata
+    from mlxchat.core.model.loader import embedded_model_path
+    from mlxchat.core.model.tokenizer import from_gguf_metadata
 
     ll = llama_cpp.llama_cpp
     ll.llama_backend_init()

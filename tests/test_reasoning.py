@@ -263,7 +263,7 @@ def test_the_template_authors_nudge_is_forced_before_the_close(thinking_engine: 
     import copy
     from dataclasses import replace
 
-    from mlxchat.core.tokenizer import ChatTokenizer
+    from mlxchat.core.model.tokenizer import ChatTokenizer
 
     hf = copy.copy(thinking_engine.model.tokenizer.hf)
     hf.chat_template = '{%- set reasoning_budget_message = "Time is up, answering now." %}' + THINKING_TEMPLATE
@@ -288,7 +288,7 @@ def special_engine(thinking_engine: Engine) -> Engine:
     renamed), which a plain decode skips: the tokenizer built by the real GGUF path from the changed metadata."""
     from dataclasses import replace
 
-    from mlxchat.core.tokenizer import from_gguf_metadata
+    from mlxchat.core.model.tokenizer import from_gguf_metadata
     from tests.model_files import embedded_metadata
 
     meta = dict(embedded_metadata())

@@ -10,7 +10,8 @@ import queue
 import httpx
 import pytest
 
-from mlxchat.core import Engine, GenerationResult, SamplingProfile, loader
+from mlxchat.core import Engine, GenerationResult, SamplingProfile
+from mlxchat.core.model import loader
 from mlxchat.core.batch import BatchRequest, BatchScheduler
 from mlxchat.core.events import Done
 

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from mlxchat.core.loader import EMBEDDED_FILE
+from mlxchat.core.model.loader import EMBEDDED_FILE
 
 HOST = "127.0.0.1"
 KEY = "test-key-123"

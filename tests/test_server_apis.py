@@ -12,7 +12,7 @@ import ollama
 import pytest
 
 from mlxchat.core import SamplingProfile
-from mlxchat.core.loader import EMBEDDED_FILE
+from mlxchat.core.model.loader import EMBEDDED_FILE
 from mlxchat.server import anthropic as messages_api
 from mlxchat.server.ollama import parameter_size, parse_options, response_format
 from mlxchat.server.protocol import ApiError

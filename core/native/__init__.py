@@ -134,7 +134,7 @@ def read_ggml(path: str, offset: int, ggml_type: str, rows: int, cols: int, *,
     """A GGUF tensor of ggml type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (``rows`` of ``cols`` values, its
     blocks at byte ``offset`` of the file) read straight into ``(w, scales, biases)`` for this module's ops, in one
     pass on the kernel's threads, a few rows of the file at a time: the values are llama.cpp's dequantization of the
-    file exactly (core/gguf_tensors.py's table). ``scales``/``biases`` are float16 (``[rows, cols / 32]``), or for
+    file exactly (core/model/gguf_tensors.py's table). ``scales``/``biases`` are float16 (``[rows, cols / 32]``), or for
     the K-quants `compact_params`'s form; Q4_0/Q5_0/Q8_0's biases are `symmetric_biases`'s stand-in wherever it
     stands for them (every block but one whose -2^(bits - 1) d overflows an f16). ``packed``: in `pack_weights`'s
     layout (``rows`` a multiple of 16), else MLX's. None where a K-quant's parameters do not fit the compact form
@@ -155,7 +155,7 @@ def read_ggml_many(path: str, places: list[tuple[int, str, int, int, bool]]
 def gguf_strings(path: str, offset: int, count: int) -> tuple[list[str], int, str]:
     """``count`` GGUF metadata strings (each a uint64 byte length and its UTF-8 bytes) from byte ``offset`` of the
     file: ``(strings, the byte after the last, "")``, or where the file ends inside one or one is not UTF-8, the
-    strings before it, the byte where it starts and ``"ends"`` or ``"utf-8"`` (core/gguf.py's `StringsReader`)."""
+    strings before it, the byte where it starts and ``"ends"`` or ``"utf-8"`` (core/model/gguf.py's `StringsReader`)."""
     items, end, problem = _module().gguf_strings(path, offset, count)
     return items, end, problem
 

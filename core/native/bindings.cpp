@@ -35,7 +35,7 @@ NB_MODULE(_ext, m) {
         "Whether every float16 bias is -2^(bits - 1) times its scale, exactly in float32.");
   nb::class_<mlxchat::GgmlPlace>(m, "GgmlPlace")
       .def(nb::init<int64_t, std::string, int, int, bool>(), "offset"_a, "type"_a, "N"_a, "K"_a, "packed"_a);
-  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/loader.py).
+  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/model/loader.py).
   m.def("read_ggml_many", &mlxchat::read_ggml_many, "path"_a, "places"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Each GgmlPlace's ggml-quantized tensor of one GGUF file as [w, scales, biases] or None, in one call.");
   m.def("gguf_strings", &mlxchat::gguf_strings, "path"_a, "offset"_a, "count"_a,

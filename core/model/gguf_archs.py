@@ -10,7 +10,7 @@ them so mlx-lm's class computes what llama.cpp's graph (src/models/<arch>.cpp) c
   (layer i is local when i % pattern < pattern - 1); the attention scale is 1/sqrt(head size), except for the
   27B models, where llama.cpp (after gemma_pytorch) uses 1/sqrt(hidden / heads).
 
-The loader (core/loader.py) reads the tensors; this module says what they are.
+The loader (core/model/loader.py) reads the tensors; this module says what they are.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from . import gguf
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 ARCHITECTURES = ("gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3")
 

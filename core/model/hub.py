@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import MlxChatError
+from ..errors import MlxChatError
 from .loader import HUB_PATTERNS, looks_like_repo_id
 
 

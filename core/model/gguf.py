@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -41,7 +41,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
     26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2),
 }
-# The tensor types mlxchat reads (core/gguf_tensors.py converts each exactly); everything else is refused up front.
+# The tensor types mlxchat reads (core/model/gguf_tensors.py converts each exactly); the others are refused up front.
 READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # llama.cpp's names for a whole file's quantization (general.file_type: enum llama_ftype in llama.h).
 FILE_TYPES = {

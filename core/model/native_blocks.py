@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from . import native
+from .. import native
 
 
 # Queries up to which attention is one native op (a decode step: L = 1). Above, a prefill chunk's attention is two

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from . import native
+from .. import native
 from .native_linear import NativeQuantizedLinear
 
 # Rows (query positions) up to which a layer is one op: a decode step (1), a speculative verification (<= 8), small

@@ -1,5 +1,5 @@
-"""A GGUF writer next to the reader (core/gguf.py): the fuzzer, the tests' bad and synthetic models and the bench's
-synthetic llama all write their files with it.
+"""A GGUF writer next to the reader (core/model/gguf.py): the fuzzer, the tests' bad and synthetic models and the
+bench's synthetic llama all write their files with it.
 
 `build_gguf` takes every value with its GGUF type, so any file can be written, malformed ones included, and returns
 where each field sits (the fuzzer mutates those). `write_gguf` is the short form for a plain file: types follow the

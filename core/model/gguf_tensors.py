@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import heap
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .gguf import GGML_TYPES, READABLE, GGUFHeader, TensorInfo
 
 
