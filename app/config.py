@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mlxchat.core.kv_store import DEFAULT_BUDGET_MB
+from mlxchat.core.cache.kv_store import DEFAULT_BUDGET_MB
 from mlxchat.core.messages import ContextPolicy
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -121,7 +121,7 @@ class Settings(BaseModel):
     speculative: Literal["ngram", "auto", "off"] = "off"
     models: list[str] = Field(default_factory=list)
     reopen_last: bool = False
-    # KV caches saved to disk (core/kv_store.py): None is the cache folder's kv/ (core/locations.py); 0 MB: off.
+    # KV caches saved to disk (core/cache/kv_store.py): None is the cache folder's kv/ (core/locations.py); 0 MB: off.
     kv_cache_dir: str | None = None
     kv_cache_mb: float = Field(default=DEFAULT_BUDGET_MB, ge=0)
     keys: dict[str, str] = Field(default_factory=dict)

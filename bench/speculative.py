@@ -104,7 +104,7 @@ def verify_cost(engine: Any, rounds: int, context: int = 300) -> list[dict[str, 
     back), against M = 1: what a guess costs when it is rejected. Medians of `rounds` alternating rounds."""
     import mlx.core as mx
 
-    from mlxchat.core.cache import ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import ConversationCache, prefill
 
     def measure() -> dict[int, float]:
         model = engine.model.model

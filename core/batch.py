@@ -11,8 +11,8 @@ one long job on the engine's inference thread (the only place MLX runs) that loo
 
 A newcomer joins at the next step and a finished or cancelled row leaves at once (its slot is free for the next
 admission). Prefill runs per sequence, in chunks interleaved with decode steps, so one long prompt does not stall
-the clients already streaming; it runs through the same `core.cache.prefill_chunk` as a single request. The loop
-decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVCache` (left-padded, with a per-row
+the clients already streaming; it runs through the same `core.cache.kv_cache.prefill_chunk` as a single request. The
+loop decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVCache` (left-padded, with a per-row
 attention mask) while there are several. A request with `speculative` ("ngram", "auto") verifies guesses while it
 has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/generate.py says why).
 
@@ -20,7 +20,7 @@ The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte b
 stored when its prefill ends and a finished sequence's under the ids it holds, and a new prompt starts from the
 longest cached prefix, so a client that resends a whole conversation prefills only what is new.
 `Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk and
-a prompt falls back to it (core/kv_store.py).
+a prompt falls back to it (core/cache/kv_store.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from . import constraint
-from .cache import prefill_chunk
+from .cache.kv_cache import prefill_chunk
 from .engine import Engine
 from .generate import Row, StepLoop
-from .kv_store import prefix_cache
+from .cache.kv_store import prefix_cache
 from .errors import ContextLengthError
 from .events import Event, FinishReason
 from .profile import SamplingProfile
@@ -126,7 +126,7 @@ class BatchScheduler:
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step = prefill_step or engine.prefill_step
-        # KV caches saved to disk (core/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
+        # KV caches saved to disk (core/cache/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
         # saved there loads it, and the prefix cache's evicted entries (all of them at shutdown) are saved there.
         self.disk = engine.kv_store()
         self.prefix_cache = prefix_cache(self.disk, prefix_cache_bytes) if prefix_cache_bytes > 0 else None

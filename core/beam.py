@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .cache import prefill
+from .cache.kv_cache import prefill
 from .events import Metrics
 from .model.loader import LoadedModel
 from .reply import Reply, Request

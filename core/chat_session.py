@@ -9,10 +9,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, get_args
 
 from .model.backend import KVOptions
-from .cache import ConversationCache
+from .cache.kv_cache import ConversationCache
 from .errors import ContextLengthError
 from .events import GenerationResult
-from .kv_store import KVStore
+from .cache.kv_store import KVStore
 from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
 from .profile import SamplingProfile
 from .reasoning import Reasoning
@@ -346,7 +346,7 @@ class ChatSession:
         return self._cache
 
     def _kv_store(self) -> KVStore | None:
-        """Where this conversation's KV cache is saved on disk: none for a rotating window (core/kv_store.py)."""
+        """Where this conversation's KV cache is saved on disk: none for a rotating window (core/cache/kv_store.py)."""
         return None if self.max_kv_size is not None else self.engine.kv_store(self.kv)
 
     def warm(self) -> "Future[int]":

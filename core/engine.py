@@ -22,10 +22,10 @@ from .model import loader, native_decoder
 from .model.backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
                       wants_generation_stream, wants_wired_limit)
 from .beam import Beam, beam_search
-from .cache import ConversationCache
+from .cache.kv_cache import ConversationCache
 from .errors import ContextLengthError
 from .events import GenerationResult, PrefillProgress
-from .kv_store import DEFAULT_BUDGET_MB, KVStore
+from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
 from .chat_session import ChatSession
 from .messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .profile import SamplingProfile
@@ -73,7 +73,7 @@ class Engine:
         self._generation_stream: mx.Stream | None = None  # made on the inference thread, on a GPU only
         if kv_cache_mb < 0:
             raise ValueError(f"kv_cache_mb must be at least 0, got {kv_cache_mb:g}")
-        # KV caches saved to disk (core/kv_store.py), one store per KV setting, made when first used.
+        # KV caches saved to disk (core/cache/kv_store.py), one store per KV setting, made when first used.
         self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
         self.kv_cache_mb = kv_cache_mb
         self._kv_stores: dict[KVOptions, KVStore] = {}
@@ -85,7 +85,7 @@ class Engine:
              kv_cache_mb: float = DEFAULT_BUDGET_MB, draft_model: str | Path | None = None) -> "Engine":
         """Load a model. With `kv_cache_dir`, chat sessions save their KV cache there after each reply (kept under
         `kv_cache_mb` in all), and a prompt that starts with a saved conversation loads it instead of prefilling
-        it (core/kv_store.py). `draft_model` is the draft of speculative="draft" (core/speculative.py
+        it (core/cache/kv_store.py). `draft_model` is the draft of speculative="draft" (core/speculative.py
         `load_draft`)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")

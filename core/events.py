@@ -17,7 +17,7 @@ class Metrics:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the session's KV cache, not prefilled again
-    disk_tokens: int = 0  # of those, how many were loaded from the KV cache saved on disk (core/kv_store.py)
+    disk_tokens: int = 0  # of those, how many were loaded from the KV cache saved on disk (core/cache/kv_store.py)
     completion_tokens: int = 0
     ttft_s: float = 0.0  # request accepted -> first token available (includes prefill)
     tpot_s: float = 0.0  # mean time between later tokens

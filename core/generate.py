@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_sampling import sample_rows
-from .cache import prefill
+from .cache.kv_cache import prefill
 from .candidates import log_softmax
 from .constraint import fill_masks
 from .speculative import Drafter, Governor, Speculation

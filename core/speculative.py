@@ -51,7 +51,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
 from .model import loader
-from .cache import ConversationCache, prefill
+from .cache.kv_cache import ConversationCache, prefill
 from .model.native_blocks import WHOLE_ATTENTION_QUERIES
 
 Mode = Literal["off", "ngram", "draft", "auto"]

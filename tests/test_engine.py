@@ -219,7 +219,7 @@ def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(eng
 def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
     """Issue #12 item 12: chunks stay at the step while a layer of one takes under the budget, and shrink (not below
     MIN_CHUNK) when it takes longer."""
-    from mlxchat.core.cache import MIN_CHUNK, ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import MIN_CHUNK, ConversationCache, prefill
 
     ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300]
 
@@ -237,7 +237,7 @@ def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
 def test_a_cancel_lands_between_layers_and_leaves_the_cache_as_before_the_chunk(engine: Engine):
     """Issue #12 item 12: a cancel waits for one layer of a chunk, not the whole chunk, and the cache keeps exactly
     the chunks before it: prefilling on from there gives the cache a fresh prefill gives."""
-    from mlxchat.core.cache import ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import ConversationCache, prefill
 
     model = engine.model.model
     ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:200]
@@ -271,7 +271,7 @@ def test_a_cancel_lands_between_layers_and_leaves_the_cache_as_before_the_chunk(
 def test_a_model_that_cannot_stop_between_layers_finishes_its_chunk(engine: Engine):
     """A model split across machines (tensor parallel) says `interruptible = False`: its ranks must run each pass to
     the end, so a cancel waits for the chunk."""
-    from mlxchat.core.cache import ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import ConversationCache, prefill
 
     class WholePasses:
         interruptible = False

@@ -285,7 +285,7 @@ def test_native_int8_packs_every_layer_and_names_its_path(int8_engine: Engine):
 def test_native_int8_keeps_its_own_kv_caches_on_disk(engine: Engine, int8_engine: Engine):
     # Its keys and values are not the exact path's: a cache saved by one must not be loaded by the other.
     from mlxchat.core.model.backend import KVOptions
-    from mlxchat.core.kv_store import fingerprint
+    from mlxchat.core.cache.kv_store import fingerprint
 
     assert fingerprint(engine.model, KVOptions()) != fingerprint(int8_engine.model, KVOptions())
 

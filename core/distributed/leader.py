@@ -146,8 +146,8 @@ class SplitModel:
 
     @property
     def interruptible(self) -> bool:
-        """Whether a prefill may stop between layers (core/cache.py). Pipeline: yes, once rank 0's first layer has
-        received the workers' output (they are done with the pass; they trim to rank 0's offset at the next one).
+        """Whether a prefill may stop between layers (core/cache/kv_cache.py). Pipeline: yes, once rank 0's first layer
+        has received the workers' output (they are done with the pass; they trim to rank 0's offset at the next one).
         Tensor: no, the workers wait in every layer's all-sum for rank 0's part."""
         return self.plan.parallel != "tensor"
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..batch import BatchRequest, QueueFull
-from ..cache import ConversationCache
+from ..cache.kv_cache import ConversationCache
 from ..engine import Engine
 from ..errors import ContextLengthError
 from ..speculative import Speculation

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from .model.backend import KVOptions, kv_options
+from ..model.backend import KVOptions, kv_options
 
 
 class ConversationCache:
@@ -28,7 +28,7 @@ class ConversationCache:
         self.model, self.max_kv_size, self.keep, self.kv = model, max_kv_size, keep, kv
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.layers = self._fresh()
-        self.from_disk = 0  # ids loaded from disk (core/kv_store.py) that no request has reused yet
+        self.from_disk = 0  # ids loaded from disk (core/cache/kv_store.py) that no request has reused yet
 
     def _fresh(self) -> list:
         if self.kv.quantized:

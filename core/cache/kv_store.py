@@ -38,9 +38,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import (KVCache, LRUPromptCache, PromptTrie, QuantizedKVCache, load_prompt_cache,
                                  save_prompt_cache)
 
-from .model.backend import KVOptions
-from .cache import ConversationCache
-from .model.loader import LoadedModel
+from ..model.backend import KVOptions
+from .kv_cache import ConversationCache
+from ..model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
