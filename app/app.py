@@ -25,7 +25,7 @@ from textual.screen import Screen
 
 from mlxchat.core.locations import Locations
 from mlxchat.core.messages import ContextPolicy
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore, SamplingProfile
 
 from . import textual_compat
 from .commands import ProfileCommands

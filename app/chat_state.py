@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxchat.core.messages import ChatMessage, ContextPolicy
-from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.sampling.profile import SamplingProfile
 
 from .record import ChatRecord
 from .store import Conversation, Store

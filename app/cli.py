@@ -181,7 +181,7 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
     flags over it. Never the raw distribution (temperature 1, no filter): unflagged, that rambled."""
     from mlxchat.core import SamplingProfile
     from mlxchat.core.locations import Locations
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     from .config import ConfigError, Settings
 
@@ -316,7 +316,7 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
     """`mlxchat chat`'s flags as `make_app`'s arguments: they set up the new chat over config.toml's settings (a
     new chat: with any of them, or --new, the last chat is not reopened). Bad values fail here, in one line."""
     from mlxchat.core import SamplingProfile
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     _check_reply_flags(args)
     sampling = _sampler_flags(args) | ({"stop": args.stop} if args.stop else {})

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from mlxchat.core.errors import ContextLengthError
 from mlxchat.core.messages import ChatMessage, ContextPolicy
-from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.sampling.profile import SamplingProfile
 
 from . import export
 from .chat_state import ChatState

@@ -16,7 +16,7 @@ from .replay import TRACE_K, ReplaySource
 
 if TYPE_CHECKING:
     from mlxchat.core.events import GenerationResult
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.sampling.trace import TokenTrace
 
 
 class Inspection:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxchat.core.messages import ChatMessage, Fork, Tail
-from mlxchat.core.trace import TokenTrace
+from mlxchat.core.sampling.trace import TokenTrace
 
 SCHEMA_VERSION = 5
 BUSY_TIMEOUT_MS = 5000

@@ -14,7 +14,7 @@ from mlxchat.core.messages import ChatMessage
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Stream
     from mlxchat.core.events import GenerationResult, Metrics
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.sampling.trace import TokenTrace
 
 Severity = Literal["information", "warning", "error"]
 Notify = Callable[[str, Severity], None]

@@ -444,8 +444,8 @@ def _sampler_steps(engine: Any, messages: list[dict[str, str]], profile: Any, k:
     """On the inference thread: seconds per sampler step, plain and traced, on one real row of logits."""
     import mlx.core as mx
 
-    from mlxchat.core.sampling import Sampler
-    from mlxchat.core.tracing import Tracer
+    from mlxchat.core.sampling.chain import Sampler
+    from mlxchat.core.sampling.tracing import Tracer
 
     m = engine.model
     logits = m.model(mx.array(m.tokenizer.encode_chat(messages))[None])[0, -1]

@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from . import constraint
+from .sampling import constraint
 from .cache.kv_cache import prefill_chunk
 from .engine import Engine
 from .generate import Row, StepLoop
 from .cache.kv_store import prefix_cache
 from .errors import ContextLengthError
 from .events import Event, FinishReason
-from .profile import SamplingProfile
+from .sampling.profile import SamplingProfile
 from .reasoning import Reasoning
 from .reply import Reply, Request
 from .speculative import Speculation, plan
@@ -134,15 +134,15 @@ class BatchScheduler:
         self._waiting: deque[BatchRequest] = deque()
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
         self._active = 0  # admitted and not yet done
-        # Requests whose grammar compiles on the grammar pool (core/constraint.py): they wait there, not in the
+        # Requests whose grammar compiles on the grammar pool (core/sampling/constraint.py): they wait there, not in the
         # batch, and join `_waiting` once compiled, so the rows decoding never wait for a newcomer's compile.
         self._compiling: list[BatchRequest] = []
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
         self._loop = StepLoop(engine.model.model, self._ended)
         self._decoding: dict[Row, _Sequence] = {}  # the loop's rows' sequences
-        # The llguidance tokenizer holds the GIL while it builds (~0.5 s, core/constraint.py): built now, as the
-        # server starts, not when the first constrained request arrives and others decode.
+        # The llguidance tokenizer holds the GIL while it builds (~0.5 s, core/sampling/constraint.py): built now, as
+        # the server starts, not when the first constrained request arrives and others decode.
         constraint.warm(engine.model.tokenizer, engine.model.vocab_size)
 
     # --- any thread ----------------------------------------------------------------------------------------

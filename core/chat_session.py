@@ -14,7 +14,7 @@ from .errors import ContextLengthError
 from .events import GenerationResult
 from .cache.kv_store import KVStore
 from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
-from .profile import SamplingProfile
+from .sampling.profile import SamplingProfile
 from .reasoning import Reasoning
 from .reply import Request
 from .speculative import Speculation, check

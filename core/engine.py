@@ -28,7 +28,7 @@ from .events import GenerationResult, PrefillProgress
 from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
 from .chat_session import ChatSession
 from .messages import ContextPolicy, Forced, Prompt, prompt_messages
-from .profile import SamplingProfile
+from .sampling.profile import SamplingProfile
 from .reasoning import Reasoning
 from .reply import DEFAULT_MAX_TOKENS, Reply, Request
 from .generate import Row, StepLoop, prefill_all_but_last

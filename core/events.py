@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .tools import ToolCall
-from .trace import TokenTrace
+from .sampling.trace import TokenTrace
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -27,7 +27,7 @@ class Metrics:
     context_tokens: int = 0  # tokens in the KV cache after this step
     context_limit: int = 0
     kv_window: int | None = None  # rotating window size, when the session uses one
-    # With a response_format (core/constraint.py): the host time spent on token masks, how many steps the stage
+    # With a response_format (core/sampling/constraint.py): the host time spent on token masks, how many steps the stage
     # decided, how many of those by checking the drawn token alone (the lazy order, no mask), and the compile.
     constraint_mask_s: float = 0.0
     constraint_masks: int = 0

@@ -14,8 +14,8 @@ context: 32 ms a token queued before, 16.7 queued after (as fast as no pipelinin
 Hence a row's token is already in its cache when the row takes it (and in the row's `fed`), unless no step was queued
 after it: the last token its reply allows, when it is the only row.
 A step's rows are sampled by their own `Reply.sample`, except the rows whose chains share their steps (the same
-`Reply.batch_key`, two or more): those are sampled as one set of ops over their rows (core/batch_sampling.py), each
-row drawing the token it draws alone.
+`Reply.batch_key`, two or more): those are sampled as one set of ops over their rows (core/sampling/batch_sampling.py),
+each row drawing the token it draws alone.
 
 **Rows and caches.** One row decodes on its own cache, whatever its kind (plain, rotating, quantized). A second row
 joining merges both into mlx-lm's `BatchKVCache` (left-padded, a per-row mask); a joining row's first token comes
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_sampling import sample_rows
+from .sampling.batch_sampling import sample_rows
 from .cache.kv_cache import prefill
-from .candidates import log_softmax
-from .constraint import fill_masks
+from .sampling.candidates import log_softmax
+from .sampling.constraint import fill_masks
 from .speculative import Drafter, Governor, Speculation
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from .reply import Reply
 
 Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
-# Rows whose chains allow it are sampled as one op over the batch (core/batch_sampling.py); off, every row samples
-# alone (the tests' reference, and the bench's before).
+# Rows whose chains allow it are sampled as one op over the batch (core/sampling/batch_sampling.py); off, every row
+# samples alone (the tests' reference, and the bench's before).
 BATCH_SAMPLING = True
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .events import FinishReason
-from .trace import TokenTrace
+from .sampling.trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
 # What a conversation does once it no longer fits the model's context (see core.chat_session.ChatSession).

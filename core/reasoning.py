@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from .sampling import Sampler
+    from .sampling.chain import Sampler
     from .streaming import IncrementalDetokenizer
     from .model.tokenizer import ChatTokenizer
 

@@ -29,20 +29,20 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
-from . import dry
-from .batch_sampling import chain_key
-from .constraint import Constraint, constraint_for
+from .sampling import dry
+from .sampling.batch_sampling import chain_key
+from .sampling.constraint import Constraint, constraint_for
 from .generate import Sample
 from .model.loader import LoadedModel
-from .profile import SamplingProfile
+from .sampling.profile import SamplingProfile
 from .reasoning import Reasoning, ReplyReasoning, peek_text
-from .response_format import ResponseFormat
-from .sampling import Sampler
+from .sampling.response_format import ResponseFormat
+from .sampling.chain import Sampler
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
 from .tools import CallStream, RepeatedCall, ToolCall, ToolUse
-from .trace import TokenTrace
-from .tracing import Tracer, check_trace
+from .sampling.trace import TokenTrace
+from .sampling.tracing import Tracer, check_trace
 
 # The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
 # (mlx-lm's generate defaults to 256, which cuts explanations and code short), short enough that a model stuck in
@@ -53,8 +53,8 @@ DEFAULT_MAX_TOKENS = 1024
 @dataclass(frozen=True)
 class Request:
     """One validated generation request: the profile, the reply's length cap, every stop string, how many
-    candidates to trace per token (0 = no trace; see core/tracing.py), how to speculate (core/speculative.py), and
-    the tools it may call (core/tools.py; None: no tools)."""
+    candidates to trace per token (0 = no trace; see core/sampling/tracing.py), how to speculate (core/speculative.py),
+    and the tools it may call (core/tools.py; None: no tools)."""
 
     profile: SamplingProfile
     max_tokens: int
@@ -122,7 +122,8 @@ class Reply:
                                           RepeatedCall() if calling else None)
         self._calls = CallStream() if calling else None
         profile = request.profile
-        # DRY's sequence breakers are strings, found on the model's vocabulary once per tokenizer (core/dry.py).
+        # DRY's sequence breakers are strings, found on the model's vocabulary once per tokenizer
+        # (core/sampling/dry.py).
         breakers = dry.breakers_for(tok, profile.dry_sequence_breakers) if profile.active("dry") else dry.NO_BREAKERS
         self._sampler = Sampler(profile, vocab_size=model.vocab_size, eos_ids=tok.eos_ids,
                                prompt_ids=list(prompt), constraint=self._constraint, dry_breakers=breakers)
@@ -145,7 +146,7 @@ class Reply:
         if self._reasoning is not None:
             self.sample = self._reasoning.wrap(self.sample, self._sampler, peek_text(self._detok))
         # Rows that sample with the plain `Sampler.step` and share this key are sampled as one op (the batch's step,
-        # core/batch_sampling.py); a traced reply or one whose reasoning budget may force tokens samples alone.
+        # core/sampling/batch_sampling.py); a traced reply or one whose reasoning budget may force tokens samples alone.
         self.batch_key = chain_key(self._sampler) if self.sample == self._sampler.step else None
         self._stops = StopStringFilter(request.stop)
         self._top = request.profile.top_logprobs if request.profile.logprobs else None
@@ -168,7 +169,7 @@ class Reply:
     @property
     def full_mask(self) -> Constraint | None:
         """The constraint, when its stage computes a full mask every step (not the sampler's lazy order, or a traced
-        reply): the batch fills such rows' masks together (`core.constraint.fill_masks`)."""
+        reply): the batch fills such rows' masks together (`core.sampling.constraint.fill_masks`)."""
         c = self._constraint
         return c if c is not None and (self._tracer is not None or not self._sampler.lazy) else None
 

@@ -12,9 +12,9 @@ passes (docs/architecture.md §15). Two drafters:
 
 **Exactness: sample-and-compare.** At each verified row the request's own sampler draws the target's token exactly
 as the plain path would at that position: the same processors over the same accepted history, and the same seeded
-draw keyed by (seed, position, token id) (core/draw.py). The guess is kept only if it equals that token; the first
-row that differs gives its own token (the correction), and a fully accepted guess gives the row after it (the bonus).
-The sampler runs row by row and only past rows that matched, so every draw it makes is a token of the reply:
+draw keyed by (seed, position, token id) (core/sampling/draw.py). The guess is kept only if it equals that token; the
+first row that differs gives its own token (the correction), and a fully accepted guess gives the row after it (the
+bonus). The sampler runs row by row and only past rows that matched, so every draw it makes is a token of the reply:
 penalties count only accepted tokens and a trace has one record per token. Hence greedy text is identical with and
 without speculation, and a seeded sampled reply is the same text, provided the verify pass computes each row's
 logits bit for bit as a one-row step does. On the native CPU kernel it does up to `MAX_ROWS` rows (measured: rows of

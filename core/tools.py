@@ -9,13 +9,13 @@ message dicts and reuses everything else. `ToolUse` is one request's tools, choi
 **What the model writes**: each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, calls separated
 by a newline (the Hermes/Qwen convention, which chat templates with a ``tools`` variable commonly teach). How a
 choice constrains it (`ToolUse.response_format`, a Lark grammar for the sampler's constraint stage,
-core/constraint.py):
+core/sampling/constraint.py):
 
 * a named function: exactly one call to it, and the reply ends (whatever ``parallel_tool_calls`` says, as OpenAI's
   forced function gives one call).
 * ``required``: one call, or with ``parallel_tool_calls`` (the default) several, the reply free to end after each;
   each call's ``name`` is one of the tools' and its ``arguments`` are valid under that tool's ``parameters`` schema
-  (closed: `core.response_format.closed`), so the calls always parse and validate.
+  (closed: `core.sampling.response_format.closed`), so the calls always parse and validate.
 * ``auto``: the reply is either text or calls as above, decided at its first character: text does not start with
   ``<`` and never holds ``<tool_call>`` or ``</tool_call>``, so no call markup reaches the answer.
 * ``none``: the tools are not shown to the model, and the reply is text that never holds call markup (a model that
@@ -48,14 +48,14 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from .response_format import ResponseFormat, closed
+from .sampling.response_format import ResponseFormat, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _OPEN, _CLOSE = OPEN.encode(), CLOSE.encode()
 # A Lark lexeme for text that holds no call markup anywhere (llguidance's lexeme negation).
 _NO_MARKUP = r"~/[\s\S]*<\/?tool_call>[\s\S]*/"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-# JSON inside a call: compact, as core/response_format.py writes every schema.
+# JSON inside a call: compact, as core/sampling/response_format.py writes every schema.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

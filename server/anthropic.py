@@ -47,7 +47,7 @@ from starlette.routing import Route
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.events import Done, Metrics
 from mlxchat.core.reasoning import Reasoning, markers_for
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
 
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
@@ -287,7 +287,7 @@ def _thinking(raw: dict[str, Any] | None) -> Reasoning:
 
 def _output_format(fmt: Any) -> dict[str, Any]:
     """Structured output, `output_config.format` = {"type": "json_schema", "schema": {...}}: the reply is JSON valid
-    under the schema (the sampler's constraint stage, core/constraint.py)."""
+    under the schema (the sampler's constraint stage, core/sampling/constraint.py)."""
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ApiError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _profiles() -> dict:
     from mlxchat.core import SamplingProfile
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     store = ProfileStore()
     found = {name: SamplingProfile.preset(name) for name in SamplingProfile.presets()}

@@ -16,7 +16,7 @@ dynatemp_*, adaptive_p_*). The options that say how Ollama runs a model (num_gpu
 meaning here and are ignored; tfs_z is refused unless neutral. `keep_alive` is accepted: the model stays loaded while
 the server runs.
 `format` ("json" or a JSON schema) becomes the profile's `response_format` (OpenAI's shape; constrained decoding,
-core/constraint.py), so the reply is valid JSON when it ends with "stop".
+core/sampling/constraint.py), so the reply is valid JSON when it ends with "stop".
 
 `/api/chat`'s `tools` are OpenAI's function tools, chosen as OpenAI's tool_choice "auto" (Ollama has no choice):
 core/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
@@ -51,7 +51,7 @@ from mlxchat.core.events import Done
 from mlxchat.core.reasoning import EFFORT_BUDGETS, Reasoning, markers_for
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.reply import DEFAULT_MAX_TOKENS
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
 from mlxchat.core.tools import ToolCall, ToolError, ToolUse
 
 from .protocol import ApiError, profile_error, sampler_settings, sampler_types

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from mlxchat.core import GenerationResult, SamplingProfile
 from mlxchat.core.events import Metrics, TokenLogprob
 from mlxchat.core.reasoning import Reasoning
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
-from mlxchat.core.tracing import check_trace
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.sampling.tracing import check_trace
 
 from mlxchat.core import tools as tool_calls
 from mlxchat.core.tools import ToolError, ToolUse
@@ -95,7 +95,8 @@ class _Types(_OpenAISamplers):
     profile: str | None = None
     sampler_order: list[str] | None = None
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
-    response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
+    # core/sampling/response_format.py: OpenAI's shapes, plus regex and grammar
+    response_format: dict[str, Any] | None = None
     speculative: str | None = None  # mlxchat's extension: "off", "ngram", "auto" (see `check_speculative`)
     # Thinking models (core/reasoning.py): a budget of reasoning tokens (llama.cpp's name), OpenAI's effort, and
     # variables for the chat template (vLLM's chat_template_kwargs, e.g. {"enable_thinking": false}).

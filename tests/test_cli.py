@@ -20,7 +20,7 @@ import pytest
 
 from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.profile import ProfileStore
+from mlxchat.core.sampling.profile import ProfileStore
 from tests.bad_models import BAD_NAMES, bad_model_files
 
 ROOT = Path(__file__).resolve().parent.parent

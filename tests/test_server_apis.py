@@ -123,7 +123,7 @@ def test_requests_that_set_nothing_sample_with_the_chat_preset() -> None:
 
 def test_serve_warns_only_about_the_profile_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
     from mlxchat.server.cli import _profiles
 
     monkeypatch.setenv("MLXCHAT_CONFIG_DIR", str(tmp_path))

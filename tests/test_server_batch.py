@@ -55,8 +55,8 @@ def test_seeded_sampling_in_a_batch_equals_alone(engine: Engine) -> None:
 def test_rows_sampled_as_one_op_draw_what_each_samples_alone(engine: Engine, greedy: SamplingProfile,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of mixed profiles: the two top-p rows (each its own seed, temperature and p) are sampled as one op over
-    the batch (core/batch_sampling.py), the greedy and the penalised rows alone; every row's tokens are those of the
-    row-by-row sampling."""
+    the batch (core/sampling/batch_sampling.py), the greedy and the penalised rows alone; every row's tokens are those
+    of the row-by-row sampling."""
     from mlxchat.core import generate
     grouped: list[int] = []
     sample_rows = generate.sample_rows

@@ -179,7 +179,7 @@ def test_chat_flag_and_config_setting() -> None:
 
 
 def test_a_constrained_reply_speculates_to_the_same_text(engine) -> None:  # noqa: ANN001
-    # The constraint stage (core/constraint.py) sees only the tokens speculation accepts, in order.
+    # The constraint stage (core/sampling/constraint.py) sees only the tokens speculation accepts, in order.
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     prompt = 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 42}. Again: {"name": "Alice Smith", "age": 42}'

@@ -9,7 +9,7 @@ import pytest
 
 from mlxchat.app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoredMessage
 from mlxchat.core.messages import ChatMessage, ReplyTree
-from mlxchat.core.trace import Candidate, TokenTrace
+from mlxchat.core.sampling.trace import Candidate, TokenTrace
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import mlx.core as mx
 import pytest
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.candidates import Candidates
-from mlxchat.core.constraint import constraint_for
-from mlxchat.core.response_format import ResponseFormat, closed
+from mlxchat.core.sampling.candidates import Candidates
+from mlxchat.core.sampling.constraint import constraint_for
+from mlxchat.core.sampling.response_format import ResponseFormat, closed
 from mlxchat.core.model.tokenizer import ChatTokenizer
 from mlxchat.core import tools
 from mlxchat.core.tools import CallStream, RepeatedCall, Tool, ToolCall, ToolChoice, ToolError, ToolUse

@@ -13,9 +13,9 @@ import pytest
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.events import TokenEvent
 from mlxchat.core.messages import ChatMessage
-from mlxchat.core.sampling import Sampler
-from mlxchat.core.trace import TokenTrace
-from mlxchat.core.tracing import MAX_TRACE, Tracer
+from mlxchat.core.sampling.chain import Sampler
+from mlxchat.core.sampling.trace import TokenTrace
+from mlxchat.core.sampling.tracing import MAX_TRACE, Tracer
 
 CHAIN = dict(top_k=5, top_p=0.5, temperature=0.7, sampler_order=["top_k", "top_p", "temperature"])
 STAGES = ("processed", "TopK(5)", "TopP(0.5)", "Temperature(0.7)")

@@ -14,7 +14,7 @@ from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
 from mlxchat.app.screens import ModelPicker
 from mlxchat.app.widgets import ChatInput, StatsBar
 from mlxchat.core.events import Metrics
-from mlxchat.core.profile import ProfileStore, SamplingProfile
+from mlxchat.core.sampling.profile import ProfileStore, SamplingProfile
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from .replay import ReplayScreen
 
 if TYPE_CHECKING:
     from mlxchat.core.events import GenerationResult
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.sampling.trace import TokenTrace
 
     from ..replay import ReplaySource
     from .chat_host import ChatHost

@@ -252,32 +252,32 @@ def top_k_index(logits: mx.array, k: int) -> mx.array:
 
 
 def dry_breakers(heads: list[int], offsets: list[int], tails: list[int]) -> object:
-    """DRY's sequence breakers as the native op holds them (core/dry.py's `Breakers.flat()`), built once."""
+    """DRY's sequence breakers as the native op holds them (core/sampling/dry.py's `Breakers.flat()`), built once."""
     return _module().DryBreakers(heads, offsets, tails)
 
 
 def dry_penalty(logits: mx.array, history: mx.array, breakers: object, *, multiplier: float, base: float,
                 allowed_length: int) -> mx.array:
-    """llama.cpp's DRY penalty (core/dry.py) on float32 logits [V] after int32 history ids [n], as one lazy op."""
+    """llama.cpp's DRY penalty (core/sampling/dry.py) on float32 logits [V] after int32 history ids [n]: one lazy op."""
     return _module().dry_penalty(logits, history, breakers, multiplier=multiplier, base=base,
                                  allowed_length=allowed_length)
 
 
 def penalties(logits: mx.array, ids: mx.array, counts: mx.array, *, repetition: float = 1.0, frequency: float = 0.0,
               presence: float = 0.0) -> mx.array:
-    """core/sampling.py's repetition, frequency and presence penalties (in that order) at the history's int32 ids of
-    float32 logits [V], from float32 counts [V], bit for bit, as one lazy op."""
+    """core/sampling/chain.py's repetition, frequency and presence penalties (in that order) at the history's int32 ids
+    of float32 logits [V], from float32 counts [V], bit for bit, as one lazy op."""
     return _module().penalties(logits, ids, counts, repetition=repetition, frequency=frequency, presence=presence)
 
 
 def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
-    """core/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit for
-    bit, as one op. With words [rows, 2] (a batch's rows, each its own key) and ids [n] or [rows, n]: [rows, n]."""
+    """core/sampling/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit
+    for bit, as one op. With words [rows, 2] (a batch's rows, each its own key) and ids [n] or [rows, n]: [rows, n]."""
     return _module().uniform_at(ids, words)
 
 
 def gumbel_argmax(logits: mx.array, ids: mx.array, words: mx.array) -> mx.array:
-    """core/draw.py's Gumbel-max draw along the last axis of float32 ``logits [..., n]``: the positions (uint32
+    """core/sampling/draw.py's Gumbel-max draw along the last axis of float32 ``logits [..., n]``: the positions (uint32
     [...]) of argmax(logit - log(-log(uniform_at(ids, words)))), bit for bit, as one op that makes no noise for -inf
     logits. ``ids`` [n] or one row per row; ``words`` [2] or one pair per row."""
     return _module().gumbel_argmax(logits, ids, words)

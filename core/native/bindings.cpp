@@ -57,9 +57,9 @@ NB_MODULE(_ext, m) {
   m.def("top_k_index", &mlxchat::top_k_index, "logits"_a, "k"_a,
         "Positions (ascending) of the k largest float32 logits along the last axis; ties: the lowest positions.");
   m.def("uniform_at", &mlxchat::uniform_at, "ids"_a, "words"_a,
-        "core/draw.py's uniform numbers for uint32 ids and two uint32 words, bit for bit, as one op.");
+        "core/sampling/draw.py's uniform numbers for uint32 ids and two uint32 words, bit for bit, as one op.");
   m.def("gumbel_argmax", &mlxchat::gumbel_argmax, "logits"_a, "ids"_a, "words"_a,
-        "core/draw.py's Gumbel-max draw along the last axis (positions), MLX's ops to the bit, as one op.");
+        "core/sampling/draw.py's Gumbel-max draw along the last axis (positions), MLX's ops to the bit, as one op.");
   nb::class_<mlxchat::DryBreakers>(m, "DryBreakers")
       .def(nb::init<const std::vector<int32_t>&, const std::vector<int32_t>&, const std::vector<int32_t>&>(),
            "heads"_a, "offsets"_a, "tails"_a);

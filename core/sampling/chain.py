@@ -13,8 +13,8 @@ banned until N tokens were generated). Bias comes after the penalties so that a 
 Penalties count generated tokens only, over the whole reply, unless the profile says otherwise
 (``penalty_window``, ``penalize_prompt``).
 
-**The constraint** (a profile's ``response_format``, core/constraint.py) runs between them: it sets every token the
-format does not allow to -inf, so the transforms renormalise over allowed tokens and greedy or the draw picks one.
+**The constraint** (a profile's ``response_format``, core/sampling/constraint.py) runs between them: it sets every token
+the format does not allow to -inf, so the transforms renormalise over allowed tokens and greedy or the draw picks one.
 It prints first among the stages (``JsonSchema(person) → TopP(0.9) → sample``) and is traced as one.
 
 **Transforms** run in the profile's ``sampler_order``; the default is
@@ -27,9 +27,10 @@ neutral are left out, and ``Sampler.describe()`` prints what runs, e.g.
 argmax of the processed logits (exactly ``mx.argmax``, as in mlx-lm), and no transform runs.
 
 **No full sort of the vocabulary, and no host sync**: the candidate sets and the exact top-p/typical-p cuts are in
-``core.candidates``. **Randomness** is a Gumbel-max draw keyed by (seed, position, token id) (``core.draw``): the
-same seed and the same final distribution give the same token on every path. The global MLX random state is never
-touched; with ``seed=None`` a fresh seed is drawn once per request and kept in ``Sampler.seed`` for reporting.
+``core.sampling.candidates``. **Randomness** is a Gumbel-max draw keyed by (seed, position, token id)
+(``core.sampling.draw``): the same seed and the same final distribution give the same token on every path. The global
+MLX random state is never touched; with ``seed=None`` a fresh seed is drawn once per request and kept in
+``Sampler.seed`` for reporting.
 
 ``Sampler.step`` is lazy: it builds MLX ops (including the penalty bookkeeping) and never waits on them, so the
 engine can pipeline steps with ``mx.async_eval``. The logprobs it returns cost one exp over the vocabulary (~1 ms on
@@ -37,8 +38,8 @@ the 2-core CPU for 49k tokens); they are computed only if evaluated. ``mx.compil
 and is not used: ~20% faster for the full chain but slower for top-p alone on this CPU. What the full chain costs
 is ops over the whole vocabulary (~0.05-0.1 ms each for 49k logits here), so it runs few of them: the penalties
 change only the logits of ids in their window (one gather and one scatter, `TokenHistory.penalize`), min-tokens
-scatters -inf at the end ids, and top-k partial-sorts block maxima first (`core.candidates.top_index`); the full
-chain costs ~0.5 ms per step against ~0.1 ms for greedy (it was ~1.2 ms, +21..32 % TPOT in the bench).
+scatters -inf at the end ids, and top-k partial-sorts block maxima first (`core.sampling.candidates.top_index`); the
+full chain costs ~0.5 ms per step against ~0.1 ms for greedy (it was ~1.2 ms, +21..32 % TPOT in the bench).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from typing import Any, ClassVar, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from . import dry, native
+from . import dry
+from .. import native
 from .candidates import (CANDIDATES, NEG_INF, Candidates, accurate_sum, log_softmax, nucleus, top_candidates,
                          top_index)
 from .constraint import Constraint
@@ -69,9 +71,9 @@ BUILDERS: dict[str, type["ChainObject"]] = {}
 
 
 class ChainObject:
-    """A built chain step. It prints itself through its registry entry (``core.sampler_params.STEPS``), so a profile's
-    printed chain and the built sampler's are the same text by construction. A subclass is what its entry builds,
-    unless it says ``builds=False``: a base, or a variant that another class's ``from_profile`` builds in its place."""
+    """A built chain step. It prints itself through its registry entry (``core.sampling.sampler_params.STEPS``), so a
+    profile's printed chain and the built sampler's are the same text by construction. A subclass is what its entry
+    builds, unless it says ``builds=False``: a base, or a variant another class's ``from_profile`` builds instead."""
 
     name: ClassVar[str]
     args: tuple = ()
@@ -442,8 +444,8 @@ class PresencePenalty(_Penalty):
 
 
 class DRY(ChainObject):
-    """DRY (core/dry.py): lowers the logit of each token that would extend a sequence repeated in the history. Its
-    own history of ids (the last ``last_n``, or all with -1) is kept on the device and read by the native op, so
+    """DRY (core/sampling/dry.py): lowers the logit of each token that would extend a sequence repeated in the history.
+    Its own history of ids (the last ``last_n``, or all with -1) is kept on the device and read by the native op, so
     the pipelined decode does not wait for it."""
 
     name = "dry"
@@ -520,11 +522,12 @@ class MinTokens(ChainObject):
         return mx.put_along_axis(logits, self._eos, mx.array(NEG_INF), axis=0)
 
 
-# --- tracing: what each stage did, for the inspector (core/tracing.py turns it into core.trace.TokenTrace) --------
+# --- tracing: what each stage did, for the inspector (core/sampling/tracing.py turns it into
+# core.sampling.trace.TokenTrace) --------
 
 class StepRecord(NamedTuple):
     """One traced step, at M candidate token ids (lazy arrays; S transforms, P processors). The ids may repeat and
-    number more than K: `core.tracing.Tracer` picks the K to show on the host, where it is cheap."""
+    number more than K: `core.sampling.tracing.Tracer` picks the K to show on the host, where it is cheap."""
 
     ids: mx.array  # (M,) token ids: the chosen one, the K likeliest, the K likeliest the last stage kept
     raw: mx.array  # (M,) the model's logits
@@ -593,7 +596,7 @@ class Sampler:
         seed_ids = list(prompt_ids or []) if p.penalize_prompt else []
 
         def build(name: str) -> Any:
-            if name == "dry":  # the sequence breakers come from the model's tokenizer (core/dry.py)
+            if name == "dry":  # the sequence breakers come from the model's tokenizer (core/sampling/dry.py)
                 return DRY(*STEPS[name].args(p), dry_breakers, seed_ids)
             return BUILDERS[name].from_profile(p, vocab_size, eos_ids)
 
@@ -603,7 +606,7 @@ class Sampler:
         # adaptive-p learn from each drawn token (`update`).
         self._accepting = [s for s in self.processors if hasattr(s, "accept")]
         self._updating = [s for s in self.transforms if hasattr(s, "update")]
-        # The profile's response format, built on the model's tokenizer by the caller (core/constraint.py).
+        # The profile's response format, built on the model's tokenizer by the caller (core/sampling/constraint.py).
         self.constraint = constraint
         # The lazy order (llama.cpp's): draw without the mask, check the token, mask and draw again only when it is
         # not allowed. Exact where the masked chain's draw is the unmasked one's whenever that one is allowed: the
@@ -614,7 +617,7 @@ class Sampler:
         self.lazy = LAZY_CONSTRAINT and constraint is not None and mx.default_device() == mx.cpu and (
             p.greedy or all(type(t) is Temperature and t.scale <= 1 for t in self.transforms))
         track = any(getattr(proc, "needs_history", False) for proc in self.processors)
-        # The penalties run first (core.profile.PROCESSORS' order): `_process` applies them in one scatter.
+        # The penalties run first (core.sampling.profile.PROCESSORS' order): `_process` applies them in one scatter.
         self._penalties = next((i for i, proc in enumerate(self.processors)
                                 if not getattr(proc, "needs_history", False)), len(self.processors))
         self.history = TokenHistory(vocab_size, p.penalty_window, seed_ids, track)
@@ -739,7 +742,8 @@ class Sampler:
         return mx.argmax(c.logits) if words is None else gumbel_argmax(c, words[0], self.vocab_ids)
 
     def drawn(self, token: mx.array) -> None:
-        """Take a token this sampler's chain drew outside `step` (a batch's rows, core/batch_sampling.py) as drawn."""
+        """Take, as drawn, a token this sampler's chain drew outside `step` (a batch's rows,
+        core/sampling/batch_sampling.py)."""
         self._accept(token)
 
     def _accept(self, token: mx.array) -> None:
@@ -798,8 +802,8 @@ def final_distribution(profile: SamplingProfile, logits: Any, history: Sequence[
 
     For scripts and tests (tests/test_llama_samplers.py compares it with llama.cpp's samplers). Stateless stages
     only: Mirostat and adaptive-p learn from the tokens drawn before, which `history` does not say. A greedy profile
-    gives its argmax probability 1. `breakers` are DRY's sequence breakers on the vocabulary (`core.dry.breakers_for`
-    of the model's tokenizer); without them DRY runs with none."""
+    gives its argmax probability 1. `breakers` are DRY's sequence breakers on the vocabulary
+    (`core.sampling.dry.breakers_for` of the model's tokenizer); without them DRY runs with none."""
     if profile.mirostat or profile.active("adaptive_p"):
         raise ValueError("final_distribution covers stateless stages only: mirostat and adaptive_p depend on the "
                          "tokens drawn before (test them through seeded replies)")

@@ -1,22 +1,22 @@
 """Constrained decoding: the sampler chain's stage that masks every token a response format does not allow.
 
-A `Constraint` holds one llguidance matcher (the compiled grammar of a `core.response_format.ResponseFormat`) over
-the llguidance tokenizer built from the model's own (`llg_tokenizer`: the GGUF vocabulary or the HF tokenizer, both
+A `Constraint` holds one llguidance matcher (the compiled grammar of a `core.sampling.response_format.ResponseFormat`)
+over the llguidance tokenizer built from the model's own (`llg_tokenizer`: the GGUF vocabulary or the HF tokenizer, both
 a fast HF tokenizer in `ChatTokenizer.hf`). In the chain it runs after the processors and before the transforms::
 
     logits ─▶ processors ─▶ Constraint (disallowed ─▶ -inf) ─▶ transforms (top-p ... renormalise over allowed) ─▶ draw
 
-so the filters and the draw (greedy argmax or the seeded Gumbel-max of core/draw.py) only ever see allowed tokens.
-End-of-turn ids are allowed only where the grammar may end, and once it has ended (a closed JSON object) they are the
-only tokens allowed; a reply cut by ``max_tokens`` before that ends with "length", never as if it were complete.
+so the filters and the draw (greedy argmax or the seeded Gumbel-max of core/sampling/draw.py) only ever see allowed
+tokens. End-of-turn ids are allowed only where the grammar may end, and once it has ended (a closed JSON object) they
+are the only tokens allowed; a reply cut by ``max_tokens`` before that ends with "length", never as if it were complete.
 
 **The mask needs the previous token, and decode is pipelined** (core/generate.py: step n+1 is queued before token n
 is read). The stage keeps step n's token as the lazy array the chain drew (`accept`), and reads it only when step
 n+1 needs its mask: it first queues step n+1's forward pass (`mx.async_eval` of the logits it was given), then waits
 for token n (already computed: it is the forward pass's input), advances the matcher and computes the mask on the
 host while the device runs the forward pass. `mask_s` is that host time, reported as `Metrics.constraint_mask_s`.
-Where the sampler's lazy order is exact (core/sampling.py, `Sampler.lazy`) the chain draws first and the stage only
-checks the token (`allows`); a batch's rows that mask every step get their masks from one call (`fill_masks`).
+Where the sampler's lazy order is exact (core/sampling/chain.py, `Sampler.lazy`) the chain draws first and the stage
+only checks the token (`allows`); a batch's rows that mask every step get their masks from one call (`fill_masks`).
 
 **Compiled off the inference thread.** `prepare` compiles a format's grammar on a small pool of its own (llguidance
 drops the GIL while it compiles) and caches it per model tokenizer by the grammar's text (`GRAMMAR_CACHE` most
@@ -44,7 +44,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fi
 
 from .candidates import NEG_INF, Candidates
 from .response_format import ResponseFormat
-from .model.tokenizer import ChatTokenizer
+from ..model.tokenizer import ChatTokenizer
 
 # Grammars compile here, never on the inference thread: a small pool of its own. Compiling (`LLMatcher(...)`) drops
 # the GIL, so a batch decodes on while a newcomer's grammar compiles.
@@ -193,8 +193,8 @@ class Constraint:
 
     def allows(self, token: mx.array) -> bool:
         """The lazy order: whether `token`, drawn from the chain without the mask, is allowed, in which case it is
-        also what the masked chain draws (`core.sampling.Sampler` uses this only where that holds: greedy, or a plain
-        temperature >= 1 and the seeded draw). Reads the token, so this step's forward pass is waited for. False
+        also what the masked chain draws (`core.sampling.chain.Sampler` uses this only where that holds: greedy, or a
+        plain temperature >= 1 and the seeded draw). Reads the token, so this step's forward pass is waited for. False
         means "mask and draw again": also at an end-of-turn id and once the grammar has ended, decided by the mask.
         (`validate_tokens` alone is not the mask: in forced text it takes "n" where the mask allows only "name".)"""
         mx.async_eval(token)  # this step's forward pass and the unmasked draw

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import native
+from .. import native
 from .candidates import Candidates
 
 _MASK64 = (1 << 64) - 1

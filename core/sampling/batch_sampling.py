@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from . import native
+from .. import native
 from .candidates import NEG_INF, nucleus_path
 from .draw import gumbel_positions, step_pair
-from .sampling import FLOAT_MAX, LogitBias, MinP, Sampler, Temperature, TopK, TopP
+from .chain import FLOAT_MAX, LogitBias, MinP, Sampler, Temperature, TopK, TopP
 
 _BATCHED = (Temperature, TopK, TopP, MinP)  # exactly these classes: DynamicTemperature is another chain
 
@@ -86,7 +86,7 @@ def apply_top_k(logits: mx.array, ids: mx.array | None, k: int) -> tuple[mx.arra
 
 
 def gumbel_argmax_rows(logits: mx.array, ids: mx.array | None, words: mx.array, vocab_ids: mx.array) -> mx.array:
-    """`core.draw.gumbel_argmax` per row, each row keyed by its own words ([rows, 2]): token ids [rows]."""
+    """`core.sampling.draw.gumbel_argmax` per row, each row keyed by its own words ([rows, 2]): token ids [rows]."""
     best = gumbel_positions(logits, vocab_ids if ids is None else ids.astype(mx.uint32), words)
     return best if ids is None else mx.take_along_axis(ids, best[:, None], axis=-1)[:, 0]
 

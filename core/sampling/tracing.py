@@ -3,8 +3,8 @@
 `Tracer.step` has the signature of `Sampler.step` (``core.generate.Sample``), so it plugs into the step loop
 (`core.generate.StepLoop`: the solo path and the batch) unchanged; it runs `Sampler.traced_step` (the same draw, plus
 the per-stage bookkeeping) and queues the step's `StepRecord`. Decode is pipelined (step n+1 is queued before token n is
-read), so records wait in a FIFO and `Tracer.take(token_id)` turns the oldest into a `core.trace.TokenTrace` once its
-token is read. A trace costs nothing when not asked for: without `trace=K` the engine calls `Sampler.step` itself.
+read), so records wait in a FIFO and `Tracer.take(token_id)` turns the oldest into a `core.sampling.trace.TokenTrace`
+once its token is read. A trace costs nothing when not asked for: without `trace=K` the engine calls `Sampler.step`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import dry
-from .sampling import DRY, Sampler, StepRecord
+from .chain import DRY, Sampler, StepRecord
 from .trace import Candidate, TokenTrace
 
 # The most candidates a trace may hold: enough for any inspector table, bounded so a typo cannot ask for the
@@ -94,7 +94,7 @@ class Tracer:
 
     def _dry_note(self, shift: float, token_id: int, history: list[int]) -> str:
         """The repeated sequence a DRY penalty stands for: the history's last n tokens, which appeared before
-        followed by this candidate (n from the penalty, `core.dry.repeat_length`)."""
+        followed by this candidate (n from the penalty, `core.sampling.dry.repeat_length`)."""
         d = self._dry
         n = dry.repeat_length(shift, d.multiplier, d.base, d.allowed)
         text = "".join(self._text(t) for t in history[-n:])

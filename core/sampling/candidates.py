@@ -1,8 +1,8 @@
 """The candidate set a sampler's transforms narrow, and the exact mass cuts over it (top-p, typical-p).
 
-Each transform of ``core.sampling`` sees a candidate set (values and their token ids), initially the whole vocabulary.
-``TopK`` shrinks it (`top_index`: the native extension's one-pass op on the CPU, else ``mx.argpartition`` over the
-maxima of blocks first). ``TopP`` and ``TypicalP``
+Each transform of ``core.sampling.chain`` sees a candidate set (values and their token ids), initially the whole
+vocabulary. ``TopK`` shrinks it (`top_index`: the native extension's one-pass op on the CPU, else ``mx.argpartition``
+over the maxima of blocks first). ``TopP`` and ``TypicalP``
 keep the smallest set of the best-ranked tokens (most likely for top-p; for typical-p, closest to the entropy by
 surprisal, which is ``|logit - max - E[logit - max]|``, no log needed) whose probability reaches ``p``, ties with the
 last kept one kept too; the same set (up to rounding right at the cut) on each of three paths (``nucleus_path()``). On
@@ -13,9 +13,9 @@ bucket's few tokens. On a GPU, a lazy full ``mx.argsort`` (cheap there). On the 
 among them, else the whole set is sorted; that check is one host sync per step, so there the pipelined decode waits
 for each step's forward pass before building the next. Each path takes one exp over the candidates. Sums over the
 vocabulary are blocked (``accurate_sum``) or in double: MLX's sequential float32 sum moved the cut by ~1e-4 of the
-mass. ``MinP`` and ``XTC`` are thresholds and need no order. The draw (``core.draw``) hashes noise for every candidate
-left: after a top-k that is nothing measurable; after a top-p over the whole vocabulary (a masked set of 49k) it was
-~0.65 ms here, most of that chain's cost, until the native draw skipped the masked tokens.
+mass. ``MinP`` and ``XTC`` are thresholds and need no order. The draw (``core.sampling.draw``) hashes noise for every
+candidate left: after a top-k that is nothing measurable; after a top-p over the whole vocabulary (a masked set of 49k)
+it was ~0.65 ms here, most of that chain's cost, until the native draw skipped the masked tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import native
+from .. import native
 
 CANDIDATES = 1024
 BLOCK = 256

@@ -12,7 +12,7 @@ own::
 llguidance grammar (`ResponseFormat.grammar`), compiled and checked here once, at the edge, so an invalid schema,
 an unsupported keyword or a grammar that does not compile fails as one line naming the field
 (``response_format.json_schema.schema: ...``), never at the first token. The sampler's stage that enforces it is
-`core.constraint.Constraint`. Nothing here imports MLX.
+`core.sampling.constraint.Constraint`. Nothing here imports MLX.
 
 JSON is generated compactly (``{"a": 1, "b": [2, 3]}``: one space after ``:`` and ``,``, no other whitespace):
 flexible whitespace lets a small model spend its whole budget on newlines inside a valid but unfinished object.

@@ -1,9 +1,9 @@
 """Sampling profiles: one validated parameter object per request, named presets, saved user profiles.
 
 Field names follow OpenAI / vLLM (docs/architecture.md §7). The sampler parameters' fields (type, default, range) and
-the chain's steps come from their declarations in ``core.sampler_params``. Every range is checked here, once, at the
-edge; an invalid value raises a pydantic ``ValidationError`` whose message names the field, the value and the allowed
-range. Nothing here imports MLX.
+the chain's steps come from their declarations in ``core.sampling.sampler_params``. Every range is checked here, once,
+at the edge; an invalid value raises a pydantic ``ValidationError`` whose message names the field, the value and the
+allowed range. Nothing here imports MLX.
 
 Penalty semantics (peers differ, so they are explicit fields):
 
@@ -12,7 +12,7 @@ Penalty semantics (peers differ, so they are explicit fields):
 * ``penalize_prompt = False`` (default, OpenAI's behaviour): prompt tokens do not count. When True, the prompt's
   tokens count as if generated (and fill the window first).
 
-The sampler chain is described in ``core.sampling``; ``sampler_order`` names its transforms, ``None`` meaning
+The sampler chain is described in ``core.sampling.chain``; ``sampler_order`` names its transforms, ``None`` meaning
 :data:`DEFAULT_ORDER`. A transform left out of a custom order does not run (as with llama.cpp's
 ``--sampling-seq``); :meth:`SamplingProfile.warnings` points that out when such a transform has a setting.
 """
@@ -35,8 +35,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .errors import MlxChatError
-from .locations import config_dir
+from ..errors import MlxChatError
+from ..locations import config_dir
 from .response_format import ResponseFormat, parse_response_format
 from .sampler_params import PARAMS, STEPS, ChainStep, Range, SamplerParam, format_number
 
@@ -93,14 +93,14 @@ class _Identity(BaseModel):
     version: Annotated[int, _range(1, None)] = 1
 
 
-# Every sampler parameter is a field, declared in core/sampler_params.py (type, default, range; after the identity
-# fields, so a saved profile's TOML starts with its name).
+# Every sampler parameter is a field, declared in core/sampling/sampler_params.py (type, default, range; after the
+# identity fields, so a saved profile's TOML starts with its name).
 _SamplerFields = create_model("_SamplerFields", __base__=_Identity, __module__=__name__,
                               **{name: _field(p) for name, p in PARAMS.items()})
 
 
 class SamplingProfile(_SamplerFields):
-    """The sampler parameters of core.sampler_params.PARAMS, and a request's other settings."""
+    """The sampler parameters of core.sampling.sampler_params.PARAMS, and a request's other settings."""
 
     logit_bias: dict[int, float] = Field(default_factory=dict)
     seed: Annotated[int, _range(0, 2**64 - 1)] | None = None
@@ -112,7 +112,7 @@ class SamplingProfile(_SamplerFields):
     # Beam search (non-streaming): beam_size 1 means sampling with the chain above.
     beam_size: Annotated[int, _range(1, 16, what=" (1 means no beam search)")] = 1
     length_penalty: Annotated[float, _range(0, 4)] = 1.0
-    # Constrained decoding (core/response_format.py, core/constraint.py): OpenAI's shapes, plus regex and grammar.
+    # Constrained decoding (core/sampling/response_format.py, constraint.py): OpenAI's shapes, plus regex and grammar.
     response_format: ResponseFormat | None = None
 
     @field_validator("name")
@@ -252,7 +252,7 @@ class SamplingProfile(_SamplerFields):
 
     def chain(self) -> list[str]:
         """The printed steps that run, in order: processors, then transforms, then the draw. Each is printed by its
-        registry entry, as the objects ``core.sampling.Sampler`` builds print themselves."""
+        registry entry, as the objects ``core.sampling.chain.Sampler`` builds print themselves."""
         steps = [STEPS[n].describe(self) for n in PROCESSORS if self.active(n)]
         if self.response_format is not None:  # the constraint stage: after the processors, before the transforms
             steps.append(self.response_format.label())

@@ -1,13 +1,13 @@
 """The sampler chain's steps and every sampler parameter, each declared once (issue 38 item 4).
 
 A step (:data:`STEPS`) says whether a profile turns it on and how it prints; its object is a class of
-``core.sampling`` under the same name. A parameter's declaration (:data:`PARAMS`) says what the parameter is (name,
-type, default, allowed range, the chain step it sets) and how each surface shows it (the CLI's flag and help, the
+``core.sampling.chain`` under the same name. A parameter's declaration (:data:`PARAMS`) says what the parameter is
+(name, type, default, allowed range, the chain step it sets) and how each surface shows it (the CLI's flag and help, the
 TUI's hint, its name in Ollama's options, whether Anthropic's Messages API and OpenAI's own API define it).
 Everything else is derived from :data:`PARAMS`:
 
-* ``core.profile.SamplingProfile``: a field per parameter, its type, default and range check (whose error names the
-  field, the value and the range);
+* ``core.sampling.profile.SamplingProfile``: a field per parameter, its type, default and range check (whose error names
+  the field, the value and the range);
 * ``mlxchat chat`` / ``generate``: a flag per parameter (app/cli.py);
 * the TUI's profile picker (its fields, in this order) and a profile's one-line summary (app/);
 * the server's request fields: every parameter on OpenAI's ``/v1`` routes under its own name (OpenAI's, else vLLM's
@@ -15,7 +15,7 @@ Everything else is derived from :data:`PARAMS`:
   ``options`` on ``/api/*``, the ones marked ``anthropic`` on ``/v1/messages`` (server/);
 * what the lab sends to another server (lab/endpoint.py).
 
-So a new sampler is its declarations here (its step and its parameters) and its class in ``core.sampling``.
+So a new sampler is its declarations here (its step and its parameters) and its class in ``core.sampling.chain``.
 Request settings that are not a sampler's (seed, stop, max_tokens, logit_bias, the order, the response format) are
 ``SamplingProfile``'s own fields: each API spells and checks them in its own way.
 
@@ -76,7 +76,7 @@ class SamplerParam:
     type: type
     default: Any
     range: Range | None
-    step: str | None  # the chain step it sets (core.profile.STEPS); None: the history every penalty looks at
+    step: str | None  # the chain step it sets (core.sampling.profile.STEPS); None: the history every penalty looks at
     hint: str  # the TUI's placeholder: the range in brief, and the value that turns the sampler off
     help: str  # the CLI's help
     # The parameter that turns this one's sampler on (e.g. dry_base goes with dry_multiplier); None: it acts alone.
@@ -198,10 +198,10 @@ class ChainStep:
     """One step of the sampler chain, described once: its name (the profile field or ``sampler_order`` entry), whether
     a profile's setting would change anything, how it prints, and the arguments it is built from: its parameters
     (those of :data:`PARAMS` whose step it is, in their order; a list, DRY's breakers, arrives tokenised), or
-    ``from_profile`` where they are not. ``profile`` is a ``core.profile.SamplingProfile``, which is built on this
+    ``from_profile`` where they are not. ``profile`` is a ``core.sampling.profile.SamplingProfile``, built on this
     module.
 
-    ``core.sampling`` builds each step's object from ``args(profile)``, and the object prints itself with
+    ``core.sampling.chain`` builds each step's object from ``args(profile)``, and the object prints itself with
     ``label(*args)``, so the printed chain comes from this one place (llama.cpp's ``common_sampler_print``).
     Processors always run first, in registry order; transforms run in the profile's ``sampler_order``."""
 
