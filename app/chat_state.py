@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
 
     from .chat_tools import ChatTools
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.decode.events import GenerationResult
 
 
 class ChatState:

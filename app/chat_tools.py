@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlxchat.core.tool_loop import Decision, Toolbox
-    from mlxchat.core.tools import ToolCall
+    from mlxchat.core.decode.tools import ToolCall
 
     from .config import MCPSettings
 

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, reasoning, finish_reason, "
                                                          "metrics)")
-    # Thinking models (core/reasoning.py): the reasoning apart from the answer, bounded, or switched off.
+    # Thinking models (core/decode/reasoning.py): the reasoning apart from the answer, bounded, or switched off.
     gen.add_argument("--hide-thinking", action="store_true",
                      help="print only the answer of a thinking model, not its reasoning (and no reasoning in --json)")
     add_format_flags(gen)
@@ -102,7 +102,7 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                                           "folder's kv/)")
     p.add_argument("--kv-cache-mb", type=float, help="the most the KV cache folder may hold, least recently used "
                                                      "files removed first; 0 turns the disk cache off (default 4096)")
-    # Thinking models (core/reasoning.py): a budget on the reasoning, or the template's switch.
+    # Thinking models (core/decode/reasoning.py): a budget on the reasoning, or the template's switch.
     p.add_argument("--reasoning-budget", type=int, metavar="N",
                    help="a thinking model reasons for at most N tokens, then answers")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
@@ -353,7 +353,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     check_split(args)
     profile = _profile(args)
     engine = _without_sigint(lambda: _load(args.model, args))
-    from mlxchat.core.events import TokenEvent
+    from mlxchat.core.decode.events import TokenEvent
 
     # A thinking model's reasoning streams first (dim on a terminal), a blank line, then the answer.
     dim = sys.stdout.isatty()

@@ -116,8 +116,8 @@ class Settings(BaseModel):
     # Candidates recorded per token of every reply as it is written. 0 (the default): replies cost what they cost,
     # and F7 traces a reply only when asked (by writing it again with its seed).
     trace: int = Field(default=0, ge=0, le=100)
-    # Speculative decoding for the chat's replies (core/speculative.py); "draft" needs a draft model, which the chat
-    # does not load. A rotating window (context_policy "rotate") cannot speculate: its replies decode plainly.
+    # Speculative decoding for the chat's replies (core/decode/speculative.py); "draft" needs a draft model, which the
+    # chat does not load. A rotating window (context_policy "rotate") cannot speculate: its replies decode plainly.
     speculative: Literal["ngram", "auto", "off"] = "off"
     models: list[str] = Field(default_factory=list)
     reopen_last: bool = False
@@ -125,8 +125,8 @@ class Settings(BaseModel):
     kv_cache_dir: str | None = None
     kv_cache_mb: float = Field(default=DEFAULT_BUDGET_MB, ge=0)
     keys: dict[str, str] = Field(default_factory=dict)
-    # Thinking models (core/reasoning.py): the reasoning's budget in tokens (None: none), and the template's switch
-    # (None: the template's default).
+    # Thinking models (core/decode/reasoning.py): the reasoning's budget in tokens (None: none), and the template's
+    # switch (None: the template's default).
     reasoning_budget: int | None = Field(default=None, ge=0)
     enable_thinking: bool | None = None
     mcp: MCPSettings = Field(default_factory=MCPSettings)

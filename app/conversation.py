@@ -37,7 +37,7 @@ from .turns import Refused, Reply, State, Turn, keeps
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
-    from mlxchat.core.events import GenerationResult, Metrics
+    from mlxchat.core.decode.events import GenerationResult, Metrics
 
 __all__ = ["CHECKPOINT_S", "ChatController", "Refused", "Reply", "State", "Turn", "keeps"]
 

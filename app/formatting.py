@@ -88,7 +88,7 @@ def prefill_progress(done: int, total: int, cached: int = 0) -> tuple[int, str]:
 
 def speculation(m: Any) -> str | None:
     """What speculative decoding did in a reply ("speculative ngram: 62% accepted, 2.4 tok/step"), or None when it
-    did not run (core/speculative.py)."""
+    did not run (core/decode/speculative.py)."""
     mode = _get(m, "speculative", "off")
     if mode == "off":
         return None

@@ -15,7 +15,7 @@ from .conversation import ChatController, Refused, Reply, Turn
 from .replay import TRACE_K, ReplaySource
 
 if TYPE_CHECKING:
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.decode.events import GenerationResult
     from mlxchat.core.sampling.trace import TokenTrace
 
 

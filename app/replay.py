@@ -24,7 +24,7 @@ from .inspector import first_divergence
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.decode.events import GenerationResult
     from mlxchat.core.sampling.trace import TokenTrace
 
 

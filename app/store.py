@@ -145,8 +145,8 @@ def _to_v3(c: sqlite3.Connection) -> None:
 
 
 def _to_v4(c: sqlite3.Connection) -> None:
-    # A thinking model's reasoning apart from the answer (core/reasoning.py); NULL in the rows already there (their
-    # content is kept as it was: a reply saved before carried no reasoning apart).
+    # A thinking model's reasoning apart from the answer (core/decode/reasoning.py); NULL in the rows already there
+    # (their content is kept as it was: a reply saved before carried no reasoning apart).
     c.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
 
 

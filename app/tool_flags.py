@@ -43,7 +43,7 @@ def tool_servers(args: argparse.Namespace) -> list[Any]:
     return [settings.mcp.server(name) for name in names]
 
 
-def ask_on_terminal(call: Any, source: str) -> str:  # noqa: ANN401 - core.tools.ToolCall
+def ask_on_terminal(call: Any, source: str) -> str:  # noqa: ANN401 - core.decode.tools.ToolCall
     """Ask the user on the terminal whether `call` may run: "once", "always" or "deny"."""
     while True:
         print(f"mlxchat: run {source}.{call.name} {call.arguments}? [y]es once, [a]lways for this tool, [n]o: ",

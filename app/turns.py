@@ -13,7 +13,7 @@ from mlxchat.core.messages import ChatMessage
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Stream
-    from mlxchat.core.events import GenerationResult, Metrics
+    from mlxchat.core.decode.events import GenerationResult, Metrics
     from mlxchat.core.sampling.trace import TokenTrace
 
 Severity = Literal["information", "warning", "error"]

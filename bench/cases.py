@@ -50,7 +50,7 @@ def rotating_case(engine: Any, context_tokens: int, decode_tokens: int, window: 
     reset by the engine at the start of each request) and the memory in use then (``mx.get_active_memory``)."""
     import mlx.core as mx
 
-    from mlxchat.core.events import Done, PrefillProgress, TokenEvent
+    from mlxchat.core.decode.events import Done, PrefillProgress, TokenEvent
 
     prompt_tokens = context_tokens - decode_tokens
     msgs, ids = prompts.exact_prompt(engine.model.tokenizer, prompt_tokens, system=prompts.SYSTEM)

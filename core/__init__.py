@@ -16,8 +16,8 @@ blas.preload()
 _EXPORTS = {
     "ChatSession": "engine", "Engine": "engine", "Stream": "engine",
     "ContextLengthError": "errors", "GenerationError": "errors", "MlxChatError": "errors", "ModelLoadError": "errors",
-    "Done": "events", "GenerationResult": "events", "Metrics": "events", "PrefillProgress": "events",
-    "TokenEvent": "events",
+    "Done": "decode.events", "GenerationResult": "decode.events", "Metrics": "decode.events",
+    "PrefillProgress": "decode.events", "TokenEvent": "decode.events",
     "SamplingProfile": "sampling.profile",
     "final_distribution": "sampling.chain",
 }
@@ -25,7 +25,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from .engine import ChatSession, Engine, Stream
     from .errors import ContextLengthError, GenerationError, MlxChatError, ModelLoadError
-    from .events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent
+    from .decode.events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent
     from .sampling.profile import SamplingProfile
     from .sampling.chain import final_distribution
 

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any, get_args
 from .model.backend import KVOptions
 from .cache.kv_cache import ConversationCache
 from .errors import ContextLengthError
-from .events import GenerationResult
+from .decode.events import GenerationResult
 from .cache.kv_store import KVStore
 from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
 from .sampling.profile import SamplingProfile
-from .reasoning import Reasoning
-from .reply import Request
-from .speculative import Speculation, check
-from .tools import ToolUse, render_messages
-from .worker import Job, Stream
+from .decode.reasoning import Reasoning
+from .decode.reply import Request
+from .decode.speculative import Speculation, check
+from .decode.tools import ToolUse, render_messages
+from .decode.worker import Job, Stream
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -60,7 +60,7 @@ class ChatSession:
             max_kv_size = engine.context_length
         self.max_kv_size, self.keep, self.kv = max_kv_size, keep, kv
         self.speculative = speculative  # each turn's default; a turn's own `speculative=` wins
-        # A thinking model's switch and budget for every turn (core/reasoning.py); may be replaced between turns.
+        # A thinking model's switch and budget for every turn (core/decode/reasoning.py); may be replaced between turns.
         self.reasoning = reasoning
         # A mode that cannot run with this cache is refused now, not at the first turn.
         check(Speculation.make(speculative), rotating=max_kv_size is not None, quantized=kv.quantized,
@@ -379,7 +379,7 @@ class ChatSession:
                   ) -> tuple[list[dict[str, Any]], list[tuple[int, ...] | None], list[dict[str, Any]] | None]:
         """The messages for the chat template, each reply's ids aligned with them (a reply that called tools is
         several messages: core.messages.ChatMessage.as_prompts), and the tool specs for a template that takes them
-        (a template that does not gets core/tools.py's generic rendering)."""
+        (a template that does not gets core/decode/tools.py's generic rendering)."""
         rendered: list[dict[str, Any]] = []
         replies: list[tuple[int, ...] | None] = []
         for m in messages:

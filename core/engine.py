@@ -1,9 +1,9 @@
 """The engine: a loaded model on its inference thread (the chat sessions that feed it: core/chat_session.py).
 
-MLX streams are per thread, so loading, prefill and decode all run on one thread (core/worker.py: `Job`,
+MLX streams are per thread, so loading, prefill and decode all run on one thread (core/decode/worker.py: `Job`,
 `InferenceThread`, `Stream`); callers (a script, the CLI, the TUI) talk to it through queues. Each request gets its
 own event queue and a cancel flag checked between prefill chunks and between decode steps. What a request's tokens
-become (text, stops, metrics, the result) is core/reply.py's `Reply`, shared with the batched server.
+become (text, stops, metrics, the result) is core/decode/reply.py's `Reply`, shared with the batched server.
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ import mlx.core as mx
 from .model import loader, native_decoder
 from .model.backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
                       wants_generation_stream, wants_wired_limit)
-from .beam import Beam, beam_search
+from .decode.beam import Beam, beam_search
 from .cache.kv_cache import ConversationCache
 from .errors import ContextLengthError
-from .events import GenerationResult, PrefillProgress
+from .decode.events import GenerationResult, PrefillProgress
 from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
 from .chat_session import ChatSession
 from .messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .sampling.profile import SamplingProfile
-from .reasoning import Reasoning
-from .reply import DEFAULT_MAX_TOKENS, Reply, Request
-from .generate import Row, StepLoop, prefill_all_but_last
-from .speculative import DraftModel, Speculation, check, load_draft, plan
-from .tools import Tool, ToolUse, render_messages
-from .worker import InferenceThread, Job, Stream
+from .decode.reasoning import Reasoning
+from .decode.reply import DEFAULT_MAX_TOKENS, Reply, Request
+from .decode.generate import Row, StepLoop, prefill_all_but_last
+from .decode.speculative import DraftModel, Speculation, check, load_draft, plan
+from .decode.tools import Tool, ToolUse, render_messages
+from .decode.worker import InferenceThread, Job, Stream
 
 if TYPE_CHECKING:
     from .tool_loop import Approve, Toolbox
@@ -77,7 +77,7 @@ class Engine:
         self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
         self.kv_cache_mb = kv_cache_mb
         self._kv_stores: dict[KVOptions, KVStore] = {}
-        self.draft: DraftModel | None = None  # the draft model of speculative="draft" (core/speculative.py)
+        self.draft: DraftModel | None = None  # the draft model of speculative="draft" (core/decode/speculative.py)
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
@@ -85,7 +85,7 @@ class Engine:
              kv_cache_mb: float = DEFAULT_BUDGET_MB, draft_model: str | Path | None = None) -> "Engine":
         """Load a model. With `kv_cache_dir`, chat sessions save their KV cache there after each reply (kept under
         `kv_cache_mb` in all), and a prompt that starts with a saved conversation loads it instead of prefilling
-        it (core/cache/kv_store.py). `draft_model` is the draft of speculative="draft" (core/speculative.py
+        it (core/cache/kv_store.py). `draft_model` is the draft of speculative="draft" (core/decode/speculative.py
         `load_draft`)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
@@ -157,13 +157,13 @@ class Engine:
                enable_thinking: bool | None = None) -> Stream:
         """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
         (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`.
-        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py).
+        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/decode/speculative.py).
         `tools` (OpenAI's function specs, or `Tool`s), `tool_choice` ("auto", the default with tools, "required",
         "none", or ``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls` work as the
-        server's (core/tools.py): calls arrive as `TokenEvent.tool_calls` and the result's `tool_calls`, never in
+        server's (core/decode/tools.py): calls arrive as `TokenEvent.tool_calls` and the result's `tool_calls`, never in
         its text; a bad spec raises `ToolError` naming the field. A thinking model's reasoning comes apart
         (`TokenEvent.reasoning`, `GenerationResult.reasoning`; `text` is the answer), at most `reasoning_budget`
-        tokens of it; `enable_thinking` is given to a template with a thinking switch (core/reasoning.py)."""
+        tokens of it; `enable_thinking` is given to a template with a thinking switch (core/decode/reasoning.py)."""
         messages = prompt_messages(prompt, system)
         use = ToolUse.make(list(tools), tool_choice, parallel_tool_calls) if tools is not None else None
         reasoning = Reasoning.make(enable_thinking, reasoning_budget)
@@ -193,8 +193,8 @@ class Engine:
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                     stop: Sequence[str] | None = None, system: str | None = None,
                     cancelled: Callable[[], bool] = lambda: False) -> list[Beam]:
-        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py. Each beam is
-        a reply of the request (`max_tokens`, by default the profile's or 64; stop strings; the profile's penalties
+        """The profile's `beam_size` best continuations (n best, best score first); see core/decode/beam.py. Each beam
+        is a reply of the request (`max_tokens`, by default the profile's or 64; stop strings; the profile's penalties
         and bias); `cancelled()` ends the search at the next step."""
         profile = profile or SamplingProfile(beam_size=4)
         ids = self.model.tokenizer.encode_chat(prompt_messages(prompt, system))
@@ -290,7 +290,7 @@ class Engine:
             self._kv_stores[kv] = KVStore(self.kv_cache_dir, self.model, kv, int(self.kv_cache_mb * 2**20))
         return self._kv_stores[kv]
 
-    # --- requests (run on the inference thread; the text layer is core/reply.py) ------------------------------
+    # --- requests (run on the inference thread; the text layer is core/decode/reply.py) ------------------------------
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                 stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
@@ -310,8 +310,8 @@ class Engine:
                     forced: Forced | None = None,
                     before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Tokens come from the step loop (`core.generate.StepLoop`, one row); the text,
-        stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a
+        and a final Done on `job`. Tokens come from the step loop (`core.decode.generate.StepLoop`, one row); the text,
+        stops, metrics and result from `core.decode.reply.Reply`. `forced` is the start of the reply, already decided (a
         branch): it is fed to the model after the prompt, and the reply continues from it. `before_done(result)`
         runs just before the Done is emitted."""
         m = self.model

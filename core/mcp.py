@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tools import Tool, ToolError
+from .decode.tools import Tool, ToolError
 
 DEFAULT_CALL_TIMEOUT_S = 30.0
 DEFAULT_START_TIMEOUT_S = 30.0

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .events import FinishReason
+from .decode.events import FinishReason
 from .sampling.trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
@@ -31,7 +31,7 @@ class ChatMessage:
     traces: tuple[TokenTrace, ...] = ()
     sampler: str | None = None
     model: str | None = None
-    reasoning: str = ""  # a thinking model's reasoning, apart from `content` (the answer; core/reasoning.py)
+    reasoning: str = ""  # a thinking model's reasoning, apart from `content` (the answer; core/decode/reasoning.py)
     # A reply that called tools (core/tool_loop.py): each call made on the way to its text, in order, as
     # {"id", "name", "arguments" (JSON text), "round" (which generation of the reply made it), "source" (the MCP
     # server or "python"), "result" (what the model was given back; None while not run), "ok", "note"}.
@@ -50,7 +50,7 @@ class ChatMessage:
         when its last round's calls all have results: the text is what follows them)."""
         if not self.tool_calls:
             return [self.as_prompt()]
-        from .tools import call_entry, result_message
+        from .decode.tools import call_entry, result_message
 
         out: list[dict[str, Any]] = []
         rounds = sorted({c.get("round", 0) for c in self.tool_calls})

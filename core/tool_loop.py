@@ -1,15 +1,15 @@
 """The tool loop: a turn of a chat with tools, for the Python API (`engine.chat(tools=[...])`), the CLI
 (`mlxchat generate --mcp NAME`) and the TUI alike.
 
-    generate ─▶ the reply's calls (parsed by core/tools.py) ─▶ approve each ─▶ run it (an MCP server's tool, or a
-    Python function) ─▶ its result fed back as a tool message (the chat template's, or core/tools.py's generic
+    generate ─▶ the reply's calls (parsed by core/decode/tools.py) ─▶ approve each ─▶ run it (an MCP server's tool, or a
+    Python function) ─▶ its result fed back as a tool message (the chat template's, or core/decode/tools.py's generic
     rendering) ─▶ generate again … until a reply makes no call, or `max_tool_steps` rounds of calls.
 
 A `Toolbox` holds the tools' sources: `MCPServer`s (core/mcp.py; started when the loop first needs them) and plain
 Python callables (their signature and docstring are the spec). A `ToolStream` is one turn: iterate it as a
 `Stream` (TokenEvents, PrefillProgress, then one Done with the last reply's result), with `ToolCallEvent` before each
 call and `ToolResultEvent` after it. The first reply follows the turn's `tool_choice` ("required" forces a call,
-through the sampler's constraint, core/tools.py); the replies after results follow "auto", and the one after the
+through the sampler's constraint, core/decode/tools.py); the replies after results follow "auto", and the one after the
 last allowed round "none" (it must answer in text). The calls and their results are kept on the reply's
 `ChatMessage.tool_calls` (what the store saves and the export shows); the model's next reply reads them.
 
@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .events import Done, GenerationResult
+from .decode.events import Done, GenerationResult
 from .mcp import MAX_RESULT_CHARS, MCPError, MCPServer, ToolOutcome
-from .tools import NAME_RE, Tool, ToolCall, ToolError, ToolUse
+from .decode.tools import NAME_RE, Tool, ToolCall, ToolError, ToolUse
 
 if TYPE_CHECKING:
     from .chat_session import ChatSession
-    from .worker import Stream
+    from .decode.worker import Stream
 
 Decision = Literal["once", "always", "deny"]
 # Asked before each call: the call and the source of its tool (an MCP server's name, or "python").

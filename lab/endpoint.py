@@ -31,7 +31,7 @@ class Completion:
 
 def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | None) -> dict[str, Any]:
     """A profile as a chat-completions request: OpenAI's names, plus the extra sampler fields a setting turns on.
-    `stop` adds to the profile's stop strings, as it does for the engine (core/reply.py's Request)."""
+    `stop` adds to the profile's stop strings, as it does for the engine (core/decode/reply.py's Request)."""
     body: dict[str, Any] = {**_sampler_fields(profile), "max_tokens": max_tokens}
     if profile.seed is not None:
         body["seed"] = profile.seed

@@ -23,7 +23,7 @@ from mlxchat.core.sampling import constraint
 from mlxchat.core.batch import BatchRequest, BatchScheduler
 from mlxchat.core.sampling.candidates import Candidates
 from mlxchat.core.sampling.constraint import constraint_for
-from mlxchat.core.events import Done, TokenEvent
+from mlxchat.core.decode.events import Done, TokenEvent
 from mlxchat.core.sampling.profile import ProfileError, ProfileStore
 from mlxchat.core.sampling.chain import Sampler
 
@@ -348,7 +348,7 @@ def test_the_check_of_one_token_agrees_with_the_mask(engine: Engine) -> None:
     """The lazy order's check against the full mask, on every token of the vocabulary, along replies of a JSON
     schema (forced keys and separators, free strings and numbers), a regex and the tools' "auto" grammar (text or
     calls, llguidance's lexeme negation)."""
-    from mlxchat.core.tools import ToolUse
+    from mlxchat.core.decode.tools import ToolUse
     tok, vocab = engine.model.tokenizer, engine.model.vocab_size
     eos = sorted(tok.eos_ids)
     use = ToolUse.make([{"type": "function", "function": {"name": "weather", "parameters": {

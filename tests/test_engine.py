@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxchat.core import ContextLengthError, Engine, SamplingProfile
-from mlxchat.core.events import Done, PrefillProgress, TokenEvent
+from mlxchat.core.decode.events import Done, PrefillProgress, TokenEvent
 
 QUESTION = "What is the capital of France?"
 
@@ -56,7 +56,7 @@ def test_deltas_concatenate_to_the_final_text(engine: Engine):
 @pytest.mark.parametrize("text", ["Emoji 🎉🐍👍🏽 and more 🇫🇷", "中文字符：你好，世界。日本語も。",
                                   "naïve café — ∑ ≤ ∞"])
 def test_streaming_detokenizer_never_emits_broken_utf8(engine: Engine, text: str):
-    from mlxchat.core.streaming import IncrementalDetokenizer
+    from mlxchat.core.decode.streaming import IncrementalDetokenizer
 
     tok = engine.model.tokenizer
     ids = tok.encode(text)
@@ -86,7 +86,7 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(engine: Engine, g
 
 
 def test_stop_filter_holds_back_prefixes():
-    from mlxchat.core.streaming import StopStringFilter
+    from mlxchat.core.decode.streaming import StopStringFilter
 
     f = StopStringFilter(["</answer>", "STOP"])
     out = [f.feed(t) for t in ["The ", "result</", "ans", "wer> tail"]]

@@ -172,7 +172,7 @@ def test_the_servers_prefix_cache_spills_to_disk_and_a_restarted_one_serves_from
     import queue
 
     from mlxchat.core.batch import BatchRequest, BatchScheduler
-    from mlxchat.core.events import Done
+    from mlxchat.core.decode.events import Done
 
     def answer(s: BatchScheduler, messages: list[dict[str, str]]):  # noqa: ANN202 - GenerationResult
         q: queue.Queue = queue.Queue()

@@ -47,7 +47,7 @@ def _lint_with_line(tmp_path: Path, module: str, line: str) -> subprocess.Comple
 
 @pytest.mark.parametrize(("module", "line", "caught"), [
     ("core/engine.py", "from mlxchat.app import formatting", "mlxchat.core.engine -> mlxchat.app.formatting"),
-    ("core/events.py", "import textual", "mlxchat.core.events -> textual"),
+    ("core/decode/events.py", "import textual", "mlxchat.core.decode.events -> textual"),
     ("app/tool_screens.py", "import mlxchat.lab.screen", "mlxchat.app.tool_screens -> mlxchat.lab.screen"),
     ("app/formatting.py", "import mlx.core", "mlxchat.app.formatting -> mlx"),
     ("server/app.py", "from mlxchat.app import store", "mlxchat.server.app -> mlxchat.app.store"),

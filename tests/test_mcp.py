@@ -24,7 +24,7 @@ from mlxchat.core import SamplingProfile
 from mlxchat.core.mcp import MCPError, MCPServer
 from mlxchat.core.messages import ChatMessage
 from mlxchat.core.tool_loop import ToolCallEvent, ToolResultEvent, Toolbox, function_tool
-from mlxchat.core.tools import ToolCall
+from mlxchat.core.decode.tools import ToolCall
 
 TEST_SERVER = str(Path(__file__).with_name("mcp_servers.py"))
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.batch import BatchRequest, BatchScheduler
-from mlxchat.core.events import Done, TokenEvent
-from mlxchat.core.reasoning import (EFFORT_BUDGETS, Reasoning, ReasoningSplitter, find_markers, markers_for,
+from mlxchat.core.decode.events import Done, TokenEvent
+from mlxchat.core.decode.reasoning import (EFFORT_BUDGETS, Reasoning, ReasoningSplitter, find_markers, markers_for,
                                     split_text)
 from tests.thinking_models import THINKING_TEMPLATE
 
@@ -276,7 +276,7 @@ def test_the_template_authors_nudge_is_forced_before_the_close(thinking_engine: 
 
 
 def test_speculation_with_a_budget_is_refused_in_one_line() -> None:
-    from mlxchat.core.reply import Request
+    from mlxchat.core.decode.reply import Request
 
     with pytest.raises(ValueError, match="reasoning_budget does not combine with speculative decoding"):
         Request.make(speculative="ngram", reasoning=Reasoning(budget=4))

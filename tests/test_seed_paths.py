@@ -13,7 +13,7 @@ import pytest
 from mlxchat.core import Engine, GenerationResult, SamplingProfile
 from mlxchat.core.model import loader
 from mlxchat.core.batch import BatchRequest, BatchScheduler
-from mlxchat.core.events import Done
+from mlxchat.core.decode.events import Done
 
 FIRST, SECOND = "Name a fruit, in one word.", "Now write two sentences about its colour."
 OTHERS = ["What is the capital of France?", "Count from one to ten.", "Write a haiku about the sea."]

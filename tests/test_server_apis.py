@@ -230,7 +230,8 @@ def test_anthropic_requests_map_onto_the_profile() -> None:
         assert e.value.message.startswith(message) and e.value.status == 400
 
 
-# --- tools (core/tools.py behind each API's shapes) --------------------------------------------------------------
+# --- tools (core/decode/tools.py behind each API's shapes)
+# --------------------------------------------------------------
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
         "properties": {"city": {"enum": ["Paris", "Rome"]}}}
@@ -365,7 +366,7 @@ async def test_a_choice_streams_its_events_and_an_engine_failure_ends_it_as_one_
     # GenerationFailed, whose message is the stream's last line.
     import asyncio
 
-    from mlxchat.core.events import Metrics, TokenEvent
+    from mlxchat.core.decode.events import Metrics, TokenEvent
     from mlxchat.server.service import Choice, GenerationFailed
 
     choice = Choice(asyncio.get_running_loop(), [1, 2], SamplingProfile(), 4, 0)

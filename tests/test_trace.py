@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.events import TokenEvent
+from mlxchat.core.decode.events import TokenEvent
 from mlxchat.core.messages import ChatMessage
 from mlxchat.core.sampling.chain import Sampler
 from mlxchat.core.sampling.trace import TokenTrace

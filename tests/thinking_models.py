@@ -3,7 +3,7 @@ template is Qwen3's kind, with the reasoning opened in the generation prompt (``
 and Qwen3's thinking-only releases do) and an ``enable_thinking`` switch (false: an empty ``<think>\\n\\n</think>``).
 
 The embedded model never writes ``</think>`` itself, so with the reasoning open it "thinks" until the budget closes
-it (core/reasoning.py): a real model, real tokenizer and a real template on every path, with exact counts to test.
+it (core/decode/reasoning.py): a real model, tokenizer and template on every path, with exact counts to test.
 The file is the embedded GGUF with one metadata value replaced (tensor data copied byte for byte), written by
 `core.model.gguf_writer`'s typed writer for the new value."""
 

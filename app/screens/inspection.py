@@ -16,7 +16,7 @@ from ..widgets import MessageView, TokenStrip
 from .replay import ReplayScreen
 
 if TYPE_CHECKING:
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.decode.events import GenerationResult
     from mlxchat.core.sampling.trace import TokenTrace
 
     from ..replay import ReplaySource

@@ -366,8 +366,8 @@ def _touch(path: Path) -> None:
 
 class _Writer:
     """One background thread for every store's writes, in order. Like the inference thread it never exits (a
-    thread that ran MLX must not end before the interpreter: core/worker.py). At interpreter exit the queued writes
-    get EXIT_WAIT_S to finish (a chat's last reply is often the last one queued); then the one being written is
+    thread that ran MLX must not end before the interpreter: core/decode/worker.py). At interpreter exit the queued
+    writes get EXIT_WAIT_S to finish (a chat's last reply is often the last one queued); then the one being written is
     finished and the rest are dropped, so the thread is not inside MLX when the interpreter finalises."""
 
     _shared: "_Writer | None" = None

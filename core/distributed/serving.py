@@ -18,8 +18,8 @@ from ..batch import BatchRequest, QueueFull
 from ..cache.kv_cache import ConversationCache
 from ..engine import Engine
 from ..errors import ContextLengthError
-from ..speculative import Speculation
-from ..worker import Job
+from ..decode.speculative import Speculation
+from ..decode.worker import Job
 
 
 class SequentialScheduler:

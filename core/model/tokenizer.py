@@ -53,8 +53,9 @@ class ChatTokenizer:
         if not self.chat_template:
             # Base models have no template: plain concatenation is what llama.cpp's completion mode does.
             return "\n\n".join(m["content"] or "" for m in messages)
-        # `tools` (OpenAI's function specs) only for a template that uses them (core/tools.py renders the rest).
-        # `template_kwargs`: variables for the template (e.g. a thinking model's enable_thinking, core/reasoning.py).
+        # `tools` (OpenAI's function specs) only for a template that uses them (core/decode/tools.py renders the rest).
+        # `template_kwargs`: variables for the template (e.g. a thinking model's enable_thinking,
+        # core/decode/reasoning.py).
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **extra)
@@ -68,7 +69,7 @@ class ChatTokenizer:
         often not the tokenizer's own split of its text ("F" "TR" where encoding gives "FT" "R"), and the KV cache
         holds the generated ids: re-encoded, the prompt would part from the cache there and the rest of the
         conversation would be prefilled again (issue 25). `tools`: OpenAI's function specs, for a template that
-        renders them (core/tools.py)."""
+        renders them (core/decode/tools.py)."""
         for m in messages:
             _check_unicode(m["content"] or "")  # an assistant message that only calls tools has no content
         text = self.render(messages, tools=tools, template_kwargs=template_kwargs)

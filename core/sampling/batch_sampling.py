@@ -1,7 +1,7 @@
 """A batch's rows sampled together: one set of ops over [rows, V] for the rows whose chains allow it.
 
-The step loop (core/generate.py) samples each row with its own `Sampler.step`: per row a slice of the logits and the
-chain's ops over its vocabulary, each a graph node that MLX's CPU backend dispatches one by one. Rows whose chains
+The step loop (core/decode/generate.py) samples each row with its own `Sampler.step`: per row a slice of the logits and
+the chain's ops over its vocabulary, each a graph node that MLX's CPU backend dispatches one by one. Rows whose chains
 have the same steps run them here once over all their rows, each row with its own values (temperature, top-p, min-p,
 its seed and position for the draw), so that every row's token is the one its own `Sampler.step` draws (greedy: the
 same argmax; sampled: the same Gumbel-max noise per (seed, position, token id) over the same final logits; each op

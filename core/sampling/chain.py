@@ -613,7 +613,7 @@ class Sampler:
         # argmax, and the seeded Gumbel-max over logits scaled by a plain temperature >= 1 (no truncation, which
         # would cut a different set; no shift by the maximum, whose rounding differs with the mask). The check reads
         # the drawn token, waiting for the forward pass, so only where the host waits for it anyway: the CPU
-        # backend (core/generate.py's step); on a GPU the mask overlaps the forward pass.
+        # backend (core/decode/generate.py's step); on a GPU the mask overlaps the forward pass.
         self.lazy = LAZY_CONSTRAINT and constraint is not None and mx.default_device() == mx.cpu and (
             p.greedy or all(type(t) is Temperature and t.scale <= 1 for t in self.transforms))
         track = any(getattr(proc, "needs_history", False) for proc in self.processors)
@@ -658,7 +658,8 @@ class Sampler:
 
     def scores(self, logits: mx.array) -> mx.array:
         """Every token's log-probability after the processors (penalties, bias, min-tokens, DRY) and the constraint's
-        mask, with nothing drawn and no state changed: what beam search ranks continuations by (core/beam.py). Lazy."""
+        mask, lazily, with nothing drawn and no state changed: what beam search ranks continuations by
+        (core/decode/beam.py)."""
         logits = mx.minimum(self._process(logits.astype(mx.float32)), FLOAT_MAX)
         if self.constraint is not None:
             logits = self.constraint(Candidates(logits, None)).logits

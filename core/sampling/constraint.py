@@ -10,8 +10,8 @@ so the filters and the draw (greedy argmax or the seeded Gumbel-max of core/samp
 tokens. End-of-turn ids are allowed only where the grammar may end, and once it has ended (a closed JSON object) they
 are the only tokens allowed; a reply cut by ``max_tokens`` before that ends with "length", never as if it were complete.
 
-**The mask needs the previous token, and decode is pipelined** (core/generate.py: step n+1 is queued before token n
-is read). The stage keeps step n's token as the lazy array the chain drew (`accept`), and reads it only when step
+**The mask needs the previous token, and decode is pipelined** (core/decode/generate.py: step n+1 is queued before token
+n is read). The stage keeps step n's token as the lazy array the chain drew (`accept`), and reads it only when step
 n+1 needs its mask: it first queues step n+1's forward pass (`mx.async_eval` of the logits it was given), then waits
 for token n (already computed: it is the forward pass's input), advances the matcher and computes the mask on the
 host while the device runs the forward pass. `mask_s` is that host time, reported as `Metrics.constraint_mask_s`.
@@ -144,7 +144,7 @@ class Constraint:
     def __init__(self, fmt: ResponseFormat, tokenizer: LLTokenizer, eos_ids: Iterable[int],
                  ends: Callable[[bytes], bool] | None = None, compiled: Compiled | None = None) -> None:
         """`ends`, given each taken token's bytes, may end the reply where the grammar would go on (True: only an
-        end-of-turn id is allowed from then on): the rule a grammar cannot say, e.g. core/tools.py's "no call
+        end-of-turn id is allowed from then on): the rule a grammar cannot say, e.g. core/decode/tools.py's "no call
         twice". `compiled`: the grammar already compiled on `tokenizer` (`prepare`); without it, it compiles here.
         `compile_s` is the compile's own time, wherever and whenever it ran (a cached grammar reports its first)."""
         if compiled is None:

@@ -1,7 +1,7 @@
 """Beam search: the `beam_size` most likely continuations, scored as HF does (sum of logprobs / length ** α).
 
-Each beam is a `core.reply.Reply` of the request, the text layer every other request has: so a beam ends as a reply
-does (an end-of-turn id, a stop string, `max_tokens` or the context's end; the text cut before the stop string and
+Each beam is a `core.decode.reply.Reply` of the request, the text layer every other request has: so a beam ends as a
+reply does (an end-of-turn id, a stop string, `max_tokens` or the context's end; the text cut before the stop string and
 without an incomplete last character), and its scores are the request's processed log-probabilities
 (`Reply.scores`: penalties over the beam's own tokens, logit bias, min-tokens, DRY, the constraint's mask). A beam
 that continues in two ways is forked (`Reply.fork`: a new reply that takes the same tokens), the other keeps its
@@ -21,9 +21,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .cache.kv_cache import prefill
+from ..cache.kv_cache import prefill
 from .events import Metrics
-from .model.loader import LoadedModel
+from ..model.loader import LoadedModel
 from .reply import Reply, Request
 
 

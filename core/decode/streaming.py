@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .model.tokenizer import ChatTokenizer
+from ..model.tokenizer import ChatTokenizer
 
 _REPLACEMENT = "\ufffd"
 

@@ -1,9 +1,9 @@
-"""The token layer: one step loop over 1..N rows, each row a `core.reply.Reply`, for every path that decodes.
+"""The token layer: one step loop over 1..N rows, each row a `core.decode.reply.Reply`, for every path that decodes.
 
 `Engine.run_request` (one-off prompts, chat turns, the split model's sequential scheduler) runs it with one row on
 the conversation's own cache; the batched server (core/batch.py) runs it with the rows of its batch. It knows nothing
 of text, stops, events or metrics: a row's `Reply` samples (`Reply.sample`), takes each token (`Reply.accept`, which
-says when the row ends) and keeps the clock. A row may carry a drafter (core/speculative.py): speculation is then
+says when the row ends) and keeps the clock. A row may carry a drafter (core/decode/speculative.py): speculation is then
 verify passes of that row in the same loop.
 
 **A step.** Step n+1's graph is built over every row (one forward pass, `(rows, 1)` ids) while step n computes, and
@@ -23,7 +23,7 @@ from a one-row step on its own cache, so it goes out at once and is computed as 
 ends leaves at once (`on_end` gets it and a way to take its cache); when one row with a drafter is left, its cache is
 taken out of the batch again so it can verify.
 
-**Speculation** (core/speculative.py has the drafters, the `Governor` and why the text is exact). A row that is
+**Speculation** (core/decode/speculative.py has the drafters, the `Governor` and why the text is exact). A row that is
 alone in the loop *peeks*: after each token its drafter guesses the next one, compared when the pipeline reads it, so
 a wrong guess costs only the lookup. A confirmed guess starts verified steps: the pending token and up to k guesses
 as one pass of k + 1 positions on the row's cache; the row's own sampler draws each position's token as a plain step
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from .sampling.batch_sampling import sample_rows
-from .cache.kv_cache import prefill
-from .sampling.candidates import log_softmax
-from .sampling.constraint import fill_masks
+from ..sampling.batch_sampling import sample_rows
+from ..cache.kv_cache import prefill
+from ..sampling.candidates import log_softmax
+from ..sampling.constraint import fill_masks
 from .speculative import Drafter, Governor, Speculation
 
 if TYPE_CHECKING:

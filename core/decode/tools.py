@@ -26,8 +26,8 @@ arguments, compared as JSON values) is the repetition loop of a small model in t
 reply as soon as such a call closes (only an end-of-turn token is allowed after it), and the repeat is not returned
 (`CallStream`): a model that would call ``get_weather(Paris)`` five times makes one call and stops.
 
-**What comes back** (`CallStream`, which core/reply.py runs over every reply with tools): the calls that closed, in
-order, and text only from a reply that is text. A call cut by ``max_tokens`` is dropped (the reply's finish reason
+**What comes back** (`CallStream`, which core/decode/reply.py runs over every reply with tools): the calls that closed,
+in order, and text only from a reply that is text. A call cut by ``max_tokens`` is dropped (the reply's finish reason
 says "length"); call markup never reaches the text.
 
 **Rendering** (`render_messages`): a chat template that has a ``tools`` variable gets the specs through it and the
@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from .sampling.response_format import ResponseFormat, closed
+from ..sampling.response_format import ResponseFormat, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _OPEN, _CLOSE = OPEN.encode(), CLOSE.encode()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .tools import ToolCall
-from .sampling.trace import TokenTrace
+from ..sampling.trace import TokenTrace
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -33,13 +33,13 @@ class Metrics:
     constraint_masks: int = 0
     constraint_checks: int = 0
     constraint_compile_s: float = 0.0
-    # Speculative decoding (core/speculative.py): what ran ("off", "ngram", "draft", "auto"), the tokens guessed,
+    # Speculative decoding (core/decode/speculative.py): what ran ("off", "ngram", "draft", "auto"), the tokens guessed,
     # the guesses kept, and the decode forward passes (completion_tokens / decode_steps = tokens per step).
     speculative: str = "off"
     draft_tokens: int = 0
     accepted_tokens: int = 0
     decode_steps: int = 0
-    # Thinking models (core/reasoning.py): the reasoning's generated tokens (forced closing ids not counted), its
+    # Thinking models (core/decode/reasoning.py): the reasoning's generated tokens (forced closing ids not counted), its
     # duration (first reasoning token to its close), and the time to the first token of the answer.
     reasoning_tokens: int = 0
     reasoning_s: float = 0.0
@@ -100,7 +100,7 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     traces: tuple[TokenTrace, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls that closed with this event's tokens
-    reasoning: str = ""  # a thinking model's reasoning delta (core/reasoning.py); `text` is the answer's
+    reasoning: str = ""  # a thinking model's reasoning delta (core/decode/reasoning.py); `text` is the answer's
 
     @property
     def trace(self) -> TokenTrace | None:

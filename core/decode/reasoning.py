@@ -2,7 +2,7 @@
 
 Models such as Qwen3, the DeepSeek-R1 distills and SmolLM3 reason between two markers (``<think>`` ... ``</think>``)
 before they answer; some templates already open the reasoning in the generation prompt. Three parts, all on the
-text layer's side (core/reply.py holds one `ReplyReasoning` per reply and calls it from a few hooks):
+text layer's side (core/decode/reply.py holds one `ReplyReasoning` per reply and calls it from a few hooks):
 
 * `markers_for(tokenizer)`: the markers are the ones the model's chat template names, found from the template
   itself, not from a list of models: a tag pair ``<X>``/``</X>`` written in the template is the reasoning pair when
@@ -20,7 +20,7 @@ text layer's side (core/reply.py holds one `ReplyReasoning` per reply and calls 
 * the budget (`ReplyReasoning.wrap`): after `budget` generated reasoning tokens the reply's sample function returns
   the closing marker's ids itself (the nudge's first), so the model and the KV cache see them as if the model had
   written them, and the answer follows. The token loops queue the next step before the previous token is read
-  (core/generate.py, core/batch.py), so near the budget the sample function reads the one token still in flight
+  (core/decode/generate.py, core/batch.py), so near the budget the sample function reads the one token still in flight
   before it decides: the count is exact, and a model that closes on its own right at the budget is not closed twice.
 """
 
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from .sampling.chain import Sampler
+    from ..sampling.chain import Sampler
     from .streaming import IncrementalDetokenizer
-    from .model.tokenizer import ChatTokenizer
+    from ..model.tokenizer import ChatTokenizer
 
 # OpenAI's reasoning_effort as a budget of reasoning tokens (documented in README and docs/architecture.md).
 EFFORT_BUDGETS: dict[str, int] = {"minimal": 0, "low": 512, "medium": 2048, "high": 8192}
@@ -250,8 +250,8 @@ def split_text(text: str, markers: tuple[str, str], thinking: bool = False) -> t
 class ReplyReasoning:
     """One reply's reasoning on the inference thread: its splitter, its budget, its counts and clock.
 
-    The text layer (core/reply.py) calls `wrap` once (the sample function), `take` for each token it accepts (was it
-    forced?), `feed` with each text delta, `flush` at the end."""
+    The text layer (core/decode/reply.py) calls `wrap` once (the sample function), `take` for each token it accepts (was
+    it forced?), `feed` with each text delta, `flush` at the end."""
 
     def __init__(self, markers: ReasoningMarkers, tokenizer: ChatTokenizer, settings: Reasoning,
                  prompt: Sequence[int]) -> None:

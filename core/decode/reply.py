@@ -13,7 +13,7 @@ batched server (core/batch.py) both turn ids into a reply here, so they cannot d
   what was shown and the rest of what was generated (as a `max_tokens` cut does); a reply cut inside a multi-byte
   character leaves that incomplete character out of its text (its token id and logprob stay);
 * the clock (`Metrics`), logprobs, traces, and the `GenerationResult`;
-* tool calls (core/tools.py), with a request's `ToolUse`: its grammar is the constraint, and a `CallStream` takes
+* tool calls (core/decode/tools.py), with a request's `ToolUse`: its grammar is the constraint, and a `CallStream` takes
   the calls out of the text (deltas and the result's text are what is not a call; each call goes out once, on the
   event whose token closed it, and in `GenerationResult.tool_calls`).
 
@@ -29,20 +29,20 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
-from .sampling import dry
-from .sampling.batch_sampling import chain_key
-from .sampling.constraint import Constraint, constraint_for
+from ..sampling import dry
+from ..sampling.batch_sampling import chain_key
+from ..sampling.constraint import Constraint, constraint_for
 from .generate import Sample
-from .model.loader import LoadedModel
-from .sampling.profile import SamplingProfile
+from ..model.loader import LoadedModel
+from ..sampling.profile import SamplingProfile
 from .reasoning import Reasoning, ReplyReasoning, peek_text
-from .sampling.response_format import ResponseFormat
-from .sampling.chain import Sampler
+from ..sampling.response_format import ResponseFormat
+from ..sampling.chain import Sampler
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
 from .tools import CallStream, RepeatedCall, ToolCall, ToolUse
-from .sampling.trace import TokenTrace
-from .sampling.tracing import Tracer, check_trace
+from ..sampling.trace import TokenTrace
+from ..sampling.tracing import Tracer, check_trace
 
 # The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
 # (mlx-lm's generate defaults to 256, which cuts explanations and code short), short enough that a model stuck in
@@ -53,8 +53,8 @@ DEFAULT_MAX_TOKENS = 1024
 @dataclass(frozen=True)
 class Request:
     """One validated generation request: the profile, the reply's length cap, every stop string, how many
-    candidates to trace per token (0 = no trace; see core/sampling/tracing.py), how to speculate (core/speculative.py),
-    and the tools it may call (core/tools.py; None: no tools)."""
+    candidates to trace per token (0 = no trace; see core/sampling/tracing.py), how to speculate
+    (core/decode/speculative.py), and the tools it may call (core/decode/tools.py; None: no tools)."""
 
     profile: SamplingProfile
     max_tokens: int
@@ -62,7 +62,7 @@ class Request:
     trace: int = 0
     speculative: Speculation = Speculation()
     tools: ToolUse | None = None
-    reasoning: Reasoning = Reasoning()  # a thinking model's switch and budget (core/reasoning.py)
+    reasoning: Reasoning = Reasoning()  # a thinking model's switch and budget (core/decode/reasoning.py)
 
     @classmethod
     def make(cls, profile: SamplingProfile | None = None, max_tokens: int | None = None,
@@ -138,7 +138,7 @@ class Reply:
         self._eos = tok.eos_ids
         self._emit, self._cancelled = emit, cancelled
         self._detok = IncrementalDetokenizer(tok)
-        # A thinking model's reasoning apart, and its budget (core/reasoning.py); None for other models.
+        # A thinking model's reasoning apart, and its budget (core/decode/reasoning.py); None for other models.
         # With a response_format the grammar holds the whole reply: it is the answer, as the model writes it.
         self._reasoning = (ReplyReasoning.make(tok, request.reasoning, prompt)
                            if request.profile.response_format is None else None)
@@ -158,7 +158,7 @@ class Reply:
         self._generated = 0  # tokens drawn, forced ones not counted
         self._prompt_tokens, self._cached, self._disk = len(prompt), 0, 0
         self._context, self._limit, self._window = context, model.context_length, kv_window
-        # Filled by the token layer when the reply speculates (core/speculative.py); "off" otherwise.
+        # Filled by the token layer when the reply speculates (core/decode/speculative.py); "off" otherwise.
         self.speculative = "off"
         self.speculation = SpeculationStats()
 
@@ -207,7 +207,8 @@ class Reply:
 
     def fork(self, emit: Callable[[Event], None]) -> "Reply":
         """Another reply to the same request that has taken the same tokens so far (its sampler's history and
-        constraint, its text and stops; emitted to `emit`, as `force` does): a beam's continuation (core/beam.py)."""
+        constraint, its text and stops; emitted to `emit`, as `force` does): a beam's continuation
+        (core/decode/beam.py)."""
         other = self._again(emit)
         other.force(self._ids)
         return other
@@ -283,7 +284,7 @@ class Reply:
     def _split(self, delta: str, ids: Sequence[int] = (), forced: bool = False,
                end: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
         """A text delta as the reply's text and the calls it closed (all text without tools), recorded. A thinking
-        model's reasoning is taken out first (into `_thought`, this delta's reasoning; core/reasoning.py)."""
+        model's reasoning is taken out first (into `_thought`, this delta's reasoning; core/decode/reasoning.py)."""
         self._thought = ""
         if self._reasoning is not None:
             now = time.perf_counter()

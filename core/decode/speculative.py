@@ -26,7 +26,7 @@ count) the rows may differ in the last bits, and a draw moves only where two can
 and the ids it holds (`fed`) stay exact. A cache that cannot be trimmed (a rotating window) or whose attention differs
 with the row count (quantized keys and values) does not speculate (`unavailable`).
 
-The verify passes run in the one step loop (core/generate.py `StepLoop`), for a row that has the model to itself;
+The verify passes run in the one step loop (core/decode/generate.py `StepLoop`), for a row that has the model to itself;
 this module holds the settings, the drafters and the governor.
 
 **When (`Governor`)**: decode runs plain pipelined steps and peeks: a guess for the next token is
@@ -50,9 +50,9 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
-from .model import loader
-from .cache.kv_cache import ConversationCache, prefill
-from .model.native_blocks import WHOLE_ATTENTION_QUERIES
+from ..model import loader
+from ..cache.kv_cache import ConversationCache, prefill
+from ..model.native_blocks import WHOLE_ATTENTION_QUERIES
 
 Mode = Literal["off", "ngram", "draft", "auto"]
 MODES: tuple[str, ...] = get_args(Mode)

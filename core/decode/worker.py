@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import GenerationError, MlxChatError
+from ..errors import GenerationError, MlxChatError
 from .events import Done, Event, GenerationResult, PrefillProgress
 
 # How long interpreter exit waits for the job in flight to see its cancel (a decode step or one prefill layer; a
