@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlxchat.core.messages import ChatMessage, ContextPolicy
+from mlxchat.core.chat.messages import ChatMessage, ContextPolicy
 from mlxchat.core.sampling.profile import SamplingProfile
 
 from .record import ChatRecord

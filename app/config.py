@@ -44,7 +44,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mlxchat.core.cache.kv_store import DEFAULT_BUDGET_MB
-from mlxchat.core.messages import ContextPolicy
+from mlxchat.core.chat.messages import ContextPolicy
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -89,9 +89,9 @@ class MCPSettings(BaseModel):
                 raise ValueError(f"mcp.servers.{name}: a server's name is letters, digits, '-' or '_'")
         return v
 
-    def server(self, name: str):  # noqa: ANN201 - core.mcp.MCPServer, imported late (it imports the engine's core)
+    def server(self, name: str):  # noqa: ANN201 - core.chat.mcp.MCPServer, imported late (it imports the engine's core)
         """The server `name` as a (not yet started) `MCPServer`; a ValueError naming the configured ones if none."""
-        from mlxchat.core.mcp import MCPServer, MCPServerSpec
+        from mlxchat.core.chat.mcp import MCPServer, MCPServerSpec
 
         s = self.servers.get(name)
         if s is None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from mlxchat.core.errors import ContextLengthError
-from mlxchat.core.messages import ChatMessage, ContextPolicy
+from mlxchat.core.chat.messages import ChatMessage, ContextPolicy
 from mlxchat.core.sampling.profile import SamplingProfile
 
 from . import export

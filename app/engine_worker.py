@@ -104,8 +104,8 @@ class EngineWorker:
 
     @dataclass
     class ToolActivity(Message):
-        """A turn with tools called one (core.tool_loop's ToolCallEvent), got its result (ToolResultEvent), or has a
-        line to say (ToolNotice). The text before it was already posted."""
+        """A turn with tools called one (core.chat.tool_loop's ToolCallEvent), got its result (ToolResultEvent), or has
+        a line to say (ToolNotice). The text before it was already posted."""
 
         stream: "Stream"
         event: Any

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 from .conversation import ChatController, Refused, Reply, Turn
 from .replay import TRACE_K, ReplaySource

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 from mlxchat.core.sampling.profile import SamplingProfile
 
 from .inspector import first_divergence

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Stream

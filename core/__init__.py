@@ -14,7 +14,7 @@ blas.preload()
 
 # Each public name and the module that defines it.
 _EXPORTS = {
-    "ChatSession": "engine", "Engine": "engine", "Stream": "engine",
+    "ChatSession": "chat.chat_session", "Engine": "engine", "Stream": "decode.worker",
     "ContextLengthError": "errors", "GenerationError": "errors", "MlxChatError": "errors", "ModelLoadError": "errors",
     "Done": "decode.events", "GenerationResult": "decode.events", "Metrics": "decode.events",
     "PrefillProgress": "decode.events", "TokenEvent": "decode.events",
@@ -23,7 +23,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .engine import ChatSession, Engine, Stream
+    from .chat.chat_session import ChatSession
+    from .decode.worker import Stream
+    from .engine import Engine
     from .errors import ContextLengthError, GenerationError, MlxChatError, ModelLoadError
     from .decode.events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent
     from .sampling.profile import SamplingProfile

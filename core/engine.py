@@ -1,4 +1,4 @@
-"""The engine: a loaded model on its inference thread (the chat sessions that feed it: core/chat_session.py).
+"""The engine: a loaded model on its inference thread (the chat sessions that feed it: core/chat/chat_session.py).
 
 MLX streams are per thread, so loading, prefill and decode all run on one thread (core/decode/worker.py: `Job`,
 `InferenceThread`, `Stream`); callers (a script, the CLI, the TUI) talk to it through queues. Each request gets its
@@ -26,8 +26,8 @@ from .cache.kv_cache import ConversationCache
 from .errors import ContextLengthError
 from .decode.events import GenerationResult, PrefillProgress
 from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
-from .chat_session import ChatSession
-from .messages import ContextPolicy, Forced, Prompt, prompt_messages
+from .chat.chat_session import ChatSession
+from .chat.messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .sampling.profile import SamplingProfile
 from .decode.reasoning import Reasoning
 from .decode.reply import DEFAULT_MAX_TOKENS, Reply, Request
@@ -37,7 +37,7 @@ from .decode.tools import Tool, ToolUse, render_messages
 from .decode.worker import InferenceThread, Job, Stream
 
 if TYPE_CHECKING:
-    from .tool_loop import Approve, Toolbox
+    from .chat.tool_loop import Approve, Toolbox
 
 # Re-exported: scripts, the server's schedulers and tests import these from here.
 __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine", "Forced", "InferenceThread", "Job",
@@ -217,11 +217,11 @@ class Engine:
         memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
         `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`).
 
-        `tools`: MCP servers (`core.mcp.MCPServer`) and plain Python functions the model may call (or a
-        `Toolbox`): each `send` then runs the tool loop (core/tool_loop.py) — calls asked of `approve(call,
+        `tools`: MCP servers (`core.chat.mcp.MCPServer`) and plain Python functions the model may call (or a
+        `Toolbox`): each `send` then runs the tool loop (core/chat/tool_loop.py) — calls asked of `approve(call,
         source)` ("once", "always", "deny"; None allows every call), run, their results fed back, at most
         `max_tool_steps` rounds; `tool_choice` ("auto", "required", "none") is each turn's first reply's."""
-        from .tool_loop import TOOL_CHOICES, Toolbox
+        from .chat.tool_loop import TOOL_CHOICES, Toolbox
 
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")

@@ -11,7 +11,7 @@ from rich.color import Color, ColorType
 
 from mlxchat.app import inspector
 from mlxchat.app.replay import ReplayError, ReplaySource
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 from mlxchat.core.sampling.trace import Candidate, TokenTrace
 
 STAGES = ("processed", "TopK(3)", "TopP(0.5)", "Temperature(0.7)")

@@ -227,7 +227,7 @@ def test_store_migration_keeps_what_was_saved_and_stores_reasoning(tmp_path) -> 
     import sqlite3
 
     from mlxchat.app.store import MIGRATIONS, Store
-    from mlxchat.core.messages import ChatMessage
+    from mlxchat.core.chat.messages import ChatMessage
 
     db = tmp_path / "conversations.db"
     c = sqlite3.connect(db, isolation_level=None)
@@ -328,7 +328,7 @@ def test_speculation_without_a_budget_splits_the_same(thinking_engine: Engine, g
 def test_export_folds_the_reasoning() -> None:
     from mlxchat.app.export import markdown
     from mlxchat.app.turns import Turn
-    from mlxchat.core.messages import ChatMessage
+    from mlxchat.core.chat.messages import ChatMessage
 
     reply = ChatMessage("assistant", "It is 4.", "stop", {"reasoning_tokens": 5, "reasoning_s": 0.25},
                         reasoning="2 and 2 make 4.")

@@ -12,7 +12,7 @@ import pytest
 
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.decode.events import TokenEvent
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 from mlxchat.core.sampling.chain import Sampler
 from mlxchat.core.sampling.trace import TokenTrace
 from mlxchat.core.sampling.tracing import MAX_TRACE, Tracer
@@ -228,7 +228,7 @@ def test_branch_refuses_bad_positions_with_one_clear_line(engine: Engine):
 
 
 def test_the_reply_tree_keeps_nested_branches_when_switching():
-    from mlxchat.core.messages import ReplyTree
+    from mlxchat.core.chat.messages import ReplyTree
 
     msg = lambda role, text: ChatMessage(role, text)  # noqa: E731
     tree = ReplyTree([msg("user", "q"), msg("assistant", "a1")])

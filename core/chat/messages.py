@@ -6,11 +6,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .decode.events import FinishReason
-from .sampling.trace import TokenTrace
+from ..decode.events import FinishReason
+from ..sampling.trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
-# What a conversation does once it no longer fits the model's context (see core.chat_session.ChatSession).
+# What a conversation does once it no longer fits the model's context (see core.chat.chat_session.ChatSession).
 ContextPolicy = Literal["truncate", "rotate", "error"]
 
 
@@ -32,7 +32,7 @@ class ChatMessage:
     sampler: str | None = None
     model: str | None = None
     reasoning: str = ""  # a thinking model's reasoning, apart from `content` (the answer; core/decode/reasoning.py)
-    # A reply that called tools (core/tool_loop.py): each call made on the way to its text, in order, as
+    # A reply that called tools (core/chat/tool_loop.py): each call made on the way to its text, in order, as
     # {"id", "name", "arguments" (JSON text), "round" (which generation of the reply made it), "source" (the MCP
     # server or "python"), "result" (what the model was given back; None while not run), "ok", "note"}.
     tool_calls: tuple[dict[str, Any], ...] = ()
@@ -50,7 +50,7 @@ class ChatMessage:
         when its last round's calls all have results: the text is what follows them)."""
         if not self.tool_calls:
             return [self.as_prompt()]
-        from .decode.tools import call_entry, result_message
+        from ..decode.tools import call_entry, result_message
 
         out: list[dict[str, Any]] = []
         rounds = sorted({c.get("round", 0) for c in self.tool_calls})

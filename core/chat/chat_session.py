@@ -8,21 +8,21 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, get_args
 
-from .model.backend import KVOptions
-from .cache.kv_cache import ConversationCache
-from .errors import ContextLengthError
-from .decode.events import GenerationResult
-from .cache.kv_store import KVStore
+from ..model.backend import KVOptions
+from ..cache.kv_cache import ConversationCache
+from ..errors import ContextLengthError
+from ..decode.events import GenerationResult
+from ..cache.kv_store import KVStore
 from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
-from .sampling.profile import SamplingProfile
-from .decode.reasoning import Reasoning
-from .decode.reply import Request
-from .decode.speculative import Speculation, check
-from .decode.tools import ToolUse, render_messages
-from .decode.worker import Job, Stream
+from ..sampling.profile import SamplingProfile
+from ..decode.reasoning import Reasoning
+from ..decode.reply import Request
+from ..decode.speculative import Speculation, check
+from ..decode.tools import ToolUse, render_messages
+from ..decode.worker import Job, Stream
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
     from .tool_loop import Approve, Toolbox
 
 
@@ -67,7 +67,7 @@ class ChatSession:
               draft=engine.draft is not None)
         self._cache: ConversationCache | None = None
         self._lock = threading.Lock()  # guards `messages` between the caller and the inference thread
-        # Tools (core/tool_loop.py): with a toolbox, a turn is a loop of replies and calls (`ToolStream`), each
+        # Tools (core/chat/tool_loop.py): with a toolbox, a turn is a loop of replies and calls (`ToolStream`), each
         # call asked of `approve` (None: every call allowed), at most `max_tool_steps` rounds of calls.
         self.toolbox, self.tool_choice, self.approve = toolbox, tool_choice, approve
         self.max_tool_steps = max_tool_steps
@@ -378,7 +378,7 @@ class ChatSession:
     def _rendered(self, messages: list[ChatMessage], tools: ToolUse | None
                   ) -> tuple[list[dict[str, Any]], list[tuple[int, ...] | None], list[dict[str, Any]] | None]:
         """The messages for the chat template, each reply's ids aligned with them (a reply that called tools is
-        several messages: core.messages.ChatMessage.as_prompts), and the tool specs for a template that takes them
+        several messages: core.chat.messages.ChatMessage.as_prompts), and the tool specs for a template that takes them
         (a template that does not gets core/decode/tools.py's generic rendering)."""
         rendered: list[dict[str, Any]] = []
         replies: list[tuple[int, ...] | None] = []

@@ -5,7 +5,7 @@
     Python function) ─▶ its result fed back as a tool message (the chat template's, or core/decode/tools.py's generic
     rendering) ─▶ generate again … until a reply makes no call, or `max_tool_steps` rounds of calls.
 
-A `Toolbox` holds the tools' sources: `MCPServer`s (core/mcp.py; started when the loop first needs them) and plain
+A `Toolbox` holds the tools' sources: `MCPServer`s (core/chat/mcp.py; started when the loop first needs them) and plain
 Python callables (their signature and docstring are the spec). A `ToolStream` is one turn: iterate it as a
 `Stream` (TokenEvents, PrefillProgress, then one Done with the last reply's result), with `ToolCallEvent` before each
 call and `ToolResultEvent` after it. The first reply follows the turn's `tool_choice` ("required" forces a call,
@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .decode.events import Done, GenerationResult
+from ..decode.events import Done, GenerationResult
 from .mcp import MAX_RESULT_CHARS, MCPError, MCPServer, ToolOutcome
-from .decode.tools import NAME_RE, Tool, ToolCall, ToolError, ToolUse
+from ..decode.tools import NAME_RE, Tool, ToolCall, ToolError, ToolUse
 
 if TYPE_CHECKING:
     from .chat_session import ChatSession
-    from .decode.worker import Stream
+    from ..decode.worker import Stream
 
 Decision = Literal["once", "always", "deny"]
 # Asked before each call: the call and the source of its tool (an MCP server's name, or "python").

@@ -5,7 +5,7 @@ A server is configured by an `MCPServerSpec` (``[mcp.servers.NAME]`` in config.t
 for a process spoken to over stdio, or ``url`` for streamable HTTP). `MCPServer` is one connection to it, started
 on first use (`start`, or the first `tools`/`call`) and stopped by `close`. The SDK is asynchronous; each server
 runs its session on an event loop of its own, in a daemon thread, and the methods here block the caller (never the
-inference thread: the tool loop, core/tool_loop.py, runs calls in the thread that iterates the reply).
+inference thread: the tool loop, core/chat/tool_loop.py, runs calls in the thread that iterates the reply).
 
 Failures are values, not tracebacks: a server that does not start raises `MCPError` with one line; a call that
 fails in any way (the tool's own error, a server that crashed mid-call, a call past its timeout) returns a
@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .decode.tools import Tool, ToolError
+from ..decode.tools import Tool, ToolError
 
 DEFAULT_CALL_TIMEOUT_S = 30.0
 DEFAULT_START_TIMEOUT_S = 30.0
