@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
@@ -28,6 +28,7 @@ from .decode.events import GenerationResult, PrefillProgress
 from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
 from .chat.chat_session import ChatSession
 from .chat.messages import ContextPolicy, Forced, Prompt, prompt_messages
+from .chat.tool_loop import TOOL_CHOICES, Approve, Toolbox
 from .sampling.profile import SamplingProfile
 from .decode.reasoning import Reasoning
 from .decode.reply import DEFAULT_MAX_TOKENS, Reply, Request
@@ -35,9 +36,6 @@ from .decode.generate import Row, StepLoop, prefill_all_but_last
 from .decode.speculative import DraftModel, Speculation, check, load_draft, plan
 from .decode.tools import Tool, ToolUse, render_messages
 from .decode.worker import InferenceThread, Job, Stream
-
-if TYPE_CHECKING:
-    from .chat.tool_loop import Approve, Toolbox
 
 # Re-exported: scripts, the server's schedulers and tests import these from here.
 __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine", "Forced", "InferenceThread", "Job",
@@ -211,8 +209,8 @@ class Engine:
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
              kv_group_size: int = 64, speculative: str | Speculation = "off",
              reasoning_budget: int | None = None, enable_thinking: bool | None = None,
-             tools: "Sequence[Any] | Toolbox | None" = None, tool_choice: str = "auto",
-             approve: "Approve | None" = None, max_tool_steps: int = 8) -> "ChatSession":
+             tools: Sequence[Any] | Toolbox | None = None, tool_choice: str = "auto",
+             approve: Approve | None = None, max_tool_steps: int = 8) -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
         memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
         `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`).
@@ -221,8 +219,6 @@ class Engine:
         `Toolbox`): each `send` then runs the tool loop (core/chat/tool_loop.py) — calls asked of `approve(call,
         source)` ("once", "always", "deny"; None allows every call), run, their results fed back, at most
         `max_tool_steps` rounds; `tool_choice` ("auto", "required", "none") is each turn's first reply's."""
-        from .chat.tool_loop import TOOL_CHOICES, Toolbox
-
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
         toolbox = tools if isinstance(tools, Toolbox) or tools is None else Toolbox(list(tools))

@@ -6,27 +6,52 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, Protocol, get_args
 
-from ..model.backend import KVOptions
 from ..cache.kv_cache import ConversationCache
-from ..errors import ContextLengthError
-from ..decode.events import GenerationResult
 from ..cache.kv_store import KVStore
-from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
-from ..sampling.profile import SamplingProfile
+from ..decode.events import GenerationResult
 from ..decode.reasoning import Reasoning
 from ..decode.reply import Request
-from ..decode.speculative import Speculation, check
+from ..decode.speculative import DraftModel, Speculation, check
 from ..decode.tools import ToolUse, render_messages
 from ..decode.worker import Job, Stream
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from .tool_loop import Approve, Toolbox
+from ..errors import ContextLengthError
+from ..model.backend import KVOptions
+from ..model.loader import LoadedModel
+from ..sampling.profile import SamplingProfile
+from .messages import ChatMessage, ContextPolicy, Forced, Fork, ReplyTree, prompt_messages
+from .tool_loop import Approve, Toolbox, ToolStream
 
 
 CONTEXT_POLICIES: tuple[str, ...] = get_args(ContextPolicy)
+
+
+class Host(Protocol):
+    """What a session needs of its engine: core/engine.py's `Engine` (or the split model's `SplitEngine`), which
+    sits above this stage and hands itself in (`Engine.chat`), so nothing in core/chat imports it."""
+
+    model: LoadedModel
+    draft: DraftModel | None
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
+                stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
+                *, rotating: bool = False, quantized: bool = False, tools: ToolUse | None = None,
+                reasoning: Reasoning | None = None) -> Request: ...
+
+    def run_request(self, job: Job, cache: ConversationCache, prompt: list[int], req: Request,
+                    forced: Forced | None = None,
+                    before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult: ...
+
+    def submit(self, fn: Callable[[Job], Any]) -> Stream: ...
+
+    def kv_store(self, kv: KVOptions = KVOptions()) -> KVStore | None: ...
 
 
 class ChatSession:
@@ -45,11 +70,11 @@ class ChatSession:
     "truncate" and "error" alike.
     """
 
-    def __init__(self, engine: Engine, *, system: str | None = None, profile: SamplingProfile | None = None,
+    def __init__(self, engine: Host, *, system: str | None = None, profile: SamplingProfile | None = None,
                  max_kv_size: int | None = None, keep: int = 4, context_policy: ContextPolicy = "truncate",
                  kv: KVOptions = KVOptions(), speculative: str | Speculation = "off",
-                 reasoning: Reasoning = Reasoning(), toolbox: "Toolbox | None" = None, tool_choice: str = "auto",
-                 approve: "Approve | None" = None, max_tool_steps: int = 8) -> None:
+                 reasoning: Reasoning = Reasoning(), toolbox: Toolbox | None = None, tool_choice: str = "auto",
+                 approve: Approve | None = None, max_tool_steps: int = 8) -> None:
         if context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
         self.engine = engine
@@ -124,13 +149,11 @@ class ChatSession:
                                    rotating=self.max_kv_size is not None, quantized=self.kv.quantized,
                                    reasoning=self.reasoning, tools=tools)
 
-    def _with_tools(self, start: "Callable[[ToolUse | None], Stream]", tool_choice: str | None,
+    def _with_tools(self, start: Callable[[ToolUse | None], Stream], tool_choice: str | None,
                     max_tokens: int | None, stop: Sequence[str] | None) -> Stream:
         """`start(tools)` as a turn: a plain reply without a toolbox, else the tool loop's `ToolStream`."""
         if self.toolbox is None:
             return start(None)
-        from .tool_loop import ToolStream
-
         return ToolStream(self, start, tool_choice or self.tool_choice, max_tokens, stop)  # type: ignore[return-value]
 
     def continue_tools(self, tools: ToolUse | None, *, max_tokens: int | None = None,

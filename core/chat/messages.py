@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..decode.events import FinishReason
+from ..decode.tools import call_entry, result_message
 from ..sampling.trace import TokenTrace
 
 Role = Literal["system", "user", "assistant"]
@@ -50,8 +51,6 @@ class ChatMessage:
         when its last round's calls all have results: the text is what follows them)."""
         if not self.tool_calls:
             return [self.as_prompt()]
-        from ..decode.tools import call_entry, result_message
-
         out: list[dict[str, Any]] = []
         rounds = sorted({c.get("round", 0) for c in self.tool_calls})
         for r in rounds:

@@ -26,15 +26,13 @@ import threading
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..decode.events import Done, GenerationResult
-from .mcp import MAX_RESULT_CHARS, MCPError, MCPServer, ToolOutcome
 from ..decode.tools import NAME_RE, Tool, ToolCall, ToolError, ToolUse
-
-if TYPE_CHECKING:
-    from .chat_session import ChatSession
-    from ..decode.worker import Stream
+from ..decode.worker import Stream
+from .mcp import MAX_RESULT_CHARS, MCPError, MCPServer, ToolOutcome
+from .messages import ChatMessage
 
 Decision = Literal["once", "always", "deny"]
 # Asked before each call: the call and the source of its tool (an MCP server's name, or "python").
@@ -236,11 +234,26 @@ class Toolbox:
             server.close()
 
 
+class ToolSession(Protocol):
+    """What a turn with tools needs of its chat: core/chat/chat_session.py's `ChatSession`, which starts the turn
+    (so this module does not import it)."""
+
+    toolbox: Toolbox | None
+    approve: Approve | None
+    max_tool_steps: int
+
+    @property
+    def messages(self) -> list[ChatMessage]: ...
+
+    def continue_tools(self, tools: ToolUse | None, *, max_tokens: int | None = None,
+                       stop: Sequence[str] | None = None) -> Stream: ...
+
+
 class ToolStream:
     """One turn of a chat with tools, as a `Stream` (see the module docstring). `start(tools)` starts the turn's
     first reply (ChatSession.send's, regenerate's or edit_last's); the later ones continue it."""
 
-    def __init__(self, session: "ChatSession", start: "Callable[[ToolUse | None], Stream]", tool_choice: str,
+    def __init__(self, session: ToolSession, start: Callable[[ToolUse | None], Stream], tool_choice: str,
                  max_tokens: int | None, stop: Sequence[str] | None) -> None:
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
@@ -341,9 +354,8 @@ class ToolStream:
 
     def _record(self, call: ToolCall, outcome: ToolOutcome) -> None:
         """The result onto the call's record in the reply's message (what the next reply reads, the store saves)."""
-        with self.session._lock:
-            path = self.session._tree.path
-            message = path[-1] if path else None
+        path = self.session.messages
+        message = path[-1] if path else None
         if message is None or message.role != "assistant":
             return
         for record in message.tool_calls:
@@ -379,5 +391,5 @@ class AlwaysAllowed:
         return decision
 
 
-__all__ = ["AlwaysAllowed", "Approve", "Decision", "ToolCallEvent", "ToolNotice", "ToolResultEvent", "ToolStream",
-           "Toolbox", "function_tool"]
+__all__ = ["AlwaysAllowed", "Approve", "Decision", "ToolCallEvent", "ToolNotice", "ToolResultEvent", "ToolSession",
+           "ToolStream", "Toolbox", "function_tool"]

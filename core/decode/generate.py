@@ -53,7 +53,6 @@ if TYPE_CHECKING:
     from .events import FinishReason
     from .reply import Reply
 
-Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
 # Rows whose chains allow it are sampled as one op over the batch (core/sampling/batch_sampling.py); off, every row
 # samples alone (the tests' reference, and the bench's before).
 BATCH_SAMPLING = True
@@ -336,4 +335,4 @@ class StepLoop:
             self._plain_again(row)
 
 
-__all__ = ["Row", "Sample", "StepLoop", "prefill_all_but_last"]
+__all__ = ["Row", "StepLoop", "prefill_all_but_last"]

@@ -32,12 +32,11 @@ from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenE
 from ..sampling import dry
 from ..sampling.batch_sampling import chain_key
 from ..sampling.constraint import Constraint, constraint_for
-from .generate import Sample
 from ..model.loader import LoadedModel
 from ..sampling.profile import SamplingProfile
 from .reasoning import Reasoning, ReplyReasoning, peek_text
 from ..sampling.response_format import ResponseFormat
-from ..sampling.chain import Sampler
+from ..sampling.chain import Sample, Sampler
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
 from .tools import CallStream, RepeatedCall, ToolCall, ToolUse

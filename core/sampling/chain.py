@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
@@ -574,6 +574,11 @@ def _likeliest(c: Candidates, k: int) -> mx.array:
 
 # --- the sampler ---------------------------------------------------------------------------------------------------
 
+# One sampling step, `Sampler.step`'s signature (and `Tracer.step`'s): a position's logits in, its token and
+# log-probabilities out. The decode loop (core/decode/generate.py) calls a reply's `Sample` for each row.
+Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
+
+
 class Sampler:
     """One request's sampling state: the chain built from a profile, the penalty history and the random key.
 
@@ -828,6 +833,6 @@ def final_distribution(profile: SamplingProfile, logits: Any, history: Sequence[
 
 __all__ = [
     "AdaptiveP", "DRY", "DynamicTemperature", "Mirostat", "TopNSigma", "final_distribution",
-    "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty", "RepetitionPenalty", "Sampler",
+    "FrequencyPenalty", "LogitBias", "MinP", "MinTokens", "PresencePenalty", "RepetitionPenalty", "Sample", "Sampler",
     "StepRecord", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP", "XTC",
 ]

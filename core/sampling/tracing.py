@@ -1,11 +1,11 @@
 """The sampler inspector's recorder: a `sample` callable for the token layer that also traces each step.
 
-`Tracer.step` has the signature of `Sampler.step` (``core.decode.generate.Sample``), so it plugs into the step loop
-(`core.decode.generate.StepLoop`: the solo path and the batch) unchanged; it runs `Sampler.traced_step` (the same draw,
-plus the per-stage bookkeeping) and queues the step's `StepRecord`. Decode is pipelined (step n+1 is queued before token
-n is read), so records wait in a FIFO and `Tracer.take(token_id)` turns the oldest into a
-`core.sampling.trace.TokenTrace` once its token is read. A trace costs nothing when not asked for: without `trace=K` the
-engine calls `Sampler.step`.
+`Tracer.step` has the signature of `Sampler.step` (``core.sampling.chain.Sample``), so it plugs into the step loop
+(`core.decode.generate.StepLoop`: the solo path and the batch) unchanged; it runs `Sampler.traced_step` (the same
+draw, plus the per-stage bookkeeping) and queues the step's `StepRecord`. Decode is pipelined (step n+1 is queued
+before token n is read), so records wait in a FIFO and `Tracer.take(token_id)` turns the oldest into a
+`core.sampling.trace.TokenTrace` once its token is read. A trace costs nothing when not asked for: without `trace=K`
+the engine calls `Sampler.step` itself.
 """
 
 from __future__ import annotations
