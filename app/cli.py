@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from mlxchat.core.distributed.command import (add_split_arguments, add_worker_command, check_split, lost_a_peer,
-                                           run_worker, start_split)
+                                              run_worker, start_split)
 
 from .format_flags import add_format_flags, response_format
 from .formatting import fmt_bytes

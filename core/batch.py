@@ -34,19 +34,19 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .sampling import constraint
 from .cache.kv_cache import prefill_chunk
-from .engine import Engine
-from .decode.generate import Row, StepLoop
 from .cache.kv_store import prefix_cache
-from .errors import ContextLengthError
 from .decode.events import Event, FinishReason
-from .sampling.profile import SamplingProfile
+from .decode.generate import Row, StepLoop
 from .decode.reasoning import Reasoning
 from .decode.reply import Reply, Request
 from .decode.speculative import Speculation, plan
 from .decode.tools import ToolUse
 from .decode.worker import Job
+from .engine import Engine
+from .errors import ContextLengthError
+from .sampling import constraint
+from .sampling.profile import SamplingProfile
 
 Emit = Callable[[Event | BaseException], None]
 # Prefill chunk while other sequences are decoding: ~0.4 s of a 2-core CPU (prefill ~150 tok/s), the longest

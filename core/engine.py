@@ -18,24 +18,24 @@ from typing import Any
 
 import mlx.core as mx
 
-from .model import loader, native_decoder
-from .model.backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
-                      wants_generation_stream, wants_wired_limit)
-from .decode.beam import Beam, beam_search
 from .cache.kv_cache import ConversationCache
-from .errors import ContextLengthError
-from .decode.events import GenerationResult, PrefillProgress
 from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
 from .chat.chat_session import ChatSession
 from .chat.messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .chat.tool_loop import TOOL_CHOICES, Approve, Toolbox
-from .sampling.profile import SamplingProfile
+from .decode.beam import Beam, beam_search
+from .decode.events import GenerationResult, PrefillProgress
+from .decode.generate import Row, StepLoop, prefill_all_but_last
 from .decode.reasoning import Reasoning
 from .decode.reply import DEFAULT_MAX_TOKENS, Reply, Request
-from .decode.generate import Row, StepLoop, prefill_all_but_last
 from .decode.speculative import DraftModel, Speculation, check, load_draft, plan
 from .decode.tools import Tool, ToolUse, render_messages
 from .decode.worker import InferenceThread, Job, Stream
+from .errors import ContextLengthError
+from .model import loader, native_decoder
+from .model.backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
+                            wants_generation_stream, wants_wired_limit)
+from .sampling.profile import SamplingProfile
 
 # Re-exported: scripts, the server's schedulers and tests import these from here.
 __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine", "Forced", "InferenceThread", "Job",

@@ -31,7 +31,7 @@ from pathlib import Path
 
 # The writer (it remembers where every field is, for the mutators) is core's, shared with the tests and the bench.
 from mlxchat.core.model.gguf_writer import (ARRAY, BOOL, F32, F64, I8, I16, I32, I64, STRING, U8, U16, U32, U64, Field,
-                                      build_gguf)
+                                            build_gguf)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

@@ -14,7 +14,7 @@ from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.batch import BatchRequest, BatchScheduler
 from mlxchat.core.decode.events import Done, TokenEvent
 from mlxchat.core.decode.reasoning import (EFFORT_BUDGETS, Reasoning, ReasoningSplitter, find_markers, markers_for,
-                                    split_text)
+                                           split_text)
 from tests.thinking_models import THINKING_TEMPLATE
 
 STORY = "Write a story about a cat."

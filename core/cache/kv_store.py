@@ -39,8 +39,8 @@ from mlx_lm.models.cache import (KVCache, LRUPromptCache, PromptTrie, QuantizedK
                                  save_prompt_cache)
 
 from ..model.backend import KVOptions
-from .kv_cache import ConversationCache
 from ..model.loader import LoadedModel
+from .kv_cache import ConversationCache
 
 log = logging.getLogger(__name__)
 

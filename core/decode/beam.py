@@ -22,8 +22,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..cache.kv_cache import prefill
-from .events import Metrics
 from ..model.loader import LoadedModel
+from .events import Metrics
 from .reply import Reply, Request
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .tools import ToolCall
 from ..sampling.trace import TokenTrace
+from .tools import ToolCall
 
 FinishReason = Literal["stop", "length", "cancelled"]
 

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..sampling.batch_sampling import sample_rows
 from ..cache.kv_cache import prefill
+from ..sampling.batch_sampling import sample_rows
 from ..sampling.candidates import log_softmax
 from ..sampling.constraint import fill_masks
 from .speculative import Drafter, Governor, Speculation

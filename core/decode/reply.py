@@ -28,20 +28,20 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from ..model.loader import LoadedModel
 from ..sampling import dry
 from ..sampling.batch_sampling import chain_key
-from ..sampling.constraint import Constraint, constraint_for
-from ..model.loader import LoadedModel
-from ..sampling.profile import SamplingProfile
-from .reasoning import Reasoning, ReplyReasoning, peek_text
-from ..sampling.response_format import ResponseFormat
 from ..sampling.chain import Sample, Sampler
+from ..sampling.constraint import Constraint, constraint_for
+from ..sampling.profile import SamplingProfile
+from ..sampling.response_format import ResponseFormat
+from ..sampling.trace import TokenTrace
+from ..sampling.tracing import Tracer, check_trace
+from .events import Done, Event, FinishReason, GenerationResult, Metrics, TokenEvent, TokenLogprob
+from .reasoning import Reasoning, ReplyReasoning, peek_text
 from .speculative import Speculation, SpeculationStats
 from .streaming import IncrementalDetokenizer, StopStringFilter
 from .tools import CallStream, RepeatedCall, ToolCall, ToolUse
-from ..sampling.trace import TokenTrace
-from ..sampling.tracing import Tracer, check_trace
 
 # The reply's length cap when neither the call nor the profile sets max_tokens: long enough for any ordinary answer
 # (mlx-lm's generate defaults to 256, which cuts explanations and code short), short enough that a model stuck in

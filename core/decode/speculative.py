@@ -50,8 +50,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, QuantizedKVCache, RotatingKVCache
 
-from ..model import loader
 from ..cache.kv_cache import ConversationCache, prefill
+from ..model import loader
 from ..model.native_blocks import WHOLE_ATTENTION_QUERIES
 
 Mode = Literal["off", "ngram", "draft", "auto"]

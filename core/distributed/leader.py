@@ -33,14 +33,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..model import loader
 from ..engine import DEFAULT_PREFILL_STEP, Engine, InferenceThread, Job, Stream
 from ..errors import MlxChatError
+from ..model import loader
+from ..model.split import check_tensor_parallel, split_layers, tensor_logits
 from .channel import DEFAULT_TIMEOUT_S, LOAD_TIMEOUT_S, Link, Message, listen, read_one, send_one
 from .common import (PARALLEL_MODES, PROTOCOL, Plan, cache_spec, free_memory, join_ring, layer_weights,
                      memory_report, model_shape)
 from .hosts import Hosts, read_hosts
-from ..model.split import check_tensor_parallel, split_layers, tensor_logits
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 

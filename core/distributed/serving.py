@@ -16,10 +16,10 @@ import mlx.core as mx
 
 from ..batch import BatchRequest, QueueFull
 from ..cache.kv_cache import ConversationCache
-from ..engine import Engine
-from ..errors import ContextLengthError
 from ..decode.speculative import Speculation
 from ..decode.worker import Job
+from ..engine import Engine
+from ..errors import ContextLengthError
 
 
 class SequentialScheduler:

@@ -25,8 +25,8 @@ from mlx_lm.models import gemma2, gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import gguf
 from ..errors import ModelLoadError
+from . import gguf
 
 ARCHITECTURES = ("gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3")
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from . import heap
 from ..errors import ModelLoadError
+from . import heap
 from .gguf import GGML_TYPES, READABLE, GGUFHeader, TensorInfo
 
 

@@ -30,9 +30,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 
-from . import gguf, gguf_archs, gguf_tensors, heap, native_blocks, native_decoder, native_linear
 from .. import native
 from ..errors import ModelLoadError
+from . import gguf, gguf_archs, gguf_tensors, heap, native_blocks, native_decoder, native_linear
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
 if TYPE_CHECKING:

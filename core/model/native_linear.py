@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import heap
 from .. import native
+from . import heap
 
 # Rows of x above which BLAS's GEMM on the dequantized weight (`native.dequantized_matmul`, a cache-sized piece of
 # rows at a time) beats the kernel (prompt prefill). On MLX's layout (the fp32 kernel): equal at 16 rows on the

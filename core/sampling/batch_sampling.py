@@ -22,8 +22,8 @@ import mlx.core as mx
 
 from .. import native
 from .candidates import NEG_INF, nucleus_path
-from .draw import gumbel_positions, step_pair
 from .chain import FLOAT_MAX, LogitBias, MinP, Sampler, Temperature, TopK, TopP
+from .draw import gumbel_positions, step_pair
 
 _BATCHED = (Temperature, TopK, TopP, MinP)  # exactly these classes: DynamicTemperature is another chain
 

@@ -52,8 +52,8 @@ from typing import Any, ClassVar, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from . import dry
 from .. import native
+from . import dry
 from .candidates import (CANDIDATES, NEG_INF, Candidates, accurate_sum, log_softmax, nucleus, top_candidates,
                          top_index)
 from .constraint import Constraint

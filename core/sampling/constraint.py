@@ -42,9 +42,9 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
+from ..model.tokenizer import ChatTokenizer
 from .candidates import NEG_INF, Candidates
 from .response_format import ResponseFormat
-from ..model.tokenizer import ChatTokenizer
 
 # Grammars compile here, never on the inference thread: a small pool of its own. Compiling (`LLMatcher(...)`) drops
 # the GIL, so a batch decodes on while a newcomer's grammar compiles.
