@@ -24,8 +24,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from mlxchat.core.locations import Locations
-from mlxchat.core.messages import ContextPolicy
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.chat.messages import ContextPolicy
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore, SamplingProfile
 
 from . import textual_compat
 from .commands import ProfileCommands

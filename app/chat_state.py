@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlxchat.core.messages import ChatMessage, ContextPolicy
-from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.chat.messages import ChatMessage, ContextPolicy
+from mlxchat.core.sampling.profile import SamplingProfile
 
 from .record import ChatRecord
 from .store import Conversation, Store
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
 
     from .chat_tools import ChatTools
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.decode.events import GenerationResult
 
 
 class ChatState:

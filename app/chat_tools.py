@@ -1,5 +1,5 @@
 """The chat's tools (no Textual here; tests/test_mcp_tui.py drives it): config.toml's MCP servers as one
-`Toolbox` (core/tool_loop.py) for the app, started in the background when a chat first has a model and stopped on
+`Toolbox` (core/chat/tool_loop.py) for the app, started in the background when a chat first has a model and stopped on
 exit; per chat, which tools are on, the tool choice, and which tools are allowed always; and the approval of each
 call, asked of the UI from the bridge thread that runs the turn.
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxchat.core.tool_loop import Decision, Toolbox
-    from mlxchat.core.tools import ToolCall
+    from mlxchat.core.chat.tool_loop import Decision, Toolbox
+    from mlxchat.core.decode.tools import ToolCall
 
     from .config import MCPSettings
 
@@ -42,7 +42,7 @@ class ChatTools:
 
     def __init__(self, mcp: "MCPSettings", ask: Callable[["ToolCall", str, Callable[[str], None]], None] | None = None
                  ) -> None:
-        from mlxchat.core.tool_loop import Toolbox
+        from mlxchat.core.chat.tool_loop import Toolbox
 
         self.toolbox: Toolbox = Toolbox([mcp.server(name) for name in mcp.servers], start_on_use=False)
         self.ask = ask

@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from mlxchat.core.distributed.command import (add_split_arguments, add_worker_command, check_split, lost_a_peer,
-                                           run_worker, start_split)
+                                              run_worker, start_split)
 
 from .format_flags import add_format_flags, response_format
 from .formatting import fmt_bytes
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speed and memory to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, reasoning, finish_reason, "
                                                          "metrics)")
-    # Thinking models (core/reasoning.py): the reasoning apart from the answer, bounded, or switched off.
+    # Thinking models (core/decode/reasoning.py): the reasoning apart from the answer, bounded, or switched off.
     gen.add_argument("--hide-thinking", action="store_true",
                      help="print only the answer of a thinking model, not its reasoning (and no reasoning in --json)")
     add_format_flags(gen)
@@ -102,7 +102,7 @@ def _reply_flags(p: argparse.ArgumentParser, *, policy_default: str) -> None:
                                           "folder's kv/)")
     p.add_argument("--kv-cache-mb", type=float, help="the most the KV cache folder may hold, least recently used "
                                                      "files removed first; 0 turns the disk cache off (default 4096)")
-    # Thinking models (core/reasoning.py): a budget on the reasoning, or the template's switch.
+    # Thinking models (core/decode/reasoning.py): a budget on the reasoning, or the template's switch.
     p.add_argument("--reasoning-budget", type=int, metavar="N",
                    help="a thinking model reasons for at most N tokens, then answers")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
@@ -181,7 +181,7 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202 - SamplingProfile, impor
     flags over it. Never the raw distribution (temperature 1, no filter): unflagged, that rambled."""
     from mlxchat.core import SamplingProfile
     from mlxchat.core.locations import Locations
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     from .config import ConfigError, Settings
 
@@ -316,7 +316,7 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
     """`mlxchat chat`'s flags as `make_app`'s arguments: they set up the new chat over config.toml's settings (a
     new chat: with any of them, or --new, the last chat is not reopened). Bad values fail here, in one line."""
     from mlxchat.core import SamplingProfile
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     _check_reply_flags(args)
     sampling = _sampler_flags(args) | ({"stop": args.stop} if args.stop else {})
@@ -353,7 +353,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     check_split(args)
     profile = _profile(args)
     engine = _without_sigint(lambda: _load(args.model, args))
-    from mlxchat.core.events import TokenEvent
+    from mlxchat.core.decode.events import TokenEvent
 
     # A thinking model's reasoning streams first (dim on a terminal), a blank line, then the answer.
     dim = sys.stdout.isatty()
@@ -397,7 +397,7 @@ def _generate(args: argparse.Namespace, interrupts: _Interrupts) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from mlxchat.core import hub
+    from mlxchat.core.model import hub
 
     snapshot = hub.pull(args.repo_id)  # huggingface_hub's own progress bars, on stderr
     model = hub.find(args.repo_id)
@@ -410,8 +410,8 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from mlxchat.core import hub
-    from mlxchat.core.loader import inspect
+    from mlxchat.core.model import hub
+    from mlxchat.core.model.loader import inspect
     from mlxchat.core.locations import Locations
 
     from .models import local_models, saved_models
@@ -444,7 +444,7 @@ def _when(seconds: float | None) -> str:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    from mlxchat.core import hub
+    from mlxchat.core.model import hub
 
     model = hub.find(args.repo_id)
     if model is None:

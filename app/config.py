@@ -43,8 +43,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mlxchat.core.kv_store import DEFAULT_BUDGET_MB
-from mlxchat.core.messages import ContextPolicy
+from mlxchat.core.cache.kv_store import DEFAULT_BUDGET_MB
+from mlxchat.core.chat.messages import ContextPolicy
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -89,9 +89,9 @@ class MCPSettings(BaseModel):
                 raise ValueError(f"mcp.servers.{name}: a server's name is letters, digits, '-' or '_'")
         return v
 
-    def server(self, name: str):  # noqa: ANN201 - core.mcp.MCPServer, imported late (it imports the engine's core)
+    def server(self, name: str):  # noqa: ANN201 - core.chat.mcp.MCPServer, imported late (it imports the engine's core)
         """The server `name` as a (not yet started) `MCPServer`; a ValueError naming the configured ones if none."""
-        from mlxchat.core.mcp import MCPServer, MCPServerSpec
+        from mlxchat.core.chat.mcp import MCPServer, MCPServerSpec
 
         s = self.servers.get(name)
         if s is None:
@@ -116,17 +116,17 @@ class Settings(BaseModel):
     # Candidates recorded per token of every reply as it is written. 0 (the default): replies cost what they cost,
     # and F7 traces a reply only when asked (by writing it again with its seed).
     trace: int = Field(default=0, ge=0, le=100)
-    # Speculative decoding for the chat's replies (core/speculative.py); "draft" needs a draft model, which the chat
-    # does not load. A rotating window (context_policy "rotate") cannot speculate: its replies decode plainly.
+    # Speculative decoding for the chat's replies (core/decode/speculative.py); "draft" needs a draft model, which the
+    # chat does not load. A rotating window (context_policy "rotate") cannot speculate: its replies decode plainly.
     speculative: Literal["ngram", "auto", "off"] = "off"
     models: list[str] = Field(default_factory=list)
     reopen_last: bool = False
-    # KV caches saved to disk (core/kv_store.py): None is the cache folder's kv/ (core/locations.py); 0 MB: off.
+    # KV caches saved to disk (core/cache/kv_store.py): None is the cache folder's kv/ (core/locations.py); 0 MB: off.
     kv_cache_dir: str | None = None
     kv_cache_mb: float = Field(default=DEFAULT_BUDGET_MB, ge=0)
     keys: dict[str, str] = Field(default_factory=dict)
-    # Thinking models (core/reasoning.py): the reasoning's budget in tokens (None: none), and the template's switch
-    # (None: the template's default).
+    # Thinking models (core/decode/reasoning.py): the reasoning's budget in tokens (None: none), and the template's
+    # switch (None: the template's default).
     reasoning_budget: int | None = Field(default=None, ge=0)
     enable_thinking: bool | None = None
     mcp: MCPSettings = Field(default_factory=MCPSettings)

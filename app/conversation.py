@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from mlxchat.core.errors import ContextLengthError
-from mlxchat.core.messages import ChatMessage, ContextPolicy
-from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.chat.messages import ChatMessage, ContextPolicy
+from mlxchat.core.sampling.profile import SamplingProfile
 
 from . import export
 from .chat_state import ChatState
@@ -37,7 +37,7 @@ from .turns import Refused, Reply, State, Turn, keeps
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Engine, Stream
-    from mlxchat.core.events import GenerationResult, Metrics
+    from mlxchat.core.decode.events import GenerationResult, Metrics
 
 __all__ = ["CHECKPOINT_S", "ChatController", "Refused", "Reply", "State", "Turn", "keeps"]
 

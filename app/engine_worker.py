@@ -27,7 +27,7 @@ from textual.message import Message
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine, Stream
-    from mlxchat.core.events import GenerationResult, Metrics
+    from mlxchat.core.decode.events import GenerationResult, Metrics
 
 BATCH_S = 0.040  # the shortest batch; the UI may ask for longer ones (see ``batch_s``)
 MAX_BATCH_S = 0.5
@@ -102,8 +102,8 @@ class EngineWorker:
 
     @dataclass
     class ToolActivity(Message):
-        """A turn with tools called one (core.tool_loop's ToolCallEvent), got its result (ToolResultEvent), or has a
-        line to say (ToolNotice). The text before it was already posted."""
+        """A turn with tools called one (core.chat.tool_loop's ToolCallEvent), got its result (ToolResultEvent), or has
+        a line to say (ToolNotice). The text before it was already posted."""
 
         stream: "Stream"
         event: Any
@@ -187,7 +187,7 @@ class EngineWorker:
         self._post(self.Loaded(engine, spec, time.perf_counter() - started))
 
     def _follow(self, stream: "Stream") -> None:
-        from mlxchat.core.events import Done, PrefillProgress, TokenEvent
+        from mlxchat.core.decode.events import Done, PrefillProgress, TokenEvent
 
         pending: list[str] = []
         thought: list[str] = []

@@ -13,7 +13,7 @@ from .formatting import profile_summary, stats_line, thought_line
 from .turns import first_reply
 
 if TYPE_CHECKING:
-    from mlxchat.core.profile import SamplingProfile
+    from mlxchat.core.sampling.profile import SamplingProfile
 
     from .turns import Turn  # from turns.py, where it lives: conversation.py imports this module
 

@@ -1,7 +1,7 @@
 """`mlxchat generate`'s constrained-decoding flags: --json-schema FILE|-, --json-object, --regex PATTERN and
 --grammar FILE.
 
-Each gives the profile's ``response_format`` (core/response_format.py); at most one may be given. A file that
+Each gives the profile's ``response_format`` (core/sampling/response_format.py); at most one may be given. A file that
 cannot be read, is not JSON, or a schema, regex or grammar that does not compile is one line naming the flag.
 """
 
@@ -28,7 +28,7 @@ def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
     """The response format the flags ask for, validated, as the profile's field takes it; None without one."""
     from pydantic import ValidationError
 
-    from mlxchat.core.response_format import ResponseFormat
+    from mlxchat.core.sampling.response_format import ResponseFormat
 
     if args.json_schema == "-" and args.prompt == "-":
         raise ValueError("--json-schema - and the prompt - both read stdin: give the schema as a file")

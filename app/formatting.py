@@ -88,7 +88,7 @@ def prefill_progress(done: int, total: int, cached: int = 0) -> tuple[int, str]:
 
 def speculation(m: Any) -> str | None:
     """What speculative decoding did in a reply ("speculative ngram: 62% accepted, 2.4 tok/step"), or None when it
-    did not run (core/speculative.py)."""
+    did not run (core/decode/speculative.py)."""
     mode = _get(m, "speculative", "off")
     if mode == "off":
         return None
@@ -161,10 +161,10 @@ def wrap_fields(line: str, width: int) -> list[str]:
 
 def profile_summary(p: Any) -> str:
     """A profile's values in one line, e.g. 'temperature 0.8 · top_p 0.9': the temperature, then where they differ
-    from the default, each sampler parameter that acts alone (core/sampler_params.py: not one that only goes with
-    another, as dry_base with dry_multiplier) and the request's seed and limits."""
-    from mlxchat.core.profile import SamplingProfile  # core loads MLX: only when a profile is shown
-    from mlxchat.core.sampler_params import PARAMS
+    from the default, each sampler parameter that acts alone (core/sampling/sampler_params.py: not one that only goes
+    with another, as dry_base with dry_multiplier) and the request's seed and limits."""
+    from mlxchat.core.sampling.profile import SamplingProfile  # core loads MLX: only when a profile is shown
+    from mlxchat.core.sampling.sampler_params import PARAMS
 
     default = SamplingProfile()
     names = [n for n, param in PARAMS.items() if param.goes_with is None] + ["seed", "max_tokens", "stop"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 from .conversation import ChatController, Refused, Reply, Turn
 from .replay import TRACE_K, ReplaySource
 
 if TYPE_CHECKING:
-    from mlxchat.core.events import GenerationResult
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.decode.events import GenerationResult
+    from mlxchat.core.sampling.trace import TokenTrace
 
 
 class Inspection:

@@ -1,8 +1,8 @@
 """The sampler inspector's logic without Textual: heat colours, the token strip, the candidates x stages table, and
 the alignment of a replay with its original (issue 14).
 
-Everything here works on :class:`~mlxchat.core.trace.TokenTrace` (the engine's per-token record) and returns plain
-data or Rich ``Text``, so it is tested without a terminal; the widgets in ``widgets/inspector.py`` only lay it out.
+Everything here works on :class:`~mlxchat.core.sampling.trace.TokenTrace` (the engine's per-token record) and returns
+plain data or Rich ``Text``, so it is tested without a terminal; ``widgets/inspector.py`` only lays it out.
 
 Colours: the heat palette is fixed colours of the xterm 256-colour cube (what a 256-colour terminal shows is the
 same colour, not an approximation), always as a background with black text, so a shaded token reads the same on a
@@ -20,7 +20,7 @@ from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 
-from mlxchat.core.trace import Candidate, TokenTrace
+from mlxchat.core.sampling.trace import Candidate, TokenTrace
 
 # (upper bound of the chosen token's probability, background): xterm-256 colours 203, 215, 221 and 229.
 HEAT_LEVELS: tuple[tuple[float, str], ...] = (

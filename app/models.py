@@ -81,7 +81,7 @@ def local_choices(paths: list[tuple[str, str]]) -> list[ModelChoice]:
 
 def hf_cache_choices(cache_dir: str | Path | None = None) -> list[ModelChoice]:
     """Model repos in the Hugging Face cache that mlxchat can load (a config and safetensors weights)."""
-    from mlxchat.core.hub import HubError, cached_models
+    from mlxchat.core.model.hub import HubError, cached_models
 
     from .formatting import fmt_bytes
 
@@ -137,7 +137,7 @@ def saved_models(locations: Locations) -> tuple[list[tuple[str, str]], list[str]
 def local_models(saved: list[tuple[str, str]]) -> list[LocalModel]:
     """The embedded model and the `saved` paths: F3's list without the Hugging Face cache."""
     from mlxchat.core.errors import ModelLoadError
-    from mlxchat.core.loader import embedded_model_path
+    from mlxchat.core.model.loader import embedded_model_path
 
     try:
         embedded = [_local(EMBEDDED.label, embedded_model_path())]
@@ -151,7 +151,7 @@ def _local(name: str, path: Path) -> LocalModel:
     problem = check_local(str(path))
     if problem is not None:
         return LocalModel(name, *_on_disk(path), False, problem=problem)
-    from mlxchat.core.loader import inspect
+    from mlxchat.core.model.loader import inspect
 
     facts = inspect(path)
     return LocalModel(name, *_on_disk(path), facts.problem is None, facts.architecture, facts.quantization,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mlxchat.core.messages import Fork, Tail
+from mlxchat.core.chat.messages import Fork, Tail
 
 from .store import Conversation, Store, StoreError
 from .turns import Notify, Turn

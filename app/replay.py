@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from mlxchat.core.messages import ChatMessage
-from mlxchat.core.profile import SamplingProfile
+from mlxchat.core.chat.messages import ChatMessage
+from mlxchat.core.sampling.profile import SamplingProfile
 
 from .inspector import first_divergence
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
-    from mlxchat.core.events import GenerationResult
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.decode.events import GenerationResult
+    from mlxchat.core.sampling.trace import TokenTrace
 
 
 TRACE_K = 8  # candidates per token recorded on demand (F7 on an untraced reply, a replay, a branch)

@@ -1,5 +1,5 @@
-"""The sampler flags of `mlxchat chat` and `generate`: one per sampler parameter of core/sampler_params.py, named after
-it (--top-p for top_p; a list's flag is repeatable: --dry-sequence-breaker), with its help. The ranges are
+"""The sampler flags of `mlxchat chat` and `generate`: one per sampler parameter of core/sampling/sampler_params.py,
+named after it (--top-p for top_p; a list's flag is repeatable: --dry-sequence-breaker), with its help. The ranges are
 SamplingProfile's, checked when the profile is built, so a bad value reads as it does in a profile file.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mlxchat.core.sampler_params import PARAMS  # no MLX: core's package loads its engine only when asked (PEP 562)
+# No MLX: core's package loads its engine only when asked (PEP 562).
+from mlxchat.core.sampling.sampler_params import PARAMS
 
 
 def add_sampler_flags(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ Schema (version 4)::
     settings(key, value)                                     -- small UI state, e.g. the theme (v2)
     forks(conversation_id → conversations ON DELETE CASCADE, position, active, tails JSON)   -- branches (v3)
 
-**Branches** (a conversation is a tree of replies, core.messages.ReplyTree): ``messages`` holds the active path, so
+**Branches** (a conversation is a tree of replies, core.chat.messages.ReplyTree): ``messages`` holds the active path, so
 every position is unique and the code that appends, rewrites and trims by position is unchanged. A position with
 alternatives has a ``forks`` row: ``tails`` lists, per alternative, what follows that position in it (its messages
 as JSON objects, and the forks further down it); the active alternative's entry is ``null`` since it lives in
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxchat.core.messages import ChatMessage, Fork, Tail
-from mlxchat.core.trace import TokenTrace
+from mlxchat.core.chat.messages import ChatMessage, Fork, Tail
+from mlxchat.core.sampling.trace import TokenTrace
 
 SCHEMA_VERSION = 5
 BUSY_TIMEOUT_MS = 5000
@@ -145,13 +145,13 @@ def _to_v3(c: sqlite3.Connection) -> None:
 
 
 def _to_v4(c: sqlite3.Connection) -> None:
-    # A thinking model's reasoning apart from the answer (core/reasoning.py); NULL in the rows already there (their
-    # content is kept as it was: a reply saved before carried no reasoning apart).
+    # A thinking model's reasoning apart from the answer (core/decode/reasoning.py); NULL in the rows already there
+    # (their content is kept as it was: a reply saved before carried no reasoning apart).
     c.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
 
 
 def _to_v5(c: sqlite3.Connection) -> None:
-    # A reply's tool calls and their results (core/tool_loop.py), as JSON; NULL in the rows already there, and
+    # A reply's tool calls and their results (core/chat/tool_loop.py), as JSON; NULL in the rows already there, and
     # missing from the alternatives saved before in forks' tails (`_full` reads them as NULL).
     c.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT")
 

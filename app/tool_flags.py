@@ -1,5 +1,5 @@
 """`mlxchat generate --mcp NAME [--mcp NAME...] [--tool-choice auto|required|none] [--yes]`: the tool loop of
-core/tool_loop.py on the command line, with the MCP servers of config.toml's ``[mcp.servers.NAME]``.
+core/chat/tool_loop.py on the command line, with the MCP servers of config.toml's ``[mcp.servers.NAME]``.
 
 Each call is shown on stderr (its name and arguments, then its result in one line) and, without ``--yes``, asked on
 the terminal (allow once / always for this tool / deny); with no terminal to ask on and no ``--yes`` the command
@@ -43,7 +43,7 @@ def tool_servers(args: argparse.Namespace) -> list[Any]:
     return [settings.mcp.server(name) for name in names]
 
 
-def ask_on_terminal(call: Any, source: str) -> str:  # noqa: ANN401 - core.tools.ToolCall
+def ask_on_terminal(call: Any, source: str) -> str:  # noqa: ANN401 - core.decode.tools.ToolCall
     """Ask the user on the terminal whether `call` may run: "once", "always" or "deny"."""
     while True:
         print(f"mlxchat: run {source}.{call.name} {call.arguments}? [y]es once, [a]lways for this tool, [n]o: ",
@@ -63,8 +63,8 @@ def ask_on_terminal(call: Any, source: str) -> str:  # noqa: ANN401 - core.tools
 
 def start_with_tools(engine: Any, prompt: str, profile: Any, args: argparse.Namespace,  # noqa: ANN401
                      servers: list[Any]) -> Any:  # noqa: ANN401 - core types
-    """The turn as a ToolStream (core/tool_loop.py) over `servers`."""
-    from mlxchat.core.tool_loop import AlwaysAllowed
+    """The turn as a ToolStream (core/chat/tool_loop.py) over `servers`."""
+    from mlxchat.core.chat.tool_loop import AlwaysAllowed
 
     approve = None if args.yes else AlwaysAllowed(ask_on_terminal)
     chat = engine.chat(system=args.system, profile=profile, tools=servers, tool_choice=args.tool_choice or "auto",
@@ -76,7 +76,7 @@ def start_with_tools(engine: Any, prompt: str, profile: Any, args: argparse.Name
 
 def show_event(event: Any) -> bool:  # noqa: ANN401 - a stream's event
     """Write a tool event's line to stderr; False for any other event."""
-    from mlxchat.core.tool_loop import ToolCallEvent, ToolNotice, ToolResultEvent
+    from mlxchat.core.chat.tool_loop import ToolCallEvent, ToolNotice, ToolResultEvent
 
     if isinstance(event, ToolCallEvent):
         print(f"\nmlxchat: tool call {event.source}.{event.call.name} {event.call.arguments}", file=sys.stderr)

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 if TYPE_CHECKING:
     from mlxchat.core import ChatSession, Stream
-    from mlxchat.core.events import GenerationResult, Metrics
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.decode.events import GenerationResult, Metrics
+    from mlxchat.core.sampling.trace import TokenTrace
 
 Severity = Literal["information", "warning", "error"]
 Notify = Callable[[str, Severity], None]

@@ -50,7 +50,7 @@ def rotating_case(engine: Any, context_tokens: int, decode_tokens: int, window: 
     reset by the engine at the start of each request) and the memory in use then (``mx.get_active_memory``)."""
     import mlx.core as mx
 
-    from mlxchat.core.events import Done, PrefillProgress, TokenEvent
+    from mlxchat.core.decode.events import Done, PrefillProgress, TokenEvent
 
     prompt_tokens = context_tokens - decode_tokens
     msgs, ids = prompts.exact_prompt(engine.model.tokenizer, prompt_tokens, system=prompts.SYSTEM)
@@ -313,7 +313,7 @@ def memory_bandwidth(engine: Any, nbytes: int = 1 << 30, repeats: int = 5) -> di
 def gguf_bytes_per_token(path: str) -> int | None:
     """The bytes of the GGUF's weights one token reads (the embedding table once, as the tied output head)."""
     try:
-        from mlxchat.core import gguf
+        from mlxchat.core.model import gguf
 
         header = gguf.read_header(__import__("pathlib").Path(path))
     except Exception:  # noqa: BLE001 - not a GGUF: no figure
@@ -348,7 +348,7 @@ def _matrices(model: Any) -> list[Any]:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear, mlx_weights
+    from mlxchat.core.model.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear, mlx_weights
 
     out = []
     tied = not hasattr(model, "lm_head")
@@ -444,8 +444,8 @@ def _sampler_steps(engine: Any, messages: list[dict[str, str]], profile: Any, k:
     """On the inference thread: seconds per sampler step, plain and traced, on one real row of logits."""
     import mlx.core as mx
 
-    from mlxchat.core.sampling import Sampler
-    from mlxchat.core.tracing import Tracer
+    from mlxchat.core.sampling.chain import Sampler
+    from mlxchat.core.sampling.tracing import Tracer
 
     m = engine.model
     logits = m.model(mx.array(m.tokenizer.encode_chat(messages))[None])[0, -1]

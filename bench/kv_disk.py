@@ -1,4 +1,4 @@
-"""KV caches saved to disk (issue 25, core/kv_store.py): a ~3,000-token conversation reopened in a new process,
+"""KV caches saved to disk (issue 25, core/cache/kv_store.py): a ~3,000-token conversation reopened in a new process,
 its next turn's TTFT loaded from disk against a cold prefill (target: <= 0.15x, the same greedy text), the bytes a
 saved conversation takes per 1k tokens, and how load time grows with the file's size.
 
@@ -91,7 +91,7 @@ def _load_times(engine: Any, folder: Path) -> list[dict[str, Any]]:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mlxchat.core.kv_store import KVStore
+    from mlxchat.core.cache.kv_store import KVStore
 
     probe = engine.chat()
     probe.send("Hi", max_tokens=1).wait()

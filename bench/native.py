@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from mlxchat.core.gguf import GGML_TYPES
-from mlxchat.core.gguf_writer import TYPE_IDS, write_gguf
+from mlxchat.core.model.gguf import GGML_TYPES
+from mlxchat.core.model.gguf_writer import TYPE_IDS, write_gguf
 
 from . import prompts
 from .stats import median
@@ -51,8 +51,8 @@ def synthetic_llama(path: Path, *, hidden: int = 2048, layers: int = 16, heads: 
                     ffn: int = 8192, seed: int = 0) -> tuple[Path, int]:
     """A Q4_0 llama GGUF with random weights and the embedded model's tokenizer (~1.07B parameters by default);
     returns the path and the parameter count."""
-    from mlxchat.core import gguf
-    from mlxchat.core.loader import embedded_model_path
+    from mlxchat.core.model import gguf
+    from mlxchat.core.model.loader import embedded_model_path
 
     src = gguf.read_header(embedded_model_path()).metadata
     vocab = len(src["tokenizer.ggml.tokens"])
@@ -83,7 +83,7 @@ def synthetic_llama(path: Path, *, hidden: int = 2048, layers: int = 16, heads: 
 
 def _weight_layers(model: Any) -> list[Any]:
     """Every matmul of one token: the quantized linears and the (tied) head, in model order."""
-    from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
+    from mlxchat.core.model.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
 
     return [m for _, m in model.named_modules() if isinstance(m, (NativeQuantizedLinear, NativeQuantizedEmbedding))]
 
@@ -106,7 +106,7 @@ def _in_features(layer: Any) -> int:
 
 def _call(layer: Any, x: Any) -> Any:
     """The layer's own matmul (packed or not, as the engine runs it); a tied embedding's as the head."""
-    from mlxchat.core.native_linear import NativeQuantizedEmbedding
+    from mlxchat.core.model.native_linear import NativeQuantizedEmbedding
 
     return layer.as_linear(x) if isinstance(layer, NativeQuantizedEmbedding) else layer(x)
 
@@ -187,7 +187,7 @@ def prefill_crossover(engine: Any, rows: tuple[int, ...], repeats: int) -> list[
 
 class MlxOpLayersRunner(EngineRunner):
     """The native engine with its fused decoder layers switched off (MLXCHAT_NATIVE_LAYERS=0): each layer in MLX ops
-    around the native matmul, attention and SwiGLU, the path before core/native_decoder.py."""
+    around the native matmul, attention and SwiGLU, the path before core/model/native_decoder.py."""
 
     def run(self, messages: list[dict[str, str]], ids: list[int], spec: Any, max_tokens: int) -> dict:
         before = os.environ.get("MLXCHAT_NATIVE_LAYERS")

@@ -46,7 +46,7 @@ def exact_prompt(tokenizer: Any, n_tokens: int, *, offset_chars: int = 0, system
                  instruction: str = INSTRUCTION) -> tuple[list[dict[str, str]], list[int]]:
     """Messages whose rendered chat is exactly ``n_tokens`` ids, and those ids.
 
-    ``tokenizer`` is a ``core.tokenizer.ChatTokenizer`` (``encode``, ``decode``, ``encode_chat``)."""
+    ``tokenizer`` is a ``core.model.tokenizer.ChatTokenizer`` (``encode``, ``decode``, ``encode_chat``)."""
     base = len(tokenizer.encode_chat(messages_for("", system, instruction)))
     if n_tokens <= base:
         raise ValueError(f"a {n_tokens}-token prompt is too short: the chat template alone takes {base} tokens")

@@ -119,7 +119,7 @@ def write_llama_f16(path: Path, shape: Shape) -> int:
     tensor (the 1.1B model's 2.3 GB are never all in memory). Returns the parameter count."""
     import gguf
 
-    from mlxchat.core.loader import embedded_model_path
+    from mlxchat.core.model.loader import embedded_model_path
 
     source = gguf.GGUFReader(embedded_model_path())
     vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
@@ -202,7 +202,7 @@ def make_files(folder: Path, shape: Shape = TINYLLAMA, quants: tuple[Quant, ...]
     Q4_K_M): ``{"files": {label: path}, "made": {...}, "reused": [...], "params": N}``, or ``{"reason": why not}``
     when gguf-py or llama-cpp-python is missing. A file that exists is reused; ``made`` holds the seconds each step
     took in this run, ``record`` the first run's."""
-    from mlxchat.core.loader import embedded_model_path
+    from mlxchat.core.model.loader import embedded_model_path
 
     if not llama_cpp_available():
         return {"reason": "llama-cpp-python is not installed (its quantizer makes the files; see bench/README.md)"}
@@ -440,7 +440,7 @@ def realsize_case(*, quick: bool, max_tokens: int, repeats: int, llama_threads: 
                   folder: Path | None = None, shape: Shape = TINYLLAMA) -> dict[str, Any]:
     """The whole section (see the module docstring); ``{"available": False, "reason"}`` when its files cannot be
     made here."""
-    from mlxchat.core.loader import embedded_model_path
+    from mlxchat.core.model.loader import embedded_model_path
 
     t = time.perf_counter()
     _log("making or reusing the files")

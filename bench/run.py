@@ -248,7 +248,8 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     """Run the benchmark; write the JSON and PNG under ``out_dir``; return the results.
 
     ``engine``: an already loaded Engine to measure (the tests share one); it is left open."""
-    from mlxchat.core import Engine, blas
+    from mlxchat.core import Engine
+    from mlxchat.core.model import blas
 
     started = time.perf_counter()
     created = datetime.now(timezone.utc)

@@ -104,7 +104,7 @@ def verify_cost(engine: Any, rounds: int, context: int = 300) -> list[dict[str, 
     back), against M = 1: what a guess costs when it is rejected. Medians of `rounds` alternating rounds."""
     import mlx.core as mx
 
-    from mlxchat.core.cache import ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import ConversationCache, prefill
 
     def measure() -> dict[int, float]:
         model = engine.model.model
@@ -127,7 +127,7 @@ def verify_cost(engine: Any, rounds: int, context: int = 300) -> list[dict[str, 
 
 def self_speculation(engine: Any, layers: tuple[int, ...], max_tokens: int, repeats: int) -> list[dict[str, Any]]:
     """The first N layers of the model as its draft (`draft_model="self:N"`), on the code edit and a chat prompt."""
-    from mlxchat.core.speculative import load_draft
+    from mlxchat.core.decode.speculative import load_draft
 
     rows, before = [], engine.draft
     try:

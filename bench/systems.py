@@ -102,9 +102,10 @@ class EngineRunner:
 
     def profile(self, spec: SamplerSpec, max_tokens: int) -> Any:
         from mlxchat.core import SamplingProfile
-        from mlxchat.core.sampler_params import PARAMS
+        from mlxchat.core.sampling.sampler_params import PARAMS
 
-        # The spec's sampler parameters by their profile names (core/sampler_params.py), and no end before max_tokens.
+        # The spec's sampler parameters by their profile names (core/sampling/sampler_params.py); no end before
+        # max_tokens (min_tokens is max_tokens).
         settings = {k: v for k, v in spec.as_dict().items() if k in PARAMS}
         return SamplingProfile(**settings, seed=spec.seed, min_tokens=max_tokens)
 
@@ -117,7 +118,7 @@ class EngineRunner:
 
     def describe(self, spec: SamplerSpec, max_tokens: int) -> str:
         """The chain the engine prints for this setting (built on the inference thread: it makes MLX arrays)."""
-        from mlxchat.core.sampling import Sampler
+        from mlxchat.core.sampling.chain import Sampler
 
         m = self.engine.model
         profile = self.profile(spec, max_tokens)
@@ -126,7 +127,7 @@ class EngineRunner:
 
 
 def vocab_size(m: Any) -> int:
-    """The length of the model's logits (``core.loader.LoadedModel``)."""
+    """The length of the model's logits (``core.model.loader.LoadedModel``)."""
     v = getattr(m, "vocab_size", None)
     if isinstance(v, int) and v > 0:
         return v

@@ -1,33 +1,35 @@
 """mlxchat's engine: model loading, prefill/decode with KV caches, sampling, streaming and metrics.
 
 The optimized BLAS must be loaded before anything imports MLX, so it happens first, here. The public names below are
-imported when first used (PEP 562), not with the package: a module that needs no MLX (core/sampler_params.py, which
-the CLI's parser reads for its flags) can be imported without the second that loading MLX takes.
+imported when first used (PEP 562), not with the package: a module that needs no MLX (core/sampling/sampler_params.py,
+which the CLI's parser reads for its flags) can be imported without the second that loading MLX takes.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from . import blas
+from .model import blas
 
 blas.preload()
 
 # Each public name and the module that defines it.
 _EXPORTS = {
-    "ChatSession": "engine", "Engine": "engine", "Stream": "engine",
+    "ChatSession": "chat.chat_session", "Engine": "engine", "Stream": "decode.worker",
     "ContextLengthError": "errors", "GenerationError": "errors", "MlxChatError": "errors", "ModelLoadError": "errors",
-    "Done": "events", "GenerationResult": "events", "Metrics": "events", "PrefillProgress": "events",
-    "TokenEvent": "events",
-    "SamplingProfile": "profile",
-    "final_distribution": "sampling",
+    "Done": "decode.events", "GenerationResult": "decode.events", "Metrics": "decode.events",
+    "PrefillProgress": "decode.events", "TokenEvent": "decode.events",
+    "SamplingProfile": "sampling.profile",
+    "final_distribution": "sampling.chain",
 }
 
 if TYPE_CHECKING:
-    from .engine import ChatSession, Engine, Stream
+    from .chat.chat_session import ChatSession
+    from .decode.worker import Stream
+    from .engine import Engine
     from .errors import ContextLengthError, GenerationError, MlxChatError, ModelLoadError
-    from .events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent
-    from .profile import SamplingProfile
-    from .sampling import final_distribution
+    from .decode.events import Done, GenerationResult, Metrics, PrefillProgress, TokenEvent
+    from .sampling.profile import SamplingProfile
+    from .sampling.chain import final_distribution
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,9 @@
 """Continuous batching: many requests decode together, one batched forward per step, on the engine's thread.
 
-Each request is a `_Sequence`: its `core.reply.Reply` (sampler, text, stops, metrics, result: the same text layer as
-the engine's solo path, so a request gives the same text alone and in a batch), its row of the step loop
-(`core.generate.StepLoop`, the same loop as the solo path) and, until it joins, its own KV cache. The scheduler is
-one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
+Each request is a `_Sequence`: its `core.decode.reply.Reply` (sampler, text, stops, metrics, result: the same text layer
+as the engine's solo path, so a request gives the same text alone and in a batch), its row of the step loop
+(`core.decode.generate.StepLoop`, the same loop as the solo path) and, until it joins, its own KV cache. The scheduler
+is one long job on the engine's inference thread (the only place MLX runs) that loops while there is work:
 
     admit waiting requests (up to `max_batch`) ─▶ prefill one chunk of one newcomer ─▶ a finished prefill joins the
     loop (its first token from its own one-row step, sent at once) ─▶ one step of the loop: queue step k+1 over every
@@ -11,16 +11,16 @@ one long job on the engine's inference thread (the only place MLX runs) that loo
 
 A newcomer joins at the next step and a finished or cancelled row leaves at once (its slot is free for the next
 admission). Prefill runs per sequence, in chunks interleaved with decode steps, so one long prompt does not stall
-the clients already streaming; it runs through the same `core.cache.prefill_chunk` as a single request. The loop
-decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVCache` (left-padded, with a per-row
+the clients already streaming; it runs through the same `core.cache.kv_cache.prefill_chunk` as a single request. The
+loop decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVCache` (left-padded, with a per-row
 attention mask) while there are several. A request with `speculative` ("ngram", "auto") verifies guesses while it
-has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/generate.py says why).
+has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/decode/generate.py says why).
 
 The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a prompt's KV cache is
 stored when its prefill ends and a finished sequence's under the ids it holds, and a new prompt starts from the
 longest cached prefix, so a client that resends a whole conversation prefills only what is new.
 `Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk and
-a prompt falls back to it (core/kv_store.py).
+a prompt falls back to it (core/cache/kv_store.py).
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from . import constraint
-from .cache import prefill_chunk
+from .cache.kv_cache import prefill_chunk
+from .cache.kv_store import prefix_cache
+from .decode.events import Event, FinishReason
+from .decode.generate import Row, StepLoop
+from .decode.reasoning import Reasoning
+from .decode.reply import Reply, Request
+from .decode.speculative import Speculation, plan
+from .decode.tools import ToolUse
+from .decode.worker import Job
 from .engine import Engine
-from .generate import Row, StepLoop
-from .kv_store import prefix_cache
 from .errors import ContextLengthError
-from .events import Event, FinishReason
-from .profile import SamplingProfile
-from .reasoning import Reasoning
-from .reply import Reply, Request
-from .speculative import Speculation, plan
-from .tools import ToolUse
-from .worker import Job
+from .sampling import constraint
+from .sampling.profile import SamplingProfile
 
 Emit = Callable[[Event | BaseException], None]
 # Prefill chunk while other sequences are decoding: ~0.4 s of a 2-core CPU (prefill ~150 tok/s), the longest
@@ -71,9 +71,10 @@ class BatchRequest:
     max_tokens: int | None = None
     stop: Sequence[str] = ()  # in addition to the profile's
     trace: int = 0  # candidates traced per token (0 = off): each TokenEvent then carries its token's TokenTrace
-    tools: ToolUse | None = None  # the tools the reply may call (core/tools.py)
-    reasoning: Reasoning = field(default_factory=Reasoning)  # a thinking model's budget (core/reasoning.py)
-    speculative: str | Speculation | None = None  # "ngram" or "auto": guess and verify while alone (core/generate.py)
+    tools: ToolUse | None = None  # the tools the reply may call (core/decode/tools.py)
+    reasoning: Reasoning = field(default_factory=Reasoning)  # a thinking model's budget (core/decode/reasoning.py)
+    # "ngram" or "auto": guess and verify while alone (core/decode/generate.py)
+    speculative: str | Speculation | None = None
     accepted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Request = field(init=False)
@@ -126,7 +127,7 @@ class BatchScheduler:
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step = prefill_step or engine.prefill_step
-        # KV caches saved to disk (core/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
+        # KV caches saved to disk (core/cache/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
         # saved there loads it, and the prefix cache's evicted entries (all of them at shutdown) are saved there.
         self.disk = engine.kv_store()
         self.prefix_cache = prefix_cache(self.disk, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -134,15 +135,15 @@ class BatchScheduler:
         self._waiting: deque[BatchRequest] = deque()
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
         self._active = 0  # admitted and not yet done
-        # Requests whose grammar compiles on the grammar pool (core/constraint.py): they wait there, not in the
+        # Requests whose grammar compiles on the grammar pool (core/sampling/constraint.py): they wait there, not in the
         # batch, and join `_waiting` once compiled, so the rows decoding never wait for a newcomer's compile.
         self._compiling: list[BatchRequest] = []
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
         self._loop = StepLoop(engine.model.model, self._ended)
         self._decoding: dict[Row, _Sequence] = {}  # the loop's rows' sequences
-        # The llguidance tokenizer holds the GIL while it builds (~0.5 s, core/constraint.py): built now, as the
-        # server starts, not when the first constrained request arrives and others decode.
+        # The llguidance tokenizer holds the GIL while it builds (~0.5 s, core/sampling/constraint.py): built now, as
+        # the server starts, not when the first constrained request arrives and others decode.
         constraint.warm(engine.model.tokenizer, engine.model.vocab_size)
 
     # --- any thread ----------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""The engine: a loaded model on its inference thread (the chat sessions that feed it: core/chat_session.py).
+"""The engine: a loaded model on its inference thread (the chat sessions that feed it: core/chat/chat_session.py).
 
-MLX streams are per thread, so loading, prefill and decode all run on one thread (core/worker.py: `Job`,
+MLX streams are per thread, so loading, prefill and decode all run on one thread (core/decode/worker.py: `Job`,
 `InferenceThread`, `Stream`); callers (a script, the CLI, the TUI) talk to it through queues. Each request gets its
 own event queue and a cancel flag checked between prefill chunks and between decode steps. What a request's tokens
-become (text, stops, metrics, the result) is core/reply.py's `Reply`, shared with the batched server.
+become (text, stops, metrics, the result) is core/decode/reply.py's `Reply`, shared with the batched server.
 """
 
 from __future__ import annotations
@@ -14,30 +14,28 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
-from . import loader, native_decoder
-from .backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
-                      wants_generation_stream, wants_wired_limit)
-from .beam import Beam, beam_search
-from .cache import ConversationCache
+from .cache.kv_cache import ConversationCache
+from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
+from .chat.chat_session import ChatSession
+from .chat.messages import ContextPolicy, Forced, Prompt, prompt_messages
+from .chat.tool_loop import TOOL_CHOICES, Approve, Toolbox
+from .decode.beam import Beam, beam_search
+from .decode.events import GenerationResult, PrefillProgress
+from .decode.generate import Row, StepLoop, prefill_all_but_last
+from .decode.reasoning import Reasoning
+from .decode.reply import DEFAULT_MAX_TOKENS, Reply, Request
+from .decode.speculative import DraftModel, Speculation, check, load_draft, plan
+from .decode.tools import Tool, ToolUse, render_messages
+from .decode.worker import InferenceThread, Job, Stream
 from .errors import ContextLengthError
-from .events import GenerationResult, PrefillProgress
-from .kv_store import DEFAULT_BUDGET_MB, KVStore
-from .chat_session import ChatSession
-from .messages import ContextPolicy, Forced, Prompt, prompt_messages
-from .profile import SamplingProfile
-from .reasoning import Reasoning
-from .reply import DEFAULT_MAX_TOKENS, Reply, Request
-from .generate import Row, StepLoop, prefill_all_but_last
-from .speculative import DraftModel, Speculation, check, load_draft, plan
-from .tools import Tool, ToolUse, render_messages
-from .worker import InferenceThread, Job, Stream
-
-if TYPE_CHECKING:
-    from .tool_loop import Approve, Toolbox
+from .model import loader, native_decoder
+from .model.backend import (Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning,
+                            wants_generation_stream, wants_wired_limit)
+from .sampling.profile import SamplingProfile
 
 # Re-exported: scripts, the server's schedulers and tests import these from here.
 __all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_PREFILL_STEP", "ChatSession", "Engine", "Forced", "InferenceThread", "Job",
@@ -73,11 +71,11 @@ class Engine:
         self._generation_stream: mx.Stream | None = None  # made on the inference thread, on a GPU only
         if kv_cache_mb < 0:
             raise ValueError(f"kv_cache_mb must be at least 0, got {kv_cache_mb:g}")
-        # KV caches saved to disk (core/kv_store.py), one store per KV setting, made when first used.
+        # KV caches saved to disk (core/cache/kv_store.py), one store per KV setting, made when first used.
         self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
         self.kv_cache_mb = kv_cache_mb
         self._kv_stores: dict[KVOptions, KVStore] = {}
-        self.draft: DraftModel | None = None  # the draft model of speculative="draft" (core/speculative.py)
+        self.draft: DraftModel | None = None  # the draft model of speculative="draft" (core/decode/speculative.py)
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
@@ -85,7 +83,7 @@ class Engine:
              kv_cache_mb: float = DEFAULT_BUDGET_MB, draft_model: str | Path | None = None) -> "Engine":
         """Load a model. With `kv_cache_dir`, chat sessions save their KV cache there after each reply (kept under
         `kv_cache_mb` in all), and a prompt that starts with a saved conversation loads it instead of prefilling
-        it (core/kv_store.py). `draft_model` is the draft of speculative="draft" (core/speculative.py
+        it (core/cache/kv_store.py). `draft_model` is the draft of speculative="draft" (core/decode/speculative.py
         `load_draft`)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
@@ -157,13 +155,13 @@ class Engine:
                enable_thinking: bool | None = None) -> Stream:
         """Generate a reply as events. `trace=K` (1-100) attaches to each TokenEvent the `TokenTrace` of its token
         (the K candidates through every stage of the sampler chain) and keeps them on the result's `traces`.
-        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/speculative.py).
+        `speculative` ("off", "ngram", "draft", "auto"): same text, guessed and verified (core/decode/speculative.py).
         `tools` (OpenAI's function specs, or `Tool`s), `tool_choice` ("auto", the default with tools, "required",
         "none", or ``{"type": "function", "function": {"name": ...}}``) and `parallel_tool_calls` work as the
-        server's (core/tools.py): calls arrive as `TokenEvent.tool_calls` and the result's `tool_calls`, never in
+        server's (core/decode/tools.py): calls arrive as `TokenEvent.tool_calls` and the result's `tool_calls`, never in
         its text; a bad spec raises `ToolError` naming the field. A thinking model's reasoning comes apart
         (`TokenEvent.reasoning`, `GenerationResult.reasoning`; `text` is the answer), at most `reasoning_budget`
-        tokens of it; `enable_thinking` is given to a template with a thinking switch (core/reasoning.py)."""
+        tokens of it; `enable_thinking` is given to a template with a thinking switch (core/decode/reasoning.py)."""
         messages = prompt_messages(prompt, system)
         use = ToolUse.make(list(tools), tool_choice, parallel_tool_calls) if tools is not None else None
         reasoning = Reasoning.make(enable_thinking, reasoning_budget)
@@ -193,8 +191,8 @@ class Engine:
     def beam_search(self, prompt: Prompt, *, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                     stop: Sequence[str] | None = None, system: str | None = None,
                     cancelled: Callable[[], bool] = lambda: False) -> list[Beam]:
-        """The profile's `beam_size` best continuations (n best, best score first); see core/beam.py. Each beam is
-        a reply of the request (`max_tokens`, by default the profile's or 64; stop strings; the profile's penalties
+        """The profile's `beam_size` best continuations (n best, best score first); see core/decode/beam.py. Each beam
+        is a reply of the request (`max_tokens`, by default the profile's or 64; stop strings; the profile's penalties
         and bias); `cancelled()` ends the search at the next step."""
         profile = profile or SamplingProfile(beam_size=4)
         ids = self.model.tokenizer.encode_chat(prompt_messages(prompt, system))
@@ -211,18 +209,16 @@ class Engine:
              context_policy: "ContextPolicy" = "truncate", kv_bits: int | None = None,
              kv_group_size: int = 64, speculative: str | Speculation = "off",
              reasoning_budget: int | None = None, enable_thinking: bool | None = None,
-             tools: "Sequence[Any] | Toolbox | None" = None, tool_choice: str = "auto",
-             approve: "Approve | None" = None, max_tool_steps: int = 8) -> "ChatSession":
+             tools: Sequence[Any] | Toolbox | None = None, tool_choice: str = "auto",
+             approve: Approve | None = None, max_tool_steps: int = 8) -> "ChatSession":
         """A conversation. `kv_bits` (2-8) stores its keys and values quantized (mlx-lm's QuantizedKVCache: less
         memory for long contexts, small numeric drift); it cannot be combined with a rotating window.
         `reasoning_budget` and `enable_thinking` work as `stream`'s, for every turn (the session's `reasoning`).
 
-        `tools`: MCP servers (`core.mcp.MCPServer`) and plain Python functions the model may call (or a
-        `Toolbox`): each `send` then runs the tool loop (core/tool_loop.py) — calls asked of `approve(call,
+        `tools`: MCP servers (`core.chat.mcp.MCPServer`) and plain Python functions the model may call (or a
+        `Toolbox`): each `send` then runs the tool loop (core/chat/tool_loop.py) — calls asked of `approve(call,
         source)` ("once", "always", "deny"; None allows every call), run, their results fed back, at most
         `max_tool_steps` rounds; `tool_choice` ("auto", "required", "none") is each turn's first reply's."""
-        from .tool_loop import TOOL_CHOICES, Toolbox
-
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
         toolbox = tools if isinstance(tools, Toolbox) or tools is None else Toolbox(list(tools))
@@ -290,7 +286,7 @@ class Engine:
             self._kv_stores[kv] = KVStore(self.kv_cache_dir, self.model, kv, int(self.kv_cache_mb * 2**20))
         return self._kv_stores[kv]
 
-    # --- requests (run on the inference thread; the text layer is core/reply.py) ------------------------------
+    # --- requests (run on the inference thread; the text layer is core/decode/reply.py) ------------------------------
 
     def request(self, profile: SamplingProfile | None = None, max_tokens: int | None = None,
                 stop: Sequence[str] | None = None, trace: int = 0, speculative: str | Speculation = "off",
@@ -310,8 +306,8 @@ class Engine:
                     forced: Forced | None = None,
                     before_done: Callable[[GenerationResult], None] | None = None) -> GenerationResult:
         """On the inference thread: answer `prompt` (token ids) into `cache`, emitting PrefillProgress, TokenEvents
-        and a final Done on `job`. Tokens come from the step loop (`core.generate.StepLoop`, one row); the text,
-        stops, metrics and result from `core.reply.Reply`. `forced` is the start of the reply, already decided (a
+        and a final Done on `job`. Tokens come from the step loop (`core.decode.generate.StepLoop`, one row); the text,
+        stops, metrics and result from `core.decode.reply.Reply`. `forced` is the start of the reply, already decided (a
         branch): it is fed to the model after the prompt, and the reply continues from it. `before_done(result)`
         runs just before the Done is emitted."""
         m = self.model
@@ -351,7 +347,7 @@ class Engine:
 
     @contextlib.contextmanager
     def _device_practices(self) -> Iterator[None]:
-        """mlx-lm's practices on a GPU, as core/backend.py decides them: a generation stream of its own, and the
+        """mlx-lm's practices on a GPU, as core/model/backend.py decides them: a generation stream of its own, and the
         wired-memory limit raised to the recommended working set (mlx-lm's own `wired_limit`). Nothing on the CPU."""
         if not wants_generation_stream(self.backend):
             yield

@@ -41,7 +41,7 @@ def cache_dir() -> Path:
 
 
 def kv_cache_dir() -> Path:
-    """Where the TUI and `mlxchat serve` save conversations' KV caches by default (core/kv_store.py)."""
+    """Where the TUI and `mlxchat serve` save conversations' KV caches by default (core/cache/kv_store.py)."""
     return cache_dir() / "kv"
 
 

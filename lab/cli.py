@@ -439,7 +439,7 @@ def _make_judge(args: argparse.Namespace) -> Any:
         endpoint = Endpoint(args.judge_url, args.judge_api_key)
         return J.EndpointJudge(endpoint, args.judge or endpoint.default_model(), args.judge_max_tokens)
     from mlxchat.core import Engine
-    from mlxchat.core.loader import EMBEDDED_FILE
+    from mlxchat.core.model.loader import EMBEDDED_FILE
 
     return J.EngineJudge(args.judge or EMBEDDED_FILE.removesuffix(".gguf"), lambda: Engine.load(args.judge),
                          args.judge_max_tokens)

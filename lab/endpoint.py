@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from mlxchat.core import SamplingProfile
-from mlxchat.core.sampler_params import PARAMS
+from mlxchat.core.sampling.sampler_params import PARAMS
 
 
 class EndpointError(ValueError):
@@ -31,7 +31,7 @@ class Completion:
 
 def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | None) -> dict[str, Any]:
     """A profile as a chat-completions request: OpenAI's names, plus the extra sampler fields a setting turns on.
-    `stop` adds to the profile's stop strings, as it does for the engine (core/reply.py's Request)."""
+    `stop` adds to the profile's stop strings, as it does for the engine (core/decode/reply.py's Request)."""
     body: dict[str, Any] = {**_sampler_fields(profile), "max_tokens": max_tokens}
     if profile.seed is not None:
         body["seed"] = profile.seed
@@ -47,9 +47,9 @@ def request_body(profile: SamplingProfile, max_tokens: int, stop: list[str] | No
 
 
 def _sampler_fields(profile: SamplingProfile) -> dict[str, Any]:
-    """The sampler parameters to send (core/sampler_params.py): OpenAI's own always; the others (vLLM, llama.cpp and
-    mlxchat serve take them at the top level) only when a setting turns their sampler on, since a hosted API refuses
-    a name it does not know, and then with the parameters that go with it (dry_base with dry_multiplier)."""
+    """The sampler parameters to send (core/sampling/sampler_params.py): OpenAI's own always; the others (vLLM,
+    llama.cpp and mlxchat serve take them at the top level) only when a setting turns their sampler on, since a hosted
+    API refuses a name it does not know, and then with the parameters that go with it (dry_base with dry_multiplier)."""
     on = {n for n, p in PARAMS.items() if p.goes_with is None and (p.openai or getattr(profile, n) != p.defaults())}
     return {n: getattr(profile, n) for n, p in PARAMS.items() if n in on or p.goes_with in on}
 

@@ -6,8 +6,8 @@ case-insensitive), ``max_words`` (the reply is at most that many words) and ``st
 engine, for completion items). An output passes when every check the prompt has passes.
 
 ``schema`` (a table: a JSON Schema) asks for JSON: the reply is generated under it (a ``json_schema`` response format,
-core/response_format.py) unless ``constrain = false``, and the ``schema_valid`` metric counts the outputs that parse
-as JSON and validate under it (with the ``jsonschema`` package), constrained or not.
+core/sampling/response_format.py) unless ``constrain = false``, and the ``schema_valid`` metric counts the outputs that
+parse as JSON and validate under it (with the ``jsonschema`` package), constrained or not.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _check_schema(schema: Any, pid: str, bad: Any) -> None:
         raise bad(f"prompt {pid!r}: schema must be a table (a JSON Schema)")
     from pydantic import ValidationError
 
-    from mlxchat.core.response_format import ResponseFormat
+    from mlxchat.core.sampling.response_format import ResponseFormat
 
     try:
         ResponseFormat(type="json_schema", json_schema={"name": "schema", "schema": schema, "strict": True})

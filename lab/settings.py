@@ -6,8 +6,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from mlxchat.core import SamplingProfile
-from mlxchat.core.profile import ProfileStore
-from mlxchat.core.sampler_params import PARAMS
+from mlxchat.core.sampling.profile import ProfileStore
+from mlxchat.core.sampling.sampler_params import PARAMS
 
 from .runner import RUN_FIELDS, Setting
 

@@ -1,7 +1,7 @@
 """The host time of sampling one step of a batch's rows, on the embedded model's vocabulary size, interleaved rounds:
 "before", row by row (each `Sampler.step`) with the draw as MLX's composed ops (the code before the batched path and
 the native draw); "rows", row by row with the native draw; "one op", the rows whose chains allow it sampled
-together (core/batch_sampling.py).
+together (core/sampling/batch_sampling.py).
 
     .venv/bin/python scripts/bench_batch_sampling.py [--rows 4] [--rounds 15] [--steps 50]
 
@@ -18,9 +18,10 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxchat.core import SamplingProfile, draw
-from mlxchat.core.batch_sampling import sample_rows
-from mlxchat.core.sampling import Sampler
+from mlxchat.core import SamplingProfile
+from mlxchat.core.sampling import draw
+from mlxchat.core.sampling.batch_sampling import sample_rows
+from mlxchat.core.sampling.chain import Sampler
 
 VOCAB = 49152  # the embedded model's
 CHAINS = {

@@ -1,18 +1,18 @@
 #!/usr/bin/env python
-"""Fuzz the GGUF header/metadata reader (`core.gguf.read_header`): random and mutated files.
+"""Fuzz the GGUF header/metadata reader (`core.model.gguf.read_header`): random and mutated files.
 
 The property: for any bytes, `read_header` returns a header whose tensors all lie inside the file, or raises
 `ModelLoadError` (one line, naming the file). Never another exception, never a hang, never an allocation
 beyond a small multiple of the file's size (a length field claiming 2**60 must not allocate).
 
-Mutations are structure-aware: the seed files are written field by field (core/gguf_writer.py), so a mutation can
+Mutations are structure-aware: the seed files are written field by field (core/model/gguf_writer.py), so a mutation can
 aim at a length, a count, a type tag, a dimension or an offset, besides bit flips, truncations, insertions and splices.
 tests/test_fuzz.py reuses the seeds and the mutators for a bounded in-suite run (hypothesis drives them there).
 
     .venv/bin/python scripts/fuzz_gguf.py --iterations 5000 --seed 1
     .venv/bin/python scripts/fuzz_gguf.py --iterations 20 --load   # also load passing files with the real loader
 
-`--load` runs `core.loader.load` on mutated copies of a small real llama GGUF (tests/model_files.py) in a child
+`--load` runs `core.model.loader.load` on mutated copies of a small real llama GGUF (tests/model_files.py) in a child
 process, one file at a time, so a crash (a signal) of the process is seen as such.
 """
 
@@ -30,8 +30,8 @@ import tracemalloc
 from pathlib import Path
 
 # The writer (it remembers where every field is, for the mutators) is core's, shared with the tests and the bench.
-from mlxchat.core.gguf_writer import (ARRAY, BOOL, F32, F64, I8, I16, I32, I64, STRING, U8, U16, U32, U64, Field,
-                                      build_gguf)
+from mlxchat.core.model.gguf_writer import (ARRAY, BOOL, F32, F64, I8, I16, I32, I64, STRING, U8, U16, U32, U64, Field,
+                                            build_gguf)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -188,7 +188,7 @@ def check_bytes(data: bytes, path: Path, *, max_seconds: float = 2.0, trace_memo
     """Write `data` to `path` and read its header. Returns "ok" or "error: <message>"; raises PropertyViolation
     for anything but a header or a one-line ModelLoadError (another exception, too slow, too much memory)."""
     from mlxchat.core.errors import ModelLoadError
-    from mlxchat.core.gguf import read_header
+    from mlxchat.core.model.gguf import read_header
 
     path.write_bytes(data)
     if trace_memory:
@@ -237,7 +237,8 @@ def summarize(outcome: str) -> str:
 CHILD = r"""
 import sys, traceback
 import mlxchat.core
-from mlxchat.core import loader, Engine, SamplingProfile
+from mlxchat.core import Engine, SamplingProfile
+from mlxchat.core.model import loader
 from mlxchat.core.errors import ModelLoadError, MlxChatError
 for path in sys.argv[1:]:
     print("START", path, flush=True)
@@ -334,7 +335,7 @@ def mx_load_in_children(paths: list[Path], timeout: float = 300) -> dict[str, st
 def loadable_mutants(rng: random.Random, folder: Path, n: int, max_tries: int = 100_000) -> list[Path]:
     """Mutated loadable seeds that pass read_header and check_loadable: what reaches `mx.load`."""
     from mlxchat.core.errors import ModelLoadError
-    from mlxchat.core.gguf import check_loadable, read_header
+    from mlxchat.core.model.gguf import check_loadable, read_header
 
     base, fields = seed_file(loadable=True)
     out: list[Path] = []
@@ -356,7 +357,7 @@ def tiny_model_mutants(rng: random.Random, folder: Path, n: int) -> list[Path]:
     changed in place, that all pass read_header. Two bases take turns: an F16 model (tests/model_files.py) and one
     holding every quantized type mlxchat reads, K-quants included (tests/quant_models.py), whose noise lands in
     block scales as well as codes."""
-    from mlxchat.core.gguf import read_header
+    from mlxchat.core.model.gguf import read_header
     from tests.model_files import tiny_llama_gguf
     from tests.quant_models import MIXED, quantized_llama
 

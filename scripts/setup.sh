@@ -30,7 +30,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# MLX's Linux CPU wheel links a reference BLAS; core/blas.py preloads a real one when it finds it.
+# MLX's Linux CPU wheel links a reference BLAS; core/model/blas.py preloads a real one when it finds it.
 if [ "$(uname -s)" = Linux ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libopenblas.so.0 '; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing Debian's OpenBLAS (libopenblas0-pthread) for MLX's CPU backend"

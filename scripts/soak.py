@@ -42,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxchat.app.store import Store  # noqa: E402
 from mlxchat.core import Engine, SamplingProfile  # noqa: E402
-from mlxchat.core.messages import ChatMessage  # noqa: E402
+from mlxchat.core.chat.messages import ChatMessage  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in two or three sentences."
 QUESTIONS = [

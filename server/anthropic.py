@@ -11,7 +11,7 @@ stop reason and usage), message_stop. `usage` counts as Anthropic does: `input_t
 computed for this request, `cache_read_input_tokens` those reused from the prefix cache. `metadata`,
 `service_tier`, `cache_control` and the other tags of Anthropic's platform are accepted and ignored.
 
-Tools (core/tools.py does the work): custom `tools` (name, description, input_schema) and `tool_choice` ("auto",
+Tools (core/decode/tools.py does the work): custom `tools` (name, description, input_schema) and `tool_choice` ("auto",
 "any", "tool" with its name, "none"; `disable_parallel_tool_use`) constrain the reply as OpenAI's do ("tool" is one
 call, as OpenAI's named function); calls come back as `tool_use` blocks (`stop_reason: "tool_use"`), streamed as a
 whole block each (one `input_json_delta`). History's
@@ -19,8 +19,8 @@ whole block each (one `input_json_delta`). History's
 chat template as tool calls and tool messages. Structured output, `output_config.format` (a JSON schema), constrains
 the reply the same way. Anthropic's server tools (web search, bash, ...), images and documents are a 400.
 
-Extended thinking (core/reasoning.py): a thinking model's reasoning comes back as a `thinking` block before the text
-(streamed as `thinking_delta` events); `thinking` {"type": "enabled", "budget_tokens": N} bounds it at N tokens,
+Extended thinking (core/decode/reasoning.py): a thinking model's reasoning comes back as a `thinking` block before the
+text (streamed as `thinking_delta` events); `thinking` {"type": "enabled", "budget_tokens": N} bounds it at N tokens,
 {"type": "disabled"} turns a template's thinking switch off. History's thinking blocks go to the template as the
 reply's `reasoning_content` (most templates leave old thinking out). Signatures are empty: nothing is signed.
 
@@ -45,12 +45,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
-from mlxchat.core.events import Done, Metrics
-from mlxchat.core.reasoning import Reasoning, markers_for
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.decode.events import Done, Metrics
+from mlxchat.core.decode.reasoning import Reasoning, markers_for
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
 
-from mlxchat.core import tools as tool_calls
-from mlxchat.core.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
+from mlxchat.core.decode import tools as tool_calls
+from mlxchat.core.decode.tools import Tool, ToolCall, ToolChoice, ToolError, ToolUse
 
 from .protocol import ApiError, profile_error, sampler_settings, sampler_types
 from .service import Choice, GenerationFailed, Service
@@ -287,7 +287,7 @@ def _thinking(raw: dict[str, Any] | None) -> Reasoning:
 
 def _output_format(fmt: Any) -> dict[str, Any]:
     """Structured output, `output_config.format` = {"type": "json_schema", "schema": {...}}: the reply is JSON valid
-    under the schema (the sampler's constraint stage, core/constraint.py)."""
+    under the schema (the sampler's constraint stage, core/sampling/constraint.py)."""
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ApiError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
@@ -392,7 +392,7 @@ def routes(service: Service) -> list[Route]:
             return Response(status_code=499)
         request.state.results = results
         r = results[0]
-        # A reply with tools is text or calls (core/tools.py): one text block, or a tool_use block per call.
+        # A reply with tools is text or calls (core/decode/tools.py): one text block, or a tool_use block per call.
         content = [tool_use(c) for c in r.tool_calls] or [{"type": "text", "text": r.text}]
         if r.reasoning:  # a thinking model's reasoning: a thinking block first
             content.insert(0, {"type": "thinking", "thinking": r.reasoning, "signature": ""})

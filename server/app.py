@@ -25,8 +25,8 @@ from starlette.routing import Route
 
 from mlxchat.core import Engine, GenerationResult, TokenEvent
 from mlxchat.core.batch import BatchScheduler
-from mlxchat.core.events import Done
-from mlxchat.core.tools import ToolCall, render_messages
+from mlxchat.core.decode.events import Done
+from mlxchat.core.decode.tools import ToolCall, render_messages
 
 from . import anthropic, ollama, protocol
 from .protocol import ApiError
@@ -92,7 +92,7 @@ def create_app(engine: Engine, scheduler: BatchScheduler, config: ServerConfig) 
         return JSONResponse(body)
 
     def answer(req: protocol.Request, index: int, r: GenerationResult) -> dict[str, Any]:
-        # A reply with tools is text or calls (core/tools.py): with calls, the content is null, as OpenAI's.
+        # A reply with tools is text or calls (core/decode/tools.py): with calls, the content is null, as OpenAI's.
         calls = r.tool_calls
         out: dict[str, Any] = {"index": index, "finish_reason": protocol.finish_reason(r, bool(calls)),
                                "logprobs": None}

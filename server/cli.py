@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _profiles() -> dict:
     from mlxchat.core import SamplingProfile
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     store = ProfileStore()
     found = {name: SamplingProfile.preset(name) for name in SamplingProfile.presets()}
@@ -156,7 +156,7 @@ def _terminated(signum: int, _frame: object) -> None:
 
 def kv_cache_options(args: argparse.Namespace) -> dict:
     """`Engine.load`'s KV disk cache options from the flags."""
-    from mlxchat.core.kv_store import DEFAULT_BUDGET_MB
+    from mlxchat.core.cache.kv_store import DEFAULT_BUDGET_MB
     from mlxchat.core.locations import kv_cache_dir
 
     mb = DEFAULT_BUDGET_MB if args.kv_cache_mb is None else args.kv_cache_mb
@@ -168,7 +168,7 @@ def kv_cache_options(args: argparse.Namespace) -> dict:
 def _spill(engine, scheduler) -> None:  # noqa: ANN001 - core types, imported late
     """Save the prefix cache's entries to the KV cache folder before the process ends: a client resending a
     conversation after a restart is then served from disk."""
-    from mlxchat.core.kv_store import SpillingPromptCache
+    from mlxchat.core.cache.kv_store import SpillingPromptCache
 
     cache = getattr(scheduler, "prefix_cache", None)  # a split model's scheduler has none
     if isinstance(cache, SpillingPromptCache):

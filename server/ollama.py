@@ -16,14 +16,14 @@ dynatemp_*, adaptive_p_*). The options that say how Ollama runs a model (num_gpu
 meaning here and are ignored; tfs_z is refused unless neutral. `keep_alive` is accepted: the model stays loaded while
 the server runs.
 `format` ("json" or a JSON schema) becomes the profile's `response_format` (OpenAI's shape; constrained decoding,
-core/constraint.py), so the reply is valid JSON when it ends with "stop".
+core/sampling/constraint.py), so the reply is valid JSON when it ends with "stop".
 
 `/api/chat`'s `tools` are OpenAI's function tools, chosen as OpenAI's tool_choice "auto" (Ollama has no choice):
-core/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
+core/decode/tools.py constrains a call once the model starts one, and the calls come back as `message.tool_calls`
 (`[{"function": {"name", "arguments": {...}}}]`; streamed, each call a line of its own). History's assistant
 `tool_calls` and `role: "tool"` results (`tool_name` says whose) go through the chat template.
 
-`think` (core/reasoning.py): a thinking model's reasoning comes back apart, as `message.thinking` (/api/chat) or
+`think` (core/decode/reasoning.py): a thinking model's reasoning comes back apart, as `message.thinking` (/api/chat) or
 `thinking` (/api/generate), a line of its own while it streams; `think: false` turns a template's switch off, and a
 level ("low", "medium", "high") is a budget of reasoning tokens. History's `thinking` goes to the template as the
 reply's `reasoning_content`. A raw /api/generate prompt's reply is the model's text as written.
@@ -47,12 +47,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxchat.core import GenerationResult, SamplingProfile, TokenEvent
-from mlxchat.core.events import Done
-from mlxchat.core.reasoning import EFFORT_BUDGETS, Reasoning, markers_for
-from mlxchat.core import tools as tool_calls
-from mlxchat.core.reply import DEFAULT_MAX_TOKENS
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
-from mlxchat.core.tools import ToolCall, ToolError, ToolUse
+from mlxchat.core.decode.events import Done
+from mlxchat.core.decode.reasoning import EFFORT_BUDGETS, Reasoning, markers_for
+from mlxchat.core.decode import tools as tool_calls
+from mlxchat.core.decode.reply import DEFAULT_MAX_TOKENS
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.decode.tools import ToolCall, ToolError, ToolUse
 
 from .protocol import ApiError, profile_error, sampler_settings, sampler_types
 from .service import Choice, GenerationFailed, Service
@@ -205,7 +205,7 @@ def _refuse(req: _Common, **fields: Any) -> None:
 
 def _think(think: bool | str | None) -> Reasoning:
     """Ollama's `think`: false turns a template's thinking off, true (or absent) leaves it on; the reasoning comes
-    back apart as `thinking` either way. A level ("low", "medium", "high") is a budget (core/reasoning.py)."""
+    back apart as `thinking` either way. A level ("low", "medium", "high") is a budget (core/decode/reasoning.py)."""
     if isinstance(think, str):
         if think not in EFFORT_BUDGETS:
             raise ApiError(400, f"think must be true, false or one of {', '.join(EFFORT_BUDGETS)}, got {think!r}")

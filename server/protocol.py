@@ -18,13 +18,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from mlxchat.core import GenerationResult, SamplingProfile
-from mlxchat.core.events import Metrics, TokenLogprob
-from mlxchat.core.reasoning import Reasoning
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
-from mlxchat.core.tracing import check_trace
+from mlxchat.core.decode.events import Metrics, TokenLogprob
+from mlxchat.core.decode.reasoning import Reasoning
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.sampling.tracing import check_trace
 
-from mlxchat.core import tools as tool_calls
-from mlxchat.core.tools import ToolError, ToolUse
+from mlxchat.core.decode import tools as tool_calls
+from mlxchat.core.decode.tools import ToolError, ToolUse
 
 # Fields of OpenAI's API that are not implemented; each is refused by name unless it carries its neutral value.
 UNSUPPORTED = {
@@ -95,9 +95,10 @@ class _Types(_OpenAISamplers):
     profile: str | None = None
     sampler_order: list[str] | None = None
     trace: int | None = None  # mlxchat's extension: per-token sampler traces of this many candidates
-    response_format: dict[str, Any] | None = None  # core/response_format.py: OpenAI's shapes, plus regex and grammar
+    # core/sampling/response_format.py: OpenAI's shapes, plus regex and grammar
+    response_format: dict[str, Any] | None = None
     speculative: str | None = None  # mlxchat's extension: "off", "ngram", "auto" (see `check_speculative`)
-    # Thinking models (core/reasoning.py): a budget of reasoning tokens (llama.cpp's name), OpenAI's effort, and
+    # Thinking models (core/decode/reasoning.py): a budget of reasoning tokens (llama.cpp's name), OpenAI's effort, and
     # variables for the chat template (vLLM's chat_template_kwargs, e.g. {"enable_thinking": false}).
     reasoning_budget: int | None = None
     reasoning_effort: str | None = None
@@ -108,7 +109,7 @@ class _ChatTypes(_Types):
     messages: list[dict[str, Any]]
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # core/tools.py
+    tools: list[Any] | None = None  # core/decode/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -322,8 +323,8 @@ def _tools(req: _ChatTypes, fields: dict[str, Any]) -> ToolUse | None:
 
 def check_speculative(mode: str | None) -> None:
     """The `speculative` field: "ngram" and "auto" guess tokens by prompt lookup and verify them while the request
-    has the model to itself, and decode plainly in a busy batch (core/generate.py); the text is the same either way,
-    and the response's `timings` say what ran (`draft_n`, `draft_n_accepted`). "draft" is refused: the server loads
+    has the model to itself, and decode plainly in a busy batch (core/decode/generate.py); the text is the same either
+    way, and the response's `timings` say what ran (`draft_n`, `draft_n_accepted`). "draft" is refused: the server loads
     no draft model."""
     if mode is None or mode in ("off", "ngram", "auto"):
         return

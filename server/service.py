@@ -25,11 +25,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
 from mlxchat.core.errors import ContextLengthError
-from mlxchat.core.events import Done
-from mlxchat.core.reasoning import Reasoning
+from mlxchat.core.decode.events import Done
+from mlxchat.core.decode.reasoning import Reasoning
 
-from mlxchat.core import tools as tool_calls
-from mlxchat.core.tools import Tool, ToolUse
+from mlxchat.core.decode import tools as tool_calls
+from mlxchat.core.decode.tools import Tool, ToolUse
 
 from .protocol import ApiError
 
@@ -160,7 +160,7 @@ class Service:
     def encode_chat(self, messages: list[dict[str, Any]], field: str = "messages", tools: Sequence[Tool] = (),
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation through the model's chat template, ready for a reply; it must fit the context. `tools`
-        are shown to the model, and tool messages rendered, as core/tools.py says."""
+        are shown to the model, and tool messages rendered, as core/decode/tools.py says."""
         tok = self.engine.model.tokenizer
         rendered, shown = tool_calls.render_messages(messages, list(tools), tok.knows_tools)
         try:
@@ -201,7 +201,7 @@ class Service:
                            headers={"Retry-After": "1"}) from None
         except ContextLengthError as e:
             raise ApiError(400, f"{e}: shorten the prompt") from None
-        except ValueError as e:  # settings valid alone but not together (core.reply.Request.make says which)
+        except ValueError as e:  # settings valid alone but not together (core.decode.reply.Request.make says which)
             for c in choices:
                 c.request.cancel()
             raise ApiError(400, str(e)) from None

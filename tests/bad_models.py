@@ -1,7 +1,7 @@
 """Bad model files for the reliability tests (engine and CLI): each is written by the test into its own folder,
 named, with what the one-line error must say. A helper module, not a test module, so several test files share it.
 
-core's GGUF writer (core/gguf_writer.py, also the fuzzer's) builds the malformed headers.
+core's GGUF writer (core/model/gguf_writer.py, also the fuzzer's) builds the malformed headers.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from mlxchat.core import gguf
-from mlxchat.core.gguf_writer import build_gguf
+from mlxchat.core.model import gguf
+from mlxchat.core.model.gguf_writer import build_gguf
 
 
 def _gguf(meta: list, tensors: list | None = None) -> bytes:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxchat.core import gguf
-from mlxchat.core.loader import embedded_model_path
+from mlxchat.core.model import gguf
+from mlxchat.core.model.loader import embedded_model_path
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 
@@ -77,7 +77,7 @@ def tiny_llama_gguf(path: Path, *, dtype: mx.Dtype = mx.float16, architecture: s
 
 def hf_cache_with_tiny_model(cache_dir: Path, repo_id: str = "mlxchat-test/tiny-llama") -> Path:
     """A Hugging Face hub cache (models--org--name/snapshots/<rev>/, refs/main) holding a tiny MLX llama."""
-    from mlxchat.core.tokenizer import from_gguf_metadata
+    from mlxchat.core.model.tokenizer import from_gguf_metadata
 
     revision = "0123456789abcdef0123456789abcdef01234567"
     repo = cache_dir / ("models--" + repo_id.replace("/", "--"))

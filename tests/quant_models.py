@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxchat.core import gguf
-from mlxchat.core.gguf_writer import write_gguf
+from mlxchat.core.model import gguf
+from mlxchat.core.model.gguf_writer import write_gguf
 from tests.model_files import embedded_metadata
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 256, 2, 4, 2, 512

@@ -18,7 +18,7 @@ import time
 import mlxchat.core  # noqa: F401 - the optimized BLAS before MLX
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.distributed.leader import PeerLostError, SplitEngine
-from mlxchat.core.events import TokenEvent
+from mlxchat.core.decode.events import TokenEvent
 
 PROMPT = "What is the capital of France?"
 STORY = "Write a long story about a dragon who learns to read."

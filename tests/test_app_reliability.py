@@ -31,10 +31,10 @@ from mlxchat.app.app import MlxChatApp
 from mlxchat.app.engine_worker import EngineWorker
 from mlxchat.app.screens import ProfilePicker, TextPrompt
 from mlxchat.app.store import Store
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 from mlxchat.app.widgets import Notice
 from mlxchat.core import SamplingProfile
-from mlxchat.core.loader import embedded_model_path
+from mlxchat.core.model.loader import embedded_model_path
 
 MAX_TOKENS = 4
 SIZE = (110, 32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxchat.core.backend import (
+from mlxchat.core.model.backend import (
     Backend, KVOptions, clear_cache_after_prefill, kv_options, memory_warning, wants_generation_stream,
     wants_wired_limit,
 )

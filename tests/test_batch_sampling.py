@@ -1,7 +1,7 @@
-"""A batch's rows sampled as one op (core/batch_sampling.py) draw exactly the tokens each row's own `Sampler.step`
-draws: greedy and seeded, for every chain shape that batches, with each row's own values, on random logits with ties
-and masked tokens; and the report's log-probabilities are the same bits. The model-level check (rows of mixed
-profiles through the batch scheduler) is in tests/test_server_batch.py."""
+"""A batch's rows sampled as one op (core/sampling/batch_sampling.py) draw exactly the tokens each row's own
+`Sampler.step` draws: greedy and seeded, for every chain shape that batches, with each row's own values, on random
+logits with ties and masked tokens; and the report's log-probabilities are the same bits. The model-level check (rows of
+mixed profiles through the batch scheduler) is in tests/test_server_batch.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from mlxchat.core import SamplingProfile
-from mlxchat.core.batch_sampling import chain_key, sample_rows
-from mlxchat.core.candidates import log_softmax
-from mlxchat.core.sampling import Sampler
+from mlxchat.core.sampling.batch_sampling import chain_key, sample_rows
+from mlxchat.core.sampling.candidates import log_softmax
+from mlxchat.core.sampling.chain import Sampler
 
 V = 3000
 

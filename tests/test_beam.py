@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.beam import _score, beam_search
+from mlxchat.core.decode.beam import _score, beam_search
 
 
 def brute_force(model: nn.Module, eos: frozenset[int], prompt: list[int], beam_size: int, horizon: int,
@@ -71,8 +71,8 @@ def test_a_beam_cut_inside_a_character_ends_before_it(engine: Engine):
 
 
 def test_a_beam_is_a_reply_stop_strings_bias_cancel_and_metrics(engine: Engine):
-    """Beams go through the text layer every request has (core/reply.py): a stop string ends a beam before it, the
-    processors (here logit_bias) shape the scores, a cancel ends the live beams, each beam carries the metrics."""
+    """Beams go through the text layer every request has (core/decode/reply.py): a stop string ends a beam before it,
+    the processors (here logit_bias) shape the scores, a cancel ends the live beams, each beam carries the metrics."""
     ask = "Count from one to ten, separated by commas."
     plain = engine.beam_search(ask, profile=SamplingProfile(beam_size=2), max_tokens=6)
     best = plain[0]

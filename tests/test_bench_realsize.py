@@ -10,7 +10,7 @@ import pytest
 
 from mlxchat.bench import realsize as R
 from mlxchat.bench.stats import format_targets
-from mlxchat.core import gguf
+from mlxchat.core.model import gguf
 
 TINY = R.Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
 

@@ -10,7 +10,7 @@ import pytest
 
 from mlxchat.app.cli import build_parser, chat_options, main, parse_args
 from mlxchat.app.store import Store
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 SIZE = (100, 30)
 

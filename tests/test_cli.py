@@ -20,7 +20,7 @@ import pytest
 
 from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.profile import ProfileStore
+from mlxchat.core.sampling.profile import ProfileStore
 from tests.bad_models import BAD_NAMES, bad_model_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,7 +227,7 @@ def test_real_processes_give_one_line_or_an_answer(bad_files, tiny: Path, tmp_pa
 
 def test_stats_of_an_empty_reply_say_there_was_no_decode_rather_than_zero() -> None:
     from mlxchat.app.cli import format_stats
-    from mlxchat.core.events import Metrics
+    from mlxchat.core.decode.events import Metrics
 
     empty = format_stats(Metrics(prompt_tokens=40, ttft_s=6.47, prefill_s=6.47))
     assert "TTFT 6.47 s" in empty and "no decode rate" in empty and "0.0 tok/s" not in empty

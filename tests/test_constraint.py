@@ -19,13 +19,13 @@ from pydantic import ValidationError
 
 from mlxchat.app.cli import main
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core import constraint
+from mlxchat.core.sampling import constraint
 from mlxchat.core.batch import BatchRequest, BatchScheduler
-from mlxchat.core.candidates import Candidates
-from mlxchat.core.constraint import constraint_for
-from mlxchat.core.events import Done, TokenEvent
-from mlxchat.core.profile import ProfileError, ProfileStore
-from mlxchat.core.sampling import Sampler
+from mlxchat.core.sampling.candidates import Candidates
+from mlxchat.core.sampling.constraint import constraint_for
+from mlxchat.core.decode.events import Done, TokenEvent
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore
+from mlxchat.core.sampling.chain import Sampler
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
@@ -307,7 +307,7 @@ def test_a_batch_decodes_on_while_a_newcomer_grammar_compiles(engine: Engine, mo
 def test_the_lazy_order_draws_what_the_full_mask_draws(engine: Engine, monkeypatch, settings: dict) -> None:
     """Draw unmasked, check the token, mask only when it is refused: the same tokens as masking every step, on the
     model's replies (the check decides most steps) and on random logits (the mask decides most)."""
-    from mlxchat.core import sampling
+    from mlxchat.core.sampling import chain
     tok, vocab = engine.model.tokenizer, engine.model.vocab_size
     profile = SamplingProfile(**settings, response_format=PERSON_FORMAT)
     lazy = engine.generate("Describe a person as JSON.", profile=profile, max_tokens=40)
@@ -326,7 +326,7 @@ def test_the_lazy_order_draws_what_the_full_mask_draws(engine: Engine, monkeypat
     lazy_ids, s = draws()
     assert s.lazy and s.constraint.checks < s.constraint.masks  # random logits: mostly refused, masked
     assert 0 < lazy.metrics.constraint_checks <= lazy.metrics.constraint_masks
-    monkeypatch.setattr(sampling, "LAZY_CONSTRAINT", False)
+    monkeypatch.setattr(chain, "LAZY_CONSTRAINT", False)
     full = engine.generate("Describe a person as JSON.", profile=profile, max_tokens=40)
     full_ids, s = draws()
     assert not s.lazy and s.constraint.checks == 0 and full.metrics.constraint_checks == 0
@@ -348,7 +348,7 @@ def test_the_check_of_one_token_agrees_with_the_mask(engine: Engine) -> None:
     """The lazy order's check against the full mask, on every token of the vocabulary, along replies of a JSON
     schema (forced keys and separators, free strings and numbers), a regex and the tools' "auto" grammar (text or
     calls, llguidance's lexeme negation)."""
-    from mlxchat.core.tools import ToolUse
+    from mlxchat.core.decode.tools import ToolUse
     tok, vocab = engine.model.tokenizer, engine.model.vocab_size
     eos = sorted(tok.eos_ids)
     use = ToolUse.make([{"type": "function", "function": {"name": "weather", "parameters": {

@@ -12,7 +12,7 @@ from mlxchat.app.config import ConfigError, Settings
 from mlxchat.app.conversation import ChatController
 from mlxchat.app.store import Store
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.events import Done
+from mlxchat.core.decode.events import Done
 
 # ~110 tokens each: two of them and the template overflow the tiny model's context of 256.
 FIRST = "Tell me about the sea. " + "The sea is wide and deep and blue. " * 12

@@ -13,7 +13,7 @@ from mlxchat.app.conversation import CHECKPOINT_S, ChatController, Refused, Stat
 from mlxchat.app.inspection import Inspection
 from mlxchat.app.store import Store
 from mlxchat.core import SamplingProfile
-from mlxchat.core.events import Done, PrefillProgress, TokenEvent
+from mlxchat.core.decode.events import Done, PrefillProgress, TokenEvent
 
 SYSTEM = "You are a helpful assistant."
 

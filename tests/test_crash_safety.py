@@ -178,7 +178,7 @@ WRITER = r'''
 import sys, time
 from pathlib import Path
 from mlxchat.app.store import Store
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 db, name, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 store = Store(db)

@@ -16,7 +16,7 @@ from mlxchat.app.cli import main
 from mlxchat.core.distributed import HostsError, read_hosts
 from mlxchat.core.distributed.channel import Link
 from mlxchat.core.distributed.common import layer_weights
-from mlxchat.core.distributed.stage import Stage, check_tensor_parallel, split_layers
+from mlxchat.core.model.split import Stage, check_tensor_parallel, split_layers
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -154,7 +154,7 @@ def test_the_plan_carries_the_policy_asked_for_and_each_rank_resolves_it(monkeyp
     """Whether the native kernel runs is a fact of each machine: a rank 0 without it resolves "auto" to "fallback",
     which no machine can load by name (it failed every worker under MLXCHAT_NATIVE=0). The plan sends what was asked
     for, and a worker loads it on its own terms."""
-    from mlxchat.core import loader
+    from mlxchat.core.model import loader
     from mlxchat.core.distributed.common import Plan
 
     monkeypatch.setenv("MLXCHAT_NATIVE", "0")

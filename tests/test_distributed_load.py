@@ -10,9 +10,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxchat.core import gguf, loader
-from mlxchat.core.distributed.stage import Stage
-from mlxchat.core.gguf_tensors import read_tensors
+from mlxchat.core.model import gguf, loader
+from mlxchat.core.model.split import Stage
+from mlxchat.core.model.gguf_tensors import read_tensors
 from tests.model_files import hf_cache_with_tiny_model, tiny_llama_gguf
 
 def test_every_embedded_gguf_tensor_equals_mx_load() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxchat.core import ContextLengthError, Engine, SamplingProfile
-from mlxchat.core.events import Done, PrefillProgress, TokenEvent
+from mlxchat.core.decode.events import Done, PrefillProgress, TokenEvent
 
 QUESTION = "What is the capital of France?"
 
@@ -56,7 +56,7 @@ def test_deltas_concatenate_to_the_final_text(engine: Engine):
 @pytest.mark.parametrize("text", ["Emoji 🎉🐍👍🏽 and more 🇫🇷", "中文字符：你好，世界。日本語も。",
                                   "naïve café — ∑ ≤ ∞"])
 def test_streaming_detokenizer_never_emits_broken_utf8(engine: Engine, text: str):
-    from mlxchat.core.streaming import IncrementalDetokenizer
+    from mlxchat.core.decode.streaming import IncrementalDetokenizer
 
     tok = engine.model.tokenizer
     ids = tok.encode(text)
@@ -86,7 +86,7 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(engine: Engine, g
 
 
 def test_stop_filter_holds_back_prefixes():
-    from mlxchat.core.streaming import StopStringFilter
+    from mlxchat.core.decode.streaming import StopStringFilter
 
     f = StopStringFilter(["</answer>", "STOP"])
     out = [f.feed(t) for t in ["The ", "result</", "ans", "wer> tail"]]
@@ -219,7 +219,7 @@ def test_rotating_cache_keeps_generating_past_its_window_with_bounded_memory(eng
 def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
     """Issue #12 item 12: chunks stay at the step while a layer of one takes under the budget, and shrink (not below
     MIN_CHUNK) when it takes longer."""
-    from mlxchat.core.cache import MIN_CHUNK, ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import MIN_CHUNK, ConversationCache, prefill
 
     ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300]
 
@@ -237,7 +237,7 @@ def test_prefill_chunks_shrink_to_the_time_budget(engine: Engine):
 def test_a_cancel_lands_between_layers_and_leaves_the_cache_as_before_the_chunk(engine: Engine):
     """Issue #12 item 12: a cancel waits for one layer of a chunk, not the whole chunk, and the cache keeps exactly
     the chunks before it: prefilling on from there gives the cache a fresh prefill gives."""
-    from mlxchat.core.cache import ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import ConversationCache, prefill
 
     model = engine.model.model
     ids = engine.model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:200]
@@ -271,7 +271,7 @@ def test_a_cancel_lands_between_layers_and_leaves_the_cache_as_before_the_chunk(
 def test_a_model_that_cannot_stop_between_layers_finishes_its_chunk(engine: Engine):
     """A model split across machines (tensor parallel) says `interruptible = False`: its ranks must run each pass to
     the end, so a cancel waits for the chunk."""
-    from mlxchat.core.cache import ConversationCache, prefill
+    from mlxchat.core.cache.kv_cache import ConversationCache, prefill
 
     class WholePasses:
         interruptible = False

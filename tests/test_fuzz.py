@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from mlxchat.core import ModelLoadError
-from mlxchat.core import gguf
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
-from mlxchat.core.sampling import Sampler
+from mlxchat.core.model import gguf
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampling.chain import Sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("fuzz_gguf", ROOT / "scripts" / "fuzz_gguf.py")

@@ -1,4 +1,4 @@
-"""GGUF architectures (core/gguf_archs.py): each test model (tests/arch_models.py) loads and generates, and its
+"""GGUF architectures (core/model/gguf_archs.py): each test model (tests/arch_models.py) loads and generates, and its
 logits equal llama.cpp's on the same F32 file at every position, teacher-forced, both in a whole-prompt pass and
 one token at a time through the caches (rope, norms, soft-caps, sliding windows, rope_freqs)."""
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxchat.core import Engine, ModelLoadError, SamplingProfile, loader, native_decoder
-from mlxchat.core.distributed.stage import Stage
+from mlxchat.core import Engine, ModelLoadError, SamplingProfile
+from mlxchat.core.model import loader, native_decoder
+from mlxchat.core.model.split import Stage
 from tests.arch_models import ARCHS, GEMMA_TOKENS, WINDOW, write_model
 
 pytest.importorskip("gguf", reason="gguf-py (PyPI gguf) writes the test models")
@@ -160,7 +161,7 @@ def test_a_pipeline_stage_refuses_what_it_cannot_split(f32_files: dict[str, Path
 
 
 def test_a_pipeline_stage_keeps_llama_3s_rope_freqs(f32_files: dict[str, Path]):
-    from mlxchat.core.gguf_archs import FrequencyRoPE
+    from mlxchat.core.model.gguf_archs import FrequencyRoPE
 
     for rank in (0, 1):
         model = loader.load(f32_files["llama3"], weights="dequantize", stage=Stage(rank, (1, 1))).model

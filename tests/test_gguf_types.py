@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxchat.core import gguf, gguf_tensors, loader
+from mlxchat.core.model import gguf, gguf_tensors, loader
 from mlxchat.core.errors import ModelLoadError
-from mlxchat.core.gguf_writer import write_gguf
+from mlxchat.core.model.gguf_writer import write_gguf
 from tests.quant_models import MIXED, quantized_llama, random_blocks, reference_f32
 
 gguf_py = pytest.importorskip("gguf", reason="gguf-py (PyPI gguf) is the reference dequantizer")

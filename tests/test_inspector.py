@@ -1,6 +1,6 @@
 """The sampler inspector's plain logic (app/inspector.py, app/replay.py): heat colours, the token strip, table
 rows, replay alignment and the replay's change. No terminal and no model: traces are built by hand in the shape
-core/trace.py promises."""
+core/sampling/trace.py promises."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from rich.color import Color, ColorType
 
 from mlxchat.app import inspector
 from mlxchat.app.replay import ReplayError, ReplaySource
-from mlxchat.core.messages import ChatMessage
-from mlxchat.core.trace import Candidate, TokenTrace
+from mlxchat.core.chat.messages import ChatMessage
+from mlxchat.core.sampling.trace import Candidate, TokenTrace
 
 STAGES = ("processed", "TopK(3)", "TopP(0.5)", "Temperature(0.7)")
 

@@ -1,5 +1,5 @@
-"""KV caches saved to disk (core/kv_store.py): a conversation reopened by a fresh engine loads its prefix instead of
-prefilling it, with the same tokens as a cold prefill; files of another model, weight path or KV setting are never
+"""KV caches saved to disk (core/cache/kv_store.py): a conversation reopened by a fresh engine loads its prefix instead
+of prefilling it, with the same tokens as a cold prefill; files of another model, weight path or KV setting are never
 used; broken files are removed with one warning; the folder keeps to its budget."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.backend import KVOptions
-from mlxchat.core.kv_store import KVStore, fingerprint
+from mlxchat.core.model.backend import KVOptions
+from mlxchat.core.cache.kv_store import KVStore, fingerprint
 
 SYSTEM = "You are terse."
 
@@ -65,7 +65,7 @@ def test_a_conversation_saved_by_one_engine_is_loaded_by_a_fresh_one(engine: Eng
     # A truncated file is removed with one warning and the reply is the cold one; so is a quantized chat reopened.
     [plain] = [p for p in _files(tmp_path) if p.parent.name == fresh.kv_store().fingerprint]
     plain.write_bytes(plain.read_bytes()[:-100])
-    with caplog.at_level(logging.WARNING, logger="mlxchat.core.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="mlxchat.core.cache.kv_store"):
         again = engine.with_kv_cache(tmp_path).chat(system=SYSTEM, profile=greedy)
         again.replace_history(history)
         broken = again.send("Name a colour.", max_tokens=6).wait()
@@ -101,7 +101,7 @@ def test_files_of_another_model_policy_or_kv_setting_are_never_used(engine: Engi
     live = ours.folder / f".abc.{os.getpid()}.tmp.safetensors"
     dead.write_bytes(b"x")
     live.write_bytes(b"x")
-    with caplog.at_level(logging.WARNING, logger="mlxchat.core.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="mlxchat.core.cache.kv_store"):
         fresh = KVStore(tmp_path, model)
     assert len(fresh) == 0 and not moved.exists() and not (ours.folder / "garbage.safetensors").exists()
     assert not dead.exists() and live.exists()
@@ -118,7 +118,7 @@ def test_the_folder_keeps_to_its_budget_least_recently_used_first(engine: Engine
     model = engine.model
     one = 2 * model.num_layers * 3 * 40 * 64 * 4  # bytes of keys and values for 40 tokens
     store = KVStore(tmp_path, model, budget_bytes=int(2.5 * one))
-    with caplog.at_level(logging.INFO, logger="mlxchat.core.kv_store"):
+    with caplog.at_level(logging.INFO, logger="mlxchat.core.cache.kv_store"):
         for first in (1, 2, 3):
             store.save([first, *range(100, 139)], _layers(model.num_layers, 40))
             store.flush()
@@ -172,7 +172,7 @@ def test_the_servers_prefix_cache_spills_to_disk_and_a_restarted_one_serves_from
     import queue
 
     from mlxchat.core.batch import BatchRequest, BatchScheduler
-    from mlxchat.core.events import Done
+    from mlxchat.core.decode.events import Done
 
     def answer(s: BatchScheduler, messages: list[dict[str, str]]):  # noqa: ANN202 - GenerationResult
         q: queue.Queue = queue.Queue()

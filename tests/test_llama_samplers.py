@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mlxchat.core import SamplingProfile, final_distribution
-from mlxchat.core import dry
-from mlxchat.core.sampling import Sampler
+from mlxchat.core.sampling import dry
+from mlxchat.core.sampling.chain import Sampler
 
 TOLERANCE = 1e-4
 UNDERFLOW = 1e-30
@@ -225,7 +225,7 @@ def test_against_numpy_reference() -> None:
 
 
 def test_dry_native_matches_the_host_algorithm() -> None:
-    """The native op and core.dry's Python algorithm (the path without the extension) give the same logits."""
+    """The native op and core.sampling.dry's Python algorithm (the path without the extension) give the same logits."""
     from mlxchat.core import native
     if not native.available():
         pytest.skip(native.unavailable_reason())
@@ -362,8 +362,8 @@ def llama() -> tuple[LlamaChain, Any]:
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it is never a dependency)")
     from model_files import embedded_metadata
 
-    from mlxchat.core.loader import embedded_model_path
-    from mlxchat.core.tokenizer import from_gguf_metadata
+    from mlxchat.core.model.loader import embedded_model_path
+    from mlxchat.core.model.tokenizer import from_gguf_metadata
 
     ll = llama_cpp.llama_cpp
     ll.llama_backend_init()
@@ -394,7 +394,7 @@ def test_the_trace_names_the_sequence_dry_matched() -> None:
     """The inspector's DRY column: a traced step records DRY's shift per candidate and the repeated sequence the
     candidate would extend; the new transforms are stages of their own, with the reason for each cut."""
     from mlxchat.app import inspector
-    from mlxchat.core.tracing import Tracer
+    from mlxchat.core.sampling.tracing import Tracer
 
     words = ["the", " cat", " sat", " on", " mat", "."]
     profile = SamplingProfile(temperature=0.8, seed=1, dry_multiplier=1.0, top_n_sigma=1.0)

@@ -8,8 +8,8 @@ import pytest
 
 from mlxchat.core import native
 from mlxchat.core import Engine, ModelLoadError, SamplingProfile
-from mlxchat.core import loader
-from mlxchat.core.loader import embedded_model_path
+from mlxchat.core.model import loader
+from mlxchat.core.model.loader import embedded_model_path
 from tests.model_files import hf_cache_with_tiny_model, tiny_llama_gguf
 
 
@@ -101,7 +101,7 @@ def test_unsupported_architecture(tmp_path: Path):
 def test_unsupported_tensor_type(tmp_path: Path):
     import struct
 
-    from mlxchat.core import gguf
+    from mlxchat.core.model import gguf
 
     path = tiny_llama_gguf(tmp_path / "k-quant.gguf")
     header = gguf.read_header(path)
@@ -134,7 +134,7 @@ def _sentencepiece_metadata() -> dict:
 
 
 def _byte_level_variant(which: str) -> dict:
-    """The embedded (byte-level BPE) metadata changed where core/tokenizer.py's own byte-level build branches."""
+    """The embedded (byte-level BPE) metadata changed where core/model/tokenizer.py's own byte-level build branches."""
     from tests.model_files import embedded_metadata
 
     meta = embedded_metadata()
@@ -160,7 +160,7 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    from mlxchat.core.tokenizer import _END_TOKENS, from_gguf_metadata
+    from mlxchat.core.model.tokenizer import _END_TOKENS, from_gguf_metadata
     from tests.model_files import embedded_metadata
 
     meta = {"embedded": embedded_metadata, "sentencepiece": _sentencepiece_metadata}.get(
@@ -196,7 +196,7 @@ def test_gguf_tokenizer_is_transformers_own_conversion(which: str):
 def test_header_drops_the_tokenizer_arrays_once_built():
     """The loader drops the header's vocabulary and merges (~7 MB of Python strings) before the weights are read;
     what reads the header after that sees their lengths, as it sees arrays the reader did not keep."""
-    from mlxchat.core import gguf, gguf_archs
+    from mlxchat.core.model import gguf, gguf_archs
 
     header = gguf.read_header(embedded_model_path())
     del header.metadata["llama.vocab_size"]  # the vocabulary's length is then the model's vocabulary size

@@ -12,7 +12,7 @@ import pytest
 from mlxchat.app import cli
 from mlxchat.app.app import make_app
 from mlxchat.core.locations import Locations
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore, SamplingProfile
 
 
 # --- folders and profiles --------------------------------------------------------------------------------------

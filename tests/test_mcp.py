@@ -1,5 +1,5 @@
-"""MCP tools (core/mcp.py, core/tool_loop.py, `generate --mcp`) against real MCP servers: `mcp-server-time` from
-PyPI over stdio, tests/mcp_servers.py (built with the SDK: tools that fail, hang, crash their server, return huge
+"""MCP tools (core/chat/mcp.py, core/chat/tool_loop.py, `generate --mcp`) against real MCP servers: `mcp-server-time`
+from PyPI over stdio, tests/mcp_servers.py (built with the SDK: tools that fail, hang, crash their server, return huge
 or non-text results) over stdio and over streamable HTTP on 127.0.0.1. The servers start once per module; the
 tests that run the embedded model ask for its fixture (the model tier)."""
 
@@ -21,10 +21,10 @@ from mlxchat.app.export import markdown
 from mlxchat.app.store import MIGRATIONS, Store
 from mlxchat.app.turns import Turn
 from mlxchat.core import SamplingProfile
-from mlxchat.core.mcp import MCPError, MCPServer
-from mlxchat.core.messages import ChatMessage
-from mlxchat.core.tool_loop import ToolCallEvent, ToolResultEvent, Toolbox, function_tool
-from mlxchat.core.tools import ToolCall
+from mlxchat.core.chat.mcp import MCPError, MCPServer
+from mlxchat.core.chat.messages import ChatMessage
+from mlxchat.core.chat.tool_loop import ToolCallEvent, ToolResultEvent, Toolbox, function_tool
+from mlxchat.core.decode.tools import ToolCall
 
 TEST_SERVER = str(Path(__file__).with_name("mcp_servers.py"))
 

@@ -17,7 +17,7 @@ from mlxchat.app.export import markdown
 from mlxchat.app.screens.tools import ToolApproval, ToolsScreen
 from mlxchat.app.store import Store
 from mlxchat.app.widgets.tool_calls import ToolCallBlock
-from mlxchat.core.tools import ToolCall
+from mlxchat.core.decode.tools import ToolCall
 
 TEST_SERVER = str(Path(__file__).with_name("mcp_servers.py"))
 SERVERS = {"test": {"command": sys.executable, "args": [TEST_SERVER], "timeout": 2}}

@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxchat.core import loader, native, native_linear
+from mlxchat.core import native
+from mlxchat.core.model import loader, native_linear
 from tests.model_files import hf_cache_with_tiny_model
 
 PROMPT = [1, 504, 3058, 282, 253, 1345, 28, 198, 17, 30, 17]

@@ -1,5 +1,5 @@
-"""Models by name (issue 12 item 17): `mlxchat pull / models / rm` and core.hub, against a Hugging Face cache the test
-builds (a real snapshot layout with a tiny loadable model and a repo mlxchat cannot load); no network."""
+"""Models by name (issue 12 item 17): `mlxchat pull / models / rm` and core.model.hub, against a Hugging Face cache the
+test builds (a real snapshot layout with a tiny loadable model and a repo mlxchat cannot load); no network."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from mlxchat.app.cli import main
 from mlxchat.app.models import hf_cache_choices
 from mlxchat.app.store import Store
-from mlxchat.core import hub
+from mlxchat.core.model import hub
 from tests.model_files import hf_cache_with_tiny_model
 
 

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxchat.core import Engine, SamplingProfile, loader, native
-from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
+from mlxchat.core import Engine, SamplingProfile, native
+from mlxchat.core.model import loader
+from mlxchat.core.model.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
 from tests.avx2_process import run_on_avx2
 from tests.markers import needs_native
 
@@ -244,7 +245,7 @@ def _ggml_dequantize(kind: str, raw: bytes, rows: int, cols: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_quantizations_load_exactly(tmp_path, kind: str):
-    from mlxchat.core.gguf_writer import write_gguf
+    from mlxchat.core.model.gguf_writer import write_gguf
 
     rng = np.random.default_rng(7)
     rows, cols = 24, 128

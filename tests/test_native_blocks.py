@@ -1,5 +1,5 @@
-"""Attention's softmax and the MLP's SwiGLU on the native kernels (core/native, core/native_blocks.py): against MLX's
-own ops and mx.fast.scaled_dot_product_attention, and on the embedded model against the unmodified one."""
+"""Attention's softmax and the MLP's SwiGLU on the native kernels (core/native, core/model/native_blocks.py): against
+MLX's own ops and mx.fast.scaled_dot_product_attention, and on the embedded model against the unmodified one."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from mlxchat.core import Engine, loader, native
-from mlxchat.core.native_blocks import NativeAttention, NativeMLP, attention, use_native_blocks
+from mlxchat.core import Engine, native
+from mlxchat.core.model import loader
+from mlxchat.core.model.native_blocks import NativeAttention, NativeMLP, attention, use_native_blocks
 from tests.markers import needs_native
 
 pytestmark = needs_native

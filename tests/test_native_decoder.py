@@ -1,5 +1,5 @@
-"""Whole llama decoder layers as one native op (core/native_decoder.py): the fused path against the same model with
-MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on tiny
+"""Whole llama decoder layers as one native op (core/model/native_decoder.py): the fused path against the same model
+with MLXCHAT_NATIVE_LAYERS=0 (today's path: the layer in MLX ops over the native matmul/attention/SwiGLU), on tiny
 quantized llamas, a qwen2 and a qwen3, and on the embedded model."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxchat.core import Engine, native, native_linear
-from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
+from mlxchat.core import Engine, native
+from mlxchat.core.model import native_linear
+from mlxchat.core.model.native_decoder import FusedTransformerBlock, use_fused_layers
 from tests.markers import needs_native
 
 pytestmark = needs_native

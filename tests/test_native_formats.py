@@ -13,9 +13,10 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from mlxchat.core import native, native_linear
-from mlxchat.core.native_decoder import FusedTransformerBlock, use_fused_layers
-from mlxchat.core.native_linear import NativeQuantizedLinear
+from mlxchat.core import native
+from mlxchat.core.model import native_linear
+from mlxchat.core.model.native_decoder import FusedTransformerBlock, use_fused_layers
+from mlxchat.core.model.native_linear import NativeQuantizedLinear
 from tests.avx2_process import run_on_avx2
 from tests.markers import needs_native
 from tests.test_native_decoder import _greedy, _tiny_quantized

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from mlxchat.bench.native import int8_drift
-from mlxchat.core import Engine, loader, native
-from mlxchat.core.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
+from mlxchat.core import Engine, native
+from mlxchat.core.model import loader
+from mlxchat.core.model.native_linear import NativeQuantizedEmbedding, NativeQuantizedLinear
 from tests.avx2_process import run_on_avx2
 from tests.markers import needs_native
 
@@ -230,7 +231,7 @@ def test_fixed24_needs_vnni_and_the_native_path_then_keeps_mlx_layout():
                  "group_size=32, bits=4)",
                  "pytest.raises(RuntimeError, native.quantized_matmul, mx.zeros((1, 64)), w, s, b, group_size=32, "
                  "bits=4, packed=True).match('packed weights with exact x need AVX512-VNNI')",
-                 "from mlxchat.core import loader",
+                 "from mlxchat.core.model import loader",
                  "m = loader.load(None, weights='native')",
                  "assert m.weights_path.startswith('native q4/q8 (avx2, '), m.weights_path",
                  "assert not m.model.model.layers[0].mlp.up_proj.packed"])
@@ -283,8 +284,8 @@ def test_native_int8_packs_every_layer_and_names_its_path(int8_engine: Engine):
 @needs_native
 def test_native_int8_keeps_its_own_kv_caches_on_disk(engine: Engine, int8_engine: Engine):
     # Its keys and values are not the exact path's: a cache saved by one must not be loaded by the other.
-    from mlxchat.core.backend import KVOptions
-    from mlxchat.core.kv_store import fingerprint
+    from mlxchat.core.model.backend import KVOptions
+    from mlxchat.core.cache.kv_store import fingerprint
 
     assert fingerprint(engine.model, KVOptions()) != fingerprint(int8_engine.model, KVOptions())
 

@@ -1,6 +1,6 @@
 """Top-p and typical-p without a host sync (issue 21): the native op (core/native nucleus) and every path of
-`core.candidates.nucleus` against a float64 NumPy reference on flat, peaked, masked, tie-heavy and outlier rows, and the
-lazy paths checked to leave their input unevaluated."""
+`core.sampling.candidates.nucleus` against a float64 NumPy reference on flat, peaked, masked, tie-heavy and outlier
+rows, and the lazy paths checked to leave their input unevaluated."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from mlxchat.core import native
-from mlxchat.core.profile import SamplingProfile
-from mlxchat.core.candidates import Candidates, nucleus, nucleus_path
-from mlxchat.core.sampling import Sampler, TopP, TypicalP
+from mlxchat.core.sampling.profile import SamplingProfile
+from mlxchat.core.sampling.candidates import Candidates, nucleus, nucleus_path
+from mlxchat.core.sampling.chain import Sampler, TopP, TypicalP
 from tests.markers import needs_native
 
 # How far the float32 exp of each token may move the mass ahead of a token (relative): the reference is bracketed by

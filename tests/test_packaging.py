@@ -9,9 +9,11 @@ editable install is invisible there and only the wheel's copy of mlxchat can be 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
@@ -24,6 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # setuptools stages a wheel's files in build/lib.* and never removes one: a module moved or deleted since the last
+    # build would still ship. The wheel is built from the sources as they are (the native build, in build/temp.*,
+    # is kept and only relinks).
+    for staged in (ROOT / "build").glob("lib.*"):
+        shutil.rmtree(staged)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(out), str(ROOT)], check=True, cwd=out)
     (whl,) = out.glob("mlxchat-*.whl")
@@ -43,6 +50,16 @@ def test_the_wheel_holds_one_mlxchat_package_with_its_data(wheel: Path) -> None:
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     groups = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[mlxchat.screens]\nlab = mlxchat.lab.screen:open_lab" in groups
+
+
+def test_pyproject_lists_every_package() -> None:
+    """setuptools installs the packages pyproject.toml lists one by one (core's stages among them); a package folder
+    left out would ship only as data files, with a deprecation warning. So every one is listed."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"mlxchat." + ".".join(init.parent.relative_to(ROOT).parts)
+               for layer in ("core", "app", "server", "lab", "bench", "templates")
+               for init in (ROOT / layer).rglob("__init__.py")}
+    assert folders - listed == set()
 
 
 def test_an_installed_wheel_runs_a_preset_from_another_folder(wheel: Path, tmp_path: Path) -> None:

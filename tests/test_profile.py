@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore, SamplingProfile
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -194,7 +194,7 @@ def test_default_folder_honours_xdg_config_home(tmp_path: Path, monkeypatch: pyt
 def test_loading_a_stacked_profile_logs_the_advice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = ProfileStore(tmp_path)
     store.save(SamplingProfile(name="stacked", top_k=20, min_p=0.1))
-    with caplog.at_level(logging.WARNING, logger="mlxchat.core.profile"):
+    with caplog.at_level(logging.WARNING, logger="mlxchat.core.sampling.profile"):
         store.load("stacked")
     assert "stacked" in caplog.text and "top_k + min_p" in caplog.text
 
@@ -232,8 +232,8 @@ def test_min_tokens_above_max_tokens_is_refused_naming_both() -> None:
 
 
 def test_the_printed_chain_is_the_built_chain_for_every_step() -> None:
-    from mlxchat.core.profile import STEPS
-    from mlxchat.core.sampling import Sampler
+    from mlxchat.core.sampling.profile import STEPS
+    from mlxchat.core.sampling.chain import Sampler
 
     p = SamplingProfile(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, typical_p=0.95, xtc_probability=0.5,
                         repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={3: 1.0},

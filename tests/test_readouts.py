@@ -13,7 +13,7 @@ from textual.widgets import Input, Static
 from mlxchat.app import clipboard
 from mlxchat.app.formatting import stats_line, wrap_fields
 from mlxchat.app.widgets import MessageView
-from mlxchat.core.profile import ProfileStore, SamplingProfile
+from mlxchat.core.sampling.profile import ProfileStore, SamplingProfile
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from mlxchat.core import Engine, SamplingProfile
 from mlxchat.core.batch import BatchRequest, BatchScheduler
-from mlxchat.core.events import Done, TokenEvent
-from mlxchat.core.reasoning import (EFFORT_BUDGETS, Reasoning, ReasoningSplitter, find_markers, markers_for,
-                                    split_text)
+from mlxchat.core.decode.events import Done, TokenEvent
+from mlxchat.core.decode.reasoning import (EFFORT_BUDGETS, Reasoning, ReasoningSplitter, find_markers, markers_for,
+                                           split_text)
 from tests.thinking_models import THINKING_TEMPLATE
 
 STORY = "Write a story about a cat."
@@ -227,7 +227,7 @@ def test_store_migration_keeps_what_was_saved_and_stores_reasoning(tmp_path) -> 
     import sqlite3
 
     from mlxchat.app.store import MIGRATIONS, Store
-    from mlxchat.core.messages import ChatMessage
+    from mlxchat.core.chat.messages import ChatMessage
 
     db = tmp_path / "conversations.db"
     c = sqlite3.connect(db, isolation_level=None)
@@ -263,7 +263,7 @@ def test_the_template_authors_nudge_is_forced_before_the_close(thinking_engine: 
     import copy
     from dataclasses import replace
 
-    from mlxchat.core.tokenizer import ChatTokenizer
+    from mlxchat.core.model.tokenizer import ChatTokenizer
 
     hf = copy.copy(thinking_engine.model.tokenizer.hf)
     hf.chat_template = '{%- set reasoning_budget_message = "Time is up, answering now." %}' + THINKING_TEMPLATE
@@ -276,7 +276,7 @@ def test_the_template_authors_nudge_is_forced_before_the_close(thinking_engine: 
 
 
 def test_speculation_with_a_budget_is_refused_in_one_line() -> None:
-    from mlxchat.core.reply import Request
+    from mlxchat.core.decode.reply import Request
 
     with pytest.raises(ValueError, match="reasoning_budget does not combine with speculative decoding"):
         Request.make(speculative="ngram", reasoning=Reasoning(budget=4))
@@ -288,7 +288,7 @@ def special_engine(thinking_engine: Engine) -> Engine:
     renamed), which a plain decode skips: the tokenizer built by the real GGUF path from the changed metadata."""
     from dataclasses import replace
 
-    from mlxchat.core.tokenizer import from_gguf_metadata
+    from mlxchat.core.model.tokenizer import from_gguf_metadata
     from tests.model_files import embedded_metadata
 
     meta = dict(embedded_metadata())
@@ -328,7 +328,7 @@ def test_speculation_without_a_budget_splits_the_same(thinking_engine: Engine, g
 def test_export_folds_the_reasoning() -> None:
     from mlxchat.app.export import markdown
     from mlxchat.app.turns import Turn
-    from mlxchat.core.messages import ChatMessage
+    from mlxchat.core.chat.messages import ChatMessage
 
     reply = ChatMessage("assistant", "It is 4.", "stop", {"reasoning_tokens": 5, "reasoning_s": 0.25},
                         reasoning="2 and 2 make 4.")

@@ -16,8 +16,8 @@ import mlx.core as mx
 import pytest
 
 from mlxchat.core import ContextLengthError, Engine, GenerationError, ModelLoadError, SamplingProfile
-from mlxchat.core import gguf, loader
-from mlxchat.core.events import PrefillProgress, TokenEvent
+from mlxchat.core.model import gguf, loader
+from mlxchat.core.decode.events import PrefillProgress, TokenEvent
 from tests.bad_models import BAD_NAMES, bad_model_files, set_u32_after
 
 ROOT = Path(__file__).resolve().parent.parent

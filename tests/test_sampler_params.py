@@ -1,5 +1,6 @@
-"""Each sampler parameter's one declaration (core/sampler_params.py) reaches every surface: the profile's field and
-range check, the CLI's flag, the TUI's picker, OpenAI's, Ollama's and Anthropic's request fields, the lab's requests."""
+"""Each sampler parameter's one declaration (core/sampling/sampler_params.py) reaches every surface: the profile's
+field and range check, the CLI's flag, the TUI's picker, OpenAI's, Ollama's and Anthropic's request fields, the lab's
+requests."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 
 from mlxchat.app.cli import _sampler_flags, build_parser
 from mlxchat.app.screens.profile_picker import FIELDS, field_text, parse_field
-from mlxchat.core.profile import STEPS, SamplingProfile
-from mlxchat.core.sampler_params import PARAMS, SamplerParam
+from mlxchat.core.sampling.profile import STEPS, SamplingProfile
+from mlxchat.core.sampling.sampler_params import PARAMS, SamplerParam
 from mlxchat.lab.endpoint import request_body
 from mlxchat.lab.tune import RANGES
 from mlxchat.server import anthropic, ollama, protocol
@@ -126,14 +127,14 @@ def test_the_lab_tunes_declared_parameters_within_their_ranges() -> None:
 
 
 def test_the_cli_parser_is_built_without_loading_mlx() -> None:
-    """The flags come from core/sampler_params.py; core's package loads its engine (and MLX) only when asked."""
+    """The flags come from core/sampling/sampler_params.py; core's package loads its engine (and MLX) when asked."""
     code = ("import sys; from mlxchat.app.cli import build_parser; build_parser(); "
             "assert 'mlx' not in sys.modules and 'mlxchat.core.engine' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_every_chain_step_has_its_object_and_is_built_from_its_declared_parameters() -> None:
-    from mlxchat.core.sampling import BUILDERS
+    from mlxchat.core.sampling.chain import BUILDERS
 
     assert set(BUILDERS) == set(STEPS)
     for p in PARAMS.values():

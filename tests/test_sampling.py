@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxchat.core import native
-from mlxchat.core.profile import SamplingProfile
-from mlxchat.core.candidates import CANDIDATES, Candidates, log_softmax, top_index
-from mlxchat.core.draw import gumbel_argmax, gumbel_positions, step_pair, step_words, uniform_at
-from mlxchat.core.sampling import (
+from mlxchat.core.sampling.profile import SamplingProfile
+from mlxchat.core.sampling.candidates import CANDIDATES, Candidates, log_softmax, top_index
+from mlxchat.core.sampling.draw import gumbel_argmax, gumbel_positions, step_pair, step_words, uniform_at
+from mlxchat.core.sampling.chain import (
     FLOAT_MAX, XTC, FrequencyPenalty, LogitBias, MinP, MinTokens, PresencePenalty, RepetitionPenalty,
     Sampler, Temperature, TokenHistory, TopK, TopP, TypicalP,
 )

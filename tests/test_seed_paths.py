@@ -1,7 +1,7 @@
 """A seed reproduces a reply on every path (issue 21): the same seeded request gives one text as a chat's second turn
 (its prefix in the KV cache from the first turn's decode), as a fresh request (the whole prompt prefilled), as a row
 of a batch of 4 (one GEMM over the rows), through `mlxchat serve`, and traced. The draw's noise belongs to
-(seed, position, token id) (core/draw.py), so last-bit logit differences between these paths move nothing."""
+(seed, position, token id) (core/sampling/draw.py), so last-bit logit differences between these paths move nothing."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import queue
 import httpx
 import pytest
 
-from mlxchat.core import Engine, GenerationResult, SamplingProfile, loader
+from mlxchat.core import Engine, GenerationResult, SamplingProfile
+from mlxchat.core.model import loader
 from mlxchat.core.batch import BatchRequest, BatchScheduler
-from mlxchat.core.events import Done
+from mlxchat.core.decode.events import Done
 
 FIRST, SECOND = "Name a fruit, in one word.", "Now write two sentences about its colour."
 OTHERS = ["What is the capital of France?", "Count from one to ten.", "Write a haiku about the sea."]

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from mlxchat.core.loader import EMBEDDED_FILE
+from mlxchat.core.model.loader import EMBEDDED_FILE
 
 HOST = "127.0.0.1"
 KEY = "test-key-123"
@@ -409,7 +409,7 @@ def test_ctrl_c_stops_with_one_line() -> None:
 
 
 def test_trace_extension_field_streams_and_round_trips(server: str) -> None:
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.sampling.trace import TokenTrace
 
     body = {"messages": _msgs("Name three colors."), "max_tokens": 6, "seed": 3, "temperature": 0.8, "top_k": 10,
             "trace": 4}

@@ -12,7 +12,7 @@ import ollama
 import pytest
 
 from mlxchat.core import SamplingProfile
-from mlxchat.core.loader import EMBEDDED_FILE
+from mlxchat.core.model.loader import EMBEDDED_FILE
 from mlxchat.server import anthropic as messages_api
 from mlxchat.server.ollama import parameter_size, parse_options, response_format
 from mlxchat.server.protocol import ApiError
@@ -123,7 +123,7 @@ def test_requests_that_set_nothing_sample_with_the_chat_preset() -> None:
 
 def test_serve_warns_only_about_the_profile_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
     from mlxchat.server.cli import _profiles
 
     monkeypatch.setenv("MLXCHAT_CONFIG_DIR", str(tmp_path))
@@ -230,7 +230,8 @@ def test_anthropic_requests_map_onto_the_profile() -> None:
         assert e.value.message.startswith(message) and e.value.status == 400
 
 
-# --- tools (core/tools.py behind each API's shapes) --------------------------------------------------------------
+# --- tools (core/decode/tools.py behind each API's shapes)
+# --------------------------------------------------------------
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
         "properties": {"city": {"enum": ["Paris", "Rome"]}}}
@@ -365,7 +366,7 @@ async def test_a_choice_streams_its_events_and_an_engine_failure_ends_it_as_one_
     # GenerationFailed, whose message is the stream's last line.
     import asyncio
 
-    from mlxchat.core.events import Metrics, TokenEvent
+    from mlxchat.core.decode.events import Metrics, TokenEvent
     from mlxchat.server.service import Choice, GenerationFailed
 
     choice = Choice(asyncio.get_running_loop(), [1, 2], SamplingProfile(), 4, 0)

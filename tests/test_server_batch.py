@@ -10,7 +10,7 @@ import pytest
 
 from mlxchat.core import ContextLengthError, Engine, GenerationResult, SamplingProfile
 from mlxchat.core.batch import BatchRequest, BatchScheduler, QueueFull
-from mlxchat.core.events import Done, TokenEvent
+from mlxchat.core.decode.events import Done, TokenEvent
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to ten.",
            "Explain gravity to a child in two sentences, please, and keep it short."]
@@ -55,9 +55,9 @@ def test_seeded_sampling_in_a_batch_equals_alone(engine: Engine) -> None:
 def test_rows_sampled_as_one_op_draw_what_each_samples_alone(engine: Engine, greedy: SamplingProfile,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of mixed profiles: the two top-p rows (each its own seed, temperature and p) are sampled as one op over
-    the batch (core/batch_sampling.py), the greedy and the penalised rows alone; every row's tokens are those of the
-    row-by-row sampling."""
-    from mlxchat.core import generate
+    the batch (core/sampling/batch_sampling.py), the greedy and the penalised rows alone; every row's tokens are those
+    of the row-by-row sampling."""
+    from mlxchat.core.decode import generate
     grouped: list[int] = []
     sample_rows = generate.sample_rows
     monkeypatch.setattr(generate, "sample_rows", lambda ss, x: grouped.append(len(ss)) or sample_rows(ss, x))

@@ -1,4 +1,4 @@
-"""Speculative decoding (core/speculative.py): the same text with and without it, greedy and seeded, through stop
+"""Speculative decoding (core/decode/speculative.py): the same text with and without it, greedy and seeded, through stop
 strings, traces, penalties and chat turns; the guesses and the cache after rejections; what is refused."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mlxchat.core import SamplingProfile
-from mlxchat.core.events import TokenEvent
-from mlxchat.core.speculative import Governor, NgramDrafter, Speculation, check, load_draft
+from mlxchat.core.decode.events import TokenEvent
+from mlxchat.core.decode.speculative import Governor, NgramDrafter, Speculation, check, load_draft
 
 # An edit of a code block: the reply copies long runs of its input, which prompt lookup guesses.
 CODE = '''def mix(h: int) -> int:
@@ -179,7 +179,7 @@ def test_chat_flag_and_config_setting() -> None:
 
 
 def test_a_constrained_reply_speculates_to_the_same_text(engine) -> None:  # noqa: ANN001
-    # The constraint stage (core/constraint.py) sees only the tokens speculation accepts, in order.
+    # The constraint stage (core/sampling/constraint.py) sees only the tokens speculation accepts, in order.
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     prompt = 'Repeat this JSON exactly: {"name": "Alice Smith", "age": 42}. Again: {"name": "Alice Smith", "age": 42}'
@@ -192,14 +192,14 @@ def test_a_constrained_reply_speculates_to_the_same_text(engine) -> None:  # noq
 
 
 def test_a_row_joining_ends_the_lone_rows_verified_steps(engine) -> None:  # noqa: ANN001
-    """The step loop (core/generate.py): a lone row verifies guesses; a second row joining sends it back to plain
+    """The step loop (core/decode/generate.py): a lone row verifies guesses; a second row joining sends it back to plain
     batched steps (and its own cache into the batch); both give the tokens they give alone."""
     import time
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxchat.core.generate import Row, StepLoop, prefill_all_but_last
-    from mlxchat.core.reply import Reply
+    from mlxchat.core.decode.generate import Row, StepLoop, prefill_all_but_last
+    from mlxchat.core.decode.reply import Reply
 
     m, tok = engine.model, engine.model.tokenizer
     grounded = tok.encode_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy "

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mlxchat.app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import sqlite3
 import pytest
 
 from mlxchat.app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoredMessage
-from mlxchat.core.messages import ChatMessage, ReplyTree
-from mlxchat.core.trace import Candidate, TokenTrace
+from mlxchat.core.chat.messages import ChatMessage, ReplyTree
+from mlxchat.core.sampling.trace import Candidate, TokenTrace
 
 
 @pytest.fixture

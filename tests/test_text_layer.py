@@ -1,5 +1,5 @@
-"""One text layer (core/reply.py) for the engine's solo path and the batch scheduler, on the real embedded model: the
-same request gives the same text, finish reason and ids on both, whether it ends at a stop string that spans tokens,
+"""One text layer (core/decode/reply.py) for the engine's solo path and the batch scheduler, on the real embedded model:
+the same request gives the same text, finish reason and ids on both, whether it ends at a stop string that spans tokens,
 at max_tokens (also inside a multi-byte character, issue 27 item 2) or at a cancel (which keeps held-back text)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from mlxchat.core import Engine, GenerationResult, SamplingProfile, TokenEvent
 from mlxchat.core.batch import BatchRequest, BatchScheduler
-from mlxchat.core.events import Done, Event
+from mlxchat.core.decode.events import Done, Event
 
 COUNT = "Count from 1 to 10, separated by commas."  # greedy: "1, 2, 3, ..., 10", one token per digit, comma, space
 EMOJI = "Reply with three emojis that describe happiness."  # greedy: emojis of several tokens each

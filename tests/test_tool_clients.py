@@ -20,7 +20,7 @@ import ollama
 import openai
 import pytest
 
-from mlxchat.core.loader import EMBEDDED_FILE
+from mlxchat.core.model.loader import EMBEDDED_FILE
 
 MODEL = EMBEDDED_FILE.removesuffix(".gguf")
 ASK = "What is the weather in Paris?"

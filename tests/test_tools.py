@@ -1,6 +1,6 @@
-"""core/tools.py, the protocol-neutral tool calls (issues 22 and 36): the grammar each tool_choice gives (one call when
-one is forced, no call twice, arguments held to their closed schema, no markup in text), calls taken out of a whole
-or streamed reply, tool messages rendered generically or through a template's `tools` variable, and the same rules
+"""core/decode/tools.py, the protocol-neutral tool calls (issues 22 and 36): the grammar each tool_choice gives (one
+call when one is forced, no call twice, arguments held to their closed schema, no markup in text), calls taken out of a
+whole or streamed reply, tool messages rendered generically or through a template's `tools` variable, and the same rules
 in the Python API (`engine.generate(..., tools=...)`)."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import mlx.core as mx
 import pytest
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.candidates import Candidates
-from mlxchat.core.constraint import constraint_for
-from mlxchat.core.response_format import ResponseFormat, closed
-from mlxchat.core.tokenizer import ChatTokenizer
-from mlxchat.core import tools
-from mlxchat.core.tools import CallStream, RepeatedCall, Tool, ToolCall, ToolChoice, ToolError, ToolUse
+from mlxchat.core.sampling.candidates import Candidates
+from mlxchat.core.sampling.constraint import constraint_for
+from mlxchat.core.sampling.response_format import ResponseFormat, closed
+from mlxchat.core.model.tokenizer import ChatTokenizer
+from mlxchat.core.decode import tools
+from mlxchat.core.decode.tools import CallStream, RepeatedCall, Tool, ToolCall, ToolChoice, ToolError, ToolUse
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"},
                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},

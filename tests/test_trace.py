@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from mlxchat.core import Engine, SamplingProfile
-from mlxchat.core.events import TokenEvent
-from mlxchat.core.messages import ChatMessage
-from mlxchat.core.sampling import Sampler
-from mlxchat.core.trace import TokenTrace
-from mlxchat.core.tracing import MAX_TRACE, Tracer
+from mlxchat.core.decode.events import TokenEvent
+from mlxchat.core.chat.messages import ChatMessage
+from mlxchat.core.sampling.chain import Sampler
+from mlxchat.core.sampling.trace import TokenTrace
+from mlxchat.core.sampling.tracing import MAX_TRACE, Tracer
 
 CHAIN = dict(top_k=5, top_p=0.5, temperature=0.7, sampler_order=["top_k", "top_p", "temperature"])
 STAGES = ("processed", "TopK(5)", "TopP(0.5)", "Temperature(0.7)")
@@ -228,7 +228,7 @@ def test_branch_refuses_bad_positions_with_one_clear_line(engine: Engine):
 
 
 def test_the_reply_tree_keeps_nested_branches_when_switching():
-    from mlxchat.core.messages import ReplyTree
+    from mlxchat.core.chat.messages import ReplyTree
 
     msg = lambda role, text: ChatMessage(role, text)  # noqa: E731
     tree = ReplyTree([msg("user", "q"), msg("assistant", "a1")])

@@ -21,8 +21,8 @@ from mlxchat.app.screens import Confirm, HelpScreen, ModelPicker, ProfilePicker,
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, ConversationList, MessageView, Notice
 from mlxchat.core import SamplingProfile
-from mlxchat.core.messages import ChatMessage
-from mlxchat.core.profile import ProfileStore
+from mlxchat.core.chat.messages import ChatMessage
+from mlxchat.core.sampling.profile import ProfileStore
 from tests.markers import needs_native
 
 MAX_TOKENS = 12

@@ -17,7 +17,7 @@ from mlxchat.app.conversation import Refused
 from mlxchat.app.screens import ReplayScreen
 from mlxchat.app.store import Store
 from mlxchat.app.widgets import ChatInput, TokenInspector, TokenStrip
-from mlxchat.core.messages import ChatMessage
+from mlxchat.core.chat.messages import ChatMessage
 from mlxchat.core import SamplingProfile
 from tests.markers import needs_native
 

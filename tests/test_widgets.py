@@ -13,8 +13,8 @@ from mlxchat.app.formatting import fmt_bytes, live_readouts, stats_line
 from mlxchat.app.models import EMBEDDED, ModelPick, to_remember
 from mlxchat.app.screens import ModelPicker
 from mlxchat.app.widgets import ChatInput, StatsBar
-from mlxchat.core.events import Metrics
-from mlxchat.core.profile import ProfileStore, SamplingProfile
+from mlxchat.core.decode.events import Metrics
+from mlxchat.core.sampling.profile import ProfileStore, SamplingProfile
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,18 @@ template is Qwen3's kind, with the reasoning opened in the generation prompt (``
 and Qwen3's thinking-only releases do) and an ``enable_thinking`` switch (false: an empty ``<think>\\n\\n</think>``).
 
 The embedded model never writes ``</think>`` itself, so with the reasoning open it "thinks" until the budget closes
-it (core/reasoning.py): a real model, real tokenizer and a real template on every path, with exact counts to test.
+it (core/decode/reasoning.py): a real model, tokenizer and template on every path, with exact counts to test.
 The file is the embedded GGUF with one metadata value replaced (tensor data copied byte for byte), written by
-`core.gguf_writer`'s typed writer for the new value."""
+`core.model.gguf_writer`'s typed writer for the new value."""
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
 
-from mlxchat.core import gguf
-from mlxchat.core.gguf_writer import STRING, Writer
-from mlxchat.core.loader import embedded_model_path
+from mlxchat.core.model import gguf
+from mlxchat.core.model.gguf_writer import STRING, Writer
+from mlxchat.core.model.loader import embedded_model_path
 
 THINKING_TEMPLATE = (
     "{%- set ns = namespace(last_query=-1) %}"

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from mlxchat.core import Engine, SamplingProfile
     from mlxchat.core.locations import Locations
-    from mlxchat.core.profile import ProfileStore
+    from mlxchat.core.sampling.profile import ProfileStore
 
     from ..config import Settings
     from ..conversation import ChatController, Reply

@@ -16,8 +16,8 @@ from ..widgets import MessageView, TokenStrip
 from .replay import ReplayScreen
 
 if TYPE_CHECKING:
-    from mlxchat.core.events import GenerationResult
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.decode.events import GenerationResult
+    from mlxchat.core.sampling.trace import TokenTrace
 
     from ..replay import ReplaySource
     from .chat_host import ChatHost

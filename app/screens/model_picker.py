@@ -117,7 +117,7 @@ class ModelPicker(ModalScreen[ModelPick | None]):
 
     @work(thread=True, exclusive=True, group="pull")
     def pull(self, repo: str) -> None:
-        from mlxchat.core.hub import HubError, pull
+        from mlxchat.core.model.hub import HubError, pull
 
         def progress(done: int, total: int) -> None:
             self.app.call_from_thread(self._pull_status, f"pulling {repo}: {done}/{total} files")

@@ -18,14 +18,14 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from mlxchat.core.profile import ProfileError, ProfileStore, SamplingProfile
-from mlxchat.core.sampler_params import PARAMS
+from mlxchat.core.sampling.profile import ProfileError, ProfileStore, SamplingProfile
+from mlxchat.core.sampling.sampler_params import PARAMS
 
 from ..formatting import profile_summary
 from .dialogs import TextPrompt
 
-# The fields offered for editing, in the order shown: every sampler parameter with its hint (core/sampler_params.py),
-# then the request's own settings.
+# The fields offered for editing, in the order shown: every sampler parameter with its hint
+# (core/sampling/sampler_params.py), then the request's own settings.
 FIELDS: list[tuple[str, str]] = [
     *((p.name, p.hint) for p in PARAMS.values()),
     ("max_tokens", "empty = no limit"),
@@ -78,7 +78,7 @@ def parse_field(name: str, text: str) -> Any:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{name}: not a JSON list ({e.msg})") from None
         return [text]
-    if name == "response_format":  # OpenAI's shape as JSON (core/response_format.py)
+    if name == "response_format":  # OpenAI's shape as JSON (core/sampling/response_format.py)
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError as e:

@@ -23,7 +23,7 @@ from ..widgets import TokenInspector, TokenStrip
 
 if TYPE_CHECKING:
     from mlxchat.core import Engine
-    from mlxchat.core.events import GenerationResult
+    from mlxchat.core.decode.events import GenerationResult
 
 
 class ReplayScreen(ModalScreen[None]):

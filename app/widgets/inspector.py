@@ -14,7 +14,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
-from mlxchat.core.trace import TokenTrace
+from mlxchat.core.sampling.trace import TokenTrace
 
 from .. import inspector
 

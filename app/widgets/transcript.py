@@ -28,7 +28,7 @@ from .inspector import TokenStrip
 from .tool_calls import ToolCalls
 
 if TYPE_CHECKING:
-    from mlxchat.core.trace import TokenTrace
+    from mlxchat.core.sampling.trace import TokenTrace
 
     from ..conversation import Turn
 

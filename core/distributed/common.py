@@ -56,7 +56,7 @@ def memory_report(model: nn.Module) -> dict[str, int]:
 
 def model_shape(spec: str | Path | None) -> dict[str, int]:
     """Layers and attention heads of a model, from its GGUF header or config.json, without loading it."""
-    from .. import gguf, loader
+    from ..model import gguf, loader
 
     path = loader.embedded_model_path() if spec is None else Path(spec).expanduser()
     if not path.exists() and not path.suffix:
@@ -137,15 +137,15 @@ class Plan:
     def describe(self, rank: int) -> str:
         if self.parallel == "tensor":
             return f"rank {rank}: 1/{len(self.split)} of every layer's heads"
-        from .stage import Stage
+        from ..model.split import Stage
 
         return Stage(rank, self.split).describe()
 
     def load(self, rank: int, group: Any) -> Any:  # noqa: ANN401 - mx.distributed.Group -> loader.LoadedModel
         """This rank's part: its stage's layers (read alone), or the whole model sharded by mlx-lm's `shard()`."""
-        from .. import native_decoder, native_linear
-        from ..loader import load
-        from .stage import Stage
+        from ..model import native_decoder, native_linear
+        from ..model.loader import load
+        from ..model.split import Stage
 
         if self.parallel == "tensor":
             loaded = load(self.model, self.weights)  # type: ignore[arg-type]
@@ -157,6 +157,6 @@ class Plan:
 
     def forward(self, model: nn.Module, inputs: mx.array, cache: list) -> mx.array:
         """A worker's part of one forward pass: evaluate it with the cache state."""
-        from .stage import tensor_forward
+        from ..model.split import tensor_forward
 
         return tensor_forward(model, inputs, cache) if self.parallel == "tensor" else model.forward_stage(inputs, cache)

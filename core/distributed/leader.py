@@ -33,14 +33,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import loader
 from ..engine import DEFAULT_PREFILL_STEP, Engine, InferenceThread, Job, Stream
 from ..errors import MlxChatError
+from ..model import loader
+from ..model.split import check_tensor_parallel, split_layers, tensor_logits
 from .channel import DEFAULT_TIMEOUT_S, LOAD_TIMEOUT_S, Link, Message, listen, read_one, send_one
 from .common import (PARALLEL_MODES, PROTOCOL, Plan, cache_spec, free_memory, join_ring, layer_weights,
                      memory_report, model_shape)
 from .hosts import Hosts, read_hosts
-from .stage import check_tensor_parallel, split_layers, tensor_logits
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 
@@ -146,8 +146,8 @@ class SplitModel:
 
     @property
     def interruptible(self) -> bool:
-        """Whether a prefill may stop between layers (core/cache.py). Pipeline: yes, once rank 0's first layer has
-        received the workers' output (they are done with the pass; they trim to rank 0's offset at the next one).
+        """Whether a prefill may stop between layers (core/cache/kv_cache.py). Pipeline: yes, once rank 0's first layer
+        has received the workers' output (they are done with the pass; they trim to rank 0's offset at the next one).
         Tensor: no, the workers wait in every layer's all-sum for rank 0's part."""
         return self.plan.parallel != "tensor"
 

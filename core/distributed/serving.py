@@ -15,11 +15,11 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..batch import BatchRequest, QueueFull
-from ..cache import ConversationCache
+from ..cache.kv_cache import ConversationCache
+from ..decode.speculative import Speculation
+from ..decode.worker import Job
 from ..engine import Engine
 from ..errors import ContextLengthError
-from ..speculative import Speculation
-from ..worker import Job
 
 
 class SequentialScheduler:

@@ -39,7 +39,7 @@ class Worker:
         self.hosts, self.rank = hosts, rank
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.link: Link | None = None
-        self.loaded: Any = None  # core.loader.LoadedModel
+        self.loaded: Any = None  # core.model.loader.LoadedModel
         self.plan: Plan | None = None
         self.steady_timeout: float | None = None  # the heartbeat timeout once rank 0 has loaded too
         self.caches: dict[int, list] = {}

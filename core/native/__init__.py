@@ -134,7 +134,7 @@ def read_ggml(path: str, offset: int, ggml_type: str, rows: int, cols: int, *,
     """A GGUF tensor of ggml type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (``rows`` of ``cols`` values, its
     blocks at byte ``offset`` of the file) read straight into ``(w, scales, biases)`` for this module's ops, in one
     pass on the kernel's threads, a few rows of the file at a time: the values are llama.cpp's dequantization of the
-    file exactly (core/gguf_tensors.py's table). ``scales``/``biases`` are float16 (``[rows, cols / 32]``), or for
+    file exactly (core/model/gguf_tensors.py's table). ``scales``/``biases`` are float16 (``[rows, cols / 32]``), or for
     the K-quants `compact_params`'s form; Q4_0/Q5_0/Q8_0's biases are `symmetric_biases`'s stand-in wherever it
     stands for them (every block but one whose -2^(bits - 1) d overflows an f16). ``packed``: in `pack_weights`'s
     layout (``rows`` a multiple of 16), else MLX's. None where a K-quant's parameters do not fit the compact form
@@ -155,7 +155,7 @@ def read_ggml_many(path: str, places: list[tuple[int, str, int, int, bool]]
 def gguf_strings(path: str, offset: int, count: int) -> tuple[list[str], int, str]:
     """``count`` GGUF metadata strings (each a uint64 byte length and its UTF-8 bytes) from byte ``offset`` of the
     file: ``(strings, the byte after the last, "")``, or where the file ends inside one or one is not UTF-8, the
-    strings before it, the byte where it starts and ``"ends"`` or ``"utf-8"`` (core/gguf.py's `StringsReader`)."""
+    strings before it, the byte where it starts and ``"ends"`` or ``"utf-8"`` (core/model/gguf.py's `StringsReader`)."""
     items, end, problem = _module().gguf_strings(path, offset, count)
     return items, end, problem
 
@@ -252,32 +252,32 @@ def top_k_index(logits: mx.array, k: int) -> mx.array:
 
 
 def dry_breakers(heads: list[int], offsets: list[int], tails: list[int]) -> object:
-    """DRY's sequence breakers as the native op holds them (core/dry.py's `Breakers.flat()`), built once."""
+    """DRY's sequence breakers as the native op holds them (core/sampling/dry.py's `Breakers.flat()`), built once."""
     return _module().DryBreakers(heads, offsets, tails)
 
 
 def dry_penalty(logits: mx.array, history: mx.array, breakers: object, *, multiplier: float, base: float,
                 allowed_length: int) -> mx.array:
-    """llama.cpp's DRY penalty (core/dry.py) on float32 logits [V] after int32 history ids [n], as one lazy op."""
+    """llama.cpp's DRY penalty (core/sampling/dry.py) on float32 logits [V] after int32 history ids [n]: one lazy op."""
     return _module().dry_penalty(logits, history, breakers, multiplier=multiplier, base=base,
                                  allowed_length=allowed_length)
 
 
 def penalties(logits: mx.array, ids: mx.array, counts: mx.array, *, repetition: float = 1.0, frequency: float = 0.0,
               presence: float = 0.0) -> mx.array:
-    """core/sampling.py's repetition, frequency and presence penalties (in that order) at the history's int32 ids of
-    float32 logits [V], from float32 counts [V], bit for bit, as one lazy op."""
+    """core/sampling/chain.py's repetition, frequency and presence penalties (in that order) at the history's int32 ids
+    of float32 logits [V], from float32 counts [V], bit for bit, as one lazy op."""
     return _module().penalties(logits, ids, counts, repetition=repetition, frequency=frequency, presence=presence)
 
 
 def uniform_at(ids: mx.array, words: mx.array) -> mx.array:
-    """core/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit for
-    bit, as one op. With words [rows, 2] (a batch's rows, each its own key) and ids [n] or [rows, n]: [rows, n]."""
+    """core/sampling/draw.py's `uniform_at` (a uniform float32 in (0, 1) per uint32 id, keyed by two uint32 words), bit
+    for bit, as one op. With words [rows, 2] (a batch's rows, each its own key) and ids [n] or [rows, n]: [rows, n]."""
     return _module().uniform_at(ids, words)
 
 
 def gumbel_argmax(logits: mx.array, ids: mx.array, words: mx.array) -> mx.array:
-    """core/draw.py's Gumbel-max draw along the last axis of float32 ``logits [..., n]``: the positions (uint32
+    """core/sampling/draw.py's Gumbel-max draw along the last axis of float32 ``logits [..., n]``: the positions (uint32
     [...]) of argmax(logit - log(-log(uniform_at(ids, words)))), bit for bit, as one op that makes no noise for -inf
     logits. ``ids`` [n] or one row per row; ``words`` [2] or one pair per row."""
     return _module().gumbel_argmax(logits, ids, words)

@@ -35,7 +35,7 @@ NB_MODULE(_ext, m) {
         "Whether every float16 bias is -2^(bits - 1) times its scale, exactly in float32.");
   nb::class_<mlxchat::GgmlPlace>(m, "GgmlPlace")
       .def(nb::init<int64_t, std::string, int, int, bool>(), "offset"_a, "type"_a, "N"_a, "K"_a, "packed"_a);
-  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/loader.py).
+  // Without the GIL: the loader builds the tokenizer in Python while the tensors are read (core/model/loader.py).
   m.def("read_ggml_many", &mlxchat::read_ggml_many, "path"_a, "places"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Each GgmlPlace's ggml-quantized tensor of one GGUF file as [w, scales, biases] or None, in one call.");
   m.def("gguf_strings", &mlxchat::gguf_strings, "path"_a, "offset"_a, "count"_a,
@@ -57,9 +57,9 @@ NB_MODULE(_ext, m) {
   m.def("top_k_index", &mlxchat::top_k_index, "logits"_a, "k"_a,
         "Positions (ascending) of the k largest float32 logits along the last axis; ties: the lowest positions.");
   m.def("uniform_at", &mlxchat::uniform_at, "ids"_a, "words"_a,
-        "core/draw.py's uniform numbers for uint32 ids and two uint32 words, bit for bit, as one op.");
+        "core/sampling/draw.py's uniform numbers for uint32 ids and two uint32 words, bit for bit, as one op.");
   m.def("gumbel_argmax", &mlxchat::gumbel_argmax, "logits"_a, "ids"_a, "words"_a,
-        "core/draw.py's Gumbel-max draw along the last axis (positions), MLX's ops to the bit, as one op.");
+        "core/sampling/draw.py's Gumbel-max draw along the last axis (positions), MLX's ops to the bit, as one op.");
   nb::class_<mlxchat::DryBreakers>(m, "DryBreakers")
       .def(nb::init<const std::vector<int32_t>&, const std::vector<int32_t>&, const std::vector<int32_t>&>(),
            "heads"_a, "offsets"_a, "tails"_a);

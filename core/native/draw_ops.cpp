@@ -113,7 +113,7 @@ class NativeUniform : public CpuOp {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-// core/draw.py's Gumbel-max draw, argmax(logit - log(-log(u))) along each row, in one pass: the noise of a masked
+// core/sampling/draw.py's Gumbel-max draw, argmax(logit - log(-log(u))) along each row, in one pass: the noise of a masked
 // (-inf) token is never made, since its score is -inf whatever the noise (after top-p, nearly the whole vocabulary).
 // The ops are MLX's on this backend (its CPU log is std::log in float, glibc's logf, the same function this calls; an
 // exact subtraction; MLX's argmax: the first maximum, a NaN before anything), so the position is MLX's to the bit
@@ -286,7 +286,7 @@ class NativeDry : public CpuOp {
 
 // The token penalties (repetition, frequency, presence, in llama.cpp's order) at the history's ids: each id's logit
 // from its own count, the rest copied. MLX composed them as ~20 nodes (two gathers, the three shifts' selects and
-// arithmetic, a scatter) in every sampled decode step. The arithmetic is core/sampling.py's, operation for operation
+// arithmetic, a scatter) in every sampled decode step. The arithmetic is core/sampling/chain.py's, operation for operation
 // (no FMA: the file builds with -ffp-contract=off), so a logit is the same bits on either path.
 class NativePenalties : public CpuOp {
  public:

@@ -802,7 +802,7 @@ void parallel_pieces(int pieces, const std::function<void(int)>& fn, bool linger
 namespace {
 
 // BLAS's single-precision GEMM: the one MLX's own matmul calls (libmlx needs it: it resolves to the BLAS that
-// core/blas.py preloads, else to the one the mlx wheel ships), declared here as its C interface defines it.
+// core/model/blas.py preloads, else to the one the mlx wheel ships), declared here as its C interface defines it.
 extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
                             int lda, const float* B, int ldb, float beta, float* C, int ldc);
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
