@@ -23,11 +23,13 @@ if TYPE_CHECKING:
     from .chat_host import ChatHost
 
 # Drawing streamed text costs the UI thread CPU that, on a small machine, the decoder would otherwise use: on 2
-# cores the decoder's pool keeps both busy, so a millisecond of drawing is about a millisecond of decoding lost.
-# Batches start at 40 ms; when the UI's CPU time per batch would exceed this share of the time between batches, the
-# batches grow (up to MAX_BATCH_S). A batch costs ~2.5 ms (its handler, then one screen update, which Textual spends
-# mostly repainting every widget of the columns it touches), so at this share a reply is drawn ~10 times a second.
-UI_CPU_BUDGET = 0.025
+# cores the decoder's pool keeps both busy, and each millisecond of the UI thread's work cost decoding one to two
+# (the bench's TUI rows). Batches start at 40 ms; each next one waits until drawing the last fits this share of
+# the UI thread's time (up to MAX_BATCH_S). A batch costs 2-5 ms (its handler, then a screen update, in which
+# Textual repaints every widget of the containers the update touches), so on this machine a reply is drawn about
+# 5 times a second and the TUI decodes within 1-3.5% of the headless speed (at 4%: 8-10 updates a second and 8-12%
+# slower); a machine that draws faster gets more updates for the same share.
+UI_CPU_BUDGET = 0.01
 
 
 def _placed(label: str, turn: Turn) -> str:
