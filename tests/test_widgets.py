@@ -449,6 +449,14 @@ async def test_a_reply_streams_below_its_question_without_moving_the_screen_and_
         assert layouts[0] == 0 and question.region.y == viewport.y
         block = reply.query_one(OpenBlock)
         assert block.text == reply.text and len(reply.text.splitlines()) == lines
+        await pilot.resize_terminal(60, 23)  # a row less (the stats bar wraps at 80 columns once a reply decodes)
+        await pilot.pause()
+        await pilot.pause()
+        assert question.region.y == transcript.scrollable_content_region.y  # measured again: the question stays
+        await pilot.resize_terminal(60, 24)
+        await pilot.pause()
+        await pilot.pause()
+        layouts[0] = 0
         for n in range(viewport.height):  # past the screen: a layout per third of the screen, not per line
             await reply.write(f"More {n}.\n")
             await pilot.pause()

@@ -538,6 +538,12 @@ class Transcript(OneLayout, VerticalScroll):
         await self.append(view)
         return view
 
+    def on_resize(self) -> None:
+        # A streaming reply's room was measured for the old height (the stats bar below wraps onto a second row once
+        # a reply decodes at 80 columns; the terminal resized): measured again, the question stays at the top.
+        for block in self.query(OpenBlock).results(OpenBlock):
+            block.call_after_refresh(block.fill_room)
+
     async def append(self, *views: MessageView | Notice) -> None:
         """Mount ``views`` at the end (the last reply gives back the room it kept) and follow the end."""
         for message in self.messages[-1:]:
