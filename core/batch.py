@@ -16,11 +16,11 @@ loop decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVC
 attention mask) while there are several. A request with `speculative` ("ngram", "auto") verifies guesses while it
 has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/decode/generate.py says why).
 
-The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a prompt's KV cache is
-stored when its prefill ends and a finished sequence's under the ids it holds, and a new prompt starts from the
-longest cached prefix, so a client that resends a whole conversation prefills only what is new.
-`Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk and
-a prompt falls back to it (core/cache/kv_store.py).
+The prefix cache is a `PrefixIndex` (core/cache/prefix.py, the KV-reuse service every path asks; LRU order, a byte
+bound): a prompt's KV cache is stored when its prefill ends and a finished sequence's under the ids it holds, and a
+new prompt starts from the longest cached prefix, so a client that resends a whole conversation prefills only what is
+new. `Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk
+and a prompt falls back to it (core/cache/kv_store.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .cache.kv_cache import prefill_chunk
-from .cache.kv_store import prefix_cache
+from .cache.prefix import PrefixIndex
 from .decode.events import Event, FinishReason
 from .decode.generate import Row, StepLoop
 from .decode.reasoning import Reasoning
@@ -130,7 +130,8 @@ class BatchScheduler:
         # KV caches saved to disk (core/cache/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
         # saved there loads it, and the prefix cache's evicted entries (all of them at shutdown) are saved there.
         self.disk = engine.kv_store()
-        self.prefix_cache = prefix_cache(self.disk, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # Its memory is the scheduler's own (`prefix_cache_bytes`; 0 keeps nothing there), over the engine's disk store.
+        self.prefix_cache = PrefixIndex(prefix_cache_bytes, self.disk)
         self._lock = threading.Lock()
         self._waiting: deque[BatchRequest] = deque()
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
@@ -198,7 +199,7 @@ class BatchScheduler:
         (bounded by `prefix_cache_bytes`), and the freed buffers MLX keeps for reuse. A server's /health reports it,
         so a load test can see that what requests held is given back."""
         return {"active_bytes": mx.get_active_memory(),
-                "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
+                "prefix_cache_bytes": self.prefix_cache.nbytes,
                 "buffer_cache_bytes": mx.get_cache_memory()}
 
     # --- the inference thread ------------------------------------------------------------------------------
@@ -238,27 +239,12 @@ class BatchScheduler:
             else:
                 self._prefilling.append(seq)
 
-    def _cache_for(self, prompt: list[int]) -> tuple[list, int]:
-        """A KV cache holding the longest cached prefix of `prompt` (leaving at least one id to run), and its length."""
-        model = self.engine.model.model
-        if self.prefix_cache is None:
-            return make_prompt_cache(model), 0
-        cache, rest = self.prefix_cache.fetch_nearest_cache(self.engine.name, prompt)
-        if cache is None:
-            return make_prompt_cache(model), 0
-        reused = len(prompt) - len(rest)
-        if reused >= len(prompt):  # the whole prompt is cached: its last id must still run for the logits
-            if not can_trim_prompt_cache(cache):
-                return make_prompt_cache(model), 0
-            trim_prompt_cache(cache, reused - len(prompt) + 1)
-            reused = len(prompt) - 1
-        return cache, reused
-
-    def _from_disk(self, prompt: list[int], cache: list, reused: int) -> tuple[list, int, int]:
-        """The cache saved on disk instead of `cache` when it holds a longer prefix of `prompt`; and how many ids came
-        from disk."""
-        found = self.disk.load(prompt, longer_than=reused) if self.disk is not None else None
-        return (cache, reused, 0) if found is None else (found[0], found[1], found[1])
+    def _cache_for(self, prompt: list[int]) -> tuple[list, int, int]:
+        """A KV cache holding the longest known prefix of `prompt` (leaving at least one id to run: the prefix
+        index's match), its length, and how many of those ids came from disk."""
+        if (hit := self.prefix_cache.fetch(prompt)) is None:
+            return make_prompt_cache(self.engine.model.model), 0, 0
+        return hit.layers, hit.reused, hit.disk
 
     def _prefill_chunk(self) -> None:
         seq = self._prefilling[0]
@@ -270,7 +256,7 @@ class BatchScheduler:
         if seq.cache is None:
             # Looked up when its prefill starts, not at admission: a prompt prefilled just before (the other
             # choices of an n > 1 request, a shared system prompt) is in the prefix cache by then.
-            seq.begin(*self._from_disk(seq.req.prompt, *self._cache_for(seq.req.prompt)))
+            seq.begin(*self._cache_for(seq.req.prompt))
         chunk = seq.todo[:self.prefill_step if not self._loop.rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
         if chunk:
             prefill_chunk(self.engine.model.model, seq.cache, chunk)
@@ -290,29 +276,17 @@ class BatchScheduler:
             seq.row = Row(seq.reply, seq.row.fed, logprobs=seq.req.profile.logprobs, context=prompt, drafter=drafter,
                           spec=spec)
         self._decoding[seq.row] = seq  # from here a failure reaches it (_fail_all)
-        if self.prefix_cache is not None and len(prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
-            self._remember(prompt[:-1], seq.cache)
+        self.prefix_cache.insert(prompt[:-1], seq.cache, wait=True)  # a copy: a lone row decodes into its own
         cache, seq.cache = seq.cache, None
         self._loop.join(seq.row, cache, prompt[-1])
-
-    def _remember(self, ids: list[int], cache: list[KVCache]) -> None:
-        """Store a copy of a prompt's cache for the prefix cache (a lone row goes on decoding into its own)."""
-        copies = _held(cache)
-        mx.eval([c.state for c in copies])
-        self.prefix_cache.insert_cache(self.engine.name, ids, copies)
 
     def _ended(self, row: Row, cache: Callable[[], list]) -> None:
         """A row left the loop: store its KV cache in the prefix cache (under the ids it holds), end its reply."""
         seq = self._decoding.pop(row)
-        if self.prefix_cache is not None:
-            layers = cache()
-            if all(type(c) is KVCache for c in layers) and len(row.fed) == layers[0].size():
-                # Copies of what the cache holds, not its buffers (they grow in steps of 256 positions; a row cut from
-                # the batch holds, until its copy runs, the whole batch buffer it was cut from), which the prefix
-                # cache's byte bound would not see. Queued, not waited for: they run after the step in flight.
-                copies = _held(layers)
-                mx.async_eval([c.state for c in copies])
-                self.prefix_cache.insert_cache(self.engine.name, list(row.fed), copies)
+        if self.prefix_cache.max_bytes > 0:
+            # Copies of what the cache holds (`PrefixIndex.insert`), queued, not waited for: they run after the step
+            # in flight.
+            self.prefix_cache.insert(list(row.fed), cache())
         self._done(seq, row.reason)
 
     def _done(self, seq: _Sequence, reason: FinishReason) -> None:
@@ -340,17 +314,6 @@ class BatchScheduler:
         self._prefilling.clear()
         self._decoding.clear()
         self._loop = StepLoop(self.engine.model.model, self._ended)
-
-
-def _held(cache: list[KVCache]) -> list[KVCache]:
-    """Lazy copies of plain KV caches cut to the positions they hold."""
-    copies = []
-    for c in cache:
-        copy = KVCache()
-        copy.keys, copy.values = (mx.contiguous(x[..., :c.offset, :]) for x in (c.keys, c.values))
-        copy.offset = c.offset
-        copies.append(copy)
-    return copies
 
 
 __all__ = ["BatchRequest", "BatchScheduler", "QueueFull"]

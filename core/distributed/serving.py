@@ -3,7 +3,8 @@
 The batched scheduler (core/batch.py) merges sequences into mlx-lm's batch caches and splits them again; the workers
 keep one KV cache per cache of rank 0's and follow its offset, which batch caches do not have. So a split model
 serves its requests in order, each through `Engine.run_request` as a chat turn is, with the last request's KV cache
-kept: a client that resends its conversation prefills only what is new, as with the batched server's prefix cache.
+kept: a client that resends its conversation prefills only what is new (the engine's prefix index matches it,
+core/cache/prefix.py; a split engine keeps nothing else in memory, and no disk store).
 """
 
 from __future__ import annotations
