@@ -91,6 +91,76 @@ class BatchRequest:
         self.cancelled.set()
 
 
+class Admission:
+    """The one admission queue of the server's schedulers (`BatchScheduler`, and the split model's
+    `SequentialScheduler`, core/distributed/serving.py): the checks every request passes before it waits (an empty
+    prompt, a prompt that fills the context), and one bound: up to `slots` requests run, up to `max_queue` more wait
+    (those held while their grammar compiles among them), beyond that `QueueFull`. Thread-safe; the scheduler takes
+    the waiting requests in order as it has room (`take`, or `start` for a given one) and frees a slot when a request
+    is done (`release`)."""
+
+    def __init__(self, engine: Engine, slots: int, max_queue: int) -> None:
+        if slots < 1:
+            raise ValueError(f"max_batch must be at least 1, got {slots}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        self.engine, self.slots, self.max_queue = engine, slots, max_queue
+        self.lock = threading.Lock()  # the scheduler's own state may share it
+        self.waiting: deque[BatchRequest] = deque()
+        self.held: list[BatchRequest] = []  # accepted, not yet waiting (a grammar compiling: `ready` when done)
+        self.active = 0  # taken and not yet done
+
+    def check(self, req: BatchRequest) -> None:
+        """Refuse a request no scheduler can run: an empty prompt, or one that leaves no room for a reply."""
+        if not req.prompt:
+            raise ValueError("the prompt is empty: type a message first")
+        limit = self.engine.context_length
+        if len(req.prompt) >= limit:
+            raise ContextLengthError(len(req.prompt), limit, self.engine.name)
+
+    def add(self, req: BatchRequest, ready: bool = True) -> None:
+        """With the lock held: queue `req` (or hold it until `ready`), or raise QueueFull when the queue is full."""
+        waiting = len(self.waiting) + len(self.held)
+        if self.active + waiting >= self.slots + self.max_queue:
+            running = f"{self.slots} requests are" if self.slots > 1 else "1 request is"
+            raise QueueFull(f"{running} running and {waiting} waiting")
+        (self.waiting.append if ready else self.held.append)(req)
+
+    def ready(self, req: BatchRequest) -> None:
+        """With the lock held: a held request waits its turn now."""
+        self.held[:] = [r for r in self.held if r is not req]
+        self.waiting.append(req)
+
+    def take(self, busy: int) -> BatchRequest | None:
+        """The next waiting request, its slot taken, while fewer than `slots` are `busy`; None otherwise."""
+        with self.lock:
+            if not self.waiting or busy >= self.slots:
+                return None
+            self.active += 1
+            return self.waiting.popleft()
+
+    def start(self, req: BatchRequest) -> None:
+        """`req` runs now (a scheduler that runs requests in the order the inference thread has them)."""
+        with self.lock:
+            self.waiting.remove(req)
+            self.active += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.active -= 1
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) right now; waiting counts the held requests."""
+        with self.lock:
+            return self.active, len(self.waiting) + len(self.held)
+
+    def everyone(self) -> list[BatchRequest]:
+        """The requests waiting or held."""
+        with self.lock:
+            return [*self.waiting, *self.held]
+
+
 class _Sequence:
     """A request's state on the inference thread, from admission to its `Done`: its reply, its row of the step loop,
     and its KV cache until it joins the loop."""
@@ -120,10 +190,7 @@ class BatchScheduler:
 
     def __init__(self, engine: Engine, *, max_batch: int = 4, max_queue: int = 16,
                  prefix_cache_bytes: int = 512 * 2**20, prefill_step: int | None = None) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        self.admission = Admission(engine, max_batch, max_queue)
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step = prefill_step or engine.prefill_step
@@ -132,13 +199,8 @@ class BatchScheduler:
         self.disk = engine.kv_store()
         # Its memory is the scheduler's own (`prefix_cache_bytes`; 0 keeps nothing there), over the engine's disk store.
         self.prefix_cache = PrefixIndex(prefix_cache_bytes, self.disk)
-        self._lock = threading.Lock()
-        self._waiting: deque[BatchRequest] = deque()
+        self._lock = self.admission.lock
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
-        self._active = 0  # admitted and not yet done
-        # Requests whose grammar compiles on the grammar pool (core/sampling/constraint.py): they wait there, not in the
-        # batch, and join `_waiting` once compiled, so the rows decoding never wait for a newcomer's compile.
-        self._compiling: list[BatchRequest] = []
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
         self._loop = StepLoop(engine.model.model, self._ended)
@@ -150,34 +212,29 @@ class BatchScheduler:
     # --- any thread ----------------------------------------------------------------------------------------
 
     def submit(self, req: BatchRequest) -> BatchRequest:
-        if not req.prompt:
-            raise ValueError("the prompt is empty: type a message first")
-        limit = self.engine.context_length
-        if len(req.prompt) >= limit:
-            raise ContextLengthError(len(req.prompt), limit, self.engine.name)
+        self.admission.check(req)
         fmt = req.request.response_format()
+        # A request whose grammar compiles on the grammar pool (core/sampling/constraint.py) is held there, not in
+        # the batch, and waits once compiled, so the rows decoding never wait for a newcomer's compile.
         compiled = None if fmt is None else constraint.prepare(fmt, self.engine.model.tokenizer,
                                                                self.engine.model.vocab_size)
         with self._lock:
-            waiting = len(self._waiting) + len(self._compiling)
-            if self._active + waiting >= self.max_batch + self.max_queue:
-                raise QueueFull(f"{self.max_batch} requests are running and {waiting} waiting")
-            if compiled is None or compiled.done():
-                self._enqueue(req)
+            ready = compiled is None or compiled.done()
+            self.admission.add(req, ready)
+            if ready:
+                self._wake()
                 return req
-            self._compiling.append(req)
         compiled.add_done_callback(lambda _: self._compiled(req))  # on the pool's thread (or here, if done by now)
         return req
 
     def _compiled(self, req: BatchRequest) -> None:
         """A request's grammar has compiled (or failed to: its admission then fails it alone): it waits its turn."""
         with self._lock:
-            self._compiling[:] = [r for r in self._compiling if r is not req]
-            self._enqueue(req)
+            self.admission.ready(req)
+            self._wake()
 
-    def _enqueue(self, req: BatchRequest) -> None:
-        """With the lock held: `req` waits for admission, and the scheduler job runs."""
-        self._waiting.append(req)
+    def _wake(self) -> None:
+        """With the lock held: a request waits for admission, so the scheduler job runs."""
         if not self._running:
             self._running = True
             self.engine.submit(self._run)
@@ -185,14 +242,13 @@ class BatchScheduler:
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) right now; waiting counts the requests whose grammar is compiling."""
-        with self._lock:
-            return self._active, len(self._waiting) + len(self._compiling)
+        return self.admission.load
 
     @property
     def idle(self) -> bool:
         """Whether the scheduler's loop has ended: nothing runs or waits, and the last rows' caches are stored."""
         with self._lock:
-            return not self._running and not self._compiling
+            return not self._running and not self.admission.held
 
     def memory(self) -> dict[str, int]:
         """Bytes now: MLX's active memory (weights, KV caches, the prefix cache), the prefix cache's share of it
@@ -217,17 +273,12 @@ class BatchScheduler:
             except Exception as e:  # noqa: BLE001 - an MLX failure ends every request in flight, not the server
                 self._fail_all(e)
             with self._lock:
-                if not (self._waiting or self._prefilling or self._loop.rows):
+                if not (self.admission.waiting or self._prefilling or self._loop.rows):
                     self._running = False
                     return
 
     def _admit(self) -> None:
-        while True:
-            with self._lock:
-                if not self._waiting or len(self._prefilling) + len(self._loop.rows) >= self.max_batch:
-                    return
-                req = self._waiting.popleft()
-                self._active += 1
+        while (req := self.admission.take(len(self._prefilling) + len(self._loop.rows))) is not None:
             try:
                 seq = _Sequence(req, self.engine)
             except Exception as e:  # noqa: BLE001 - a request the sampler refuses fails alone
@@ -294,15 +345,12 @@ class BatchScheduler:
         seq.reply.finish(reason)
 
     def _cancel_all(self) -> None:
-        with self._lock:
-            requests = [*self._waiting, *self._compiling,
-                        *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
+        requests = [*self.admission.everyone(), *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
         for req in requests:
             req.cancel()
 
     def _release(self) -> None:
-        with self._lock:
-            self._active -= 1
+        self.admission.release()
 
     def _fail_all(self, error: Exception) -> None:
         for seq in [*self._prefilling, *self._decoding.values()]:
@@ -316,4 +364,4 @@ class BatchScheduler:
         self._loop = StepLoop(self.engine.model.model, self._ended)
 
 
-__all__ = ["BatchRequest", "BatchScheduler", "QueueFull"]
+__all__ = ["Admission", "BatchRequest", "BatchScheduler", "QueueFull"]

@@ -239,3 +239,35 @@ def test_the_split_models_scheduler_reuses_through_the_index(engine, greedy, ask
     two = wait(ask(turn2))
     assert two.metrics.cached_tokens > one.metrics.prompt_tokens
     assert asked[-1] == ("reuse", two.metrics.cached_tokens, 0)
+
+
+# --- one admission queue for the server's schedulers (core/batch.py) -----------------------------------------------
+
+
+def test_the_admission_queue_checks_bounds_and_hands_out_in_order():
+    from mlxchat.core import ContextLengthError, SamplingProfile
+    from mlxchat.core.batch import Admission, BatchRequest, QueueFull
+
+    engine = SimpleNamespace(context_length=8, name="m")
+    admission = Admission(engine, 2, 1)
+    req = [BatchRequest([1, 2, 3], SamplingProfile(temperature=0), lambda _: None) for _ in range(4)]
+    with pytest.raises(ValueError, match="empty"):
+        admission.check(BatchRequest([], SamplingProfile(), lambda _: None))
+    with pytest.raises(ContextLengthError):
+        admission.check(BatchRequest(list(range(8)), SamplingProfile(), lambda _: None))
+    with admission.lock:
+        admission.add(req[0])
+        admission.add(req[1], ready=False)  # held (its grammar compiling): counted as waiting
+        admission.add(req[2])
+        with pytest.raises(QueueFull, match="2 requests are running and 3 waiting"):
+            admission.add(req[3])
+    assert admission.load == (0, 3)
+    assert admission.take(busy=0) is req[0] and admission.take(busy=2) is None
+    with admission.lock:
+        admission.ready(req[1])
+    assert admission.take(busy=1) is req[2] and admission.take(busy=1) is req[1] and admission.take(busy=0) is None
+    assert admission.load == (3, 0)
+    admission.release()
+    assert admission.load == (2, 0)
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        Admission(engine, 0, 1)
