@@ -16,11 +16,11 @@ loop decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVC
 attention mask) while there are several. A request with `speculative` ("ngram", "auto") verifies guesses while it
 has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/decode/generate.py says why).
 
-The prefix cache is mlx-lm's `LRUPromptCache` (a token trie, LRU order, a byte bound): a prompt's KV cache is
-stored when its prefill ends and a finished sequence's under the ids it holds, and a new prompt starts from the
-longest cached prefix, so a client that resends a whole conversation prefills only what is new.
-`Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk and
-a prompt falls back to it (core/cache/kv_store.py).
+The prefix cache is a `PrefixIndex` (core/cache/prefix.py, the KV-reuse service every path asks; LRU order, a byte
+bound): a prompt's KV cache is stored when its prefill ends and a finished sequence's under the ids it holds, and a
+new prompt starts from the longest cached prefix, so a client that resends a whole conversation prefills only what is
+new. `Metrics.cached_tokens` reports what was reused. With the engine's KV cache folder, evicted entries spill to disk
+and a prompt falls back to it (core/cache/kv_store.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .cache.kv_cache import prefill_chunk
-from .cache.kv_store import prefix_cache
+from .cache.prefix import PrefixIndex
 from .decode.events import Event, FinishReason
 from .decode.generate import Row, StepLoop
 from .decode.reasoning import Reasoning
@@ -91,6 +91,76 @@ class BatchRequest:
         self.cancelled.set()
 
 
+class Admission:
+    """The one admission queue of the server's schedulers (`BatchScheduler`, and the split model's
+    `SequentialScheduler`, core/distributed/serving.py): the checks every request passes before it waits (an empty
+    prompt, a prompt that fills the context), and one bound: up to `slots` requests run, up to `max_queue` more wait
+    (those held while their grammar compiles among them), beyond that `QueueFull`. Thread-safe; the scheduler takes
+    the waiting requests in order as it has room (`take`, or `start` for a given one) and frees a slot when a request
+    is done (`release`)."""
+
+    def __init__(self, engine: Engine, slots: int, max_queue: int) -> None:
+        if slots < 1:
+            raise ValueError(f"max_batch must be at least 1, got {slots}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        self.engine, self.slots, self.max_queue = engine, slots, max_queue
+        self.lock = threading.Lock()  # the scheduler's own state may share it
+        self.waiting: deque[BatchRequest] = deque()
+        self.held: list[BatchRequest] = []  # accepted, not yet waiting (a grammar compiling: `ready` when done)
+        self.active = 0  # taken and not yet done
+
+    def check(self, req: BatchRequest) -> None:
+        """Refuse a request no scheduler can run: an empty prompt, or one that leaves no room for a reply."""
+        if not req.prompt:
+            raise ValueError("the prompt is empty: type a message first")
+        limit = self.engine.context_length
+        if len(req.prompt) >= limit:
+            raise ContextLengthError(len(req.prompt), limit, self.engine.name)
+
+    def add(self, req: BatchRequest, ready: bool = True) -> None:
+        """With the lock held: queue `req` (or hold it until `ready`), or raise QueueFull when the queue is full."""
+        waiting = len(self.waiting) + len(self.held)
+        if self.active + waiting >= self.slots + self.max_queue:
+            running = f"{self.slots} requests are" if self.slots > 1 else "1 request is"
+            raise QueueFull(f"{running} running and {waiting} waiting")
+        (self.waiting.append if ready else self.held.append)(req)
+
+    def ready(self, req: BatchRequest) -> None:
+        """With the lock held: a held request waits its turn now."""
+        self.held[:] = [r for r in self.held if r is not req]
+        self.waiting.append(req)
+
+    def take(self, busy: int) -> BatchRequest | None:
+        """The next waiting request, its slot taken, while fewer than `slots` are `busy`; None otherwise."""
+        with self.lock:
+            if not self.waiting or busy >= self.slots:
+                return None
+            self.active += 1
+            return self.waiting.popleft()
+
+    def start(self, req: BatchRequest) -> None:
+        """`req` runs now (a scheduler that runs requests in the order the inference thread has them)."""
+        with self.lock:
+            self.waiting.remove(req)
+            self.active += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.active -= 1
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) right now; waiting counts the held requests."""
+        with self.lock:
+            return self.active, len(self.waiting) + len(self.held)
+
+    def everyone(self) -> list[BatchRequest]:
+        """The requests waiting or held."""
+        with self.lock:
+            return [*self.waiting, *self.held]
+
+
 class _Sequence:
     """A request's state on the inference thread, from admission to its `Done`: its reply, its row of the step loop,
     and its KV cache until it joins the loop."""
@@ -120,24 +190,17 @@ class BatchScheduler:
 
     def __init__(self, engine: Engine, *, max_batch: int = 4, max_queue: int = 16,
                  prefix_cache_bytes: int = 512 * 2**20, prefill_step: int | None = None) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        self.admission = Admission(engine, max_batch, max_queue)
         self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step = prefill_step or engine.prefill_step
         # KV caches saved to disk (core/cache/kv_store.py), with the engine's kv_cache_dir: a prompt whose prefix was
         # saved there loads it, and the prefix cache's evicted entries (all of them at shutdown) are saved there.
         self.disk = engine.kv_store()
-        self.prefix_cache = prefix_cache(self.disk, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._lock = threading.Lock()
-        self._waiting: deque[BatchRequest] = deque()
+        # Its memory is the scheduler's own (`prefix_cache_bytes`; 0 keeps nothing there), over the engine's disk store.
+        self.prefix_cache = PrefixIndex(prefix_cache_bytes, self.disk)
+        self._lock = self.admission.lock
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
-        self._active = 0  # admitted and not yet done
-        # Requests whose grammar compiles on the grammar pool (core/sampling/constraint.py): they wait there, not in the
-        # batch, and join `_waiting` once compiled, so the rows decoding never wait for a newcomer's compile.
-        self._compiling: list[BatchRequest] = []
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
         self._loop = StepLoop(engine.model.model, self._ended)
@@ -149,34 +212,29 @@ class BatchScheduler:
     # --- any thread ----------------------------------------------------------------------------------------
 
     def submit(self, req: BatchRequest) -> BatchRequest:
-        if not req.prompt:
-            raise ValueError("the prompt is empty: type a message first")
-        limit = self.engine.context_length
-        if len(req.prompt) >= limit:
-            raise ContextLengthError(len(req.prompt), limit, self.engine.name)
+        self.admission.check(req)
         fmt = req.request.response_format()
+        # A request whose grammar compiles on the grammar pool (core/sampling/constraint.py) is held there, not in
+        # the batch, and waits once compiled, so the rows decoding never wait for a newcomer's compile.
         compiled = None if fmt is None else constraint.prepare(fmt, self.engine.model.tokenizer,
                                                                self.engine.model.vocab_size)
         with self._lock:
-            waiting = len(self._waiting) + len(self._compiling)
-            if self._active + waiting >= self.max_batch + self.max_queue:
-                raise QueueFull(f"{self.max_batch} requests are running and {waiting} waiting")
-            if compiled is None or compiled.done():
-                self._enqueue(req)
+            ready = compiled is None or compiled.done()
+            self.admission.add(req, ready)
+            if ready:
+                self._wake()
                 return req
-            self._compiling.append(req)
         compiled.add_done_callback(lambda _: self._compiled(req))  # on the pool's thread (or here, if done by now)
         return req
 
     def _compiled(self, req: BatchRequest) -> None:
         """A request's grammar has compiled (or failed to: its admission then fails it alone): it waits its turn."""
         with self._lock:
-            self._compiling[:] = [r for r in self._compiling if r is not req]
-            self._enqueue(req)
+            self.admission.ready(req)
+            self._wake()
 
-    def _enqueue(self, req: BatchRequest) -> None:
-        """With the lock held: `req` waits for admission, and the scheduler job runs."""
-        self._waiting.append(req)
+    def _wake(self) -> None:
+        """With the lock held: a request waits for admission, so the scheduler job runs."""
         if not self._running:
             self._running = True
             self.engine.submit(self._run)
@@ -184,21 +242,20 @@ class BatchScheduler:
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) right now; waiting counts the requests whose grammar is compiling."""
-        with self._lock:
-            return self._active, len(self._waiting) + len(self._compiling)
+        return self.admission.load
 
     @property
     def idle(self) -> bool:
         """Whether the scheduler's loop has ended: nothing runs or waits, and the last rows' caches are stored."""
         with self._lock:
-            return not self._running and not self._compiling
+            return not self._running and not self.admission.held
 
     def memory(self) -> dict[str, int]:
         """Bytes now: MLX's active memory (weights, KV caches, the prefix cache), the prefix cache's share of it
         (bounded by `prefix_cache_bytes`), and the freed buffers MLX keeps for reuse. A server's /health reports it,
         so a load test can see that what requests held is given back."""
         return {"active_bytes": mx.get_active_memory(),
-                "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache is not None else 0,
+                "prefix_cache_bytes": self.prefix_cache.nbytes,
                 "buffer_cache_bytes": mx.get_cache_memory()}
 
     # --- the inference thread ------------------------------------------------------------------------------
@@ -216,17 +273,12 @@ class BatchScheduler:
             except Exception as e:  # noqa: BLE001 - an MLX failure ends every request in flight, not the server
                 self._fail_all(e)
             with self._lock:
-                if not (self._waiting or self._prefilling or self._loop.rows):
+                if not (self.admission.waiting or self._prefilling or self._loop.rows):
                     self._running = False
                     return
 
     def _admit(self) -> None:
-        while True:
-            with self._lock:
-                if not self._waiting or len(self._prefilling) + len(self._loop.rows) >= self.max_batch:
-                    return
-                req = self._waiting.popleft()
-                self._active += 1
+        while (req := self.admission.take(len(self._prefilling) + len(self._loop.rows))) is not None:
             try:
                 seq = _Sequence(req, self.engine)
             except Exception as e:  # noqa: BLE001 - a request the sampler refuses fails alone
@@ -238,27 +290,12 @@ class BatchScheduler:
             else:
                 self._prefilling.append(seq)
 
-    def _cache_for(self, prompt: list[int]) -> tuple[list, int]:
-        """A KV cache holding the longest cached prefix of `prompt` (leaving at least one id to run), and its length."""
-        model = self.engine.model.model
-        if self.prefix_cache is None:
-            return make_prompt_cache(model), 0
-        cache, rest = self.prefix_cache.fetch_nearest_cache(self.engine.name, prompt)
-        if cache is None:
-            return make_prompt_cache(model), 0
-        reused = len(prompt) - len(rest)
-        if reused >= len(prompt):  # the whole prompt is cached: its last id must still run for the logits
-            if not can_trim_prompt_cache(cache):
-                return make_prompt_cache(model), 0
-            trim_prompt_cache(cache, reused - len(prompt) + 1)
-            reused = len(prompt) - 1
-        return cache, reused
-
-    def _from_disk(self, prompt: list[int], cache: list, reused: int) -> tuple[list, int, int]:
-        """The cache saved on disk instead of `cache` when it holds a longer prefix of `prompt`; and how many ids came
-        from disk."""
-        found = self.disk.load(prompt, longer_than=reused) if self.disk is not None else None
-        return (cache, reused, 0) if found is None else (found[0], found[1], found[1])
+    def _cache_for(self, prompt: list[int]) -> tuple[list, int, int]:
+        """A KV cache holding the longest known prefix of `prompt` (leaving at least one id to run: the prefix
+        index's match), its length, and how many of those ids came from disk."""
+        if (hit := self.prefix_cache.fetch(prompt)) is None:
+            return make_prompt_cache(self.engine.model.model), 0, 0
+        return hit.layers, hit.reused, hit.disk
 
     def _prefill_chunk(self) -> None:
         seq = self._prefilling[0]
@@ -270,7 +307,7 @@ class BatchScheduler:
         if seq.cache is None:
             # Looked up when its prefill starts, not at admission: a prompt prefilled just before (the other
             # choices of an n > 1 request, a shared system prompt) is in the prefix cache by then.
-            seq.begin(*self._from_disk(seq.req.prompt, *self._cache_for(seq.req.prompt)))
+            seq.begin(*self._cache_for(seq.req.prompt))
         chunk = seq.todo[:self.prefill_step if not self._loop.rows else min(self.prefill_step, INTERLEAVED_PREFILL)]
         if chunk:
             prefill_chunk(self.engine.model.model, seq.cache, chunk)
@@ -290,29 +327,17 @@ class BatchScheduler:
             seq.row = Row(seq.reply, seq.row.fed, logprobs=seq.req.profile.logprobs, context=prompt, drafter=drafter,
                           spec=spec)
         self._decoding[seq.row] = seq  # from here a failure reaches it (_fail_all)
-        if self.prefix_cache is not None and len(prompt) > 1 and all(type(c) is KVCache for c in seq.cache):
-            self._remember(prompt[:-1], seq.cache)
+        self.prefix_cache.insert(prompt[:-1], seq.cache, wait=True)  # a copy: a lone row decodes into its own
         cache, seq.cache = seq.cache, None
         self._loop.join(seq.row, cache, prompt[-1])
-
-    def _remember(self, ids: list[int], cache: list[KVCache]) -> None:
-        """Store a copy of a prompt's cache for the prefix cache (a lone row goes on decoding into its own)."""
-        copies = _held(cache)
-        mx.eval([c.state for c in copies])
-        self.prefix_cache.insert_cache(self.engine.name, ids, copies)
 
     def _ended(self, row: Row, cache: Callable[[], list]) -> None:
         """A row left the loop: store its KV cache in the prefix cache (under the ids it holds), end its reply."""
         seq = self._decoding.pop(row)
-        if self.prefix_cache is not None:
-            layers = cache()
-            if all(type(c) is KVCache for c in layers) and len(row.fed) == layers[0].size():
-                # Copies of what the cache holds, not its buffers (they grow in steps of 256 positions; a row cut from
-                # the batch holds, until its copy runs, the whole batch buffer it was cut from), which the prefix
-                # cache's byte bound would not see. Queued, not waited for: they run after the step in flight.
-                copies = _held(layers)
-                mx.async_eval([c.state for c in copies])
-                self.prefix_cache.insert_cache(self.engine.name, list(row.fed), copies)
+        if self.prefix_cache.max_bytes > 0:
+            # Copies of what the cache holds (`PrefixIndex.insert`), queued, not waited for: they run after the step
+            # in flight.
+            self.prefix_cache.insert(list(row.fed), cache())
         self._done(seq, row.reason)
 
     def _done(self, seq: _Sequence, reason: FinishReason) -> None:
@@ -320,15 +345,12 @@ class BatchScheduler:
         seq.reply.finish(reason)
 
     def _cancel_all(self) -> None:
-        with self._lock:
-            requests = [*self._waiting, *self._compiling,
-                        *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
+        requests = [*self.admission.everyone(), *(seq.req for seq in (*self._prefilling, *self._decoding.values()))]
         for req in requests:
             req.cancel()
 
     def _release(self) -> None:
-        with self._lock:
-            self._active -= 1
+        self.admission.release()
 
     def _fail_all(self, error: Exception) -> None:
         for seq in [*self._prefilling, *self._decoding.values()]:
@@ -342,15 +364,4 @@ class BatchScheduler:
         self._loop = StepLoop(self.engine.model.model, self._ended)
 
 
-def _held(cache: list[KVCache]) -> list[KVCache]:
-    """Lazy copies of plain KV caches cut to the positions they hold."""
-    copies = []
-    for c in cache:
-        copy = KVCache()
-        copy.keys, copy.values = (mx.contiguous(x[..., :c.offset, :]) for x in (c.keys, c.values))
-        copy.offset = c.offset
-        copies.append(copy)
-    return copies
-
-
-__all__ = ["BatchRequest", "BatchScheduler", "QueueFull"]
+__all__ = ["Admission", "BatchRequest", "BatchScheduler", "QueueFull"]

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from .cache.kv_cache import ConversationCache
 from .cache.kv_store import DEFAULT_BUDGET_MB, KVStore
+from .cache.prefix import PrefixIndex
 from .chat.chat_session import ChatSession
 from .chat.messages import ContextPolicy, Forced, Prompt, prompt_messages
 from .chat.tool_loop import TOOL_CHOICES, Approve, Toolbox
@@ -63,7 +64,8 @@ class Engine:
     """A loaded model and its inference thread. See docs/architecture.md §7 for the surface scripts rely on."""
 
     def __init__(self, model: loader.LoadedModel, worker: InferenceThread, prefill_step: int, *,
-                 kv_cache_dir: str | Path | None = None, kv_cache_mb: float = DEFAULT_BUDGET_MB) -> None:
+                 kv_cache_dir: str | Path | None = None, kv_cache_mb: float = DEFAULT_BUDGET_MB,
+                 prefix_cache_mb: float = 0) -> None:
         self.model = model
         self._worker = worker
         self.prefill_step = prefill_step
@@ -75,16 +77,25 @@ class Engine:
         self.kv_cache_dir = Path(kv_cache_dir).expanduser() if kv_cache_dir is not None else None
         self.kv_cache_mb = kv_cache_mb
         self._kv_stores: dict[KVOptions, KVStore] = {}
+        # The prefix index every request asks (core/cache/prefix.py), one per KV setting, over the disk store; the
+        # solo path keeps its prompts' caches in its memory when `prefix_cache_mb` gives it room (0: disk only).
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be at least 0, got {prefix_cache_mb:g}")
+        self.prefix_cache_mb = prefix_cache_mb
+        self._prefix_indexes: dict[KVOptions, PrefixIndex] = {}
         self.draft: DraftModel | None = None  # the draft model of speculative="draft" (core/decode/speculative.py)
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, weights: loader.WeightPolicy | None = None,
              prefill_step: int = DEFAULT_PREFILL_STEP, kv_cache_dir: str | Path | None = None,
-             kv_cache_mb: float = DEFAULT_BUDGET_MB, draft_model: str | Path | None = None) -> "Engine":
+             kv_cache_mb: float = DEFAULT_BUDGET_MB, draft_model: str | Path | None = None,
+             prefix_cache_mb: float = 0) -> "Engine":
         """Load a model. With `kv_cache_dir`, chat sessions save their KV cache there after each reply (kept under
         `kv_cache_mb` in all), and a prompt that starts with a saved conversation loads it instead of prefilling
-        it (core/cache/kv_store.py). `draft_model` is the draft of speculative="draft" (core/decode/speculative.py
-        `load_draft`)."""
+        it (core/cache/kv_store.py). `prefix_cache_mb` keeps one-off prompts' caches (`generate`, `stream`) in
+        memory, least recently used dropped first, so a prompt that starts like an earlier one prefills only the rest
+        (core/cache/prefix.py; 0, the default, keeps none). `draft_model` is the draft of speculative="draft"
+        (core/decode/speculative.py `load_draft`)."""
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
         if kv_cache_mb < 0:  # checked again by the constructor; here before a model loads for nothing
@@ -96,7 +107,8 @@ class Engine:
         except BaseException:
             worker.stop()
             raise
-        engine = cls(loaded, worker, prefill_step, kv_cache_dir=kv_cache_dir, kv_cache_mb=kv_cache_mb)
+        engine = cls(loaded, worker, prefill_step, kv_cache_dir=kv_cache_dir, kv_cache_mb=kv_cache_mb,
+                     prefix_cache_mb=prefix_cache_mb)
         engine.draft = draft
         mark_used(loaded.source)
         if warning := memory_warning(engine.backend, loaded.weight_bytes):
@@ -170,9 +182,11 @@ class Engine:
         rendered, shown = render_messages(messages, use.shown if use else [], tok.knows_tools)
 
         def run(job: Job) -> None:
-            self.run_request(job, ConversationCache(self.model.model),
+            cache = ConversationCache(self.model.model)
+            # Kept in the prefix index's memory (when it has room) before the Done goes out.
+            self.run_request(job, cache,
                              tok.encode_chat(rendered, tools=shown, template_kwargs=reasoning.template_kwargs()),
-                             request)
+                             request, before_done=lambda _: self.prefix_index().insert(cache.tokens, cache.layers))
 
         return self.submit(run)
 
@@ -256,19 +270,28 @@ class Engine:
         if prefill_step < 1:
             raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
         engine = Engine(self.model, self._worker, prefill_step, kv_cache_dir=self.kv_cache_dir,
-                        kv_cache_mb=self.kv_cache_mb)
+                        kv_cache_mb=self.kv_cache_mb, prefix_cache_mb=self.prefix_cache_mb)
         engine.draft = self.draft
         return engine
 
     def with_model(self, model: loader.LoadedModel) -> "Engine":
         """Another loaded model served by this engine's inference thread (closing either engine stops it)."""
         return Engine(model, self._worker, self.prefill_step, kv_cache_dir=self.kv_cache_dir,
-                      kv_cache_mb=self.kv_cache_mb)
+                      kv_cache_mb=self.kv_cache_mb, prefix_cache_mb=self.prefix_cache_mb)
 
     def with_kv_cache(self, folder: str | Path | None, mb: float = DEFAULT_BUDGET_MB) -> "Engine":
         """The same model on the same inference thread, saving chat sessions' KV caches in `folder` (None: not at
         all); an engine loaded elsewhere (e.g. handed to the TUI) gets the app's disk cache this way."""
-        return Engine(self.model, self._worker, self.prefill_step, kv_cache_dir=folder, kv_cache_mb=mb)
+        return Engine(self.model, self._worker, self.prefill_step, kv_cache_dir=folder, kv_cache_mb=mb,
+                      prefix_cache_mb=self.prefix_cache_mb)
+
+    def with_prefix_cache(self, mb: float) -> "Engine":
+        """The same model on the same inference thread, keeping one-off prompts' caches in `mb` of memory (0: none;
+        `Engine.load`'s `prefix_cache_mb`)."""
+        engine = Engine(self.model, self._worker, self.prefill_step, kv_cache_dir=self.kv_cache_dir,
+                        kv_cache_mb=self.kv_cache_mb, prefix_cache_mb=mb)
+        engine.draft = self.draft
+        return engine
 
     def flush_kv_cache(self, timeout: float = 60.0) -> None:
         """Wait until the KV caches of the replies finished so far are written to disk (a process about to end, the
@@ -285,6 +308,13 @@ class Engine:
         if kv not in self._kv_stores:
             self._kv_stores[kv] = KVStore(self.kv_cache_dir, self.model, kv, int(self.kv_cache_mb * 2**20))
         return self._kv_stores[kv]
+
+    def prefix_index(self, kv: KVOptions = KVOptions()) -> PrefixIndex:
+        """The prefix index requests with these KV options ask (core/cache/prefix.py): `prefix_cache_mb` of memory
+        over `kv_store(kv)`."""
+        if kv not in self._prefix_indexes:
+            self._prefix_indexes[kv] = PrefixIndex(int(self.prefix_cache_mb * 2**20), self.kv_store(kv))
+        return self._prefix_indexes[kv]
 
     # --- requests (run on the inference thread; the text layer is core/decode/reply.py) ------------------------------
 
@@ -319,10 +349,9 @@ class Engine:
         reply = Reply(m, req, prompt, job.emit, job.cancelled.is_set, accepted=job.accepted,
                       context=lambda: cache.size, rotating=cache.rotating, kv_window=cache.max_kv_size)
         mx.reset_peak_memory()
-        if not cache.rotating and (store := self.kv_store(cache.kv)) is not None:
-            store.warm(cache, feed)  # a longer prefix saved on disk than the cache holds is loaded
-        reused = cache.reuse(feed)
-        reply.begin_prefill(len(feed), reused, min(cache.take_from_disk(), reused))
+        # The longest known prefix: the cache's own, or a longer one from the prefix index (memory, then disk).
+        reused, disk = self.prefix_index(cache.kv).reuse(cache, feed)
+        reply.begin_prefill(len(feed), reused, disk)
         job.emit(PrefillProgress(reused, len(feed)))
         reason = reply.force(head, forced.traces) if forced else None
         if reason is None:

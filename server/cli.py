@@ -168,12 +168,11 @@ def kv_cache_options(args: argparse.Namespace) -> dict:
 def _spill(engine, scheduler) -> None:  # noqa: ANN001 - core types, imported late
     """Save the prefix cache's entries to the KV cache folder before the process ends: a client resending a
     conversation after a restart is then served from disk."""
-    from mlxchat.core.cache.kv_store import SpillingPromptCache
-
-    cache = getattr(scheduler, "prefix_cache", None)  # a split model's scheduler has none
-    if isinstance(cache, SpillingPromptCache):
-        engine.run(cache.spill_all)
+    index = getattr(scheduler, "prefix_cache", None)  # a split model's scheduler keeps its one cache, not spilled
+    if index is not None and index.disk is not None:
+        engine.run(index.spill_all)
         engine.flush_kv_cache()
+
 
 def _split_scheduler(engine, args: argparse.Namespace):  # noqa: ANN001, ANN202 - core types, imported late
     """A split model serves one request at a time (core/distributed/serving.py says why)."""

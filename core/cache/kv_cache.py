@@ -18,6 +18,24 @@ from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_c
 from ..model.backend import KVOptions, kv_options
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many ids `a` and `b` share from the start (slices compared a block at a time: prompts of thousands of ids
+    are matched against every entry of the prefix index)."""
+    n, end = 0, min(len(a), len(b))
+    while n + 64 <= end and tuple(a[n:n + 64]) == tuple(b[n:n + 64]):  # a tuple never equals a list
+        n += 64
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def reusable(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many ids of `prompt` a cache holding `held` can give: their common prefix, all but the prompt's last id at
+    most (its logits give the first token). Every prefix match asks this (the conversation's cache, the prefix index,
+    the disk store)."""
+    return min(common_prefix(held, prompt), len(prompt) - 1)
+
+
 class ConversationCache:
     def __init__(self, model: nn.Module, max_kv_size: int | None = None, keep: int = 4,
                  kv: KVOptions = KVOptions()) -> None:
@@ -51,9 +69,10 @@ class ConversationCache:
         self.layers = self._fresh()
         self.from_disk = 0
 
-    def adopt(self, layers: list, ids: Sequence[int]) -> None:
-        """Hold `layers` (caches loaded from disk) and the ids they hold, in place of what the cache held."""
-        self.layers, self.tokens, self.from_disk = layers, list(ids), len(ids)
+    def adopt(self, layers: list, ids: Sequence[int], from_disk: bool = True) -> None:
+        """Hold `layers` (caches loaded from disk, or copied from the prefix index's memory: core/cache/prefix.py)
+        and the ids they hold, in place of what the cache held."""
+        self.layers, self.tokens, self.from_disk = layers, list(ids), len(ids) if from_disk else 0
 
     def take_from_disk(self) -> int:
         """How many of the held ids were loaded from disk since a request last asked (a request reports them)."""
@@ -63,12 +82,7 @@ class ConversationCache:
     def matched(self, prompt: Sequence[int]) -> int:
         """How many ids of `prompt` the cache holds already: the common prefix, all but the prompt's last id at most
         (its logits give the first token)."""
-        common = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != b:
-                break
-            common += 1
-        return min(common, len(prompt) - 1)
+        return reusable(self.tokens, prompt)
 
     def reuse(self, prompt: Sequence[int]) -> int:
         """Keep the longest cached prefix of `prompt`; return how many of its ids need no prefill.

@@ -35,12 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import (KVCache, LRUPromptCache, PromptTrie, QuantizedKVCache, load_prompt_cache,
-                                 save_prompt_cache)
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from ..model.backend import KVOptions
 from ..model.loader import LoadedModel
-from .kv_cache import ConversationCache
+from .kv_cache import reusable
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +92,6 @@ def _header(path: Path) -> dict:
     if 8 + n + end != size:
         raise ValueError(f"{size} bytes, the header describes {8 + n + end}")
     return header
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class KVStore:
@@ -182,7 +172,7 @@ class KVStore:
             entries = list(self._entries.values())
         best, length = None, 0
         for e in entries:
-            n = min(_common(e.ids, prompt), len(prompt) - 1)
+            n = reusable(e.ids, prompt)
             if n > length:
                 best, length = e, n
         return best, length
@@ -212,15 +202,6 @@ class KVStore:
             c.trim(len(entry.ids) - length)
         _touch(entry.path)
         return layers, length
-
-    def warm(self, cache: ConversationCache, prompt: Sequence[int]) -> int:
-        """On the inference thread: when a saved file holds a longer prefix of `prompt` than `cache` does, load it
-        into `cache`; return how many ids were loaded (0 when the cache holds as much already)."""
-        if (loaded := self.load(prompt, cache.matched(prompt))) is None:
-            return 0
-        layers, n = loaded
-        cache.adopt(layers, prompt[:n])
-        return n
 
     def snapshot(self, ids: Sequence[int], layers: list) -> list | None:
         """On the inference thread: `layers` cut to exactly `ids`, evaluated, that the writer can save while the
@@ -297,46 +278,6 @@ class KVStore:
                 self._entries.pop(path, None)
             path.unlink(missing_ok=True)
             total -= size
-
-
-class SpillingPromptCache(LRUPromptCache):
-    """mlx-lm's in-memory prefix cache (the server's, core/batch.py) whose evicted entries are saved to a `KVStore`,
-    as are all of them at shutdown (`spill_all`), so a conversation resent after a restart is loaded from disk.
-
-    mlx-lm has no eviction callback, but an entry leaves its trie only through `PromptTrie.pop` (evicted for room,
-    or by `trim_to`; a prefix superseded by a longer entry leaves through `pop_prefixes`, and the longer one holds
-    it): the trie is one that reports those pops. mlx-lm is pinned (pyproject.toml); the test of the spill fails
-    if a version stops evicting this way."""
-
-    def __init__(self, store: KVStore, max_size: int, max_bytes: int) -> None:
-        super().__init__(max_size=max_size, max_bytes=max_bytes)
-        self.store = store
-        self._trie = _ReportingTrie(self._spill)
-
-    def _spill(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
-        self.store.save(tokens, entry.prompt_cache)  # cut here (the inference thread), written in the background
-
-    def spill_all(self) -> None:
-        """On the inference thread: save every entry to disk (the server is stopping)."""
-        self.trim_to(n_sequences=0)
-
-
-class _ReportingTrie(PromptTrie):
-    def __init__(self, popped: Callable[[list[int], LRUPromptCache.CacheEntry], None]) -> None:
-        super().__init__()
-        self._popped = popped
-
-    def pop(self, model: object, tokens: list[int]) -> LRUPromptCache.CacheEntry:
-        entry = super().pop(model, tokens)
-        self._popped(tokens, entry)
-        return entry
-
-
-def prefix_cache(store: KVStore | None, max_bytes: int) -> LRUPromptCache:
-    """The server's in-memory prefix cache, spilling to `store` when there is one."""
-    if store is None:
-        return LRUPromptCache(max_size=1 << 30, max_bytes=max_bytes)
-    return SpillingPromptCache(store, max_size=1 << 30, max_bytes=max_bytes)
 
 
 def _cut(state: object, n: int) -> object:

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, get_args
 
 from ..cache.kv_cache import ConversationCache
-from ..cache.kv_store import KVStore
+from ..cache.prefix import PrefixIndex
 from ..decode.events import GenerationResult
 from ..decode.reasoning import Reasoning
 from ..decode.reply import Request
@@ -51,7 +51,7 @@ class Host(Protocol):
 
     def submit(self, fn: Callable[[Job], Any]) -> Stream: ...
 
-    def kv_store(self, kv: KVOptions = KVOptions()) -> KVStore | None: ...
+    def prefix_index(self, kv: KVOptions = KVOptions()) -> PrefixIndex: ...
 
 
 class ChatSession:
@@ -310,8 +310,8 @@ class ChatSession:
             # The KV cache is queued for disk before the Done goes out: a script that exits as soon as it has read
             # the reply still finds it saved (the store's writer finishes queued saves at exit; a save queued after
             # the Done raced the interpreter's exit and was lost).
-            if (store := self._kv_store()) is not None:
-                store.save(cache.tokens, cache.layers)  # cut here (views), written by the store's own thread
+            if (index := self._prefix_index()) is not None:
+                index.save(cache.tokens, cache.layers)  # cut here (views), written by the disk store's own thread
             if not result.text and not result.reasoning and result.finish_reason == "cancelled":
                 return
             earlier = continuing.tool_calls if continuing is not None else ()
@@ -368,9 +368,10 @@ class ChatSession:
             self._cache = ConversationCache(self.engine.model.model, self.max_kv_size, self.keep, self.kv)
         return self._cache
 
-    def _kv_store(self) -> KVStore | None:
-        """Where this conversation's KV cache is saved on disk: none for a rotating window (core/cache/kv_store.py)."""
-        return None if self.max_kv_size is not None else self.engine.kv_store(self.kv)
+    def _prefix_index(self) -> PrefixIndex | None:
+        """The prefix index that saves this conversation's KV cache on disk and loads it back (core/cache/prefix.py):
+        none for a rotating window, whose ids no longer say what it holds (core/cache/kv_store.py)."""
+        return None if self.max_kv_size is not None else self.engine.prefix_index(self.kv)
 
     def warm(self) -> "Future[int]":
         """Load this conversation's KV cache from disk, in the background (e.g. a stored chat reopened), so that the
@@ -388,15 +389,15 @@ class ChatSession:
         return loaded
 
     def _warm(self) -> int:
-        store = self._kv_store()
+        index = self._prefix_index()
         with self._lock:
             messages = list(self._tree.path)
-        if store is None or not any(m.role != "system" for m in messages):
+        if index is None or index.disk is None or not any(m.role != "system" for m in messages):
             return 0
         ids = self.engine.model.tokenizer.encode_chat([m.as_prompt() for m in messages],
                                                       [m.token_ids for m in messages],
                                                       template_kwargs=self.reasoning.template_kwargs())
-        return store.warm(self._conversation_cache(), ids)
+        return index.warm(self._conversation_cache(), ids)
 
     def _rendered(self, messages: list[ChatMessage], tools: ToolUse | None
                   ) -> tuple[list[dict[str, Any]], list[tuple[int, ...] | None], list[dict[str, Any]] | None]:

@@ -3,23 +3,23 @@
 The batched scheduler (core/batch.py) merges sequences into mlx-lm's batch caches and splits them again; the workers
 keep one KV cache per cache of rank 0's and follow its offset, which batch caches do not have. So a split model
 serves its requests in order, each through `Engine.run_request` as a chat turn is, with the last request's KV cache
-kept: a client that resends its conversation prefills only what is new, as with the batched server's prefix cache.
+kept: a client that resends its conversation prefills only what is new (the engine's prefix index matches it,
+core/cache/prefix.py; a split engine keeps nothing else in memory, and no disk store). Requests are admitted by the
+batched server's admission queue (`core.batch.Admission`), with one slot.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from dataclasses import replace
 
 import mlx.core as mx
 
-from ..batch import BatchRequest, QueueFull
+from ..batch import Admission, BatchRequest
 from ..cache.kv_cache import ConversationCache
 from ..decode.speculative import Speculation
 from ..decode.worker import Job
 from ..engine import Engine
-from ..errors import ContextLengthError
 
 
 class SequentialScheduler:
@@ -27,28 +27,20 @@ class SequentialScheduler:
 
     def __init__(self, engine: Engine, *, max_queue: int = 16) -> None:
         self.engine, self.max_queue = engine, max_queue
-        self._lock = threading.Lock()
-        self._waiting: deque[BatchRequest] = deque()
-        self._running = 0
+        self.admission = Admission(engine, 1, max_queue)
         self._cache: ConversationCache | None = None  # the last request's, on the inference thread
 
     def submit(self, req: BatchRequest) -> BatchRequest:
-        if not req.prompt:
-            raise ValueError("the prompt is empty: type a message first")
-        if len(req.prompt) >= self.engine.context_length:
-            raise ContextLengthError(len(req.prompt), self.engine.context_length, self.engine.name)
-        with self._lock:
-            if self._running + len(self._waiting) >= 1 + self.max_queue:
-                raise QueueFull(f"1 request is running and {len(self._waiting)} waiting")
-            self._waiting.append(req)
+        self.admission.check(req)
+        with self.admission.lock:
+            self.admission.add(req)
         stream = self.engine.submit(lambda job: self._run(job, req))
         threading.Thread(target=self._forward, args=(stream, req), name="mlxchat-split-serve", daemon=True).start()
         return req
 
     @property
     def load(self) -> tuple[int, int]:
-        with self._lock:
-            return self._running, len(self._waiting)
+        return self.admission.load
 
     def memory(self) -> dict[str, int]:
         """As BatchScheduler.memory (rank 0's share; no prefix cache here)."""
@@ -56,9 +48,7 @@ class SequentialScheduler:
                 "buffer_cache_bytes": mx.get_cache_memory()}
 
     def _run(self, job: Job, req: BatchRequest) -> None:
-        with self._lock:
-            self._waiting.remove(req)
-            self._running = 1
+        self.admission.start(req)
         try:
             job.cancelled = req.cancelled  # the client's cancel stops this job at the next token
             if self._cache is None:
@@ -71,8 +61,7 @@ class SequentialScheduler:
                 self._cache = None  # its keys and values may be ahead of its ids
                 raise
         finally:
-            with self._lock:
-                self._running = 0
+            self.admission.release()
 
     @staticmethod
     def _forward(stream: object, req: BatchRequest) -> None:
