@@ -47,8 +47,8 @@ class OpenBlock(OneLayout, Widget):
     changed (a ``Static`` wrapped and repainted its whole text every batch). A layout reflows and repaints the whole
     screen, so the block keeps rows of ``room`` for its text: from its first layout, enough that the reply fills the
     transcript below the message it answers (the question stays at the top of the screen, the reply streams in
-    below it, nothing scrolls); past that, a third of the screen more at a time. Growing the room is the only
-    layout a streaming reply asks for."""
+    below it, nothing scrolls), and at least two thirds of it; past that, a third of the screen more at a time.
+    Growing the room is the only layout a streaming reply asks for."""
 
     DEFAULT_CSS = "OpenBlock { height: auto; }"
 
@@ -82,7 +82,8 @@ class OpenBlock(OneLayout, Widget):
 
     def fill_room(self) -> None:
         """Room enough that the message before this reply sits at the top of the transcript's viewport and the reply
-        ends at its bottom (at least ``slack``): what a layout placed is measured, so margins and labels count."""
+        ends at its bottom: what a layout placed is measured, so margins and labels count. After a long question, at
+        least two thirds of the viewport (the question's end stays in view): most replies then stream with no layout."""
         transcript = next((a for a in self.ancestors if isinstance(a, Transcript)), None)
         reply = next((a for a in self.ancestors if isinstance(a, MessageView)), None)
         if transcript is None or reply is None or reply not in transcript.children:
@@ -92,7 +93,8 @@ class OpenBlock(OneLayout, Widget):
         # In the transcript's own coordinates: where it is scrolled to may lag the layout that placed the reply.
         top = (views[at - 1] if at else reply).virtual_region.y
         shown = reply.virtual_region_with_margin.bottom - top
-        room = max(self.slack(), self.size.height + transcript.scrollable_content_region.height - shown)
+        viewport = transcript.scrollable_content_region.height
+        room = max(self.slack(), self.size.height + viewport - shown, viewport * 2 // 3)
         if room != self.room:
             self.room = room
             self.refresh(layout=True)
