@@ -461,13 +461,23 @@ async def test_a_reply_streams_below_its_question_without_moving_the_screen_and_
             await reply.write(f"More {n}.\n")
             await pilot.pause()
         assert 1 <= layouts[0] <= 4
-        height = reply.outer_size.height
-        await reply.finish("Short at the end.", "stats")
+        await reply.finish(reply.text, "stats")
         await pilot.pause()
-        assert reply.outer_size.height == height  # the screen stays still when the reply ends
+        viewport = transcript.scrollable_content_region
+        assert reply.region.bottom <= viewport.bottom  # past the screen, it ends at the bottom: no room kept below
+        short = MessageView("assistant", "", streaming=True)
+        await transcript.append(MessageView("user", "Again?"), short)
+        await pilot.pause()
+        await pilot.pause()
+        await short.write("A short reply.")
+        await pilot.pause()
+        height = short.outer_size.height
+        await short.finish("A short reply.", "stats")
+        await pilot.pause()
+        assert short.outer_size.height == height  # a reply that fits keeps its room: the screen stays still
         await transcript.add(MessageView("user", "Next."))
         await pilot.pause()
-        assert reply.outer_size.height < height  # the next message takes the room back
+        assert short.outer_size.height < height  # the next message takes the room back
 
 
 @pytest.mark.anyio

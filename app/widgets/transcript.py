@@ -392,8 +392,10 @@ class MessageView(OneLayout, Vertical, can_focus=True):
         self.finish_reason = finish_reason
         if self._stream is not None:
             # The reply keeps the screen's room it streamed into until the next message: the screen stays still
-            # when the reply ends, rather than sliding the conversation down under a short reply.
-            self.styles.min_height = self.outer_size.height
+            # when the reply ends, rather than sliding the conversation down under a short reply. Never more than the
+            # screen: a reply that outgrew it ends at the bottom, with no blank rows of room below it.
+            shown = self.parent.scrollable_content_region.height if isinstance(self.parent, Transcript) else 0
+            self.styles.min_height = min(self.outer_size.height, shown) if shown else self.outer_size.height
             await self._stream.remove()
             self._stream = None
         await self.query_one(".body", Markdown).update(text)
