@@ -74,16 +74,17 @@ class Config:
 
 FULL_RUN = Config(quick=False, prompt_lengths=(32, 512, 2048), max_tokens=128, repeats=3,
                   full_chain_lengths=(32, 512, 2048), chat_turns=20, chat_reply_tokens=32,
-                  rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=5, tui_tokens=128,
+                  rotating_context=20000, rotating_decode=2000, rotating_window=2048, tui_repeats=9, tui_tokens=128,
                   format_repeats=5, native=True, kv_disk=True, realsize=True)
 # --quick: prefill is compute-bound here (~170 tok/s on 2 cores), so the quick run keeps long prompts few: the full
 # chain runs at 1,024 tokens only (its penalties and DRY look at the prompt too, so that DRY reads a 1k-token
-# history), and the rotating run is 2.6k tokens through a 512-token window. The TUI case keeps the full run's
-# 5 x 128 tokens a row (~12 s): one 32-token pair, ~0.2 s of decode each, read anywhere from 22% faster to 40% slower
-# on this machine, and with 3 pairs four quiet runs of the same tree read the rows from -0.3% to +15.9%.
+# history), and the rotating run is 2.6k tokens through a 512-token window. The TUI case runs 9 x 128 tokens a row
+# (~20 s): one 32-token pair, ~0.2 s of decode each, read anywhere from 22% faster to 40% slower on this machine;
+# with 3 pairs four quiet runs of the same tree read the rows from -0.3% to +15.9%, with 5 pairs the prose row read
+# 2.0-5.9% in four runs of one tree.
 QUICK_RUN = Config(quick=True, prompt_lengths=(32, 1024), max_tokens=32, repeats=3, full_chain_lengths=(1024,),
                    chat_turns=5, chat_reply_tokens=16, rotating_context=2600, rotating_decode=64,
-                   rotating_window=512, tui_repeats=5, tui_tokens=128, format_repeats=3, native=True,
+                   rotating_window=512, tui_repeats=9, tui_tokens=128, format_repeats=3, native=True,
                    kv_context=1024, kv_decode=32, server_clients=(1, 4), server_turns=5, split_tokens=32,
                    split_repeats=1, constrained_seeds=2, constrained_tokens=64, spec_tokens=64, spec_repeats=2,
                    realsize=True, realsize_repeats=2)
