@@ -55,7 +55,7 @@ class OpenBlock(OneLayout, Widget):
     def __init__(self, text: str = "", *, classes: str | None = None) -> None:
         super().__init__(classes=classes)
         self.text = text
-        self.room = 0  # rows kept for the text (its height is the largest of the text, the room and the slack)
+        self.room = 0  # rows kept for the text, beyond the slack (its height is the larger of the text and `rows_kept`)
         self._filled = False  # the room was set from the screen (see fill_room)
         self._width = 0  # what _rows were wrapped to
         self._forget()
@@ -74,6 +74,10 @@ class OpenBlock(OneLayout, Widget):
     def slack(self) -> int:
         """The least room below the text: a sixth of the terminal's height (4 lines at 24 rows, 8 from 48)."""
         return max(2, min(8, self.screen.size.height // 6))
+
+    def rows_kept(self) -> int:
+        """The rows the text may fill without a layout: the room, and never less than the slack."""
+        return max(self.room, self.slack())
 
     def on_resize(self) -> None:
         if not self._filled:  # the first layout placed the reply: fill the screen below its question, once
@@ -94,7 +98,7 @@ class OpenBlock(OneLayout, Widget):
         top = (views[at - 1] if at else reply).virtual_region.y
         shown = reply.virtual_region_with_margin.bottom - top
         viewport = transcript.scrollable_content_region.height
-        room = max(self.slack(), self.size.height + viewport - shown, viewport * 2 // 3)
+        room = max(self.size.height + viewport - shown, viewport * 2 // 3)
         if room != self.room:
             self.room = room
             self.refresh(layout=True)
@@ -109,15 +113,15 @@ class OpenBlock(OneLayout, Widget):
     def replace(self, text: str) -> None:
         """Show ``text`` in place of what the block had (its start went into a closed block): the rows below the
         text stay as many as they were, so the reply keeps its height across the screen's layout for the new block."""
-        below = max(0, self.room - len(self._rows))
+        below = max(0, self.rows_kept() - len(self._rows))
         self.text = text
         self._forget()
         self._wrap(self._width)
-        self.room = max(self.slack(), len(self._rows) + below)
+        self.room = len(self._rows) + below
         self.refresh(layout=True)
 
     def _repaint(self, start: int) -> None:
-        if len(self._rows) > max(self.room, self.slack()):
+        if len(self._rows) > self.rows_kept():
             self.room = len(self._rows) + max(self.slack(), self.screen.size.height // 3)
             self.refresh(layout=True)
         elif self._width:
@@ -146,7 +150,7 @@ class OpenBlock(OneLayout, Widget):
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         self._wrap(width)
-        return max(len(self._rows), self.room, self.slack())
+        return max(len(self._rows), self.rows_kept())
 
     def render_line(self, y: int) -> Strip:
         self._wrap(self.size.width)
@@ -203,23 +207,22 @@ class StreamedReply(OneLayout, Vertical):
 
     def __init__(self, text: str = "") -> None:
         super().__init__(classes="streamed")
-        self._open = text  # the text not yet in a closed block
+        self._tail = OpenBlock(text, classes="open-block")  # the text not yet in a closed block
 
     def compose(self) -> ComposeResult:
-        yield OpenBlock(self._open, classes="open-block")
+        yield self._tail
 
     async def append(self, text: str) -> None:
-        self._open += text
         if not self.is_attached:  # removed (the app quits) while a batch was on its way: nothing left to draw
             return
-        tail = self.query_one(OpenBlock)
+        tail = self._tail
+        opened = tail.text + text
         # Closed blocks of MIN_LINES lines need that many newlines in the open text: no parse before that, or for a
         # batch that ends no line.
-        if ("\n" in text and self._open.count("\n") >= self.MIN_LINES and (cut := closed_length(self._open))
-                and self._open.count("\n", 0, cut) >= self.MIN_LINES):
-            closed, self._open = self._open[:cut], self._open[cut:]
-            await self.mount(closed_block(closed), before=tail)
-            tail.replace(self._open)
+        if ("\n" in text and opened.count("\n") >= self.MIN_LINES and (cut := closed_length(opened))
+                and opened.count("\n", 0, cut) >= self.MIN_LINES):
+            await self.mount(closed_block(opened[:cut]), before=tail)
+            tail.replace(opened[cut:])
             return
         tail.extend(text)
 
@@ -394,8 +397,10 @@ class MessageView(OneLayout, Vertical, can_focus=True):
             # The reply keeps the screen's room it streamed into until the next message: the screen stays still
             # when the reply ends, rather than sliding the conversation down under a short reply. Never more than the
             # screen: a reply that outgrew it ends at the bottom, with no blank rows of room below it.
-            shown = self.parent.scrollable_content_region.height if isinstance(self.parent, Transcript) else 0
-            self.styles.min_height = min(self.outer_size.height, shown) if shown else self.outer_size.height
+            kept = self.outer_size.height
+            if isinstance(self.parent, Transcript) and (screen := self.parent.scrollable_content_region.height):
+                kept = min(kept, screen)
+            self.styles.min_height = kept
             await self._stream.remove()
             self._stream = None
         await self.query_one(".body", Markdown).update(text)
