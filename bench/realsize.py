@@ -247,6 +247,13 @@ def make_files(folder: Path, shape: Shape = TINYLLAMA, quants: tuple[Quant, ...]
             "made": made, "reused": reused, "record": record}
 
 
+def server_model(folder: Path | None = None) -> str | None:
+    """The 1.1B-shaped Q4_K_M file the server section runs at real size (made here if missing, as for this
+    section), or None where it cannot be made."""
+    files = make_files(folder or cache_folder(), TINYLLAMA, (Q4_K_M,), embedded=False)
+    return None if "reason" in files else files["files"][f"{TINYLLAMA.label()} {Q4_K_M.name}"]
+
+
 # --- how llama.cpp was built --------------------------------------------------------------------------------------
 
 # llama.cpp's system-info names for x86 features -> /proc/cpuinfo flags.

@@ -349,8 +349,9 @@ def run(cfg: Config, model: str | None = None, out_dir: Path | str = "bench/resu
     server = None
     if "server" not in cfg.skip:
         log("server: mlxchat serve vs mlx_lm.server, concurrent streaming clients")
+        # At real size too where that section runs (its 1.1B file): the issue's 4- and 8-client targets.
         server = _guard(errors, "server", S.server_case, cfg.server_clients, cfg.max_tokens, model,
-                        cfg.server_turns)
+                        cfg.server_turns, realsize_model=RS.server_model() if cfg.realsize else None)
         if server is not None:
             server["targets"] = S.server_targets(server)
     constrained = None

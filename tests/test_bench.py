@@ -323,6 +323,24 @@ def test_server_targets_from_figures():
     assert "ngram" in one["name"] and "4 clients auto" in four["name"]
 
 
+def test_server_targets_show_the_cpus_bound_and_the_real_size_part():
+    from mlxchat.bench.server import server_targets
+
+    def figures(*tok_s):
+        return [{"system": "mlxchat serve", "clients": n, "tokens": 64, "aggregate_tok_s": v, "p50_gap_ms": 8.0,
+                 "p99_gap_ms": 12.0, "mean_ttft_ms": 50.0} for n, v in zip((1, 4, 8), tok_s)]
+
+    section = {"figures": figures(100.0, 180.0), "resent_ttft_ms": [], "bound": {"4": 2.0},
+               "realsize": {"model": "tiny.gguf", "figures": figures(20.0, 44.0, 60.0), "bound": {"4": 2.6, "8": 3.2}}}
+    four, eight, real4, real8 = server_targets(section)[:4]
+    # 1.8x where the machine allows 2.0x: a FAIL against 2.5x that says the target is above what this CPU allows.
+    assert four["passed"] is False and "bound 2.00x" in four["detail"] and "90% of it" in four["detail"]
+    assert "the target is above it" in four["detail"] and eight["passed"] is None
+    assert "tiny.gguf" in real4["name"] and real4["value"] == pytest.approx(2.2) and real4["passed"] is False
+    assert "85% of it" in real4["detail"] and "the target is above it" not in real4["detail"]
+    assert real8["value"] == pytest.approx(3.0) and "8 rows' step costs 2.50x" in real8["detail"]
+
+
 def test_speculative_speedup_pairs_each_repeats_adjacent_runs():
     from mlxchat.bench.speculative import paired_speedup
 
@@ -331,3 +349,12 @@ def test_speculative_speedup_pairs_each_repeats_adjacent_runs():
     plain = [{"tpot_s": 0.010}, {"tpot_s": 0.030}, {"tpot_s": 0.050}]
     mode = [{"tpot_s": 0.012}, {"tpot_s": 0.020}, {"tpot_s": 0.060}]
     assert paired_speedup(plain, mode, "tpot_s") == pytest.approx(0.010 / 0.012)
+
+
+def test_the_scaling_bound_times_the_model_alone_over_one_and_several_rows(engine):
+    from mlxchat.bench.server import row_bound, step_cost
+
+    # The model's own step over 3 rows in a BatchKVCache, as the scheduler holds them (no server).
+    assert 0 < step_cost(engine.model.model, 3, context=16, steps=2) < 5
+    bound = row_bound(engine.model.model, [1, 2])
+    assert list(bound) == ["2"] and 0.5 < bound["2"] <= 2.5  # n x one row's time / n rows': about n at most
