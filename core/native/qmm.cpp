@@ -411,20 +411,51 @@ XForm xform_of(bool int8, int M = 1, int bits = 0, int group_size = 32) {
 
 // ---- primitives ----------------------------------------------------------------------------------------------
 
-class NativeQuantizedMatmul : public mx::UnaryPrimitive {
- public:
-  NativeQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed, bool int8)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed), int8_(int8) {}
+// What the quantized ops share: their weights' format (group size, bits, packed or MLX's layout, int8 x), by which
+// two nodes are equivalent, and running a kernel on the CPU's encoder: the output allocated, the inputs and output
+// registered, then `fn(inputs, out)` dispatched on weak copies of them (the encoder keeps the arrays alive).
+struct QuantFormat {
+  int group_size, bits;
+  bool packed = false, int8 = false;
+  bool operator==(const QuantFormat&) const = default;
+};
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+class QuantOp : public CpuOp {
+ public:
+  QuantOp(mx::Stream stream, QuantFormat format) : CpuOp(stream), format_(format) {}
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return format_ == static_cast<const QuantOp&>(other).format_;
+  }
+
+ protected:
+  template <typename F>
+  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, F fn) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
+    std::vector<mx::array> weak;
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+      weak.push_back(mx::array::unsafe_weak_copy(a));
+    }
     encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]),
-                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_, packed = packed_, int8 = int8_]() mutable {
+    encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out), fn = std::move(fn)]() mutable {
+      fn(in, out);
+    });
+  }
+
+  QuantFormat format_;
+};
+
+class NativeQuantizedMatmul : public QuantOp {
+ public:
+  using QuantOp::QuantOp;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [f = format_](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &x = in[0], &w = in[1], &scales = in[2], &biases = in[3];
+      const int group_size = f.group_size, bits = f.bits;
+      const bool packed = f.packed, int8 = f.int8;
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0);
       if (packed) {
@@ -444,41 +475,24 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's native quantized matmul runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatQuantizedMatmul"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const NativeQuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_ && int8_ == o.int8_;
-  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
     return {shape};
   }
-
- private:
-  int group_size_, bits_;
-  bool packed_, int8_;
 };
 
-class NativeDequantize : public mx::UnaryPrimitive {
+class NativeDequantize : public QuantOp {
  public:
-  NativeDequantize(mx::Stream stream, int group_size, int bits, bool packed)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
+  using QuantOp::QuantOp;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
-                      biases = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_, packed = packed_]() mutable {
+    dispatch(inputs, out, [f = format_](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &w = in[0], &scales = in[1], &biases = in[2];
+      const int group_size = f.group_size, bits = f.bits;
+      const bool packed = f.packed;
       KernelTimer timer;
       DequantArgs a{w.data<uint8_t>(), scales.data<void>(), biases.data<void>(), scale_type(scales, biases),
                     out.data<float>(), out.shape(0), out.shape(1), group_size, bits};
@@ -488,24 +502,11 @@ class NativeDequantize : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's native dequantize runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatDequantize"; }
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const NativeDequantize&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / format_.bits}};
   }
-
- private:
-  int group_size_, bits_;
-  bool packed_;
 };
 
 // Row n of a packed weight in float32: scale * q, then + bias, in float32 whatever the parameters' type (an f16
@@ -523,20 +524,14 @@ void packed_row(const uint8_t* w, const T* scales, const T* biases, int first_ti
   }
 }
 
-class NativePackedLookup : public mx::UnaryPrimitive {
+class NativePackedLookup : public QuantOp {
  public:
-  NativePackedLookup(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  using QuantOp::QuantOp;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([ids = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]),
-                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_]() mutable {
+    dispatch(inputs, out, [f = format_](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &ids = in[0], &w = in[1], &scales = in[2], &biases = in[3];
+      const int group_size = f.group_size, bits = f.bits;
       const int N = w.shape(0), K = w.shape(1) * 32 / bits;
       const uint32_t* id = ids.data<uint32_t>();
       auto rows = [&](auto type) {
@@ -579,19 +574,13 @@ class NativePackedLookup : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's packed lookup runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatPackedLookup"; }
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const NativePackedLookup&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.push_back(inputs[1].shape(1) * 32 / format_.bits);
+    return {shape};
   }
-
- private:
-  int group_size_, bits_;
 };
 
 }  // namespace
@@ -643,7 +632,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
   mx::Shape shape = x.shape();
   shape.back() = N;
-  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, group_size, bits, packed, int8),
+  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, QuantFormat{group_size, bits, packed, int8}),
               {x2, dense(w, s), dense(scales, s), dense(biases, s)});
   return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
 }
@@ -700,8 +689,8 @@ mx::array packed_lookup(const mx::array& ids, const mx::array& w, const mx::arra
   if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("ids must be an integer array");
   auto s = cpu_stream();
   mx::Shape shape = ids.shape();
-  shape.push_back(w.shape(1) * 32 / bits);
-  return mx::array(shape, mx::float32, std::make_shared<NativePackedLookup>(s, group_size, bits),
+  shape.push_back(w.shape(1) * 32 / bits);  // the op's output_shapes, before the node exists
+  return mx::array(shape, mx::float32, std::make_shared<NativePackedLookup>(s, QuantFormat{group_size, bits}),
                    {dense(mx::astype(ids, mx::uint32, s), s), dense(w, s), dense(scales, s), dense(biases, s)});
 }
 
@@ -815,20 +804,15 @@ int gemm_rows(int K) {
   return std::max(kPackedTile, (262144 / K + kPackedTile - 1) / kPackedTile * kPackedTile);
 }
 
-class NativeDequantizedMatmul : public mx::UnaryPrimitive {
+class NativeDequantizedMatmul : public QuantOp {
  public:
-  NativeDequantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
+  using QuantOp::QuantOp;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]),
-                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
-                      group_size = group_size_, bits = bits_, packed = packed_]() mutable {
+    dispatch(inputs, out, [f = format_](std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &x = in[0], &w = in[1], &scales = in[2], &biases = in[3];
+      const int group_size = f.group_size, bits = f.bits;
+      const bool packed = f.packed;
       KernelTimer timer;
       const int K = x.shape(-1), M = int(x.size() / K), N = w.shape(0), unit = packed ? kPackedTile : 1;
       const std::vector<float> xs = plain_x(x);
@@ -855,26 +839,13 @@ class NativeDequantizedMatmul : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's dequantized matmul runs on the CPU only");
-  }
-
   const char* name() const override { return "MlxchatDequantizedMatmul"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const NativeDequantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
-  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
     return {shape};
   }
-
- private:
-  int group_size_, bits_;
-  bool packed_;
 };
 
 }  // namespace
@@ -891,7 +862,7 @@ mx::array dequantized_matmul(const mx::array& x, const mx::array& w, const mx::a
   mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
   mx::Shape shape = x.shape();
   shape.back() = N;
-  mx::array y(shape, mx::float32, std::make_shared<NativeDequantizedMatmul>(s, group_size, bits, packed),
+  mx::array y(shape, mx::float32, std::make_shared<NativeDequantizedMatmul>(s, QuantFormat{group_size, bits, packed}),
               {x2, dense(w, s), dense(scales, s), dense(biases, s)});
   return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
 }
@@ -901,7 +872,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   check_weights(w, scales, biases, group_size, bits, packed);  // packed as for fixed24: on the VNNI kernel
   auto s = cpu_stream();
   return mx::array(mx::Shape{w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
-                   std::make_shared<NativeDequantize>(s, group_size, bits, packed),
+                   std::make_shared<NativeDequantize>(s, QuantFormat{group_size, bits, packed}),
                    {dense(w, s), dense(scales, s), dense(biases, s)});
 }
 
