@@ -618,23 +618,33 @@ bool packs_on_amx() {
   return cpu_supported() && amx_runs();
 }
 
-mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, bool packed, bool int8) {
-  check_weights(w, scales, biases, group_size, bits, packed, int8);
+namespace {
+
+// y = x @ w^T as `op`'s node (a QuantOp of the weight's format, whose checks the caller made): x of the weight's
+// input size in any float type keeps its shape and strides (the kernels gather its rows: no reshape or copy nodes,
+// each of which costs a decode step as much as a small matmul) and y comes back in that type.
+mx::array matmul_node(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                      int bits, std::shared_ptr<mx::Primitive> op) {
   const int K = w.shape(1) * 32 / bits, N = w.shape(0);
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument("x's last dimension must be " + std::to_string(K) + " (the weight's input size)");
   }
   auto s = cpu_stream();
   const bool kept = x.dtype() == mx::float32 || x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
-  // x keeps its shape and strides (the kernel gathers its rows): no reshape or copy nodes, each of which costs a
-  // decode step as much as a small matmul.
   mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
   mx::Shape shape = x.shape();
   shape.back() = N;
-  mx::array y(shape, mx::float32, std::make_shared<NativeQuantizedMatmul>(s, QuantFormat{group_size, bits, packed, int8}),
-              {x2, dense(w, s), dense(scales, s), dense(biases, s)});
+  mx::array y(shape, mx::float32, std::move(op), {x2, dense(w, s), dense(scales, s), dense(biases, s)});
   return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
+}
+
+}  // namespace
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, bool packed, bool int8) {
+  check_weights(w, scales, biases, group_size, bits, packed, int8);
+  return matmul_node(x, w, scales, biases, bits,
+                     std::make_shared<NativeQuantizedMatmul>(cpu_stream(), QuantFormat{group_size, bits, packed, int8}));
 }
 
 namespace {
@@ -853,18 +863,8 @@ class NativeDequantizedMatmul : public QuantOp {
 mx::array dequantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                              const mx::array& biases, int group_size, int bits, bool packed) {
   check_weights(w, scales, biases, group_size, bits, packed);  // packed as for fixed24: on the VNNI kernel
-  const int K = w.shape(1) * 32 / bits, N = w.shape(0);
-  if (x.ndim() < 1 || x.shape(-1) != K) {
-    throw std::invalid_argument("x's last dimension must be " + std::to_string(K) + " (the weight's input size)");
-  }
-  auto s = cpu_stream();
-  const bool kept = x.dtype() == mx::float32 || x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
-  mx::array x2 = kept ? x : mx::astype(x, mx::float32, s);
-  mx::Shape shape = x.shape();
-  shape.back() = N;
-  mx::array y(shape, mx::float32, std::make_shared<NativeDequantizedMatmul>(s, QuantFormat{group_size, bits, packed}),
-              {x2, dense(w, s), dense(scales, s), dense(biases, s)});
-  return kept && x.dtype() != mx::float32 ? mx::astype(y, x.dtype(), s) : y;
+  return matmul_node(x, w, scales, biases, bits,
+                     std::make_shared<NativeDequantizedMatmul>(cpu_stream(), QuantFormat{group_size, bits, packed}));
 }
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
