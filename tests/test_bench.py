@@ -328,7 +328,8 @@ def test_server_targets_show_the_cpus_bound_and_the_real_size_part():
 
     def figures(*tok_s):
         return [{"system": "mlxchat serve", "clients": n, "tokens": 64, "aggregate_tok_s": v, "p50_gap_ms": 8.0,
-                 "p99_gap_ms": 12.0, "mean_ttft_ms": 50.0} for n, v in zip((1, 4, 8), tok_s)]
+                 "p99_gap_ms": 12.0, "mean_ttft_ms": 50.0, "steady_tok_s": v * (1.0 if n == 1 else 1.1)}
+                for n, v in zip((1, 4, 8), tok_s)]
 
     section = {"figures": figures(100.0, 180.0), "resent_ttft_ms": [], "bound": {"4": 2.0},
                "realsize": {"model": "tiny.gguf", "figures": figures(20.0, 44.0, 60.0), "bound": {"4": 2.6, "8": 3.2}}}
@@ -339,6 +340,8 @@ def test_server_targets_show_the_cpus_bound_and_the_real_size_part():
     assert "tiny.gguf" in real4["name"] and real4["value"] == pytest.approx(2.2) and real4["passed"] is False
     assert "85% of it" in real4["detail"] and "the target is above it" not in real4["detail"]
     assert real8["value"] == pytest.approx(3.0) and "8 rows' step costs 2.50x" in real8["detail"]
+    # The steady rate (every client decoding) against the same bound: 1.98x of 2.0x.
+    assert "while all 4 decode 1.98x (99% of the bound)" in four["detail"]
 
 
 def test_speculative_speedup_pairs_each_repeats_adjacent_runs():
