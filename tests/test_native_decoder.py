@@ -153,6 +153,20 @@ def test_tiny_qwen3_batch_rows_fused_equal_todays_path(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
+def test_a_prompts_chunk_is_one_op_a_layer_where_the_projections_are_packed(monkeypatch, tmp_path):
+    """Up to 256 rows of a prompt where the projections are packed (they stay on the kernel that long), else 16: on
+    the MLX-op path a layer is ~110 graph nodes, and a 128-token prompt's prefill on the embedded model took 2x as
+    long there."""
+    monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1")
+    model = _tiny_quantized(llama)
+    use_fused_layers(model)
+    packed = all(m.packed for _, m in model.named_modules() if isinstance(m, native_linear.NativeQuantizedLinear))
+    prompt = mx.array([[int(i) for i in np.random.default_rng(1).integers(0, 64, 300)]])
+    for rows, fused in ((40, 2 if packed else 0), (256, 2 if packed else 0), (257, 0), (16, 2)):
+        cache = [KVCache() for _ in range(2)]
+        assert _step_ops(model, prompt[:, :rows], cache, str(tmp_path / f"{rows}.dot"))[1] == fused, rows
+
+
 def test_fp32_layers_are_not_fused():
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)

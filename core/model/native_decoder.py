@@ -9,9 +9,10 @@ Gemma's blocks, with four norms or soft-capping, keep their own call) in place t
 layer's KV cache, attention, o_proj, residual, RMSNorm, gate/up, SwiGLU, down, residual) when it computes what the
 block computes:
 float32 activations, all seven projections on the native kernel (biases only on q, k and v, float32, as qwen2's),
-`nn.RoPE`, and either at most `FUSED_ROWS` rows of one sequence in mlx-lm's plain `KVCache` (no mask or "causal"), or
-one row each of at most `FUSED_ROWS` sequences in the server's `BatchKVCache` (the mask is the cache's own: its left
-padding, which the op takes instead). Anything else (a prefill chunk, a rotating or quantized cache, other RoPE
+`nn.RoPE`, and either at most `FUSED_ROWS` rows of one sequence in mlx-lm's plain `KVCache` (no mask or "causal";
+a prompt's chunk of up to `FUSED_PROMPT_ROWS` where the projections are packed), or one row each of at most
+`FUSED_ROWS` sequences in the server's `BatchKVCache` (the mask is the cache's own: its left
+padding, which the op takes instead). Anything else (a longer prefill chunk, a rotating or quantized cache, other RoPE
 variants, Metal) takes the block's own call, i.e. the MLX-op path.
 """
 
@@ -27,11 +28,17 @@ from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .. import native
-from .native_linear import NativeQuantizedLinear
+from .native_linear import PACKED_DEQUANTIZE_ROWS, NativeQuantizedLinear
 
-# Rows (query positions) up to which a layer is one op: a decode step (1), a speculative verification (<= 8), small
-# batches of rows. Above, the projections dequantize for BLAS (native_linear.DEQUANTIZE_ROWS), which the op does not.
+# Rows (query positions, or sequences of a batch's decode step) up to which a layer is one op: a decode step (1), a
+# speculative verification (<= 8), small batches of rows. Above, projections on MLX's layout dequantize for BLAS
+# (native_linear.DEQUANTIZE_ROWS), which the op does not.
 FUSED_ROWS = 16
+# A prompt's chunk where all seven projections are packed: those stay on the kernel up to
+# native_linear.PACKED_DEQUANTIZE_ROWS rows, so the op takes the chunk too. On the MLX-op path a layer is ~110 graph
+# nodes (~20-40 us of dispatch each on the CPU): measured on the embedded model, a 128-token prompt's prefill took
+# 459 ms there and 220 ms as one op a layer, 256 tokens 1,105 -> 350 ms.
+FUSED_PROMPT_ROWS = PACKED_DEQUANTIZE_ROWS
 
 _ACTIVATIONS = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -46,6 +53,7 @@ class _Plan:
 
     shape: Any  # native LayerShape (its n_kv_heads and head_dim are read here)
     layer: Any  # native LayerWeights: the norms, RoPE's frequencies, the 7 projections (packed or not), q/k/v biases
+    rows: int  # the most query positions of one sequence the op takes (FUSED_ROWS, or FUSED_PROMPT_ROWS if packed)
 
 
 def _projections(block: nn.Module) -> list[nn.Module]:
@@ -83,7 +91,7 @@ def _plan(block: nn.Module) -> _Plan | None:
                                rope_scale=rope.scale, attention_scale=attn.scale, qk_norm=bool(qk_norms))
     layer = native.layer_weights(weights, [p.group_size for p in projections], [p.bits for p in projections],
                                  [int(p.packed) for p in projections], any(p.int8 for p in projections), shape)
-    return _Plan(shape, layer)
+    return _Plan(shape, layer, FUSED_PROMPT_ROWS if all(p.packed for p in projections) else FUSED_ROWS)
 
 
 def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int, shape: tuple[int, int, int],
@@ -102,16 +110,16 @@ def _grown(keys: mx.array | None, values: mx.array | None, used: int, rows: int,
     return mx.concatenate([keys, new_keys], axis=2), mx.concatenate([values, new_values], axis=2)
 
 
-def _fits(x: mx.array, mask: Any, cache: Any) -> bool:
-    """Whether a call's arguments are ones the fused op computes as the block does: a few rows of one sequence in a
-    plain float32 KVCache with no mask or "causal", or one row of each of a few sequences in a BatchKVCache."""
+def _fits(x: mx.array, mask: Any, cache: Any, rows: int) -> bool:
+    """Whether a call's arguments are ones the fused op computes as the block does: up to `rows` rows of one sequence
+    in a plain float32 KVCache with no mask or "causal", or one row of each of a few sequences in a BatchKVCache."""
     if type(cache) not in (KVCache, BatchKVCache) or not enabled() or x.dtype not in _ACTIVATIONS or (
             cache.keys is not None and cache.keys.dtype != mx.float32):
         return False
     if type(cache) is BatchKVCache:  # its mask is made from its left padding, which the op takes instead
         return x.shape[0] <= FUSED_ROWS and x.shape[1] == 1
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
-    return x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS and plain_mask
+    return x.shape[0] == 1 and x.shape[1] <= rows and plain_mask
 
 
 @functools.cache
@@ -128,7 +136,7 @@ class FusedTransformerBlock:
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan = self.__dict__.get("_mlxchat_plan")
-        if plan is None or not _fits(x, mask, cache):
+        if plan is None or not _fits(x, mask, cache, plan.rows):
             return super().__call__(x, mask, cache)
         batch, rows = x.shape[:2]
         # The first layer gets the embedding's rows in its scales' dtype (fp16 for a GGUF): the block computes on
