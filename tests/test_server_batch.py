@@ -183,3 +183,21 @@ def test_finished_rows_give_their_batch_memory_back(engine: Engine, greedy: Samp
     after = s.memory()
     assert after["prefix_cache_bytes"] > 0
     assert after["active_bytes"] - after["prefix_cache_bytes"] - before["active_bytes"] < 4 * 2**20
+
+
+def test_a_request_taking_a_finished_rows_slot_changes_nothing(engine: Engine, greedy: SamplingProfile,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three slots: the fourth request waits, then is written into the slot the short one left (core/decode/generate.py)
+    # while the other rows decode on; each gives its tokens alone.
+    from mlxchat.core.decode import generate
+    filled: list[int] = []
+    fill_slot = generate.fill_slot
+    monkeypatch.setattr(generate, "fill_slot", lambda batch, slot, cache: filled.append(slot) or
+                        fill_slot(batch, slot, cache))
+    s = BatchScheduler(engine, max_batch=3, prefix_cache_bytes=0)
+    runs = [(PROMPTS[2], 16), (PROMPTS[3], 16), (PROMPTS[0], 3), (PROMPTS[1], 8)]
+    alone = [_result(_submit(s, engine, p, greedy, max_tokens=n)).token_ids for p, n in runs]
+    assert not filled
+    together = [_result(q).token_ids for q in [_submit(s, engine, p, greedy, max_tokens=n) for p, n in runs]]
+    assert together == alone
+    assert filled == [2] * len(engine.model.model.layers)  # one row written, once per layer
