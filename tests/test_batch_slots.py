@@ -120,8 +120,10 @@ def test_a_newcomer_in_a_left_rows_slot_gives_its_tokens_alone(engine: Engine, p
     lengths = {LONG: 24, SHORT[0]: 3, SHORT[1]: 14, SHORT[2]: 6}
     alone = {text: _alone(engine, text, n, profile) for text, n in lengths.items()}
 
+    held: list[tuple[int, int]] = []  # each leaving row's ids, and the positions of the cache cut from its slot
+
     def together() -> dict[str, GenerationResult]:
-        loop = StepLoop(engine.model.model)
+        loop = StepLoop(engine.model.model, lambda row, cache: held.append((len(row.fed), cache()[0].offset)))
         rows = {}
         for text in (LONG, SHORT[0], SHORT[1]):
             row, layers, prompt = _row(engine, text, lengths[text], profile)
@@ -142,6 +144,7 @@ def test_a_newcomer_in_a_left_rows_slot_gives_its_tokens_alone(engine: Engine, p
         loop.step()
         assert _width(loop) == 3 and copies[joined:] == []
         assert _address(loop.layers[5].keys) == buffer  # the newcomer's keys went into the batch's own buffer
+        assert all(type(c) is BatchKVCache for c in loop.layers)  # the kind the fused layer runs on
         while loop.rows:
             loop.step()
         return {text: r.reply.finish(r.reason) for text, r in rows.items()}
@@ -149,6 +152,7 @@ def test_a_newcomer_in_a_left_rows_slot_gives_its_tokens_alone(engine: Engine, p
     got = engine.run(together)
     for text in lengths:
         _same(got[text], alone[text])
+    assert len(held) == 4 and all(ids == positions for ids, positions in held)  # what the prefix cache stores
 
 
 def test_a_newcomer_longer_than_the_batch_extends_it_and_free_slots_are_compacted(engine: Engine,

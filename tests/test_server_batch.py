@@ -201,3 +201,20 @@ def test_a_request_taking_a_finished_rows_slot_changes_nothing(engine: Engine, g
     together = [_result(q).token_ids for q in [_submit(s, engine, p, greedy, max_tokens=n) for p, n in runs]]
     assert together == alone
     assert filled == [2] * len(engine.model.model.layers)  # one row written, once per layer
+
+
+def test_a_row_that_joined_a_batch_stores_its_whole_conversation(engine: Engine, greedy: SamplingProfile) -> None:
+    # A row joining rows already decoding leaves the batch before them: the prefix cache keeps its KV cache under
+    # every id it holds (its `fed`, its first token included), so a client resending the conversation reuses it.
+    s = BatchScheduler(engine, max_batch=2)
+    tok = engine.model.tokenizer
+    other = _submit(s, engine, PROMPTS[3], greedy, max_tokens=40)
+    assert isinstance(other.get(timeout=60), TokenEvent)  # decoding already when the turn arrives
+    turn1 = [{"role": "user", "content": "Tell me about cats in one sentence."}]
+    q: queue.Queue = queue.Queue()
+    s.submit(BatchRequest(tok.encode_chat(turn1), greedy, q.put, max_tokens=12))
+    first = _result(q)
+    assert _result(other).token_ids  # the other row was still decoding when the turn's row left
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And dogs?"}]
+    s.submit(BatchRequest(tok.encode_chat(turn2), greedy, q.put, max_tokens=4))
+    assert _result(q).metrics.cached_tokens >= first.metrics.prompt_tokens + len(first.token_ids) - 2

@@ -177,6 +177,7 @@ class StepLoop:
             self._inputs = following if self._inputs is None else mx.concatenate([self._inputs, following])
         self.rows.append(row)
         self._slots.append(slot)
+        row.fed.append(first)  # in its cache from the next step, which every row is in (`step` feeds the pending's)
 
     def _leave(self, ended: list[int]) -> None:
         """Remove ended rows (each handed to `on_end` with its cache) and keep the pending step's rows aligned.
