@@ -128,7 +128,8 @@ def fill_slot(batch: BatchKVCache, slot: int, cache: KVCache) -> None:
     start = end - n
     batch.keys[slot:slot + 1, :, start:end, :] = cache.keys[..., :n, :]
     batch.values[slot:slot + 1, :, start:end, :] = cache.values[..., :n, :]
-    # A handful of ints each: made afresh, as mlx-lm's own methods make them, not updated in place.
+    # A few ints each: rebuilt, not written with `a[i] = x`, which changes the array object itself for anyone
+    # holding it (a `state` read before this).
     mine = mx.arange(batch.left_padding.shape[0]) == slot
     batch.left_padding = mx.where(mine, start, batch.left_padding)
     batch.offset = mx.where(mine, n, batch.offset)
