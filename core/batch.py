@@ -13,8 +13,10 @@ A newcomer joins at the next step and a finished or cancelled row leaves at once
 admission). Prefill runs per sequence, in chunks interleaved with decode steps, so one long prompt does not stall
 the clients already streaming; it runs through the same `core.cache.kv_cache.prefill_chunk` as a single request. The
 loop decodes a lone row on its own cache and merges rows into mlx-lm's `BatchKVCache` (left-padded, with a per-row
-attention mask) while there are several. A request with `speculative` ("ngram", "auto") verifies guesses while it
-has the model to itself, as the solo path does, and decodes plainly in a busy batch (core/decode/generate.py says why).
+attention mask) while there are several; a row that leaves keeps its row of that cache as a free slot, and a newcomer
+is written into a free slot, so neither copies the rows that go on decoding (core/decode/generate.py). A request with
+`speculative` ("ngram", "auto") verifies guesses while it has the model to itself, as the solo path does, and decodes
+plainly in a busy batch (core/decode/generate.py says why).
 
 The prefix cache is a `PrefixIndex` (core/cache/prefix.py, the KV-reuse service every path asks; LRU order, a byte
 bound): a prompt's KV cache is stored when its prefill ends and a finished sequence's under the ids it holds, and a

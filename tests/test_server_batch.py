@@ -183,3 +183,38 @@ def test_finished_rows_give_their_batch_memory_back(engine: Engine, greedy: Samp
     after = s.memory()
     assert after["prefix_cache_bytes"] > 0
     assert after["active_bytes"] - after["prefix_cache_bytes"] - before["active_bytes"] < 4 * 2**20
+
+
+def test_a_request_taking_a_finished_rows_slot_changes_nothing(engine: Engine, greedy: SamplingProfile,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three slots: the fourth request waits, then is written into the slot the short one left (core/decode/generate.py)
+    # while the other rows decode on; each gives its tokens alone.
+    from mlxchat.core.decode import generate
+    filled: list[int] = []
+    fill_slot = generate.fill_slot
+    monkeypatch.setattr(generate, "fill_slot", lambda batch, slot, cache: filled.append(slot) or
+                        fill_slot(batch, slot, cache))
+    s = BatchScheduler(engine, max_batch=3, prefix_cache_bytes=0)
+    runs = [(PROMPTS[2], 16), (PROMPTS[3], 16), (PROMPTS[0], 3), (PROMPTS[1], 8)]
+    alone = [_result(_submit(s, engine, p, greedy, max_tokens=n)).token_ids for p, n in runs]
+    assert not filled
+    together = [_result(q).token_ids for q in [_submit(s, engine, p, greedy, max_tokens=n) for p, n in runs]]
+    assert together == alone
+    assert filled == [2] * len(engine.model.model.layers)  # one row written, once per layer
+
+
+def test_a_row_that_joined_a_batch_stores_its_whole_conversation(engine: Engine, greedy: SamplingProfile) -> None:
+    # A row joining rows already decoding leaves the batch before them: the prefix cache keeps its KV cache under
+    # every id it holds (its `fed`, its first token included), so a client resending the conversation reuses it.
+    s = BatchScheduler(engine, max_batch=2)
+    tok = engine.model.tokenizer
+    other = _submit(s, engine, PROMPTS[3], greedy, max_tokens=40)
+    assert isinstance(other.get(timeout=60), TokenEvent)  # decoding already when the turn arrives
+    turn1 = [{"role": "user", "content": "Tell me about cats in one sentence."}]
+    q: queue.Queue = queue.Queue()
+    s.submit(BatchRequest(tok.encode_chat(turn1), greedy, q.put, max_tokens=12))
+    first = _result(q)
+    assert _result(other).token_ids  # the other row was still decoding when the turn's row left
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And dogs?"}]
+    s.submit(BatchRequest(tok.encode_chat(turn2), greedy, q.put, max_tokens=4))
+    assert _result(q).metrics.cached_tokens >= first.metrics.prompt_tokens + len(first.token_ids) - 2

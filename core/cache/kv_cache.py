@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from ..model.backend import KVOptions, kv_options
 
@@ -104,6 +104,35 @@ class ConversationCache:
 
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers if not c.empty())
+
+
+def slotted(layers: list) -> bool:
+    """Whether a row can be written into a row of these batch caches (`fill_slot`): exactly mlx-lm's plain
+    `BatchKVCache` (the fused decoder layer runs on exactly that kind), not a rotating one."""
+    return all(type(c) is BatchKVCache for c in layers)
+
+
+def fits_slot(batch: BatchKVCache, cache: KVCache) -> bool:
+    """Whether `fill_slot` can write `cache` (one row) into a row of `batch`: a plain `KVCache` into a plain
+    `BatchKVCache` (`slotted`), its positions no more than the batch's index (the row is right-aligned at it)."""
+    return (slotted([batch]) and type(cache) is KVCache and batch.keys is not None and cache.keys is not None
+            and 0 < cache.size() <= batch.size())
+
+
+def fill_slot(batch: BatchKVCache, slot: int, cache: KVCache) -> None:
+    """Write the one-row `cache` into row `slot` of `batch` in place of what that row held, as `BatchKVCache.extend`
+    lays a row out (right-aligned at the batch's index, the positions before it left padding), without copying the
+    other rows: the keys and values are updated in place (MLX writes a slice update into its input's buffer when
+    nothing else references it), the row's left padding and offset set. Lazy, as the cache's own updates are."""
+    n, end = cache.size(), batch.size()
+    start = end - n
+    batch.keys[slot:slot + 1, :, start:end, :] = cache.keys[..., :n, :]
+    batch.values[slot:slot + 1, :, start:end, :] = cache.values[..., :n, :]
+    # A few ints each: rebuilt, not written with `a[i] = x`, which changes the array object itself for anyone
+    # holding it (a `state` read before this).
+    mine = mx.arange(batch.left_padding.shape[0]) == slot
+    batch.left_padding = mx.where(mine, start, batch.left_padding)
+    batch.offset = mx.where(mine, n, batch.offset)
 
 
 # Cancellation (Esc, Ctrl-C) lands between the layers of a prefill chunk: each layer's part of the cache is evaluated on
