@@ -205,7 +205,7 @@ class BatchScheduler:
         self._running = False  # whether the scheduler job is on (or queued for) the inference thread
         # Inference-thread state.
         self._prefilling: deque[_Sequence] = deque()
-        self._loop = StepLoop(engine.model.model, self._ended)
+        self._loop = StepLoop(engine.model.model, self._ended, self._newcomer_waits)
         self._decoding: dict[Row, _Sequence] = {}  # the loop's rows' sequences
         # The llguidance tokenizer holds the GIL while it builds (~0.5 s, core/sampling/constraint.py): built now, as
         # the server starts, not when the first constrained request arrives and others decode.
@@ -333,6 +333,12 @@ class BatchScheduler:
         cache, seq.cache = seq.cache, None
         self._loop.join(seq.row, cache, prompt[-1])
 
+    def _newcomer_waits(self) -> bool:
+        """Whether a request waits to be prefilled: the loop then leaves its next step unsubmitted until it reads it,
+        so the newcomer's prefill and first token wait for the step running, not for the one after it too (1.1B
+        model, 7 rows decoding: ~100 ms a step)."""
+        return bool(self.admission.waiting or self._prefilling)
+
     def _ended(self, row: Row, cache: Callable[[], list]) -> None:
         """A row left the loop: store its KV cache in the prefix cache (under the ids it holds), end its reply."""
         seq = self._decoding.pop(row)
@@ -363,7 +369,7 @@ class BatchScheduler:
                 pass
         self._prefilling.clear()
         self._decoding.clear()
-        self._loop = StepLoop(self.engine.model.model, self._ended)
+        self._loop = StepLoop(self.engine.model.model, self._ended, self._newcomer_waits)
 
 
 __all__ = ["Admission", "BatchRequest", "BatchScheduler", "QueueFull"]

@@ -193,3 +193,46 @@ def test_a_newcomer_longer_than_the_batch_extends_it_and_free_slots_are_compacte
     assert [len(got[text].token_ids) for text in lengths] == list(lengths.values())  # each ran to its max_tokens
     for text in lengths:
         _same(got[text], alone[text])
+
+
+def test_a_deferred_step_waits_for_a_newcomer_and_gives_the_same_tokens(engine: Engine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """While someone waits to prefill (`defer()`), the step loop reads a step without submitting the next one (built
+    already), so the newcomer's prefill and first token run before it, not after a whole step of every row; the
+    deferred step is evaluated when read, and every row's tokens are the ones it gives alone."""
+    greedy = SamplingProfile(temperature=0)
+    lengths = {LONG: 12, SHORT[1]: 8, SHORT[2]: 6}
+    alone = {text: _alone(engine, text, n, greedy) for text, n in lengths.items()}
+    submitted: list[int] = []
+    real = mx.async_eval
+
+    def spy(*arrays: mx.array) -> None:
+        submitted.append(len(arrays))
+        real(*arrays)
+    monkeypatch.setattr(mx, "async_eval", spy)
+    waiting = [False]
+
+    def together() -> dict[str, GenerationResult]:
+        loop = StepLoop(engine.model.model, defer=lambda: waiting[0])
+        rows = {}
+        for text in (LONG, SHORT[1]):
+            row, layers, prompt = _row(engine, text, lengths[text], greedy)
+            loop.join(row, layers, prompt[-1])
+            rows[text] = row
+        loop.step()
+        loop.step()
+        waiting[0] = True
+        before = len(submitted)
+        loop.step()  # reads a step; the next one is built, not submitted
+        assert len(submitted) == before
+        row, layers, prompt = _row(engine, SHORT[2], lengths[SHORT[2]], greedy)  # the newcomer's prefill runs now
+        loop.join(row, layers, prompt[-1])
+        rows[SHORT[2]] = row
+        waiting[0] = False
+        while loop.rows:
+            loop.step()
+        return {text: r.reply.finish(r.reason) for text, r in rows.items()}
+
+    got = engine.run(together)
+    for text in lengths:
+        _same(got[text], alone[text])
