@@ -249,13 +249,17 @@ def step_cost(model: Any, rows: int, context: int = 64, steps: int = 12) -> floa
     return statistics.median(times[2:])
 
 
-def row_bound(model: Any, rows: list[int]) -> dict[str, float]:
+def row_bound(model: Any, rows: list[int], repeats: int = 5) -> dict[str, float]:
     """For each client count n > 1: how far aggregate tok/s can scale on this machine, n x (one row's step time /
-    n rows' step time), measured on the model alone (bench/server.py `step_cost`). A server that adds nothing per
-    step reaches it; where it is below a target, the machine's per-row cost (on a CPU, the kernel's arithmetic per
-    row of x) makes the target unreachable."""
-    one = step_cost(model, 1)
-    return {str(n): n * one / step_cost(model, n) for n in rows if n > 1}
+    n rows' step time), measured on the model alone (`step_cost`), one row and n rows in turn `repeats` times (the
+    median ratio: the machine's drift cancels). A server that adds nothing per step reaches it; where it is below a
+    target, the machine's per-row cost (on a CPU, the kernel's arithmetic per row of x) makes the target
+    unreachable."""
+    bound = {}
+    for n in (n for n in rows if n > 1):
+        ratios = [step_cost(model, 1, steps=6) / step_cost(model, n, steps=6) for _ in range(repeats)]
+        bound[str(n)] = n * statistics.median(ratios)
+    return bound
 
 
 def load_model_info(model_spec: str | None, folder: Path | None,
