@@ -242,13 +242,14 @@ inline void dequant_step(__m512i codes, __m512 sv, __m512 bv, float* out, size_t
   }
 }
 
-template <int BITS, ScaleType ST>
-void dequant_packed(const DequantArgs& a, int t0, int t1) {
+// fn(t, codes, k0, sv, bv) for every k-step of tiles [t0, t1): `codes` 4 k (k0 .. k0 + 3) of each of tile t's 16
+// rows, one dword a row (step_codes), and those rows' scales and biases for k0's group, as fp32 lanes.
+template <int BITS, ScaleType ST, typename F>
+inline void each_step(const DequantArgs& a, int t0, int t1, F&& fn) {
   const int K = a.K, G = K / a.group_size;
   constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
   for (int t = t0; t < t1; ++t) {
     const uint8_t* wt = a.w + size_t(t) * (K / 32) * block_bytes;
-    float* out = a.out + size_t(t) * kPackedTile * K;
     for (int blk = 0; blk < K / 32; ++blk) {
       const uint8_t* wb = wt + size_t(blk) * block_bytes;
       for (int s = 0; s < 4; ++s) {
@@ -257,11 +258,18 @@ void dequant_packed(const DequantArgs& a, int t0, int t1) {
         // k-steps s and s + 4: k 32 blk + 4 s and 16 further on, each in its own group where groups are 16.
         for (const auto& [codes, k0] : {std::pair{wl, 32 * blk + 4 * s}, std::pair{wh, 32 * blk + 16 + 4 * s}}) {
           const size_t p = packed_param(G, t * kPackedTile, k0 / a.group_size);
-          dequant_step(codes, params16<ST>(a.scales, p), params16<ST>(a.biases, p), out, K, k0);
+          fn(t, codes, k0, params16<ST>(a.scales, p), params16<ST>(a.biases, p));
         }
       }
     }
   }
+}
+
+template <int BITS, ScaleType ST>
+void dequant_packed(const DequantArgs& a, int t0, int t1) {
+  each_step<BITS, ST>(a, t0, t1, [&](int t, __m512i codes, int k0, __m512 sv, __m512 bv) {
+    dequant_step(codes, sv, bv, a.out + size_t(t) * kPackedTile * a.K, a.K, k0);
+  });
 }
 
 // Tiles [t0, t1) dequantized into the transposed weight: wt[k][16 (t - t0) + j] for row 16 t + j (ld floats a k).
@@ -270,29 +278,15 @@ void dequant_packed(const DequantArgs& a, int t0, int t1) {
 // 64-byte store (against dequant_step's shuffles and 16-byte stores to 4 rows).
 template <int BITS, ScaleType ST>
 void dequant_packed_t(const DequantArgs& a, int t0, int t1, float* wt, size_t ld) {
-  const int K = a.K, G = K / a.group_size;
-  constexpr int block_bytes = kPackedTile * 32 * BITS / 8;
   const __m512i byte = _mm512_set1_epi32(0xFF);
-  for (int t = t0; t < t1; ++t) {
-    const uint8_t* wtile = a.w + size_t(t) * (K / 32) * block_bytes;
+  each_step<BITS, ST>(a, t0, t1, [&](int t, __m512i codes, int k0, __m512 sv, __m512 bv) {
     float* col = wt + size_t(t - t0) * kPackedTile;
-    for (int blk = 0; blk < K / 32; ++blk) {
-      const uint8_t* wb = wtile + size_t(blk) * block_bytes;
-      for (int s = 0; s < 4; ++s) {
-        __m512i wl, wh;
-        step_codes<BITS>(wb, s, wl, wh);
-        for (const auto& [codes, k0] : {std::pair{wl, 32 * blk + 4 * s}, std::pair{wh, 32 * blk + 16 + 4 * s}}) {
-          const size_t p = packed_param(G, t * kPackedTile, k0 / a.group_size);
-          const __m512 sv = params16<ST>(a.scales, p), bv = params16<ST>(a.biases, p);
-          for (int kk = 0; kk < 4; ++kk) {
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * kk), byte));
-            // scale * q, then + bias: dequantize's two roundings (the same fp32 weight)
-            _mm512_storeu_ps(col + size_t(k0 + kk) * ld, _mm512_add_ps(_mm512_mul_ps(q, sv), bv));
-          }
-        }
-      }
+    for (int kk = 0; kk < 4; ++kk) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * kk), byte));
+      // scale * q, then + bias: dequantize's two roundings (the same fp32 weight)
+      _mm512_storeu_ps(col + size_t(k0 + kk) * ld, _mm512_add_ps(_mm512_mul_ps(q, sv), bv));
     }
-  }
+  });
 }
 
 }  // namespace
