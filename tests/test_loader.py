@@ -204,3 +204,30 @@ def test_header_drops_the_tokenizer_arrays_once_built():
     assert header.metadata["tokenizer.ggml.tokens"] == header.metadata["tokenizer.ggml.merges"] + 252 == 49152
     assert gguf_archs.model_args(header, tied=True).vocab_size == 49152
     assert gguf.array_length([1, 2]) == 2 and gguf.array_length(True) is None
+
+
+@pytest.mark.model  # three processes that load the embedded model
+def test_mlx_imported_before_mlxchat_gets_one_line_saying_how_to_keep_the_fast_blas():
+    """MLX binds its BLAS when imported: imported first, it keeps the wheel's reference BLAS (~50x slower GEMMs, so a
+    long prompt prefills several times slower) and nothing mlxchat loads later changes that. Loading a model then
+    says so once, with what to do; not when mlxchat came first, nor when the process was started with the library."""
+    import os
+    import subprocess
+    import sys
+
+    from mlxchat.core.model import blas
+
+    if blas.loaded is None:
+        pytest.skip("no optimized BLAS on this machine: nothing is missed")
+    script = "import mlx.core\nfrom mlxchat.core import Engine\nEngine.load().close()\nEngine.load().close()\n"
+
+    def stderr(code: str, **env: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env}).stderr
+
+    late = [line for line in stderr(script).splitlines() if "imported before mlxchat" in line]
+    assert late == [f"mlxchat: MLX was imported before mlxchat, so it keeps its reference BLAS and long prompts "
+                    f"prefill several times slower: import mlxchat before mlx, or start Python with "
+                    f"LD_PRELOAD={blas.loaded}"]
+    assert "imported before" not in stderr(script.replace("import mlx.core\n", ""))
+    assert "imported before" not in stderr(script, LD_PRELOAD=blas.loaded)

@@ -32,7 +32,7 @@ from mlx_lm.utils import dequantize_model
 
 from .. import native
 from ..errors import ModelLoadError
-from . import gguf, gguf_archs, gguf_tensors, heap, native_blocks, native_decoder, native_linear
+from . import blas, gguf, gguf_archs, gguf_tensors, heap, native_blocks, native_decoder, native_linear
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ def load(spec: str | Path | None = None, weights: WeightPolicy | None = None,
     """Load `spec`: None (embedded model), a .gguf path, a model folder, or an HF repo id ("org/name").
     With a `stage` (a split model, core/distributed) only that stage's layers are read and built."""
     policy = resolve_policy(weights)
+    if (notice := blas.late_notice()) is not None:
+        log.warning("%s", notice)
     if spec is None:
         return load_gguf(embedded_model_path(), policy, stage)
     path = Path(spec).expanduser()
