@@ -155,8 +155,7 @@ def test_tiny_qwen3_batch_rows_fused_equal_todays_path(monkeypatch):
 
 def test_a_prompts_chunk_is_one_op_a_layer_where_the_projections_are_packed(monkeypatch, tmp_path):
     """Up to 256 rows of a prompt where the projections are packed (they stay on the kernel that long), else 16: on
-    the MLX-op path a layer is ~110 graph nodes, and a 128-token prompt's prefill on the embedded model took 2x as
-    long there."""
+    the MLX-op path a layer is ~110 graph nodes, ~30 ms of a short prompt's TTFT on the embedded model."""
     monkeypatch.setenv("MLXCHAT_NATIVE_LAYERS", "1")
     model = _tiny_quantized(llama)
     use_fused_layers(model)
