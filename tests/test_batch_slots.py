@@ -85,6 +85,13 @@ def _alone(engine: Engine, text: str, max_tokens: int, profile: SamplingProfile)
     return engine.run(run)
 
 
+def _to_the_end(loop: StepLoop, rows: dict[str, Row]) -> dict[str, GenerationResult]:
+    """Step until every row has ended; each row's result, by its prompt."""
+    while loop.rows:
+        loop.step()
+    return {text: r.reply.finish(r.reason) for text, r in rows.items()}
+
+
 def _same(got: GenerationResult, alone: GenerationResult) -> None:
     assert got.token_ids == alone.token_ids
     assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in alone.logprobs]
@@ -145,9 +152,7 @@ def test_a_newcomer_in_a_left_rows_slot_gives_its_tokens_alone(engine: Engine, p
         assert _width(loop) == 3 and copies[joined:] == []
         assert _address(loop.layers[5].keys) == buffer  # the newcomer's keys went into the batch's own buffer
         assert all(type(c) is BatchKVCache for c in loop.layers)  # the kind the fused layer runs on
-        while loop.rows:
-            loop.step()
-        return {text: r.reply.finish(r.reason) for text, r in rows.items()}
+        return _to_the_end(loop, rows)
 
     got = engine.run(together)
     for text in lengths:
@@ -185,9 +190,7 @@ def test_a_newcomer_longer_than_the_batch_extends_it_and_free_slots_are_compacte
         while len(loop.rows) > 1:
             loop.step()
         assert _width(loop) == 1  # two free slots for one row: compacted
-        while loop.rows:
-            loop.step()
-        return {text: r.reply.finish(r.reason) for text, r in rows.items()}
+        return _to_the_end(loop, rows)
 
     got = engine.run(together)
     assert [len(got[text].token_ids) for text in lengths] == list(lengths.values())  # each ran to its max_tokens
@@ -229,9 +232,7 @@ def test_a_deferred_step_waits_for_a_newcomer_and_gives_the_same_tokens(engine: 
         loop.join(row, layers, prompt[-1])
         rows[SHORT[2]] = row
         waiting[0] = False
-        while loop.rows:
-            loop.step()
-        return {text: r.reply.finish(r.reason) for text, r in rows.items()}
+        return _to_the_end(loop, rows)
 
     got = engine.run(together)
     for text in lengths:
