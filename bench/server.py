@@ -233,12 +233,10 @@ def step_cost(model: Any, rows: int, context: int = 64, steps: int = 12) -> floa
     from mlxchat.core.cache.kv_cache import prefill_chunk
 
     ids = [(7 * i + 3) % 1000 + 10 for i in range(context)]
-    caches = []
-    for _ in range(rows):
-        layers = make_prompt_cache(model)
-        prefill_chunk(model, layers, ids)
-        caches.append(layers)
-    layers = caches[0] if rows == 1 else [c[0].merge(list(c)) for c in zip(*caches)]
+    layers = make_prompt_cache(model)
+    prefill_chunk(model, layers, ids)
+    if rows > 1:  # every row the same prompt: one prefill, copied into each row of the batch by `merge`
+        layers = [c.merge([c] * rows) for c in layers]
     inputs = mx.array([[ids[-1]]] * rows)
     times = []
     for _ in range(steps + 2):
